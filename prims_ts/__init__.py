@@ -1,0 +1,13 @@
+"""prims_ts: task-scheduled attention kernels for LLM serving.
+
+Every public function dispatches to ``torch.ops.prims_ts.*`` custom ops whose
+CUDA kernels are compiled at run time through NVRTC; on CPU tensors the ops run
+the pure-PyTorch reference (``prims_ts.reference``).
+"""
+from . import ops as _ops  # noqa: F401  (defines the ops)
+from . import meta as _meta  # noqa: F401  (registers their fakes)
+from .ops.prefill import BatchPrefillTSWrapper, batch_prefill
+
+__version__ = "0.1.0"
+
+__all__ = ["batch_prefill", "BatchPrefillTSWrapper", "__version__"]

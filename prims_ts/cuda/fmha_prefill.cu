@@ -1,0 +1,172 @@
+// Contiguous (fixed or packed-ragged) prefill: batch_prefill.
+//
+// Work policy: blockIdx.y is the query head; blockIdx.x is a work item, either
+// read from the plan's list (request, q tile) or, without one, decoded so that
+// the highest q tiles (the heaviest under a causal mask) come first.
+// Address policy: rows of q/k/v/o are strided; packed storage offsets requests
+// by the live indptr values, so a replay with changed offsets needs no re-plan.
+// Range and mask policies: dense, bottom-right causal with optional left window,
+// per-row variable window.
+//
+// The host appends one `extern "C"` entry per kernel key (prims_ts/cuda/kernels.py).
+#include "pt_fmha.cuh"
+
+namespace pt {
+
+enum MaskKind : int { MASK_DENSE = 0, MASK_CAUSAL = 1, MASK_VARWIN = 2 };
+
+struct PrefillParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  const int* qo_indptr;  // packed storage: [B+1]; null for fixed
+  const int* kv_indptr;
+  const int* win_starts;  // variable window: [B, Sq] rows of stride win_stride
+  const int* win_ends;
+  const int* work;  // [n_items, 2] = (request, q tile); null: implicit order
+  i64 q_sb, q_st, q_sh;  // strides in elements: request, token, head
+  i64 k_sb, k_st, k_sh;
+  i64 v_sb, v_st, v_sh;
+  i64 o_sb, o_st, o_sh;
+  i64 win_stride;
+  int batch;
+  int sq, sk;  // fixed storage lengths
+  int num_q_tiles;  // implicit order: tiles per request
+  int group;  // Hq / Hkv
+  int window_left;
+  int out_dtype;
+  float scale_log2;
+  float out_scale;
+};
+
+template <class T, int BN, int MASK>
+struct PrefillProblem {
+  const T* q;
+  const T* k;
+  const T* v;
+  char* o;
+  i64 q_st, k_st, v_st, o_st;
+  int out_dtype;
+  int q_rows, sk, kv_begin, kv_end;
+  int diag0;  // key index on the causal diagonal of tile row 0
+  int window;
+  const int* lo;  // variable window bounds per tile row (shared memory)
+  const int* hi;
+
+  __device__ __forceinline__ const T* q_row(int r) const { return q + r * q_st; }
+  __device__ __forceinline__ const T* k_row(int j) const { return k + j * k_st; }
+  __device__ __forceinline__ const T* v_row(int j) const { return v + j * v_st; }
+
+  __device__ __forceinline__ bool tile_needs_mask(int k0) const {
+    if (MASK == MASK_VARWIN) return true;
+    bool m = k0 + BN > sk;
+    if (MASK == MASK_CAUSAL) {
+      m = m || (k0 + BN - 1 > diag0);
+      m = m || (window >= 0 && k0 < diag0 + q_rows - 1 - window);
+    }
+    return m;
+  }
+  __device__ __forceinline__ bool visible(int r, int j) const {
+    if (MASK == MASK_VARWIN) return j >= lo[r] && j <= hi[r];
+    bool ok = j < sk;
+    if (MASK == MASK_CAUSAL) {
+      const int d = diag0 + r;
+      ok = ok && j <= d && (window < 0 || j >= d - window);
+    }
+    return ok;
+  }
+  __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
+    char* p = o + (r * o_st + c) * (out_dtype == OUT_F32 ? 4 : 2);
+    if (out_dtype == OUT_F32) {
+      *reinterpret_cast<float2*>(p) = make_float2(x, y);
+    } else if (out_dtype == OUT_BF16) {
+      *reinterpret_cast<u32*>(p) = pack2<bf16>(x, y);
+    } else {
+      *reinterpret_cast<u32*>(p) = pack2<f16>(x, y);
+    }
+  }
+};
+
+template <class Cfg, int MASK>
+__device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
+  using T = typename Cfg::T;
+  constexpr int BM = Cfg::BM;
+  extern __shared__ __align__(128) char smem[];
+
+  // ---- work policy ----------------------------------------------------------
+  const int item = blockIdx.x, h = blockIdx.y;
+  int b, qt;
+  if (p.work != nullptr) {
+    b = p.work[2 * item];
+    qt = p.work[2 * item + 1];
+  } else {
+    b = item % p.batch;
+    qt = p.num_q_tiles - 1 - item / p.batch;
+  }
+  int q_start = 0, kv_start = 0, sq = p.sq, sk = p.sk;
+  if (p.qo_indptr != nullptr) {
+    q_start = p.qo_indptr[b];
+    sq = p.qo_indptr[b + 1] - q_start;
+    kv_start = p.kv_indptr[b];
+    sk = p.kv_indptr[b + 1] - kv_start;
+  }
+  const int q0 = qt * BM;
+  if (q0 >= sq) return;
+
+  // ---- address policy ---------------------------------------------------------
+  PrefillProblem<T, Cfg::BN, MASK> pb;
+  const int hk = h / p.group;
+  pb.q = static_cast<const T*>(p.q) + b * p.q_sb + (i64)(q_start + q0) * p.q_st + h * p.q_sh;
+  pb.k = static_cast<const T*>(p.k) + b * p.k_sb + (i64)kv_start * p.k_st + hk * p.k_sh;
+  pb.v = static_cast<const T*>(p.v) + b * p.v_sb + (i64)kv_start * p.v_st + hk * p.v_sh;
+  const int osz = p.out_dtype == OUT_F32 ? 4 : 2;
+  pb.o = static_cast<char*>(p.o) + (b * p.o_sb + (i64)(q_start + q0) * p.o_st + h * p.o_sh) * osz;
+  pb.q_st = p.q_st;
+  pb.k_st = p.k_st;
+  pb.v_st = p.v_st;
+  pb.o_st = p.o_st;
+  pb.out_dtype = p.out_dtype;
+  pb.q_rows = min_(BM, sq - q0);
+  pb.sk = sk;
+  pb.window = p.window_left;
+  pb.diag0 = sk - sq + q0;
+
+  // ---- range policy -----------------------------------------------------------
+  if (MASK == MASK_CAUSAL) {
+    pb.kv_begin = p.window_left >= 0 ? max_(0, pb.diag0 - p.window_left) : 0;
+    pb.kv_end = min_(sk, pb.diag0 + pb.q_rows);
+  } else if (MASK == MASK_VARWIN) {
+    int* lo = reinterpret_cast<int*>(smem + Cfg::SMEM_BYTES);
+    int* hi = lo + BM;
+    __shared__ int range[2];
+    if (threadIdx.x == 0) {
+      range[0] = 0x7fffffff;
+      range[1] = -1;
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < BM; r += Cfg::THREADS) {
+      int s = 0, e = -1;  // padding rows see nothing
+      if (r < pb.q_rows) {
+        const i64 off = b * p.win_stride + q0 + r;
+        s = max_(0, p.win_starts[off]);
+        e = min_(sk - 1, p.win_ends[off]);
+        atomicMin(&range[0], s);
+        atomicMax(&range[1], e);
+      }
+      lo[r] = s;
+      hi[r] = e;
+    }
+    __syncthreads();
+    pb.lo = lo;
+    pb.hi = hi;
+    pb.kv_begin = range[0] == 0x7fffffff ? 0 : range[0];
+    pb.kv_end = range[1] + 1;
+  } else {
+    pb.kv_begin = 0;
+    pb.kv_end = sk;
+  }
+  fmha_tile<Cfg>(pb, smem, p.scale_log2, p.out_scale);
+}
+
+}  // namespace pt

@@ -1,0 +1,230 @@
+// The FMHA core: one Q tile meets a stream of K/V tiles.
+//
+//   S = Q K^T (fp32)  ->  mask  ->  online softmax (exp2, scale*log2e folded)
+//   ->  O += P V  ->  epilogue (1/l, output scale, cast)
+//
+// Everything that differs between the APIs is a *policy* supplied by the caller
+// through the `Problem` type (see pt_policies.cuh):
+//   address  q_row(r) / k_row(j) / v_row(j): where a row lives;
+//   range    kv_begin / kv_end: which keys the tile visits;
+//   mask     tile_needs_mask(k0) and visible(r, j): the per-element predicate;
+//   output   store2(r, d, x, y): where and how results are written.
+// The work policy (which Q tile, request and head this CTA owns) is decided by
+// the kernel entry before it builds the Problem.
+//
+// Engine: the portable sm_80 one. Each of the BM/16 warps owns 16 query rows;
+// K/V tiles of BN keys stream through a two-stage cp.async ring.
+#pragma once
+#include "pt_sm80.cuh"
+
+namespace pt {
+
+template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_>
+struct FmhaConfig {
+  using T = T_;
+  static constexpr int D = D_;
+  static constexpr int BM = BM_;
+  static constexpr int BN = BN_;
+  static constexpr bool Q_IN_REGS = Q_IN_REGS_;
+  static constexpr int WARPS = BM / 16;
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr int STAGES = 2;
+  using QTile = SmemTile<BM, D>;
+  using KVTile = SmemTile<BN, D>;
+  static constexpr int SMEM_Q = QTile::BYTES;
+  static constexpr int SMEM_KV = KVTile::BYTES;
+  static constexpr int SMEM_BYTES = SMEM_Q + 2 * STAGES * SMEM_KV;
+  static_assert(BN % 16 == 0 && D % 64 == 0, "tile shape");
+};
+
+// Copy `rows` valid rows (of at most ROWS) into a swizzled tile; zero-fill the rest.
+template <class Tile, int THREADS, class RowFn>
+__device__ __forceinline__ void load_tile(u32 smem_base, int rows, RowFn row_ptr) {
+  constexpr int TOTAL = Tile::BYTES / 16;
+  static_assert(TOTAL % THREADS == 0, "tile not divisible among threads");
+#pragma unroll
+  for (int i = 0; i < TOTAL / THREADS; ++i) {
+    int idx = threadIdx.x + i * THREADS;
+    int r = idx / Tile::CHUNKS;
+    int c = idx % Tile::CHUNKS;
+    bool valid = r < rows;
+    const char* src = reinterpret_cast<const char*>(row_ptr(valid ? r : 0)) + c * 16;
+    cp_async_16(smem_base + Tile::offset(r, c), src, valid);
+  }
+}
+
+template <class Cfg, class Problem>
+__device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float scale_log2, float out_scale) {
+  using T = typename Cfg::T;
+  constexpr int D = Cfg::D, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  constexpr int NT = BN / 8;   // S n-tiles (8 keys each)
+  constexpr int KD = D / 16;   // k-steps over the head dim
+  constexpr int DT = D / 8;    // O n-tiles (8 columns each)
+  using QTile = typename Cfg::QTile;
+  using KVTile = typename Cfg::KVTile;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const u32 sQ = smem_addr(smem);
+  const u32 sKV = sQ + Cfg::SMEM_Q;  // stage s: K at sKV + 2*s*SMEM_KV, V right after
+  auto sK = [&](int s) { return sKV + (u32)(2 * s) * Cfg::SMEM_KV; };
+  auto sV = [&](int s) { return sKV + (u32)(2 * s + 1) * Cfg::SMEM_KV; };
+
+  const int kv_begin = pb.kv_begin, kv_end = pb.kv_end;
+  // K/V tiles are aligned to BN; walk them from the last (the masked diagonal
+  // of causal problems) to the first.
+  const int nb_first = kv_begin / BN;
+  const int nb_last = kv_end > kv_begin ? (kv_end - 1) / BN : nb_first - 1;
+  const int n_tiles = nb_last - nb_first + 1;
+
+  auto issue_kv = [&](int it, int stage) {
+    const int k0 = (nb_last - it) * BN;
+    const int rows = min_(BN, pb.sk - k0);
+    load_tile<KVTile, THREADS>(sK(stage), rows, [&](int r) { return pb.k_row(k0 + r); });
+    load_tile<KVTile, THREADS>(sV(stage), rows, [&](int r) { return pb.v_row(k0 + r); });
+  };
+
+  load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); });
+  if (n_tiles > 0) issue_kv(0, 0);
+  cp_async_commit();
+  if (n_tiles > 1) issue_kv(1, 1);
+  cp_async_commit();
+
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_row[2] = {neg_inf(), neg_inf()};  // running max of raw scores, rows g and g+8
+  float l_row[2] = {0.f, 0.f};              // this thread's share of the running sums
+
+  constexpr int QF = Cfg::Q_IN_REGS ? KD : 1;
+  u32 q_frag[QF][4];
+  const int row0 = warp * 16;  // this warp's first row in the tile
+
+  auto load_q_frag = [&](int ks, u32 (&a)[4]) {
+    int r = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    int c = 2 * ks + (lane >> 4);
+    ldmatrix_x4(a, sQ + QTile::offset(r, c));
+  };
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it & 1;
+    const int k0 = (nb_last - it) * BN;
+    cp_async_wait<1>();
+    __syncthreads();
+    if constexpr (Cfg::Q_IN_REGS) {
+      if (it == 0) {
+#pragma unroll
+        for (int ks = 0; ks < KD; ++ks) load_q_frag(ks, q_frag[ks]);
+      }
+    }
+
+    // ---- S = Q K^T --------------------------------------------------------
+    float s[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KD; ++ks) {
+      u32 af[4];
+      if constexpr (Cfg::Q_IN_REGS) {
+        af[0] = q_frag[ks][0]; af[1] = q_frag[ks][1]; af[2] = q_frag[ks][2]; af[3] = q_frag[ks][3];
+      } else {
+        load_q_frag(ks, af);
+      }
+#pragma unroll
+      for (int p = 0; p < NT / 2; ++p) {
+        u32 b[4];
+        int mi = lane >> 3;
+        int r = 16 * p + (lane & 7) + (mi >> 1) * 8;
+        int c = 2 * ks + (mi & 1);
+        ldmatrix_x4(b, sK(stage) + KVTile::offset(r, c));
+        mma_16816<T>(s[2 * p], af, b[0], b[1]);
+        mma_16816<T>(s[2 * p + 1], af, b[2], b[3]);
+      }
+    }
+
+    // ---- mask ---------------------------------------------------------------
+    if (pb.tile_needs_mask(k0)) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int r = row0 + g + (e >> 1) * 8;
+          int j = k0 + nt * 8 + 2 * t + (e & 1);
+          if (!pb.visible(r, j)) s[nt][e] = neg_inf();
+        }
+      }
+    }
+
+    // ---- online softmax -----------------------------------------------------
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = m_row[h];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = max_(mx, max_(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx = max_(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = max_(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // A row that has seen no key yet keeps m = -inf; subtract 0 then so that
+      // exp2(-inf - base) is 0 and never NaN.
+      const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
+      corr[h] = fast_exp2(m_row[h] * scale_log2 - base);
+      m_row[h] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * h] = fast_exp2(s[nt][2 * h] * scale_log2 - base);
+        s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] * scale_log2 - base);
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+      l_row[h] = l_row[h] * corr[h] + sum;
+    }
+#pragma unroll
+    for (int i = 0; i < DT; ++i) {
+      o[i][0] *= corr[0];
+      o[i][1] *= corr[0];
+      o[i][2] *= corr[1];
+      o[i][3] *= corr[1];
+    }
+
+    // ---- O += P V -------------------------------------------------------------
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 a[4];
+      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < DT; n += 2) {
+        u32 b[4];
+        int mi = lane >> 3;
+        int r = 16 * kk + (lane & 7) + (mi & 1) * 8;
+        int c = n + (mi >> 1);
+        ldmatrix_x4_trans(b, sV(stage) + KVTile::offset(r, c));
+        mma_16816<T>(o[n], a, b[0], b[1]);
+        mma_16816<T>(o[n + 1], a, b[2], b[3]);
+      }
+    }
+
+    __syncthreads();  // every warp is done with this stage
+    if (it + 2 < n_tiles) issue_kv(it + 2, stage);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue ---------------------------------------------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_row[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? out_scale / l : 0.f;
+    const int r = row0 + g + 8 * h;
+    if (r < pb.q_rows) {
+#pragma unroll
+      for (int n = 0; n < DT; ++n) pb.store2(r, n * 8 + 2 * t, o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+  }
+}
+
+}  // namespace pt

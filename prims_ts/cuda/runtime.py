@@ -1,0 +1,233 @@
+"""NVRTC runtime: compile -> disk cache -> per-device module -> launch.
+
+* Sources are header-free CUDA C++ (``prims_ts/cuda/*.cu`` plus ``include/*.cuh``);
+  a kernel is a source text whose one ``extern "C"`` entry point is generated for
+  its key (see ``kernels.py``).
+* Compiled to cubin for the device's architecture (``sm_90a`` on Hopper, ``sm_XY``
+  elsewhere), so the driver never JIT-compiles PTX.
+* Disk cache under ``$PRIMS_TS_CACHE_DIR`` (default ``~/.cache/prims_ts``), keyed
+  by a hash of the source, every include, the options, the NVRTC version and the
+  arch; entries are written to a temporary file and renamed; a corrupt entry is
+  recompiled.
+* In-memory cache per (device index, key); launches go to the current torch
+  stream of the tensor's device under a device guard, never synchronise, and
+  work inside CUDA-graph capture once the module is loaded.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Sequence, Tuple
+
+HERE = Path(__file__).resolve().parent
+INCLUDE_DIR = HERE / "include"
+_CUBIN_MAGIC = b"\x7fELF"
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message carries the key and the compiler log."""
+
+
+class KernelLaunchError(RuntimeError):
+    """The driver refused to load or launch a kernel."""
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("PRIMS_TS_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "prims_ts"
+
+
+def _nvrtc():
+    try:
+        from cupy.cuda import nvrtc
+    except Exception as e:  # pragma: no cover - depends on the install
+        raise RuntimeError(
+            "prims_ts needs CuPy with NVRTC to compile its kernels "
+            "(pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12, or cupy-cuda13x on CUDA 13)"
+        ) from e
+    return nvrtc
+
+
+def nvrtc_version() -> Tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
+
+
+def include_sources() -> Dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(INCLUDE_DIR.glob("*.cuh"))}
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The NVRTC target for a device: sm_90a on Hopper (wgmma, setmaxnreg), sm_XY elsewhere."""
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    return f"sm_{major}{minor}"
+
+
+def _options(arch: str) -> list:
+    return [
+        f"--gpu-architecture={arch}",
+        "--std=c++17",
+        "--use_fast_math",
+        "--extra-device-vectorization",
+        "-default-device",
+    ]
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """What NVRTC compiles for one kernel key."""
+
+    key: str  # human-readable, e.g. "prefill:bf16:d128:causal:bm128:bn64"
+    name: str  # the extern "C" entry point
+    source: str  # full translation unit (includes resolved from include/)
+
+
+def _digest(ks: KernelSource, arch: str, headers: Dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for part in (ks.source, ks.name, arch, repr(_options(arch)), repr(nvrtc_version())):
+        h.update(part.encode())
+        h.update(b"\0")
+    for name, text in headers.items():
+        h.update(name.encode())
+        h.update(text.encode())
+    return h.hexdigest()[:32]
+
+
+_compile_lock = threading.Lock()
+
+
+def compile_cubin(ks: KernelSource, arch: str) -> bytes:
+    """Compile (or fetch from the disk cache) one kernel for `arch`; returns cubin bytes."""
+    headers = include_sources()
+    digest = _digest(ks, arch, headers)
+    path = cache_dir() / arch / f"{ks.name}-{digest}.cubin"
+    try:
+        data = path.read_bytes()
+        if data.startswith(_CUBIN_MAGIC) and len(data) > 64:
+            return data
+    except OSError:
+        pass
+    nvrtc = _nvrtc()
+    with _compile_lock:
+        prog = nvrtc.createProgram(
+            ks.source, f"{ks.name}.cu", [v.encode() for v in headers.values()], [n.encode() for n in headers]
+        )
+        try:
+            try:
+                nvrtc.compileProgram(prog, _options(arch))
+            except Exception as e:
+                try:
+                    log = nvrtc.getProgramLog(prog)
+                except Exception:
+                    log = "(no log)"
+                raise KernelCompileError(f"NVRTC failed to compile kernel {ks.key!r} for {arch}: {e}\n{log}") from None
+            data = nvrtc.getCUBIN(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+    if isinstance(data, str):  # older CuPy returns str
+        data = data.encode("latin-1")
+    _atomic_write(path, data)
+    return data
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs recompiles
+
+
+# ----------------------------------------------------------------------------
+# Loading and launching (needs a GPU)
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedKernel:
+    func: int  # CUfunction
+    smem: int  # dynamic shared memory bytes
+    threads: int
+
+
+_loaded: Dict[Tuple[int, str], LoadedKernel] = {}
+_load_lock = threading.Lock()
+
+
+def _driver():
+    from cupy_backends.cuda.api import driver
+
+    return driver
+
+
+def device_arch(device_index: int) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return arch_for_capability(major, minor)
+
+
+def get_kernel(device_index: int, ks: KernelSource, smem: int, threads: int) -> LoadedKernel:
+    """The loaded kernel for (device, key), compiling and loading on first use.
+
+    Loading is not allowed during CUDA-graph capture: warm every key first.
+    """
+    k = _loaded.get((device_index, ks.key))
+    if k is not None:
+        return k
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"prims_ts kernel {ks.key!r} is not loaded yet on cuda:{device_index}; "
+            "run the call once before CUDA-graph capture (or call prims_ts warmup)"
+        )
+    with _load_lock:
+        k = _loaded.get((device_index, ks.key))
+        if k is not None:
+            return k
+        cubin = compile_cubin(ks, device_arch(device_index))
+        drv = _driver()
+        with torch.cuda.device(device_index):
+            torch.cuda.init()
+            torch.cuda.current_stream(device_index)  # make torch's primary context current
+            try:
+                mod = drv.moduleLoadData(cubin)
+                func = drv.moduleGetFunction(mod, ks.name)
+                if smem > 48 * 1024:
+                    drv.funcSetAttribute(func, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            except Exception as e:
+                raise KernelLaunchError(f"could not load kernel {ks.key!r} on cuda:{device_index}: {e}") from e
+        k = LoadedKernel(func=func, smem=smem, threads=threads)
+        _loaded[(device_index, ks.key)] = k
+        return k
+
+
+def launch(
+    device_index: int,
+    kernel: LoadedKernel,
+    key: str,
+    grid: Sequence[int],
+    params: ctypes.Structure,
+    stream: int,
+) -> None:
+    """Launch `kernel` with one by-value parameter struct on `stream`. No host sync."""
+    gx, gy, gz = (list(grid) + [1, 1])[:3]
+    if gx * gy * gz == 0:
+        return
+    arg = ctypes.c_void_p(ctypes.addressof(params))
+    argv = (ctypes.c_void_p * 1)(arg)
+    try:
+        _driver().launchKernel(
+            kernel.func, gx, gy, gz, kernel.threads, 1, 1, kernel.smem, stream, ctypes.addressof(argv), 0
+        )
+    except Exception as e:
+        raise KernelLaunchError(f"launch of {key!r} grid={tuple(grid)} failed: {e}") from e

@@ -1,0 +1,6 @@
+"""Fake (meta) implementations of every prims_ts op: shapes and dtypes only.
+
+They never read tensor data, so torch.compile, torch.export and AOTInductor can
+trace the ops with fake tensors.
+"""
+from . import prefill  # noqa: F401

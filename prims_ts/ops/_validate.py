@@ -1,0 +1,211 @@
+"""Shared host-side checks. Every public API validates through these helpers so
+that one rule produces one message everywhere.
+
+All checks raise ``ValueError`` (``TypeError`` for a wrong Python type) naming
+the argument and what was expected, before any kernel launches. Checks that
+read tensor *values* are in ``values_*`` helpers; callers skip them where the
+contract says metadata is trusted (capturable run paths, traced graphs).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16)
+OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fail(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def tracing() -> bool:
+    """True while torch.compile / torch.export trace the caller: values are not readable."""
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _dtype_name(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def tensor(
+    name: str,
+    t,
+    *,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    ndim: Optional[Iterable[int] | int] = None,
+    inner_contiguous: bool = False,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        fail(f"{name}: dtype {_dtype_name(t.dtype)} is not supported; expected one of "
+             f"{', '.join(_dtype_name(d) for d in dtypes)}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            fail(f"{name}: expected a tensor of rank {' or '.join(map(str, allowed))}, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        fail(f"{name}: must be contiguous")
+    if inner_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        fail(f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}")
+    if inner_contiguous and t.dim() > 0 and t.numel() > 0 and not tracing():
+        # 16-byte vector loads: row starts and strides must keep 16-byte alignment
+        esz = t.element_size()
+        if any((s * esz) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            fail(f"{name}: rows must be 16-byte aligned (strides {tuple(t.stride())}, "
+                 f"element size {esz})")
+    return t
+
+
+def same_device(pairs: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> torch.device:
+    dev = None
+    first = None
+    for name, t in pairs:
+        if t is None:
+            continue
+        if dev is None:
+            dev, first = t.device, name
+        elif t.device != dev:
+            fail(f"{name}: is on {t.device} but {first} is on {dev}; all tensors of one call must share a device")
+    return dev
+
+
+def same_dtype(pairs: Sequence[Tuple[str, torch.Tensor]]) -> torch.dtype:
+    (n0, t0) = pairs[0]
+    for name, t in pairs[1:]:
+        if t.dtype != t0.dtype:
+            fail(f"{name}: dtype {_dtype_name(t.dtype)} differs from {n0} ({_dtype_name(t0.dtype)}); "
+                 "query, key and value must share one dtype")
+    return t0.dtype
+
+
+def head_dim(name: str, d: int, allowed: Sequence[int]) -> int:
+    if d not in allowed:
+        fail(f"{name}: head dim {d} is not supported; expected one of {', '.join(map(str, allowed))}")
+    return d
+
+
+def heads(hq: int, hkv: int) -> int:
+    if hkv < 1 or hq < 1 or hq % hkv != 0:
+        fail(f"k: number of query heads ({hq}) must be a positive multiple of key/value heads ({hkv})")
+    return hq // hkv
+
+
+def scale(name: str, value, default: Optional[float] = None) -> float:
+    if value is None:
+        if default is None:
+            raise TypeError(f"{name}: expected a float, got None")
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v) or v <= 0.0:
+        fail(f"{name}: must be finite and positive, got {value}")
+    return v
+
+
+def integer(name: str, value, *, minimum: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        fail(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def choice(name: str, value, allowed: Sequence[str]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    if value not in allowed:
+        fail(f"{name}: unknown value {value!r}; expected one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+def mask_and_window(mask_type: str, window_left, allowed: Sequence[str]) -> Tuple[str, int]:
+    mask_type = choice("mask_type", mask_type, allowed)
+    window_left = integer("window_left", window_left)
+    if window_left < -1:
+        fail(f"window_left: must be -1 (no window) or >= 0, got {window_left}")
+    if window_left >= 0 and mask_type != "causal":
+        fail(f"window_left: a window ({window_left}) needs mask_type='causal', got {mask_type!r}")
+    return mask_type, window_left
+
+
+def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype) -> torch.dtype:
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype: expected a torch.dtype, got {type(out_dtype).__name__}")
+    if out_dtype is None:
+        out_dtype = out.dtype if isinstance(out, torch.Tensor) else default
+    if out_dtype not in OUTPUT_DTYPES:
+        fail(f"out_dtype: {_dtype_name(out_dtype)} is not supported; expected float16, bfloat16 or float32")
+    return out_dtype
+
+
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + 1
+    return start, start + extent * t.element_size()
+
+
+def out_tensor(
+    out: Optional[torch.Tensor],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    inputs: Sequence[Tuple[str, Optional[torch.Tensor]]],
+) -> Optional[torch.Tensor]:
+    if out is None:
+        return None
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        fail(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        fail(f"out: expected dtype {_dtype_name(dtype)}, got {_dtype_name(out.dtype)}")
+    if out.device != device:
+        fail(f"out: is on {out.device}, expected {device}")
+    if not out.is_contiguous():
+        fail("out: must be contiguous")
+    if not tracing():
+        o0, o1 = _span(out)
+        for name, t in inputs:
+            if t is None or t.device != out.device:
+                continue
+            a0, a1 = _span(t)
+            if a0 < o1 and o0 < a1:
+                fail(f"out: overlaps {name}; the output must not share memory with any input")
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Metadata
+# ----------------------------------------------------------------------------
+
+
+def int32_vector(name: str, t, length: Optional[int] = None, device: Optional[torch.device] = None) -> torch.Tensor:
+    tensor(name, t, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    if length is not None and t.shape[0] != length:
+        fail(f"{name}: expected shape [{length}], got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        fail(f"{name}: is on {t.device}, expected {device}")
+    return t
+
+
+def values_indptr(name: str, values: List[int], end: int, end_name: str, strict: bool = True) -> None:
+    """indptr values: start at 0, (strictly) increasing, end at `end`."""
+    if values[0] != 0:
+        fail(f"{name}: must start at 0, got {values[0]}")
+    for i in range(len(values) - 1):
+        if values[i + 1] < values[i] or (strict and values[i + 1] == values[i]):
+            fail(f"{name}: must be {'strictly ' if strict else ''}increasing; "
+                 f"entries {i} and {i + 1} are {values[i]} and {values[i + 1]}")
+    if values[-1] != end:
+        fail(f"{name}: must end at {end_name} = {end}, got {values[-1]}")

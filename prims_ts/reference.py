@@ -1,0 +1,123 @@
+"""Pure-PyTorch semantics of every prims_ts API.
+
+These functions are the CPU kernels of the custom ops and the oracle of the tests
+(call them with ``compute_dtype=torch.float64``). They are written for clarity, one
+request at a time; they never read anything the CUDA kernels would not.
+
+Mask rules (row ``i`` of a request with ``sq`` queries and ``sk`` keys):
+
+* ``dense``: keys ``0 .. sk-1``;
+* ``causal`` (bottom-right aligned): keys ``j <= sk - sq + i``;
+* ``window_left = w >= 0`` (with causal): additionally ``j >= sk - sq + i - w``;
+* ``variable_window``: ``starts[i] <= j <= ends[i]``.
+
+A row that sees no key writes zeros.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+MASK_TYPES = ("dense", "causal", "variable_window")
+
+
+def visible_keys(
+    sq: int,
+    sk: int,
+    mask_type: str,
+    window_left: int = -1,
+    starts: Optional[torch.Tensor] = None,
+    ends: Optional[torch.Tensor] = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Boolean ``[sq, sk]`` matrix: which key each query row may attend to."""
+    i = torch.arange(sq, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    if mask_type == "dense":
+        vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    elif mask_type == "causal":
+        diag = sk - sq + i
+        vis = j <= diag
+        if window_left >= 0:
+            vis = vis & (j >= diag - window_left)
+    elif mask_type == "variable_window":
+        assert starts is not None and ends is not None
+        vis = (j >= starts.to(device).long().unsqueeze(1)) & (j <= ends.to(device).long().unsqueeze(1))
+    else:
+        raise ValueError(f"mask_type: unknown mask {mask_type!r}")
+    return vis
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    sm_scale: float,
+    output_scale: float,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """One request: q ``[sq, hq, d]``, k ``[sk, hkv, dk]``, v ``[sk, hkv, dv]``.
+
+    Returns ``[sq, hq, dv]`` in ``compute_dtype``. Rows with no visible key are zero.
+    """
+    sq, hq, _ = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    qc = q.to(compute_dtype).permute(1, 0, 2)  # [hq, sq, d]
+    kc = k.to(compute_dtype).permute(1, 0, 2).repeat_interleave(group, dim=0)  # [hq, sk, d]
+    vc = v.to(compute_dtype).permute(1, 0, 2).repeat_interleave(group, dim=0)
+    s = torch.matmul(qc, kc.transpose(1, 2)) * sm_scale  # [hq, sq, sk]
+    s = s.masked_fill(~visible.unsqueeze(0), float("-inf"))
+    row_has_key = visible.any(dim=1)  # [sq]
+    m = s.amax(dim=2, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    l = p.sum(dim=2, keepdim=True)
+    o = torch.matmul(p, vc) / torch.where(l > 0, l, torch.ones_like(l))
+    o = o * output_scale
+    o = o * row_has_key.view(1, sq, 1).to(compute_dtype)
+    return o.permute(1, 0, 2)
+
+
+def batch_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    qo_indptr: Optional[torch.Tensor] = None,
+    kv_indptr: Optional[torch.Tensor] = None,
+    mask_type: str = "dense",
+    window_left: int = -1,
+    window_starts: Optional[torch.Tensor] = None,
+    window_ends: Optional[torch.Tensor] = None,
+    sm_scale: Optional[float] = None,
+    output_scale: float = 1.0,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Contiguous prefill (SPEC §1): fixed ``[B, S, H, D]`` or packed ``[T, H, D]``.
+
+    Returns the output in ``compute_dtype`` with q's leading shape.
+    """
+    d = q.shape[-1]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    packed = qo_indptr is not None
+    if packed:
+        qo = [int(x) for x in qo_indptr.tolist()]
+        kvo = [int(x) for x in kv_indptr.tolist()]
+        out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+        for b in range(len(qo) - 1):
+            qb, kb, vb = q[qo[b]:qo[b + 1]], k[kvo[b]:kvo[b + 1]], v[kvo[b]:kvo[b + 1]]
+            vis = visible_keys(qb.shape[0], kb.shape[0], mask_type, window_left, device=q.device)
+            out[qo[b]:qo[b + 1]] = attend(qb, kb, vb, vis, sm_scale, output_scale, compute_dtype)
+        return out
+    out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    for b in range(q.shape[0]):
+        starts = window_starts[b] if window_starts is not None else None
+        ends = window_ends[b] if window_ends is not None else None
+        vis = visible_keys(q.shape[1], k.shape[1], mask_type, window_left, starts, ends, device=q.device)
+        out[b] = attend(q[b], k[b], v[b], vis, sm_scale, output_scale, compute_dtype)
+    return out
