@@ -92,7 +92,8 @@ template <class Cfg, int MASK>
 __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM;
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
 
   // ---- work policy ----------------------------------------------------------
   const int item = blockIdx.x, h = blockIdx.y;

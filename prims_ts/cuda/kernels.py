@@ -39,12 +39,18 @@ class PrefillKey:
     bn: int = 64
     q_in_regs: bool = True
     min_blocks: int = 1
+    arch: int = 80  # tile engine: 80 = mma.sync (any sm_80+), 90 = wgmma (sm_90a)
 
     @staticmethod
-    def choose(dtype: torch.dtype, head_dim: int, mask: str) -> "PrefillKey":
+    def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str = "sm_80") -> "PrefillKey":
+        dt = DTYPE_CODES[dtype]
+        if arch == "sm_90a":
+            if head_dim == 128:
+                return PrefillKey(dt, 128, mask, bm=128, bn=128, q_in_regs=False, arch=90)
+            return PrefillKey(dt, head_dim, mask, bm=128, bn=64, q_in_regs=False, arch=90)
         if head_dim == 128:
-            return PrefillKey(DTYPE_CODES[dtype], 128, mask, bm=128, bn=64, q_in_regs=True)
-        return PrefillKey(DTYPE_CODES[dtype], head_dim, mask, bm=128, bn=32, q_in_regs=False)
+            return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True)
+        return PrefillKey(dt, head_dim, mask, bm=128, bn=64, q_in_regs=False)
 
     @property
     def threads(self) -> int:
@@ -55,17 +61,19 @@ class PrefillKey:
         q = self.bm * self.head_dim * 2
         kv = self.bn * self.head_dim * 2
         extra = 2 * self.bm * 4 if self.mask == "variable_window" else 0
-        return q + 4 * kv + extra
+        align = 1024 if self.arch == 90 else 0  # slack to 1024-align the wgmma tiles
+        return q + 4 * kv + extra + align
 
     @property
     def name(self) -> str:
         return (
             f"pt_prefill_{self.dtype}_d{self.head_dim}_m{MASK_CODES[self.mask]}"
-            f"_bm{self.bm}_bn{self.bn}_q{int(self.q_in_regs)}_mb{self.min_blocks}"
+            f"_bm{self.bm}_bn{self.bn}_q{int(self.q_in_regs)}_mb{self.min_blocks}_sm{self.arch}"
         )
 
     def source(self) -> runtime.KernelSource:
-        cfg = f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {str(self.q_in_regs).lower()}>"
+        cfg = (f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, "
+               f"{str(self.q_in_regs).lower()}, {self.arch}>")
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, {self.min_blocks})\n'
             f"{self.name}(const pt::PrefillParams p) {{\n"
@@ -145,8 +153,8 @@ def launch_prefill(
     packed = qo_indptr is not None
     head_dim = q.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
-    key = PrefillKey.choose(q.dtype, head_dim, mask)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    key = PrefillKey.choose(q.dtype, head_dim, mask, runtime.device_arch(dev))
     with torch.cuda.device(dev):
         kern = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
         p = PrefillParams()
@@ -174,16 +182,18 @@ def launch_prefill(
         runtime.launch(dev, kern, key.name, (n_items, hq, 1), p, stream)
 
 
-def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str) -> int:
-    return PrefillKey.choose(dtype, head_dim, mask).bm
+def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optional[torch.device] = None) -> int:
+    arch = runtime.device_arch(device.index or 0) if device is not None and device.type == "cuda" else "sm_80"
+    return PrefillKey.choose(dtype, head_dim, mask, arch).bm
 
 
-def all_keys() -> Iterator[runtime.KernelSource]:
+def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
+    """Every kernel the public APIs can launch on a device of `arch`."""
     for dtype in DTYPE_CODES:
         for d in (128, 256):
             for mask in MASK_CODES:
-                yield PrefillKey.choose(dtype, d, mask).source()
+                yield PrefillKey.choose(dtype, d, mask, arch).source()
 
 
-def keys_list() -> List[runtime.KernelSource]:
-    return list(all_keys())
+def keys_list(arch: str = "sm_90a") -> List[runtime.KernelSource]:
+    return list(all_keys(arch))

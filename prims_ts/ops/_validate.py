@@ -41,6 +41,7 @@ def tensor(
     ndim: Optional[Iterable[int] | int] = None,
     inner_contiguous: bool = False,
     contiguous: bool = False,
+    vector_aligned: bool = False,
 ) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -55,10 +56,10 @@ def tensor(
         fail(f"{name}: must be contiguous")
     if inner_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         fail(f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}")
-    if inner_contiguous and t.dim() > 0 and t.numel() > 0 and not tracing():
-        # 16-byte vector loads: row starts and strides must keep 16-byte alignment
+    if vector_aligned and t.dim() > 0 and t.numel() > 0 and not tracing():
+        # kernels read rows with 16-byte vectors: row starts must stay 16-byte aligned
         esz = t.element_size()
-        if any((s * esz) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        if any((st * esz) % 16 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1) or t.data_ptr() % 16:
             fail(f"{name}: rows must be 16-byte aligned (strides {tuple(t.stride())}, "
                  f"element size {esz})")
     return t

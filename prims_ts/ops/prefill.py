@@ -145,7 +145,7 @@ def _check_qkv(q, k, v, packed: bool) -> Tuple[int, int, int]:
     rank = 3 if packed else 4
     layout = "[total_tokens, H, D]" if packed else "[B, S, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        V.tensor(name, t, dtypes=V.INPUT_DTYPES, inner_contiguous=True)
+        V.tensor(name, t, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
         if t.dim() != rank:
             V.fail(f"{name}: expected {layout} ({'packed' if packed else 'fixed'} storage), "
                    f"got shape {tuple(t.shape)}")

@@ -12,16 +12,31 @@
 // The work policy (which Q tile, request and head this CTA owns) is decided by
 // the kernel entry before it builds the Problem.
 //
-// Engine: the portable sm_80 one. Each of the BM/16 warps owns 16 query rows;
-// K/V tiles of BN keys stream through a two-stage cp.async ring.
+// Engines (Cfg::ARCH): the portable sm_80 one (mma.sync + ldmatrix) and the
+// Hopper one (sm_90a wgmma reading Q and K/V straight from 128-byte-swizzled
+// shared memory, P from registers). Either way each of the BM/16 warps owns 16
+// query rows with the same fragment layout, so masking, softmax and epilogue are
+// shared; K/V tiles of BN keys stream through a two-stage cp.async ring.
 #pragma once
 #include "pt_sm80.cuh"
+#include "pt_sm90.cuh"
 
 namespace pt {
 
-template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_>
+template <bool C, class A, class B> struct Select { using type = A; };
+template <class A, class B> struct Select<false, A, B> { using type = B; };
+
+// Round a shared-memory pointer up to 1024 bytes (wgmma's swizzle-atom alignment);
+// kernels using it reserve 1024 bytes of slack.
+__device__ __forceinline__ char* align_smem_1024(char* p) {
+  const u32 a = smem_addr(p);
+  return p + (((a + 1023u) & ~1023u) - a);
+}
+
+template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80>
 struct FmhaConfig {
   using T = T_;
+  static constexpr int ARCH = ARCH_;
   static constexpr int D = D_;
   static constexpr int BM = BM_;
   static constexpr int BN = BN_;
@@ -29,11 +44,12 @@ struct FmhaConfig {
   static constexpr int WARPS = BM / 16;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int STAGES = 2;
-  using QTile = SmemTile<BM, D>;
-  using KVTile = SmemTile<BN, D>;
+  using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
+  using KVTile = typename Select<ARCH_ == 90, SmemTileW<BN, D>, SmemTile<BN, D>>::type;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
   static constexpr int SMEM_BYTES = SMEM_Q + 2 * STAGES * SMEM_KV;
+  static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_), "wgmma engine: warpgroups of 64 rows, Q in smem");
   static_assert(BN % 16 == 0 && D % 64 == 0, "tile shape");
 };
 
@@ -110,6 +126,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     const int stage = it & 1;
     const int k0 = (nb_last - it) * BN;
     cp_async_wait<1>();
+    if constexpr (Cfg::ARCH == 90) fence_proxy_async();
     __syncthreads();
     if constexpr (Cfg::Q_IN_REGS) {
       if (it == 0) {
@@ -120,6 +137,21 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
 
     // ---- S = Q K^T --------------------------------------------------------
     float s[NT][4];
+    if constexpr (Cfg::ARCH == 90) {
+      // One warpgroup = 64 rows; A = its Q rows, B = the K tile, both K-major.
+      const u32 q_wg = sQ + (u32)(warp >> 2) * 64 * 128;
+      fence_regs(s);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KD; ++ks) {
+        const u32 koff = (u32)(ks & 3) * 32;  // 16 columns = 32 bytes into the panel
+        Wgmma<T, BN>::ss(s, desc_kmajor(q_wg + (ks >> 2) * QTile::PANEL + koff),
+                         desc_kmajor(sK(stage) + (ks >> 2) * KVTile::PANEL + koff), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(s);
+    } else {
 #pragma unroll
     for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
@@ -140,6 +172,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
         mma_16816<T>(s[2 * p], af, b[0], b[1]);
         mma_16816<T>(s[2 * p + 1], af, b[2], b[3]);
       }
+    }
     }
 
     // ---- mask ---------------------------------------------------------------
@@ -187,6 +220,24 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
 
     // ---- O += P V -------------------------------------------------------------
+    if constexpr (Cfg::ARCH == 90) {
+      u32 pf[BN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        pf[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+      fence_regs(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        Wgmma<T, D>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + kk * 16 * 128, KVTile::PANEL), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+    } else {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       u32 a[4];
@@ -204,6 +255,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
         mma_16816<T>(o[n], a, b[0], b[1]);
         mma_16816<T>(o[n + 1], a, b[2], b[3]);
       }
+    }
     }
 
     __syncthreads();  // every warp is done with this stage

@@ -1,0 +1,47 @@
+// The Hopper tile engine's instructions (sm_90a): wgmma shared-memory descriptors,
+// the warpgroup fence/commit/wait protocol, and the 128-byte-swizzled tile layout
+// that wgmma reads.
+#pragma once
+#include "pt_types.cuh"
+#include "pt_wgmma.cuh"
+
+namespace pt {
+
+// A ROWS x COLS tile of 16-bit elements in wgmma's 128-byte-swizzle layout:
+// COLS/64 panels of [ROWS][64], each row 128 bytes, 16-byte chunk c of row r
+// stored at chunk (c ^ (r & 7)). The tile base must be 1024-byte aligned.
+template <int ROWS, int COLS> struct SmemTileW {
+  static constexpr int CHUNKS = COLS / 8;
+  static constexpr int BYTES = ROWS * COLS * 2;
+  static constexpr int PANEL = ROWS * 128;  // bytes per 64-column panel
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "wgmma tile shape");
+  __device__ static __forceinline__ u32 offset(int row, int chunk) {
+    return (u32)((chunk >> 3) * PANEL + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+  }
+};
+
+__device__ __forceinline__ u64 wgmma_desc(u32 smem_addr, u32 lbo, u32 sbo) {
+  return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) |
+         (1ull << 62);  // 128-byte swizzle
+}
+// K-major operand (rows of the M/N dimension, K contiguous): 8-row groups 1024 B apart.
+__device__ __forceinline__ u64 desc_kmajor(u32 addr) { return wgmma_desc(addr, 16, 1024); }
+// N-major operand (K rows, N contiguous): 64-column panels `panel` bytes apart.
+__device__ __forceinline__ u64 desc_nmajor(u32 addr, u32 panel) { return wgmma_desc(addr, panel, 1024); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads/writes across the async MMA.
+template <int R> __device__ __forceinline__ void fence_regs(float (&d)[R][4]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+// Ordinary (cp.async) shared-memory writes become visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+}  // namespace pt
