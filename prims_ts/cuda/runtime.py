@@ -101,17 +101,21 @@ def _digest(ks: KernelSource, arch: str, headers: Dict[str, str]) -> str:
 _compile_lock = threading.Lock()
 
 
-def compile_cubin(ks: KernelSource, arch: str) -> bytes:
+def cache_path(ks: KernelSource, arch: str) -> Path:
+    return cache_dir() / arch / f"{ks.name}-{_digest(ks, arch, include_sources())}.cubin"
+
+
+def compile_cubin(ks: KernelSource, arch: str, use_cache: bool = True) -> bytes:
     """Compile (or fetch from the disk cache) one kernel for `arch`; returns cubin bytes."""
     headers = include_sources()
-    digest = _digest(ks, arch, headers)
-    path = cache_dir() / arch / f"{ks.name}-{digest}.cubin"
-    try:
-        data = path.read_bytes()
-        if data.startswith(_CUBIN_MAGIC) and len(data) > 64:
-            return data
-    except OSError:
-        pass
+    path = cache_path(ks, arch)
+    if use_cache:
+        try:
+            data = path.read_bytes()
+            if data.startswith(_CUBIN_MAGIC) and len(data) > 64:
+                return data
+        except OSError:
+            pass
     nvrtc = _nvrtc()
     with _compile_lock:
         prog = nvrtc.createProgram(
@@ -194,18 +198,27 @@ def get_kernel(device_index: int, ks: KernelSource, smem: int, threads: int) -> 
         k = _loaded.get((device_index, ks.key))
         if k is not None:
             return k
-        cubin = compile_cubin(ks, device_arch(device_index))
+        arch = device_arch(device_index)
         drv = _driver()
         with torch.cuda.device(device_index):
             torch.cuda.init()
             torch.cuda.current_stream(device_index)  # make torch's primary context current
+            for use_cache in (True, False):  # a cached cubin the driver rejects is rebuilt once
+                cubin = compile_cubin(ks, arch, use_cache=use_cache)
+                try:
+                    mod = drv.moduleLoadData(cubin)
+                    func = drv.moduleGetFunction(mod, ks.name)
+                    break
+                except Exception as e:
+                    if not use_cache:
+                        raise KernelLaunchError(f"could not load kernel {ks.key!r} on cuda:{device_index}: {e}") from e
             try:
-                mod = drv.moduleLoadData(cubin)
-                func = drv.moduleGetFunction(mod, ks.name)
                 if smem > 48 * 1024:
                     drv.funcSetAttribute(func, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
             except Exception as e:
-                raise KernelLaunchError(f"could not load kernel {ks.key!r} on cuda:{device_index}: {e}") from e
+                raise KernelLaunchError(
+                    f"kernel {ks.key!r} needs {smem} bytes of shared memory, more than cuda:{device_index} allows: {e}"
+                ) from e
         k = LoadedKernel(func=func, smem=smem, threads=threads)
         _loaded[(device_index, ks.key)] = k
         return k

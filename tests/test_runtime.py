@@ -1,0 +1,62 @@
+"""The NVRTC runtime on the CPU machine: compile, disk cache, corrupt entries, errors."""
+import pytest
+
+from prims_ts.cuda import kernels, runtime
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRIMS_TS_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _small_key():
+    return kernels.PrefillKey.choose(kernels.torch.bfloat16, 128, "causal", "sm_90a").source()
+
+
+def test_arch_for_capability():
+    assert runtime.arch_for_capability(9, 0) == "sm_90a"
+    assert runtime.arch_for_capability(8, 0) == "sm_80"
+    assert runtime.arch_for_capability(8, 9) == "sm_89"
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_compile_writes_cache_and_reuses_it(cache, arch):
+    ks = kernels.PrefillKey.choose(kernels.torch.float16, 128, "dense", arch).source()
+    data = runtime.compile_cubin(ks, arch)
+    assert data[:4] == b"\x7fELF"
+    path = runtime.cache_path(ks, arch)
+    assert path.exists() and path.read_bytes() == data
+    assert not list(path.parent.glob(".tmp-*")), "temporary files must be renamed away"
+    mtime = path.stat().st_mtime_ns
+    assert runtime.compile_cubin(ks, arch) == data
+    assert path.stat().st_mtime_ns == mtime  # served from the cache
+
+
+def test_cache_key_depends_on_arch_and_source(cache):
+    ks = _small_key()
+    other = runtime.KernelSource(ks.key, ks.name, ks.source + "\n// changed\n")
+    assert runtime.cache_path(ks, "sm_90a") != runtime.cache_path(ks, "sm_80")
+    assert runtime.cache_path(ks, "sm_90a") != runtime.cache_path(other, "sm_90a")
+
+
+def test_corrupt_cache_entry_is_recompiled(cache):
+    ks = _small_key()
+    good = runtime.compile_cubin(ks, "sm_90a")
+    path = runtime.cache_path(ks, "sm_90a")
+    path.write_bytes(b"garbage")
+    assert runtime.compile_cubin(ks, "sm_90a") == good
+    assert path.read_bytes() == good
+
+
+def test_compile_error_carries_key_and_log(cache):
+    bad = runtime.KernelSource("broken:key", "pt_broken", 'extern "C" __global__ void pt_broken() { undefined_thing(); }')
+    with pytest.raises(runtime.KernelCompileError) as e:
+        runtime.compile_cubin(bad, "sm_90a")
+    assert "broken:key" in str(e.value) and "undefined_thing" in str(e.value)
+
+
+def test_every_key_names_a_distinct_kernel():
+    for arch in ("sm_90a", "sm_80"):
+        keys = kernels.keys_list(arch)
+        assert len({k.name for k in keys}) == len(keys)
