@@ -1,0 +1,623 @@
+"""``python -m prims_ts bench``: our ops beside their peers on the same logical problem.
+
+A *family* (one per API: prefill, later paged prefill, decode, MLA, block-sparse)
+names its problems, builds their inputs and lists its *runners*: ``prims_ts``
+plus peers (torch SDPA with the cuDNN / FLASH backends, FlexAttention, ...).
+A runner's ``setup(problem, inputs)`` returns a zero-argument callable that
+launches the work once and returns the output; if setup or timing raises, the
+cell shows ``n/a`` and the run goes on.
+
+Each row reports ms (median), the achieved rate (TFLOP/s for compute-bound
+families, TB/s for memory-bound ones) and that rate as a fraction of the card's
+ceiling measured in the same run (an 8192³ bf16 GEMM; a large device copy).
+Our output is compared with the reference runner's (relative error) so that a
+fast but wrong kernel is visible in the table.
+
+A new API adds a family with ``register_family(Family(...))`` at the bottom of
+this module; the driver (:func:`run_bench`) does not change.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+# ----------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    family: str
+    name: str  # short label, e.g. "B2 S4096 H32/8 D128 causal"
+    params: Dict[str, Any]
+    work: float  # FLOPs (unit TFLOP/s) or bytes (unit TB/s)
+    unit: str = "TFLOP/s"  # "TFLOP/s" | "TB/s"
+    quick: bool = False  # part of --quick
+
+
+@dataclass
+class Runner:
+    name: str  # column name: "prims_ts", "sdpa_cudnn", ...
+    setup: Callable[[Problem, Any], Callable[[], Any]]
+
+
+@dataclass
+class Family:
+    name: str
+    problems: Callable[[], List[Problem]]
+    make_inputs: Callable[[Problem, torch.device], Any]
+    runners: List[Runner]
+    reference: Optional[str] = None  # runner(s) whose output checks ours, comma-separated by preference
+    ours: str = "prims_ts"
+
+
+FAMILIES: Dict[str, Family] = {}
+
+CEILING_FOR_UNIT = {"TFLOP/s": "gemm_bf16_TFLOPs", "TB/s": "copy_TBps"}
+
+
+def register_family(family: Family) -> None:
+    FAMILIES[family.name] = family
+
+
+# ----------------------------------------------------------------------------
+# Timing and ceilings
+# ----------------------------------------------------------------------------
+
+
+def _triton_do_bench():
+    try:
+        from triton.testing import do_bench  # type: ignore
+
+        return do_bench
+    except Exception:
+        return None
+
+
+def timer_name() -> str:
+    return "triton.testing.do_bench (median)" if _triton_do_bench() is not None else "CUDA events (median)"
+
+
+def time_ms(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of one call of ``fn`` on the current CUDA stream."""
+    do_bench = _triton_do_bench()
+    if do_bench is not None:
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    est_ms = max((time.perf_counter() - t0) * 1e3 / 3, 1e-3)
+    n = int(min(1000, max(10, 100.0 / est_ms)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def measure_gemm_tflops(device: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: torch.mm(a, b, out=c))
+    del a, b, c
+    return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def measure_copy_tbps(device: torch.device, nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2.0 * nbytes / (ms * 1e-3) / 1e12  # read + write
+
+
+CEILING_MEASURE = {"gemm_bf16_TFLOPs": measure_gemm_tflops, "copy_TBps": measure_copy_tbps}
+
+
+def relative_error(out, ref) -> Optional[float]:
+    if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor) or out.shape != ref.shape:
+        return None
+    o, r = out.float(), ref.float()
+    if not bool(torch.isfinite(o).all()):
+        return float("nan")
+    den = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(o - r).item()
+    return num / den if den > 0 else num
+
+
+# ----------------------------------------------------------------------------
+# Environment
+# ----------------------------------------------------------------------------
+
+
+def environment(device: Optional[torch.device]) -> Dict[str, Any]:
+    env: Dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "timer": timer_name(),
+    }
+    try:
+        import prims_ts
+
+        env["prims_ts"] = prims_ts.__version__
+    except Exception:
+        pass
+    try:
+        import cupy
+
+        env["cupy"] = cupy.__version__
+    except Exception:
+        env["cupy"] = None
+    try:
+        from .cuda import runtime
+
+        env["nvrtc"] = list(runtime.nvrtc_version())
+    except Exception:
+        env["nvrtc"] = None
+    try:
+        import triton  # type: ignore
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    if device is not None and device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, sms=p.multi_processor_count, cc=f"{p.major}.{p.minor}",
+                   memory_GiB=round(p.total_memory / 2 ** 30, 1))
+        try:
+            import cupy
+
+            v = cupy.cuda.runtime.driverGetVersion()
+            env["driver_cuda"] = f"{v // 1000}.{v % 1000 // 10}"
+        except Exception:
+            pass
+    else:
+        env["gpu"] = None
+    return env
+
+
+# ----------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    ms: Optional[float] = None
+    rate: Optional[float] = None  # TFLOP/s or TB/s
+    frac: Optional[float] = None  # rate / ceiling
+    err: Optional[float] = None  # relative error vs the family's reference runner
+    note: str = ""
+    error: str = ""
+
+
+@dataclass
+class Row:
+    problem: Problem
+    cells: Dict[str, Cell] = field(default_factory=dict)
+
+
+def select_problems(quick: bool, families: Optional[Sequence[str]] = None,
+                    match: Optional[str] = None) -> List[Problem]:
+    out = []
+    for fname, fam in FAMILIES.items():
+        if families and fname not in families:
+            continue
+        for p in fam.problems():
+            if quick and not p.quick:
+                continue
+            if match and match.lower() not in f"{fname} {p.name}".lower():
+                continue
+            out.append(p)
+    return out
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:160]
+
+
+def _run_problem(fam: Family, prob: Problem, device: torch.device, ceilings: Dict[str, float],
+                 runners: Optional[Sequence[str]]) -> Row:
+    row = Row(prob)
+    try:
+        inputs = fam.make_inputs(prob, device)
+    except Exception as e:
+        for r in fam.runners:
+            row.cells[r.name] = Cell(error=f"inputs: {_short(e)}")
+        return row
+    ceiling = ceilings.get(CEILING_FOR_UNIT.get(prob.unit, ""), None)
+    refs = [r.strip() for r in (fam.reference or "").split(",") if r.strip()]
+    # Peers first, ours last: a fault in our kernel cannot spoil a peer's number of the same row.
+    order = sorted(fam.runners, key=lambda r: r.name == fam.ours)
+    outputs: Dict[str, Any] = {}
+    for r in order:
+        cell = Cell()
+        row.cells[r.name] = cell
+        if runners and r.name not in runners:
+            cell.error = "skipped"
+            continue
+        try:
+            fn = r.setup(prob, inputs)
+            cell.note = getattr(fn, "note", "")
+            res = fn()
+            torch.cuda.synchronize(device)
+            outputs[r.name] = res
+            del res
+            cell.ms = time_ms(fn)
+            cell.rate = prob.work / (cell.ms * 1e-3) / 1e12
+            if ceiling:
+                cell.frac = cell.rate / ceiling
+        except Exception as e:
+            cell.error = _short(e)
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:
+                pass
+        finally:
+            fn = None
+    ref_name = next((n for n in refs if n in outputs), None)
+    if ref_name is not None:
+        for name, out in outputs.items():
+            if name != ref_name:
+                row.cells[name].err = relative_error(out, outputs[ref_name])
+    ref = None
+    del outputs, ref, inputs
+    torch.cuda.empty_cache()
+    return row
+
+
+def _fmt_cell(c: Optional[Cell], unit: str) -> str:
+    if c is None or c.ms is None:
+        return "n/a"
+    rate = f"{c.rate:.1f}" if unit == "TFLOP/s" else f"{c.rate:.2f}"
+    pct = f" {100 * c.frac:3.0f}%" if c.frac is not None else ""
+    return f"{c.ms:.3f}ms {rate}{pct}"
+
+
+def format_table(rows: List[Row], ceilings: Dict[str, float]) -> str:
+    lines = []
+    by_family: Dict[str, List[Row]] = {}
+    for r in rows:
+        by_family.setdefault(r.problem.family, []).append(r)
+    for fname, frows in by_family.items():
+        fam = FAMILIES[fname]
+        names = [r.name for r in fam.runners]
+        units = sorted({r.problem.unit for r in frows})
+        ceil_txt = ", ".join(f"{CEILING_FOR_UNIT[u]}={ceilings.get(CEILING_FOR_UNIT[u], float('nan')):.1f}"
+                             for u in units if u in CEILING_FOR_UNIT)
+        lines.append(f"== {fname}: cell = median ms, {'/'.join(units)}, % of measured ceiling ({ceil_txt})")
+        cells = [[_fmt_cell(r.cells.get(n), r.problem.unit) for n in names] for r in frows]
+        errs = []
+        for r in frows:
+            c = r.cells.get(fam.ours)
+            if c is None or c.err is None:
+                errs.append("-")
+            elif math.isnan(c.err):
+                errs.append("NaN!")
+            else:
+                errs.append(f"{c.err:.1e}" + (" WRONG" if c.err > 2e-2 else ""))
+        w0 = max(len("problem"), *(len(r.problem.name) for r in frows))
+        widths = [max(len(n), *(len(cs[i]) for cs in cells)) for i, n in enumerate(names)]
+        head = f"{'problem':<{w0}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(names, widths)) + "  err(ours)"
+        lines.append(head)
+        lines.append("-" * len(head))
+        for r, cs, e in zip(frows, cells, errs):
+            lines.append(f"{r.problem.name:<{w0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cs, widths))
+                         + f"  {e}")
+        notes = []
+        for r in frows:
+            for n in names:
+                c = r.cells.get(n)
+                if c is None:
+                    continue
+                if c.error and c.error != "skipped":
+                    notes.append(f"  n/a {r.problem.name} / {n}: {c.error}")
+                elif c.note:
+                    notes.append(f"  note {r.problem.name} / {n}: {c.note}")
+                if n != fam.ours and c.err is not None and not (c.err <= 2e-2):
+                    notes.append(f"  note {r.problem.name} / {n}: output differs from the reference "
+                                 f"(rel err {c.err:.1e})")
+        lines.extend(notes)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def results_json(env: Dict[str, Any], ceilings: Dict[str, float], rows: List[Row], **extra) -> Dict[str, Any]:
+    out_rows = []
+    for r in rows:
+        out_rows.append({
+            "family": r.problem.family,
+            "problem": r.problem.name,
+            "params": r.problem.params,
+            "work": r.problem.work,
+            "unit": r.problem.unit,
+            "runners": {n: {"ms": c.ms, "rate": c.rate, "frac_of_ceiling": c.frac, "rel_err": c.err,
+                            "note": c.note or None, "error": c.error or None} for n, c in r.cells.items()},
+        })
+    return {"env": env, "ceil": ceilings, "rows": out_rows, **extra}
+
+
+def write_plot(path: str, rows: List[Row], ceilings: Dict[str, float]) -> Optional[str]:
+    """PNG grouped bars (one panel per family); returns an error message or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return f"matplotlib is not importable ({e}); no plot written"
+    by_family: Dict[str, List[Row]] = {}
+    for r in rows:
+        by_family.setdefault(r.problem.family, []).append(r)
+    if not by_family:
+        return "no rows to plot"
+    fig, axes = plt.subplots(len(by_family), 1, figsize=(max(8, 1.6 * max(map(len, by_family.values()))),
+                                                         4.5 * len(by_family)), squeeze=False)
+    for ax, (fname, frows) in zip(axes[:, 0], by_family.items()):
+        names = [r.name for r in FAMILIES[fname].runners]
+        unit = frows[0].problem.unit
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            vals = [(r.cells.get(n).rate if r.cells.get(n) and r.cells.get(n).rate else 0.0) for r in frows]
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(frows))]
+            ax.bar(xs, vals, width, label=n)
+        ceil = ceilings.get(CEILING_FOR_UNIT.get(unit, ""))
+        if ceil:
+            ax.axhline(ceil, color="k", linestyle="--", linewidth=1, label=f"ceiling {ceil:.0f} {unit}")
+        ax.set_xticks(range(len(frows)))
+        ax.set_xticklabels([r.problem.name for r in frows], rotation=20, ha="right", fontsize=8)
+        top = max([ceil or 0.0] + [c.rate or 0.0 for r in frows for c in r.cells.values()])
+        if top > 0:
+            ax.set_ylim(0, top * 1.3)  # headroom for the legend
+        ax.set_ylabel(unit)
+        ax.set_title(f"{fname} (bf16; dashed line: ceiling measured in the same run)")
+        ax.legend(fontsize=8, ncol=len(names) + 1, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def run_bench(quick: bool = False, json_path: Optional[str] = None, plot_path: Optional[str] = None,
+              families: Optional[Sequence[str]] = None, match: Optional[str] = None,
+              runners: Optional[Sequence[str]] = None, printer=print) -> int:
+    if not torch.cuda.is_available():
+        printer("prims_ts bench: no CUDA GPU is visible (torch.cuda.is_available() is False); "
+                "benchmarks need one. Nothing to do.")
+        if json_path:
+            _write_json(json_path, results_json(environment(None), {}, [], skipped="no CUDA GPU"))
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    env = environment(device)
+    problems = select_problems(quick, families, match)
+    printer(f"GPU {env.get('gpu')} (cc {env.get('cc')}, {env.get('sms')} SMs), torch {env['torch']}, "
+            f"CUDA {env['cuda']}, cupy {env.get('cupy')}, NVRTC {env.get('nvrtc')}; timer: {env['timer']}")
+    printer(f"{len(problems)} problems{' (--quick)' if quick else ''}, bf16")
+    ceilings: Dict[str, float] = {}
+    rows: List[Row] = []
+    try:
+        for unit in sorted({p.unit for p in problems}):
+            key = CEILING_FOR_UNIT.get(unit)
+            if key:
+                try:
+                    ceilings[key] = CEILING_MEASURE[key](device)
+                    printer(f"ceiling {key}: {ceilings[key]:.1f}")
+                except Exception as e:
+                    printer(f"ceiling {key}: n/a ({_short(e)})")
+        for i, prob in enumerate(problems):
+            t0 = time.perf_counter()
+            row = _run_problem(FAMILIES[prob.family], prob, device, ceilings, runners)
+            rows.append(row)
+            ours = row.cells.get(FAMILIES[prob.family].ours)
+            printer(f"[{i + 1:>2}/{len(problems)}] {prob.family} {prob.name}: "
+                    f"{_fmt_cell(ours, prob.unit)} ({time.perf_counter() - t0:.1f}s)")
+    finally:
+        printer("")
+        printer(format_table(rows, ceilings))
+        if json_path:
+            _write_json(json_path, results_json(env, ceilings, rows, quick=quick))
+            printer(f"wrote {json_path}")
+        if plot_path:
+            msg = write_plot(plot_path, rows, ceilings)
+            printer(msg if msg else f"wrote {plot_path}")
+    return 0
+
+
+def _write_json(path: str, data: Dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------
+# Family: prefill (batch_prefill, fixed [B, S, H, D], bf16)
+# ----------------------------------------------------------------------------
+
+
+def visible_pairs(sq: int, sk: int, causal: bool, window_left: int = -1) -> int:
+    """Exact number of (query, key) pairs the mask lets through (bottom-right causal)."""
+    if not causal:
+        return sq * sk
+    total = 0
+    off = sk - sq
+    for i in range(sq):
+        hi = min(sk - 1, off + i)
+        lo = max(0, off + i - window_left) if window_left >= 0 else 0
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def _prefill_problems() -> List[Problem]:
+    shapes = [
+        # (B, S, Hq, Hkv, D, causal, quick)
+        (8, 1024, 32, 8, 128, False, False),
+        (8, 1024, 32, 8, 128, True, False),
+        (2, 4096, 32, 8, 128, False, True),
+        (2, 4096, 32, 8, 128, True, True),
+        (1, 16384, 32, 8, 128, False, False),
+        (1, 16384, 32, 8, 128, True, True),
+        (2, 4096, 16, 8, 256, False, False),
+        (2, 4096, 16, 8, 256, True, True),
+    ]
+    out = []
+    for b, s, hq, hkv, d, causal, quick in shapes:
+        pairs = visible_pairs(s, s, causal)
+        out.append(Problem(
+            family="prefill",
+            name=f"B{b} S{s} H{hq}/{hkv} D{d} {'causal' if causal else 'dense'}",
+            params=dict(B=b, Sq=s, Sk=s, Hq=hq, Hkv=hkv, D=d, causal=causal, dtype="bf16"),
+            work=4.0 * b * hq * d * pairs,
+            quick=quick,
+        ))
+    return out
+
+
+class PrefillInputs:
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (ours) and contiguous [B, H, S, D] copies (peers)."""
+
+    def __init__(self, prob: Problem, device: torch.device):
+        p = prob.params
+        g = torch.Generator(device=device)
+        g.manual_seed(0)
+        dt = torch.bfloat16
+        self.causal = p["causal"]
+        self.sq, self.sk = p["Sq"], p["Sk"]
+        self.q = torch.randn(p["B"], p["Sq"], p["Hq"], p["D"], device=device, dtype=dt, generator=g)
+        self.k = torch.randn(p["B"], p["Sk"], p["Hkv"], p["D"], device=device, dtype=dt, generator=g)
+        self.v = torch.randn(p["B"], p["Sk"], p["Hkv"], p["D"], device=device, dtype=dt, generator=g)
+        self._bhsd = None
+
+    def bhsd(self):
+        if self._bhsd is None:
+            self._bhsd = tuple(t.transpose(1, 2).contiguous() for t in (self.q, self.k, self.v))
+        return self._bhsd
+
+
+def _to_bshd(o: torch.Tensor) -> torch.Tensor:
+    return o.transpose(1, 2)
+
+
+def _setup_ours_prefill(prob: Problem, x: PrefillInputs):
+    import prims_ts
+
+    out = torch.empty_like(x.q)
+    mask = "causal" if x.causal else "dense"
+
+    def fn():
+        return prims_ts.batch_prefill(x.q, x.k, x.v, mask_type=mask, out=out)
+
+    return fn
+
+
+def _sdpa_setup(backend_name: str):
+    def setup(prob: Problem, x: PrefillInputs):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+        q, k, v = x.bhsd()
+        if x.causal and x.sq != x.sk:
+            raise RuntimeError("SDPA is_causal is top-left aligned; only Sq == Sk is comparable")
+
+        def make(kk, vv, gqa):
+            def fn():
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(q, kk, vv, is_causal=x.causal, enable_gqa=gqa)
+                return _to_bshd(o)
+
+            return fn
+
+        fn = make(k, v, True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                fn()
+                return fn
+            except RuntimeError as e:
+                why = "; ".join(str(w.message).splitlines()[0] for w in caught)[:300]
+                first = RuntimeError(f"{str(e).splitlines()[0]}{' (' + why + ')' if why else ''}")
+        # Backend without native GQA: expand K/V (same math, more K/V bytes), and say so.
+        group = q.shape[1] // k.shape[1]
+        if group == 1:
+            raise first
+        ke, ve = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        fn = make(ke, ve, False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                fn()
+            except RuntimeError:
+                raise first from None
+        fn.note = f"no enable_gqa support: K/V expanded x{group} beforehand"
+        return fn
+
+    return setup
+
+
+_flex_compiled = None
+
+
+def _compiled_flex():
+    global _flex_compiled
+    if _flex_compiled is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        cfg = torch._dynamo.config
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, knob):
+                setattr(cfg, knob, max(getattr(cfg, knob), 64))
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    return _flex_compiled
+
+
+def _setup_flex(prob: Problem, x: PrefillInputs):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = x.bhsd()
+    flex = _compiled_flex()
+    block_mask = None
+    if x.causal:
+        off = x.sk - x.sq
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx + off >= kv_idx
+
+        block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=x.sq, KV_LEN=x.sk, device=q.device)
+
+    def fn():
+        return _to_bshd(flex(q, k, v, block_mask=block_mask, enable_gqa=True))
+
+    return fn
+
+
+register_family(Family(
+    name="prefill",
+    problems=_prefill_problems,
+    make_inputs=PrefillInputs,
+    runners=[
+        Runner("prims_ts", _setup_ours_prefill),
+        Runner("sdpa_cudnn", _sdpa_setup("CUDNN_ATTENTION")),
+        Runner("sdpa_flash", _sdpa_setup("FLASH_ATTENTION")),
+        Runner("flex", _setup_flex),
+    ],
+    reference="sdpa_flash,sdpa_cudnn",
+))

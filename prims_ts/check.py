@@ -1,0 +1,273 @@
+"""``python -m prims_ts check``: every public API on random problems vs. the float64 reference.
+
+The registry holds one list of :class:`CheckCase` per API. A case builds its
+inputs on the requested device (small sizes on the CPU, where the ops run the
+reference itself), calls the public function with an ``out`` tensor poisoned
+with NaN, and returns ``(out, ref)``; the driver measures
+``‖out − ref‖ / ‖ref‖`` against the dtype's tolerance (DESIGN.md, Testing).
+
+A new API adds rows with ``register("api_name", [CheckCase(...), ...])`` at the
+bottom of this module; the driver (:func:`run_checks`) does not change.
+"""
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3}
+
+# (device, small) -> (out, ref); small=True on the CPU.
+CaseFn = Callable[[torch.device, bool], Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    api: str
+    name: str  # short and unique within the API, e.g. "fixed causal+window D128 GQA4"
+    dtype: torch.dtype  # input dtype: sets the tolerance
+    run: CaseFn
+    describe: Callable[[bool], str] = field(default=lambda small: "")  # shapes, for the table
+
+
+REGISTRY: Dict[str, List[CheckCase]] = {}
+
+
+def register(api: str, cases: Sequence[CheckCase]) -> None:
+    REGISTRY.setdefault(api, []).extend(cases)
+
+
+@dataclass
+class CheckResult:
+    case: CheckCase
+    shape: str
+    rel_err: Optional[float]
+    tol: float
+    ok: bool
+    seconds: float
+    error: str = ""
+
+
+def _dt(d: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(d, str(d))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN/Inf anywhere in ``out`` gives NaN (never passes)."""
+    o = out.detach().to(torch.float64)
+    r = ref.detach().to(device=o.device, dtype=torch.float64)
+    if o.shape != r.shape:
+        raise ValueError(f"output shape {tuple(o.shape)} differs from the reference's {tuple(r.shape)}")
+    if not bool(torch.isfinite(o).all()):
+        return float("nan")
+    num = torch.linalg.vector_norm(o - r).item()
+    den = torch.linalg.vector_norm(r).item()
+    return num / den if den > 0 else num
+
+
+def run_case(case: CheckCase, device: torch.device, small: bool) -> CheckResult:
+    tol = TOLERANCE[case.dtype]
+    shape = case.describe(small)
+    t0 = time.perf_counter()
+    try:
+        out, ref = case.run(device, small)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        err = relative_error(out, ref)
+        ok = not math.isnan(err) and err <= tol
+        return CheckResult(case, shape, err, tol, ok, time.perf_counter() - t0,
+                           "" if not math.isnan(err) else "NaN/Inf in output")
+    except Exception as e:  # a failing case is a FAIL row, never an abort
+        msg = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        return CheckResult(case, shape, None, tol, False, time.perf_counter() - t0, msg)
+
+
+def select(apis: Optional[Sequence[str]] = None, match: Optional[str] = None) -> List[CheckCase]:
+    cases = []
+    for api, rows in REGISTRY.items():
+        if apis and api not in apis:
+            continue
+        for c in rows:
+            if match and match.lower() not in f"{api} {c.name}".lower():
+                continue
+            cases.append(c)
+    return cases
+
+
+def run_checks(device: torch.device, apis: Optional[Sequence[str]] = None, match: Optional[str] = None,
+               verbose: bool = False, printer=print) -> List[CheckResult]:
+    """Runs the selected cases on ``device`` and prints a pass/fail table; returns the results."""
+    small = device.type != "cuda"
+    cases = select(apis, match)
+    printer(f"prims_ts check on {device}{' (small sizes, CPU reference kernels)' if small else ''}: "
+            f"{len(cases)} cases; tolerance ‖out-ref‖/‖ref‖ <= 2e-2 bf16, 5e-3 fp16; out poisoned with NaN")
+    w_api = max([len("api")] + [len(c.api) for c in cases])
+    w_name = max([len("case")] + [len(c.name) for c in cases])
+    shapes = [c.describe(small) for c in cases]
+    w_shape = max([len("shape")] + [len(s) for s in shapes])
+    header = (f"{'api':<{w_api}}  {'case':<{w_name}}  {'dtype':<5}  {'shape':<{w_shape}}  "
+              f"{'rel err':>9}  {'tol':>7}  {'time':>6}  result")
+    printer(header)
+    printer("-" * len(header))
+    results = []
+    for case in cases:
+        r = run_case(case, device, small)
+        results.append(r)
+        err = "-" if r.rel_err is None else ("nan" if math.isnan(r.rel_err) else f"{r.rel_err:.2e}")
+        line = (f"{case.api:<{w_api}}  {case.name:<{w_name}}  {_dt(case.dtype):<5}  {r.shape:<{w_shape}}  "
+                f"{err:>9}  {r.tol:>7.0e}  {r.seconds:>5.2f}s  {'PASS' if r.ok else 'FAIL'}")
+        if r.error:
+            line += f"  {r.error}"
+        printer(line)
+        if verbose and not r.ok and r.error:
+            traceback.print_exc()
+    n_fail = sum(not r.ok for r in results)
+    printer("-" * len(header))
+    printer(f"{len(results) - n_fail} passed, {n_fail} failed")
+    return results
+
+
+# ----------------------------------------------------------------------------
+# Shared helpers for cases
+# ----------------------------------------------------------------------------
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def _randn(shape, dtype, device, g) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def _poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+
+
+def _seed(name: str) -> int:
+    return sum((i + 1) * ord(ch) for i, ch in enumerate(name)) % (2 ** 31)
+
+
+# ----------------------------------------------------------------------------
+# batch_prefill (SPEC §1)
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    layout: str  # "fixed" | "packed"
+    mask: str  # "dense" | "causal" | "variable_window"
+    head_dim: int
+    hq: int
+    hkv: int
+    dtype: torch.dtype
+    window_left: int = -1  # GPU value; scaled down on the CPU
+    sq_lt_sk: bool = False  # fixed only: Sq < Sk (bottom-right causal alignment)
+    out_dtype: Optional[torch.dtype] = None
+
+    def sizes(self, small: bool):
+        """fixed: (B, Sq, Sk); packed: (q_lens, kv_lens). Tails on purpose (not tile multiples)."""
+        if self.layout == "fixed":
+            if small:
+                return (2, 29, 53) if self.sq_lt_sk else (2, 40, 40)
+            return (2, 200, 333) if self.sq_lt_sk else (2, 300, 300)
+        if small:
+            return [1, 17, 40], [1, 29, 40]
+        return [1, 130, 300, 77], [1, 190, 300, 500]
+
+    def window(self, small: bool) -> int:
+        if self.window_left < 0:
+            return -1
+        return max(1, self.window_left // 8) if small else self.window_left
+
+    def name(self) -> str:
+        mask = self.mask
+        if self.window_left >= 0:
+            mask += "+window"
+        group = self.hq // self.hkv
+        heads = "MHA" if group == 1 else ("MQA" if self.hkv == 1 else f"GQA{group}")
+        extra = " Sq<Sk" if self.sq_lt_sk else ""
+        extra += f" out={_dt(self.out_dtype)}" if self.out_dtype is not None else ""
+        return f"{self.layout} {mask} D{self.head_dim} {heads}{extra}"
+
+    def describe(self, small: bool) -> str:
+        sz = self.sizes(small)
+        heads = f"H{self.hq}/{self.hkv} D{self.head_dim}"
+        w = self.window(small)
+        win = f" W{w}" if w >= 0 else ""
+        if self.layout == "fixed":
+            b, sq, sk = sz
+            return f"B{b} Sq{sq} Sk{sk} {heads}{win}"
+        ql, kl = sz
+        lens = lambda xs: "[" + ",".join(map(str, xs)) + "]"  # noqa: E731
+        return f"q{lens(ql)} kv{lens(kl)} {heads}{win}"
+
+    def run(self, device: torch.device, small: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        import prims_ts
+        from prims_ts import reference
+
+        g = _gen(_seed(self.name()))
+        d, dt = self.head_dim, self.dtype
+        w = self.window(small)
+        kwargs = dict(mask_type=self.mask, window_left=w)
+        ref_kwargs = dict(mask_type=self.mask, window_left=w)
+        if self.layout == "fixed":
+            b, sq, sk = self.sizes(small)
+            q = _randn((b, sq, self.hq, d), dt, device, g)
+            k = _randn((b, sk, self.hkv, d), dt, device, g)
+            v = _randn((b, sk, self.hkv, d), dt, device, g)
+            if self.mask == "variable_window":
+                lo = torch.randint(0, sk, (b, sq), generator=g)
+                hi = torch.randint(0, sk, (b, sq), generator=g)
+                starts = torch.minimum(lo, hi).to(torch.int32).to(device)
+                ends = torch.maximum(lo, hi).to(torch.int32).to(device)
+                kwargs.update(variable_window_token_starts=starts, variable_window_token_ends=ends)
+                ref_kwargs.update(window_starts=starts, window_ends=ends)
+        else:
+            q_lens, kv_lens = self.sizes(small)
+            qo = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+            kvo = torch.tensor([0] + kv_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+            q = _randn((sum(q_lens), self.hq, d), dt, device, g)
+            k = _randn((sum(kv_lens), self.hkv, d), dt, device, g)
+            v = _randn((sum(kv_lens), self.hkv, d), dt, device, g)
+            kwargs.update(qo_indptr=qo, kv_indptr=kvo)
+            ref_kwargs.update(qo_indptr=qo, kv_indptr=kvo)
+        out = _poisoned(q.shape, self.out_dtype or dt, device)
+        res = prims_ts.batch_prefill(q, k, v, out=out, **kwargs)
+        if res is not out:
+            raise AssertionError("batch_prefill(out=...) must return out itself")
+        ref = reference.batch_prefill(q, k, v, compute_dtype=torch.float64, **ref_kwargs)
+        return out, ref
+
+    def case(self) -> CheckCase:
+        return CheckCase("batch_prefill", self.name(), self.dtype, self.run, self.describe)
+
+
+def _prefill_cases() -> List[CheckCase]:
+    bf16, fp16 = torch.bfloat16, torch.float16
+    specs = []
+    for dt in (bf16, fp16):
+        specs += [
+            PrefillSpec("fixed", "dense", 128, 8, 2, dt),
+            PrefillSpec("fixed", "causal", 128, 8, 2, dt),
+            PrefillSpec("fixed", "causal", 128, 8, 1, dt, sq_lt_sk=True),
+            PrefillSpec("fixed", "causal", 128, 8, 2, dt, window_left=100),
+            PrefillSpec("fixed", "variable_window", 128, 8, 2, dt),
+            PrefillSpec("fixed", "dense", 256, 4, 2, dt),
+            PrefillSpec("fixed", "causal", 256, 4, 4, dt),
+            PrefillSpec("fixed", "variable_window", 256, 4, 2, dt),
+            PrefillSpec("packed", "dense", 128, 8, 2, dt),
+            PrefillSpec("packed", "causal", 128, 8, 2, dt),
+            PrefillSpec("packed", "causal", 256, 4, 1, dt, window_left=64),
+        ]
+    specs.append(PrefillSpec("fixed", "causal", 128, 8, 2, bf16, out_dtype=torch.float32))
+    return [s.case() for s in specs]
+
+
+register("batch_prefill", _prefill_cases())
