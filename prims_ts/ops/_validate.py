@@ -71,6 +71,8 @@ def same_device(pairs: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> torch.de
     for name, t in pairs:
         if t is None:
             continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if dev is None:
             dev, first = t.device, name
         elif t.device != dev:
@@ -93,9 +95,11 @@ def head_dim(name: str, d: int, allowed: Sequence[int]) -> int:
     return d
 
 
-def heads(hq: int, hkv: int) -> int:
+def heads(hq: int, hkv: int, names: Tuple[str, str] = ("q", "k")) -> int:
+    """Query heads per K/V head; `names` are the caller's arguments that carry the counts."""
     if hkv < 1 or hq < 1 or hq % hkv != 0:
-        fail(f"k: number of query heads ({hq}) must be a positive multiple of key/value heads ({hkv})")
+        fail(f"{names[0]}/{names[1]}: the number of query heads ({hq}) must be a positive multiple of "
+             f"the number of key/value heads ({hkv})")
     return hq // hkv
 
 
@@ -106,6 +110,8 @@ def scale(name: str, value, default: Optional[float] = None) -> float:
         return float(default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    if tracing():
+        return value  # may be symbolic under torch.compile(dynamic=True); eager calls check it
     v = float(value)
     if not math.isfinite(v) or v <= 0.0:
         fail(f"{name}: must be finite and positive, got {value}")
@@ -141,8 +147,12 @@ def mask_and_window(mask_type: str, window_left, allowed: Sequence[str]) -> Tupl
 def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype) -> torch.dtype:
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype: expected a torch.dtype, got {type(out_dtype).__name__}")
+    if out_dtype is None and isinstance(out, torch.Tensor):
+        if out.dtype not in OUTPUT_DTYPES:
+            fail(f"out: dtype {_dtype_name(out.dtype)} is not supported; expected float16, bfloat16 or float32")
+        return out.dtype
     if out_dtype is None:
-        out_dtype = out.dtype if isinstance(out, torch.Tensor) else default
+        out_dtype = default
     if out_dtype not in OUTPUT_DTYPES:
         fail(f"out_dtype: {_dtype_name(out_dtype)} is not supported; expected float16, bfloat16 or float32")
     return out_dtype

@@ -339,7 +339,7 @@ class BatchPrefillTSWrapper:
         packed = qo_indptr is not None
         V.integer("num_qo_heads", num_qo_heads, minimum=1)
         V.integer("num_kv_heads", num_kv_heads, minimum=1)
-        group = V.heads(num_qo_heads, num_kv_heads)
+        V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
         d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
         if q_data_type not in V.INPUT_DTYPES:
             V.fail(f"q_data_type: {q_data_type} is not supported; expected float16 or bfloat16")
@@ -389,7 +389,6 @@ class BatchPrefillTSWrapper:
         self._plan = PrefillPlan(packed, batch, num_qo_heads, num_kv_heads, d, mask_type, window_left, sm_scale,
                                  output_scale, odt, max_len, work)
         self._dtype = q_data_type
-        _ = group
 
     def run(
         self,
@@ -424,5 +423,9 @@ class BatchPrefillTSWrapper:
                                 ("variable_window_token_starts", starts)])
         if plan.mask_type == "variable_window":
             _check_varwin(starts, ends, q, k.shape[1], read_values=False)
-        V.out_tensor(out, q.shape, plan.out_dtype, device, [("q", q), ("k", k), ("v", v)])
+        elif starts is not None or ends is not None:
+            V.fail("variable_window_token_starts: only valid when the plan's mask_type is 'variable_window'")
+        V.out_tensor(out, q.shape, plan.out_dtype, device,
+                     [("q", q), ("k", k), ("v", v), ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                      ("variable_window_token_starts", starts), ("variable_window_token_ends", ends)])
         return _call(plan, q, k, v, qo_indptr, kv_indptr, starts, ends, out)

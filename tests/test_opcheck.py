@@ -1,0 +1,193 @@
+"""torch.library.opcheck on the prims_ts prefill ops with CPU tensors.
+
+opcheck runs, for each sample:
+  test_schema                - the schema's mutation/aliasing annotations match what the op does;
+  test_autograd_registration - an autograd kernel is registered where inputs may require grad;
+  test_faketensor            - the fake (meta/prefill.py) agrees with the real kernel on shape/dtype/...;
+  test_aot_dispatch_dynamic  - the op traces through AOTAutograd with dynamic shapes and gives the
+                               same result as eager.
+All four apply to both ops, so every test below runs the full default set
+(``test_utils`` is spelled out so that a later narrowing has to be explicit).
+
+The op signatures (``prims_ts/ops/prefill.py``):
+  batch_prefill(q, k, v, qo_indptr, kv_indptr, window_starts, window_ends, work, mask_type,
+                window_left, sm_scale, output_scale, max_q_len, out_dtype) -> Tensor
+  batch_prefill_out(q, k, v, out, qo_indptr, kv_indptr, window_starts, window_ends, work, mask_type,
+                    window_left, sm_scale, output_scale, max_q_len) -> ()
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import prims_ts  # noqa: F401  (registers the ops and their fakes)
+from prims_ts import reference as R
+
+ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32 = torch.int32
+D = 128
+
+
+def _randn(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def fixed_sample(mask, window, dtype, out_dtype, seed=0):
+    B, sq, sk, hq, hkv = 2, 5, 7, 4, 2
+    q = _randn((B, sq, hq, D), dtype, seed)
+    k = _randn((B, sk, hkv, D), dtype, seed + 1)
+    v = _randn((B, sk, hkv, D), dtype, seed + 2)
+    starts = ends = None
+    if mask == "variable_window":
+        g = torch.Generator().manual_seed(seed + 3)
+        a = torch.randint(0, sk, (B, sq), generator=g, dtype=I32)
+        b = torch.randint(0, sk, (B, sq), generator=g, dtype=I32)
+        starts, ends = torch.minimum(a, b), torch.maximum(a, b)
+    meta = dict(qo_indptr=None, kv_indptr=None, window_starts=starts, window_ends=ends, work=None)
+    scalars = dict(mask_type=mask, window_left=window, sm_scale=1.0 / math.sqrt(D), output_scale=0.75,
+                   max_q_len=sq)
+    return q, k, v, meta, scalars
+
+
+def packed_sample(mask, window, dtype, out_dtype, seed=0, with_work=False):
+    qo, kvo = [0, 3, 4, 9], [0, 6, 7, 13]
+    hq, hkv = 4, 1
+    q = _randn((qo[-1], hq, D), dtype, seed)
+    k = _randn((kvo[-1], hkv, D), dtype, seed + 1)
+    v = _randn((kvo[-1], hkv, D), dtype, seed + 2)
+    work = None
+    if with_work:  # (request, q tile) items, as a wrapper's plan builds them
+        work = torch.tensor([[2, 0], [0, 0], [1, 0]], dtype=I32)
+    meta = dict(qo_indptr=torch.tensor(qo, dtype=I32), kv_indptr=torch.tensor(kvo, dtype=I32), window_starts=None,
+                window_ends=None, work=work)
+    scalars = dict(mask_type=mask, window_left=window, sm_scale=0.1, output_scale=1.0, max_q_len=5)
+    return q, k, v, meta, scalars
+
+
+def functional_args(q, k, v, meta, scalars, out_dtype):
+    return (q, k, v, meta["qo_indptr"], meta["kv_indptr"], meta["window_starts"], meta["window_ends"], meta["work"],
+            scalars["mask_type"], scalars["window_left"], scalars["sm_scale"], scalars["output_scale"],
+            scalars["max_q_len"], out_dtype)
+
+
+def out_args(q, k, v, out, meta, scalars):
+    return (q, k, v, out, meta["qo_indptr"], meta["kv_indptr"], meta["window_starts"], meta["window_ends"],
+            meta["work"], scalars["mask_type"], scalars["window_left"], scalars["sm_scale"],
+            scalars["output_scale"], scalars["max_q_len"])
+
+
+def _reference(q, k, v, meta, scalars):
+    return R.batch_prefill(q, k, v, qo_indptr=meta["qo_indptr"], kv_indptr=meta["kv_indptr"],
+                           mask_type=scalars["mask_type"], window_left=scalars["window_left"],
+                           window_starts=meta["window_starts"], window_ends=meta["window_ends"],
+                           sm_scale=scalars["sm_scale"], output_scale=scalars["output_scale"],
+                           compute_dtype=torch.float64)
+
+
+FIXED = [("dense", -1, BF16, BF16), ("causal", -1, FP16, FP32), ("causal", 2, BF16, FP16),
+         ("variable_window", -1, FP16, FP16)]
+PACKED = [("dense", -1, BF16, FP32, False), ("causal", -1, FP16, FP16, True), ("causal", 0, BF16, BF16, False)]
+
+
+def _check(result):
+    assert set(result) == set(ALL_TESTS), result
+    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("mask,window,dtype,out_dtype", FIXED, ids=[f"{m}{w if w >= 0 else ''}" for m, w, *_ in FIXED])
+def test_opcheck_batch_prefill_fixed(mask, window, dtype, out_dtype):
+    q, k, v, meta, scalars = fixed_sample(mask, window, dtype, out_dtype)
+    args = functional_args(q, k, v, meta, scalars, out_dtype)
+    _check(opcheck(torch.ops.prims_ts.batch_prefill.default, args, test_utils=ALL_TESTS))
+    res = torch.ops.prims_ts.batch_prefill(*args)
+    assert res.dtype == out_dtype and res.shape == q.shape
+    ref = _reference(q, k, v, meta, scalars)
+    assert ((res.double() - ref).norm() / ref.norm()).item() <= 2e-2
+
+
+@pytest.mark.parametrize("mask,window,dtype,out_dtype,with_work", PACKED,
+                         ids=[f"{m}{w if w >= 0 else ''}{'-work' if ww else ''}" for m, w, _, _, ww in PACKED])
+def test_opcheck_batch_prefill_packed(mask, window, dtype, out_dtype, with_work):
+    q, k, v, meta, scalars = packed_sample(mask, window, dtype, out_dtype, with_work=with_work)
+    args = functional_args(q, k, v, meta, scalars, out_dtype)
+    _check(opcheck(torch.ops.prims_ts.batch_prefill.default, args, test_utils=ALL_TESTS))
+    res = torch.ops.prims_ts.batch_prefill(*args)
+    ref = _reference(q, k, v, meta, scalars)
+    assert res.dtype == out_dtype and ((res.double() - ref).norm() / ref.norm()).item() <= 2e-2
+
+
+@pytest.mark.parametrize("mask,window,dtype,out_dtype", FIXED, ids=[f"{m}{w if w >= 0 else ''}" for m, w, *_ in FIXED])
+def test_opcheck_batch_prefill_out_fixed(mask, window, dtype, out_dtype):
+    q, k, v, meta, scalars = fixed_sample(mask, window, dtype, out_dtype, seed=10)
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype)
+    _check(opcheck(torch.ops.prims_ts.batch_prefill_out.default, out_args(q, k, v, out, meta, scalars),
+                   test_utils=ALL_TESTS))
+    out.fill_(float("nan"))
+    assert torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars)) is None
+    ref = _reference(q, k, v, meta, scalars)
+    assert not torch.isnan(out).any()
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 2e-2
+
+
+@pytest.mark.parametrize("mask,window,dtype,out_dtype,with_work", PACKED,
+                         ids=[f"{m}{w if w >= 0 else ''}{'-work' if ww else ''}" for m, w, _, _, ww in PACKED])
+def test_opcheck_batch_prefill_out_packed(mask, window, dtype, out_dtype, with_work):
+    q, k, v, meta, scalars = packed_sample(mask, window, dtype, out_dtype, seed=20, with_work=with_work)
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype)
+    _check(opcheck(torch.ops.prims_ts.batch_prefill_out.default, out_args(q, k, v, out, meta, scalars),
+                   test_utils=ALL_TESTS))
+    out.fill_(float("nan"))
+    torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars))
+    ref = _reference(q, k, v, meta, scalars)
+    assert not torch.isnan(out).any()
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 2e-2
+
+
+def test_opcheck_with_requires_grad_inputs():
+    """test_autograd_registration is meaningful only when an input requires grad: the op must then
+    have an autograd kernel (custom_op registers one that raises on backward), not silently detach.
+
+    test_aot_dispatch_dynamic is left out here on purpose: with inputs that require grad it also
+    traces and runs the *backward*, and these ops are inference kernels with no backward formula
+    (the SPEC asks for none). That the backward fails loudly is checked below instead.
+    """
+    q, k, v, meta, scalars = fixed_sample("causal", -1, FP32, FP32, seed=30)
+    q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
+    args = functional_args(q, k, v, meta, scalars, BF16)
+    _check_subset(opcheck(torch.ops.prims_ts.batch_prefill.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor")),
+                  ("test_schema", "test_autograd_registration", "test_faketensor"))
+    res = torch.ops.prims_ts.batch_prefill(*args)
+    assert res.requires_grad
+    with pytest.raises(RuntimeError, match="autograd|backward"):
+        res.float().sum().backward()
+
+
+def _check_subset(result, names):
+    assert set(result) == set(names), result
+    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
+    assert not bad, bad
+
+
+def test_fake_tensor_shapes():
+    """The fakes give q's shape, the requested dtype, and never read data (meta tensors have none)."""
+    q, k, v, meta, scalars = packed_sample("causal", -1, BF16, FP32)
+    to_meta = {key: (t.to("meta") if isinstance(t, torch.Tensor) else t) for key, t in meta.items()}
+    res = torch.ops.prims_ts.batch_prefill(*functional_args(q.to("meta"), k.to("meta"), v.to("meta"), to_meta,
+                                                            scalars, FP32))
+    assert res.device.type == "meta" and res.shape == q.shape and res.dtype == FP32
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fmeta = {key: (mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) for key, t in meta.items()}
+        res = torch.ops.prims_ts.batch_prefill(*functional_args(fq, fk, fv, fmeta, scalars, FP16))
+        assert res.shape == q.shape and res.dtype == FP16
+        fout = torch.empty(q.shape, dtype=FP32)
+        assert torch.ops.prims_ts.batch_prefill_out(*out_args(fq, fk, fv, fout, fmeta, scalars)) is None
