@@ -1,3 +1,4 @@
+"""Shared pytest setup: the `cuda` marker, skipped on machines without a GPU."""
 import pytest
 import torch
 
