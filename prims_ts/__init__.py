@@ -7,7 +7,14 @@ the pure-PyTorch reference (``prims_ts.reference``).
 from . import ops as _ops  # noqa: F401  (defines the ops)
 from . import meta as _meta  # noqa: F401  (registers their fakes)
 from .ops.prefill import BatchPrefillTSWrapper, batch_prefill
+from .ops.prefill_paged import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 
 __version__ = "0.1.0"
 
-__all__ = ["batch_prefill", "BatchPrefillTSWrapper", "__version__"]
+__all__ = [
+    "batch_prefill",
+    "BatchPrefillTSWrapper",
+    "batch_prefill_with_paged_kv_cache",
+    "BatchPrefillPagedTSWrapper",
+    "__version__",
+]

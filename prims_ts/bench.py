@@ -621,3 +621,78 @@ register_family(Family(
     ],
     reference="sdpa_flash,sdpa_cudnn",
 ))
+
+
+# ----------------------------------------------------------------------------
+# paged prefill (SPEC §2): packed Q over HND page pools, beside our own
+# contiguous batch_prefill and SDPA cuDNN on the same logical problem
+# ----------------------------------------------------------------------------
+
+
+def _paged_prefill_problems() -> List[Problem]:
+    out = []
+    for b, s in ((8, 2048), (2, 8192)):
+        for causal in (False, True):
+            for ps in (16, 64, 128):
+                pairs = visible_pairs(s, s, causal)
+                out.append(Problem(
+                    family="paged_prefill",
+                    name=f"B{b} S{s} H32/8 D128 {'causal' if causal else 'dense'} page{ps}",
+                    params=dict(B=b, Sq=s, Sk=s, Hq=32, Hkv=8, D=128, causal=causal, page_size=ps, dtype="bf16"),
+                    work=4.0 * b * 32 * 128 * pairs,
+                    quick=(b == 8 and causal and ps in (16, 128)),
+                ))
+    return out
+
+
+class PagedPrefillInputs(PrefillInputs):
+    """The prefill inputs plus the same K/V scattered over shuffled pages."""
+
+    def __init__(self, prob: Problem, device: torch.device):
+        super().__init__(prob, device)
+        p = prob.params
+        b, s, ps = p["B"], p["Sk"], p["page_size"]
+        per = s // ps
+        g = torch.Generator(device="cpu")
+        g.manual_seed(1)
+        perm = torch.randperm(b * per, generator=g).to(torch.int32)
+        self.block_tables = perm.view(b, per).to(device)
+        pool = torch.empty(b * per, p["Hkv"], ps, p["D"], device=device, dtype=self.k.dtype)
+        self.k_cache, self.v_cache = pool, torch.empty_like(pool)
+        src_k = self.k.view(b * per, ps, p["Hkv"], p["D"]).transpose(1, 2)
+        src_v = self.v.view(b * per, ps, p["Hkv"], p["D"]).transpose(1, 2)
+        idx = perm.to(device).long()
+        self.k_cache[idx] = src_k
+        self.v_cache[idx] = src_v
+        self.qo_indptr = (torch.arange(b + 1, device=device, dtype=torch.int32) * p["Sq"])
+        self.seq_lens = torch.full((b,), s, device=device, dtype=torch.int32)
+        self.q_packed = self.q.reshape(b * p["Sq"], p["Hq"], p["D"])
+        self.page_size = ps
+
+
+def _setup_ours_paged(prob: Problem, x: PagedPrefillInputs):
+    import prims_ts
+
+    mask = "causal" if x.causal else "dense"
+    w = prims_ts.BatchPrefillPagedTSWrapper()
+    w.plan(x.qo_indptr, x.block_tables, x.seq_lens, num_qo_heads=x.q.shape[2], num_kv_heads=x.k.shape[2],
+           head_dim=x.q.shape[3], page_size=x.page_size, mask_type=mask, q_data_type=x.q.dtype)
+    out = torch.empty_like(x.q_packed)
+
+    def fn():
+        return w.run(x.q_packed, x.k_cache, x.v_cache, out=out).view(x.q.shape)
+
+    return fn
+
+
+register_family(Family(
+    name="paged_prefill",
+    problems=_paged_prefill_problems,
+    make_inputs=PagedPrefillInputs,
+    runners=[
+        Runner("prims_ts", _setup_ours_paged),
+        Runner("prims_ts_contiguous", _setup_ours_prefill),
+        Runner("sdpa_cudnn", _sdpa_setup("CUDNN_ATTENTION")),
+    ],
+    reference="prims_ts_contiguous,sdpa_cudnn",
+))

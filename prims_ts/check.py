@@ -271,3 +271,82 @@ def _prefill_cases() -> List[CheckCase]:
 
 
 register("batch_prefill", _prefill_cases())
+
+
+# ----------------------------------------------------------------------------
+# batch_prefill_with_paged_kv_cache (SPEC §2)
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PagedPrefillSpec:
+    page_size: int
+    mask: str  # "dense" | "causal"
+    head_dim: int
+    hq: int
+    hkv: int
+    dtype: torch.dtype
+    window_left: int = -1
+
+    def sizes(self, small: bool):
+        """(q_lens, kv_lens): lengths that are not page multiples, Sq <= Sk."""
+        if small:
+            return [1, 17, 30], [5, 40, 30]
+        return [1, 130, 300, 77], [17, 190, 300, 1030]
+
+    def name(self) -> str:
+        mask = self.mask + ("+window" if self.window_left >= 0 else "")
+        return f"page{self.page_size} {mask} D{self.head_dim} H{self.hq}/{self.hkv}"
+
+    def describe(self, small: bool) -> str:
+        ql, kl = self.sizes(small)
+        return f"q{ql} kv{kl} ps{self.page_size}".replace(" ", "")
+
+    def run(self, device: torch.device, small: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        import prims_ts
+        from prims_ts import reference
+
+        g = _gen(_seed(self.name()))
+        ps, d, dt = self.page_size, self.head_dim, self.dtype
+        q_lens, kv_lens = self.sizes(small)
+        need = [(n + ps - 1) // ps for n in kv_lens]
+        cols = max(need) + 2  # padding columns at the end of every row
+        pool = sum(need) + 3
+        # non-identity page order; the table is a row-strided view of a wider one
+        perm = torch.randperm(pool, generator=g).to(torch.int32)
+        wide = torch.full((len(q_lens), cols + 5), -1, dtype=torch.int32)
+        at = 0
+        for b, n in enumerate(need):
+            wide[b, :n] = perm[at:at + n]
+            at += n
+        table = wide.to(device)[:, :cols]
+        kc = _randn((pool, self.hkv, ps, d), dt, device, g)
+        vc = _randn((pool, self.hkv, ps, d), dt, device, g)
+        qo = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+        lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+        q = _randn((sum(q_lens), self.hq, d), dt, device, g)
+        out = _poisoned(q.shape, dt, device)
+        w = self.window_left if not small or self.window_left < 0 else max(1, self.window_left // 8)
+        prims_ts.batch_prefill_with_paged_kv_cache(q, kc, vc, qo, table, lens, page_size=ps, mask_type=self.mask,
+                                                   window_left=w, out=out)
+        ref = reference.batch_prefill_paged(q, kc, vc, qo, table, lens, mask_type=self.mask, window_left=w,
+                                            compute_dtype=torch.float64)
+        return out, ref
+
+    def case(self) -> CheckCase:
+        return CheckCase("batch_prefill_with_paged_kv_cache", self.name(), self.dtype, self.run, self.describe)
+
+
+def _paged_prefill_cases() -> List[CheckCase]:
+    bf16, fp16 = torch.bfloat16, torch.float16
+    specs = [
+        PagedPrefillSpec(16, "causal", 128, 8, 2, bf16),
+        PagedPrefillSpec(32, "dense", 128, 8, 2, bf16),
+        PagedPrefillSpec(64, "causal", 256, 4, 1, bf16, window_left=64),
+        PagedPrefillSpec(128, "causal", 128, 8, 8, fp16),
+        PagedPrefillSpec(16, "dense", 256, 4, 2, fp16),
+    ]
+    return [s.case() for s in specs]
+
+
+register("batch_prefill_with_paged_kv_cache", _paged_prefill_cases())

@@ -121,3 +121,40 @@ def batch_prefill(
         vis = visible_keys(q.shape[1], k.shape[1], mask_type, window_left, starts, ends, device=q.device)
         out[b] = attend(q[b], k[b], v[b], vis, sm_scale, output_scale, compute_dtype)
     return out
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """Logical rows ``0 .. length-1`` of one request from an HND pool ``[P, H, ps, D]``: ``[length, H, D]``."""
+    rows = cache[pages.long()]  # [n, H, ps, D]
+    return rows.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:length]
+
+
+def batch_prefill_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    mask_type: str = "dense",
+    window_left: int = -1,
+    sm_scale: Optional[float] = None,
+    output_scale: float = 1.0,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Packed Q ``[T, Hq, D]`` over HND page pools (SPEC §2). Returns ``[T, Hq, D]`` in ``compute_dtype``."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    ps = k_cache.shape[2]
+    qo = [int(x) for x in qo_indptr.tolist()]
+    lens = [int(x) for x in seq_lens.tolist()]
+    out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    for b in range(len(qo) - 1):
+        sk = lens[b]
+        pages = block_tables[b, : (sk + ps - 1) // ps].to(k_cache.device)
+        kb, vb = gather_pages(k_cache, pages, sk), gather_pages(v_cache, pages, sk)
+        qb = q[qo[b]:qo[b + 1]]
+        vis = visible_keys(qb.shape[0], sk, mask_type, window_left, device=q.device)
+        out[qo[b]:qo[b + 1]] = attend(qb, kb, vb, vis, sm_scale, output_scale, compute_dtype)
+    return out

@@ -1,10 +1,14 @@
-// Contiguous (fixed or packed-ragged) prefill: batch_prefill.
+// Prefill over contiguous K/V (batch_prefill: fixed or packed-ragged) or over
+// paged K/V pools (batch_prefill_with_paged_kv_cache: packed Q, block tables).
 //
 // Work policy: blockIdx.y is the query head; blockIdx.x is a work item, either
 // read from the plan's list (request, q tile) or, without one, decoded so that
 // the highest q tiles (the heaviest under a causal mask) come first.
 // Address policy: rows of q/k/v/o are strided; packed storage offsets requests
 // by the live indptr values, so a replay with changed offsets needs no re-plan.
+// PAGED: K/V row j of request b lives in page block_tables[b][j / page_size],
+// slot j % page_size; the page ID is read once per row for both K and V, and
+// K/V tiles are copied straight from the pages (no gather into a copy).
 // Range and mask policies: dense, bottom-right causal with optional left window,
 // per-row variable window.
 //
@@ -25,11 +29,15 @@ struct PrefillParams {
   const int* win_starts;  // variable window: [B, Sq] rows of stride win_stride
   const int* win_ends;
   const int* work;  // [n_items, 2] = (request, q tile); null: implicit order
+  const int* block_tables;  // paged: [B, C] rows of stride bt_stride
+  const int* seq_lens;  // paged: [B] live K/V lengths
   i64 q_sb, q_st, q_sh;  // strides in elements: request, token, head
-  i64 k_sb, k_st, k_sh;
+  i64 k_sb, k_st, k_sh;  // paged: page, slot, head
   i64 v_sb, v_st, v_sh;
   i64 o_sb, o_st, o_sh;
   i64 win_stride;
+  i64 bt_stride;
+  int page_shift;  // paged: log2(page_size)
   int batch;
   int sq, sk;  // fixed storage lengths
   int num_q_tiles;  // implicit order: tiles per request
@@ -40,13 +48,16 @@ struct PrefillParams {
   float out_scale;
 };
 
-template <class T, int BN, int MASK>
+template <class T, int BN, int MASK, bool PAGED>
 struct PrefillProblem {
   const T* q;
-  const T* k;
+  const T* k;  // request and K/V head applied (contiguous) / K/V head applied (paged)
   const T* v;
   char* o;
-  i64 q_st, k_st, v_st, o_st;
+  i64 q_st, k_st, v_st, o_st;  // row strides (paged: slot strides)
+  i64 k_sp, v_sp;  // paged: page strides
+  const int* bt;  // paged: this request's block-table row
+  int page_shift;
   int out_dtype;
   int q_rows, sk, kv_begin, kv_end;
   int diag0;  // key index on the causal diagonal of tile row 0
@@ -55,8 +66,14 @@ struct PrefillProblem {
   const int* hi;
 
   __device__ __forceinline__ const T* q_row(int r) const { return q + r * q_st; }
-  __device__ __forceinline__ const T* k_row(int j) const { return k + j * k_st; }
-  __device__ __forceinline__ const T* v_row(int j) const { return v + j * v_st; }
+  __device__ __forceinline__ KVRow<T> kv_row(int j) const {
+    if (PAGED) {
+      const i64 page = bt[j >> page_shift];
+      const i64 slot = j & ((1 << page_shift) - 1);
+      return {k + page * k_sp + slot * k_st, v + page * v_sp + slot * v_st};
+    }
+    return {k + j * k_st, v + j * v_st};
+  }
 
   __device__ __forceinline__ bool tile_needs_mask(int k0) const {
     if (MASK == MASK_VARWIN) return true;
@@ -88,7 +105,7 @@ struct PrefillProblem {
   }
 };
 
-template <class Cfg, int MASK>
+template <class Cfg, int MASK, bool PAGED>
 __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM;
@@ -109,18 +126,31 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
   if (p.qo_indptr != nullptr) {
     q_start = p.qo_indptr[b];
     sq = p.qo_indptr[b + 1] - q_start;
-    kv_start = p.kv_indptr[b];
-    sk = p.kv_indptr[b + 1] - kv_start;
+    if (PAGED) {
+      sk = p.seq_lens[b];
+    } else {
+      kv_start = p.kv_indptr[b];
+      sk = p.kv_indptr[b + 1] - kv_start;
+    }
   }
   const int q0 = qt * BM;
   if (q0 >= sq) return;
 
   // ---- address policy ---------------------------------------------------------
-  PrefillProblem<T, Cfg::BN, MASK> pb;
+  PrefillProblem<T, Cfg::BN, MASK, PAGED> pb;
   const int hk = h / p.group;
   pb.q = static_cast<const T*>(p.q) + b * p.q_sb + (i64)(q_start + q0) * p.q_st + h * p.q_sh;
-  pb.k = static_cast<const T*>(p.k) + b * p.k_sb + (i64)kv_start * p.k_st + hk * p.k_sh;
-  pb.v = static_cast<const T*>(p.v) + b * p.v_sb + (i64)kv_start * p.v_st + hk * p.v_sh;
+  if (PAGED) {
+    pb.k = static_cast<const T*>(p.k) + hk * p.k_sh;
+    pb.v = static_cast<const T*>(p.v) + hk * p.v_sh;
+    pb.k_sp = p.k_sb;
+    pb.v_sp = p.v_sb;
+    pb.bt = p.block_tables + b * p.bt_stride;
+    pb.page_shift = p.page_shift;
+  } else {
+    pb.k = static_cast<const T*>(p.k) + b * p.k_sb + (i64)kv_start * p.k_st + hk * p.k_sh;
+    pb.v = static_cast<const T*>(p.v) + b * p.v_sb + (i64)kv_start * p.v_st + hk * p.v_sh;
+  }
   const int osz = p.out_dtype == OUT_F32 ? 4 : 2;
   pb.o = static_cast<char*>(p.o) + (b * p.o_sb + (i64)(q_start + q0) * p.o_st + h * p.o_sh) * osz;
   pb.q_st = p.q_st;

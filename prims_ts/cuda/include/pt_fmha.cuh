@@ -5,7 +5,7 @@
 //
 // Everything that differs between the APIs is a *policy* supplied by the caller
 // through the `Problem` type (see pt_policies.cuh):
-//   address  q_row(r) / k_row(j) / v_row(j): where a row lives;
+//   address  q_row(r) / kv_row(j): where a query row and K/V row j live;
 //   range    kv_begin / kv_end: which keys the tile visits;
 //   mask     tile_needs_mask(k0) and visible(r, j): the per-element predicate;
 //   output   store2(r, d, x, y): where and how results are written.
@@ -69,6 +69,21 @@ __device__ __forceinline__ void load_tile(u32 smem_base, int rows, RowFn row_ptr
   }
 }
 
+// Row j of the K and V streams as resolved by the address policy.
+template <class T> struct KVRow {
+  const T* k;
+  const T* v;
+};
+
+// Copy `rows` valid K and V rows into two tiles (same layout); zero-fill the rest.
+// K first, then V: each pass keeps only the pointer it needs live (fewer registers
+// than one pass over both; paged policies then look each page ID up twice, in L1).
+template <class Tile, int THREADS, class RowFn>
+__device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, int rows, RowFn kv_row) {
+  load_tile<Tile, THREADS>(sk, rows, [&](int r) { return kv_row(r).k; });
+  load_tile<Tile, THREADS>(sv, rows, [&](int r) { return kv_row(r).v; });
+}
+
 template <class Cfg, class Problem>
 __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float scale_log2, float out_scale) {
   using T = typename Cfg::T;
@@ -96,8 +111,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   auto issue_kv = [&](int it, int stage) {
     const int k0 = (nb_last - it) * BN;
     const int rows = min_(BN, pb.sk - k0);
-    load_tile<KVTile, THREADS>(sK(stage), rows, [&](int r) { return pb.k_row(k0 + r); });
-    load_tile<KVTile, THREADS>(sV(stage), rows, [&](int r) { return pb.v_row(k0 + r); });
+    load_kv_tiles<KVTile, THREADS>(sK(stage), sV(stage), rows, [&](int r) { return pb.kv_row(k0 + r); });
   };
 
   load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); });
