@@ -8,14 +8,13 @@ skips host reads of metadata values, dynamic shapes), not the math.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import prims_ts
+from aoti_child import run_aoti_in_child
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R
 
@@ -303,48 +302,6 @@ def _aoti_body(package_path: str) -> None:
         outs = compiled(*a)
         assert isinstance(outs, (list, tuple)) and len(outs) == 2
         _check_module_outputs(outs, a)
-
-
-# AOTInductor runs in a child process: a crash while loading the compiled .so (seen on a
-# torch 2.11 image, where loading *any* AOTI package segfaulted) must fail or skip this one
-# test, not kill the whole pytest session.
-_AOTI_CHILD = """
-import sys
-sys.path[:0] = [{here!r}, {root!r}]
-import {module} as t
-t._aoti_body({path!r})
-print("AOTI_OK")
-"""
-
-_AOTI_CANARY = """
-import sys, torch
-class M(torch.nn.Module):
-    def forward(self, x):
-        return (x * 2).sin()
-x = torch.randn(64, 128, device=sys.argv[2])
-ep = torch.export.export(M(), (x,))
-m = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=sys.argv[1]))
-torch.testing.assert_close(m(x), M()(x))
-print("CANARY_OK")
-"""
-
-
-def run_aoti_in_child(module_file: str, device: str, tmp_path) -> None:
-    here = os.path.dirname(os.path.abspath(module_file))
-    module = os.path.splitext(os.path.basename(module_file))[0]
-    code = _AOTI_CHILD.format(here=here, root=os.path.dirname(here), module=module,
-                              path=str(tmp_path / f"prefill_{device}.pt2"))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200)
-    if res.returncode == 0 and "AOTI_OK" in res.stdout:
-        return
-    log = f"rc={res.returncode}\n--- stdout ---\n{res.stdout[-4000:]}\n--- stderr ---\n{res.stderr[-8000:]}"
-    if res.returncode < 0:  # killed by a signal: is AOTInductor usable here at all?
-        canary = subprocess.run([sys.executable, "-c", _AOTI_CANARY, str(tmp_path / "canary.pt2"), device],
-                                capture_output=True, text=True, timeout=1200)
-        if canary.returncode != 0:
-            pytest.skip(f"AOTInductor ({device}) is broken in this environment: a trivial (x*2).sin() package "
-                        f"also fails (rc={canary.returncode}, torch {torch.__version__})")
-    pytest.fail(f"AOTInductor run of the prims_ts module failed:\n{log}")
 
 
 def test_aoti_package_load_run(tmp_path):

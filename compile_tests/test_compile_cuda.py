@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 import prims_ts  # noqa: F401
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R
+from aoti_child import run_aoti_in_child
 
 pytestmark = pytest.mark.cuda
 
@@ -338,45 +339,5 @@ def _aoti_body(package_path: str) -> None:
         _check_module_outputs(outs, a)
 
 
-# AOTInductor runs in a child process: a crash while loading the compiled .so (seen on a
-# torch 2.11+cu130 image, where loading *any* CUDA AOTI package segfaults) must fail or skip this
-# one test, not kill the whole pytest session.
-_AOTI_CHILD = """
-import sys
-sys.path[:0] = [{here!r}, {root!r}]
-import test_compile_cuda as t
-t._aoti_body({path!r})
-print("AOTI_OK")
-"""
-
-_AOTI_CANARY = """
-import sys, torch
-class M(torch.nn.Module):
-    def forward(self, x):
-        return (x * 2).sin()
-x = torch.randn(64, 128, device="cuda")
-ep = torch.export.export(M(), (x,))
-m = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=sys.argv[1]))
-torch.testing.assert_close(m(x), M()(x))
-print("CANARY_OK")
-"""
-
-
 def test_aoti_package_load_run(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = _AOTI_CHILD.format(here=here, root=os.path.dirname(here), path=str(tmp_path / "prefill_cuda.pt2"))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200)
-    if res.returncode == 0 and "AOTI_OK" in res.stdout:
-        return
-    log = f"rc={res.returncode}\n--- stdout ---\n{res.stdout[-4000:]}\n--- stderr ---\n{res.stderr[-8000:]}"
-    if res.returncode < 0:  # killed by a signal: is AOTInductor on CUDA usable here at all?
-        canary = subprocess.run([sys.executable, "-c", _AOTI_CANARY, str(tmp_path / "canary.pt2")],
-                                capture_output=True, text=True, timeout=1200)
-        if canary.returncode != 0:
-            pytest.skip(f"AOTInductor on CUDA is broken in this environment: a trivial (x*2).sin() package "
-                        f"also fails (rc={canary.returncode}, torch {torch.__version__}); prims_ts run: {log[:300]}")
-    pytest.fail(f"AOTInductor run of the prims_ts module failed:\n{log}")
+    run_aoti_in_child(__file__, DEVICE, tmp_path)

@@ -1,4 +1,4 @@
-"""Small batch_prefill cases for compute-sanitizer (not collected by pytest).
+"""Small prefill (contiguous and paged) cases for compute-sanitizer (not collected by pytest).
 
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
 """
@@ -36,6 +36,21 @@ def main() -> None:
         out = prims_ts.batch_prefill(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")
         ref = R.batch_prefill(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal", compute_dtype=torch.float64)
         assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-3
+    # paged prefill: shuffled pages, a padded row-strided table, lengths not page multiples
+    for ps in (16, 128):
+        pool = 12
+        kc = torch.randn(pool, 2, ps, 128, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        wide = torch.randperm(pool, device=dev).to(torch.int32).view(2, 6)
+        table = wide[:, :4]
+        lens = torch.tensor([3 * ps + 1, 2 * ps - 5], dtype=torch.int32, device=dev)
+        qo = torch.tensor([0, 20, 45], dtype=torch.int32, device=dev)
+        q = torch.randn(45, 8, 128, device=dev, dtype=torch.bfloat16)
+        out = prims_ts.batch_prefill_with_paged_kv_cache(q, kc, vc, qo, table, lens, page_size=ps, mask_type="causal")
+        ref = R.batch_prefill_paged(q, kc, vc, qo, table, lens, mask_type="causal", compute_dtype=torch.float64)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        print(f"paged ps={ps}: rel err {err:.2e}")
+        assert err < 2e-2
     torch.cuda.synchronize()
     print("sanitize cases done")
 
