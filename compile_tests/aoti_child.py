@@ -3,7 +3,7 @@
 A crash while loading a compiled AOTInductor package (seen on a torch 2.11+cu130
 image, where loading *any* package segfaulted) must fail or skip one test, not kill
 the whole pytest session. The child imports the calling test module and calls its
-``_aoti_body(package_path)``.
+``_aoti_body(package_path, device)``.
 """
 import os
 import subprocess
@@ -16,7 +16,7 @@ _CHILD = """
 import sys
 sys.path[:0] = [{here!r}, {root!r}]
 import {module} as t
-t._aoti_body({path!r})
+t._aoti_body({path!r}, {device!r})
 print("AOTI_OK")
 """
 
@@ -36,7 +36,7 @@ print("CANARY_OK")
 def run_aoti_in_child(module_file: str, device: str, tmp_path) -> None:
     here = os.path.dirname(os.path.abspath(module_file))
     module = os.path.splitext(os.path.basename(module_file))[0]
-    code = _CHILD.format(here=here, root=os.path.dirname(here), module=module,
+    code = _CHILD.format(here=here, root=os.path.dirname(here), module=module, device=device,
                          path=str(tmp_path / f"{module}_{device}.pt2"))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200)
     if res.returncode == 0 and "AOTI_OK" in res.stdout:

@@ -326,7 +326,7 @@ def test_export_dynamic_shapes():
         _check_module_outputs(ep.module()(*a), a)
 
 
-def _aoti_body(package_path: str) -> None:
+def _aoti_body(package_path: str, device: str) -> None:
     """Export (dynamic shapes) -> aoti_compile_and_package -> aoti_load_package -> run == eager."""
     args = _module_inputs(*EXAMPLE, seed=11)
     ep = torch.export.export(Prefill(), args, dynamic_shapes=_dynamic_shapes())

@@ -1,6 +1,6 @@
 """batch_prefill on the GPU against the float64 reference (the correctness grid)."""
 import itertools
-import math
+import zlib
 
 import pytest
 import torch
@@ -43,7 +43,7 @@ def _windows(B, Sq, Sk, g):
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("mask,window", MASKS, ids=[f"{m}{w}" for m, w in MASKS])
 def test_fixed_grid(mask, window, d, group, dtype):
-    g = _gen(hash((mask, window, d, group, str(dtype))) % 2**31)
+    g = _gen(zlib.crc32(repr((mask, window, d, group, str(dtype))).encode()))
     hkv = 2
     hq = hkv * group
     for sq, sk in FIXED_LENGTHS:
@@ -71,7 +71,7 @@ def test_fixed_grid(mask, window, d, group, dtype):
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("mask,window", MASKS[:4], ids=[f"{m}{w}" for m, w in MASKS[:4]])
 def test_packed_grid(mask, window, d, group, dtype):
-    g = _gen(hash(("packed", mask, window, d, group, str(dtype))) % 2**31)
+    g = _gen(zlib.crc32(repr(("packed", mask, window, d, group, str(dtype))).encode()))
     hkv = 2
     hq = hkv * group
     qo = torch.tensor([0] + list(itertools.accumulate(PACKED_Q)), dtype=torch.int32, device="cuda")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 from typing import List, Optional
 
 import pytest
@@ -137,7 +138,7 @@ FIXED_GRID = [
                          ids=[f"{m}{w if w >= 0 else ''}-{sq}x{sk}-h{hq}/{hkv}-d{d}"
                               for m, w, sq, sk, hq, hkv, d in FIXED_GRID])
 def test_reference_fixed_matches_naive(mask, window, sq, sk, hq, hkv, d):
-    g = gen(hash((mask, window, sq, sk, hq, hkv, d)) % 2**31)
+    g = gen(zlib.crc32(repr((mask, window, sq, sk, hq, hkv, d)).encode()))
     B = 2
     q, k, v = randn((B, sq, hq, d), F64, g), randn((B, sk, hkv, d), F64, g), randn((B, sk, hkv, d), F64, g)
     starts = ends = None
@@ -294,7 +295,7 @@ def _ref_kwargs(meta):
 @pytest.mark.parametrize("storage,mask,window,hq,hkv,d", CONFIGS,
                          ids=[f"{s}-{m}{w if w >= 0 else ''}-h{hq}/{hkv}-d{d}" for s, m, w, hq, hkv, d in CONFIGS])
 def test_public_cpu_matches_reference(storage, mask, window, hq, hkv, d, out_dtype, in_dtype):
-    g = gen(hash((storage, mask, window, hq, hkv, d, str(out_dtype), str(in_dtype))) % 2**31)
+    g = gen(zlib.crc32(repr((storage, mask, window, hq, hkv, d, str(out_dtype), str(in_dtype))).encode()))
     q, k, v, meta = _problem(storage, mask, hq, hkv, d, in_dtype, g)
     q_before = q.clone()
     ref = ref64(q, k, v, mask_type=mask, window_left=window, **_ref_kwargs(meta))
@@ -371,7 +372,7 @@ def test_public_cpu_strided_inputs():
 @pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", -1), ("causal", 2), ("variable_window", -1)])
 @pytest.mark.parametrize("in_dtype", [FP16, BF16], ids=["fp16", "bf16"])
 def test_wrapper_fixed(mask, window, in_dtype):
-    g = gen(hash((mask, window, str(in_dtype))) % 2**31)
+    g = gen(zlib.crc32(repr((mask, window, str(in_dtype))).encode()))
     B, sq, sk, hq, hkv, d = 2, 4, 7, 4, 2, 128
     w = BatchPrefillTSWrapper()
     w.plan(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, batch_size=B, q_len=sq, kv_len=sk, mask_type=mask,
@@ -397,7 +398,7 @@ def test_wrapper_fixed(mask, window, in_dtype):
 @pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", -1), ("causal", 1)])
 @pytest.mark.parametrize("in_dtype", [FP16, BF16], ids=["fp16", "bf16"])
 def test_wrapper_packed(mask, window, in_dtype):
-    g = gen(hash((mask, window, str(in_dtype), "p")) % 2**31)
+    g = gen(zlib.crc32(repr((mask, window, str(in_dtype), "p")).encode()))
     hq, hkv, d = 4, 1, 128
     qo = torch.tensor([0, 2, 7, 8], dtype=I32)
     kvo = torch.tensor([0, 3, 9, 13], dtype=I32)
@@ -430,7 +431,7 @@ REWRITES = [
 @pytest.mark.parametrize("mask,window,max_q_len,planned,rewritten", REWRITES,
                          ids=["kv_only", "q_and_kv", "window", "dense"])
 def test_wrapper_packed_run_after_inplace_indptr_rewrite(mask, window, max_q_len, planned, rewritten):
-    g = gen(hash((mask, window, str(max_q_len), str(rewritten))) % 2**31)
+    g = gen(zlib.crc32(repr((mask, window, str(max_q_len), str(rewritten))).encode()))
     hq, hkv, d = 4, 2, 128
     qo = torch.tensor(planned[0], dtype=I32)
     kvo = torch.tensor(planned[1], dtype=I32)

@@ -89,6 +89,15 @@ def same_dtype(pairs: Sequence[Tuple[str, torch.Tensor]]) -> torch.dtype:
     return t0.dtype
 
 
+def input_dtype(name: str, value) -> torch.dtype:
+    """A dtype argument naming the query/key/value dtype (plan's q_data_type)."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{name}: expected a torch.dtype, got {type(value).__name__}")
+    if value not in INPUT_DTYPES:
+        fail(f"{name}: {_dtype_name(value)} is not supported; expected float16 or bfloat16")
+    return value
+
+
 def head_dim(name: str, d: int, allowed: Sequence[int]) -> int:
     if d not in allowed:
         fail(f"{name}: head dim {d} is not supported; expected one of {', '.join(map(str, allowed))}")

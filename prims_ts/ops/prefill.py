@@ -341,8 +341,7 @@ class BatchPrefillTSWrapper:
         V.integer("num_kv_heads", num_kv_heads, minimum=1)
         V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
         d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
-        if q_data_type not in V.INPUT_DTYPES:
-            V.fail(f"q_data_type: {q_data_type} is not supported; expected float16 or bfloat16")
+        V.input_dtype("q_data_type", q_data_type)
         mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
         sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(d))
         output_scale = V.scale("output_scale", output_scale)

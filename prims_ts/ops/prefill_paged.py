@@ -283,8 +283,7 @@ class BatchPrefillPagedTSWrapper:
         V.integer("num_kv_heads", num_kv_heads, minimum=1)
         V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
         d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
-        if q_data_type not in V.INPUT_DTYPES:
-            V.fail(f"q_data_type: {q_data_type} is not supported; expected float16 or bfloat16")
+        V.input_dtype("q_data_type", q_data_type)
         batch, _ = _check_metadata(qo_indptr, block_tables, seq_lens_kv)
         device = V.same_device(_metadata_inputs(qo_indptr, block_tables, seq_lens_kv))
         mask_type, window_left, sm_scale, output_scale = _common_args(mask_type, window_left, sm_scale,
