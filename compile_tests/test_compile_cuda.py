@@ -15,6 +15,7 @@ import prims_ts  # noqa: F401
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R
 from aoti_child import run_aoti_in_child
+from cuda_graphs import assert_no_allocation_no_sync, warm_and_capture
 
 pytestmark = pytest.mark.cuda
 
@@ -191,28 +192,8 @@ def test_compile_dynamic_packed_oneshot():
 # ----------------------------------------------------------------------------
 
 
-def _warm_and_capture(fn):
-    """Warm once on a side stream (compiles and loads the kernel), then capture fn into a graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
-def _assert_no_allocation(fn):
-    """A warmed run with out= given makes no request to torch's allocator (cumulative count)."""
-    torch.cuda.synchronize()
-    n0 = torch.cuda.memory_stats()["allocation.all.allocated"]
-    fn()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == n0, "run(out=...) allocated device memory"
 
 
 @pytest.mark.parametrize("mask,window", [("causal", -1), ("causal", 64), ("dense", -1)])
@@ -226,8 +207,8 @@ def test_cuda_graph_wrapper_packed_replay_with_new_offsets(mask, window):
     q, k, v = packed_inputs([0, 250], [0, 500], hq, hkv, d, BF16, g)
     out = torch.full(q.shape, NAN, dtype=BF16, device=DEVICE)
 
-    graph = _warm_and_capture(lambda: w.run(q, k, v, out=out))
-    _assert_no_allocation(lambda: w.run(q, k, v, out=out))
+    graph = warm_and_capture(lambda: w.run(q, k, v, out=out))
+    assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out))
     assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)) \
         <= TOL[BF16]
 
@@ -261,7 +242,7 @@ def test_cuda_graph_wrapper_fixed_variable_window_replay():
     q, k, v = fixed_inputs(B, sq, sk, hq, hkv, d, FP16, g)
     starts, ends = bounds(B, sq, sk, g)
     out = torch.full(q.shape, NAN, dtype=FP32, device=DEVICE)
-    graph = _warm_and_capture(lambda: w.run(q, k, v, out=out, variable_window_token_starts=starts,
+    graph = warm_and_capture(lambda: w.run(q, k, v, out=out, variable_window_token_starts=starts,
                                             variable_window_token_ends=ends))
     for _ in range(2):
         s2, e2 = bounds(B, sq, sk, g)

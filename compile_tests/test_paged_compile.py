@@ -21,6 +21,7 @@ import prims_ts  # noqa: F401
 from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 from prims_ts import reference as R
 from aoti_child import run_aoti_in_child
+from cuda_graphs import assert_no_allocation_no_sync, warm_and_capture
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
@@ -335,33 +336,8 @@ def test_aoti_package_load_run(device, tmp_path):
 # ----------------------------------------------------------------------------
 
 
-def _warm_and_capture(fn):
-    """Warm once on a side stream (compiles and loads the kernel), then capture fn into a graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
-def _assert_no_allocation_no_sync(fn):
-    """A warmed run with out= given neither allocates device memory nor synchronises with the host."""
-    torch.cuda.synchronize()
-    n0 = torch.cuda.memory_stats()["allocation.all.allocated"]
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == n0, "run(out=...) allocated device memory"
 
 
 def _remap_pages_in_place(k, v, bt, sl, ps, g):
@@ -394,8 +370,8 @@ def test_cuda_graph_wrapper_replay_after_remap(ps, mask, window):
     def reference():
         return ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window)
 
-    graph = _warm_and_capture(lambda: w.run(q, k, v, out=out))
-    _assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out))
+    graph = warm_and_capture(lambda: w.run(q, k, v, out=out))
+    assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out))
     assert rel_err(out, reference()) <= TOL[BF16]
 
     # 1. replay with the planned metadata
