@@ -192,10 +192,6 @@ def test_compile_dynamic_packed_oneshot():
 # ----------------------------------------------------------------------------
 
 
-
-
-
-
 @pytest.mark.parametrize("mask,window", [("causal", -1), ("causal", 64), ("dense", -1)])
 def test_cuda_graph_wrapper_packed_replay_with_new_offsets(mask, window):
     g = gen(7)

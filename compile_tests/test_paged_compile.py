@@ -336,10 +336,6 @@ def test_aoti_package_load_run(device, tmp_path):
 # ----------------------------------------------------------------------------
 
 
-
-
-
-
 def _remap_pages_in_place(k, v, bt, sl, ps, g):
     """Move every page of both pools to a new physical slot and rewrite the used table prefixes."""
     P = k.shape[0]
