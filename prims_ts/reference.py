@@ -158,3 +158,43 @@ def batch_prefill_paged(
         vis = visible_keys(qb.shape[0], sk, mask_type, window_left, device=q.device)
         out[qo[b]:qo[b + 1]] = attend(qb, kb, vb, vis, sm_scale, output_scale, compute_dtype)
     return out
+
+
+def batch_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    paged_kv_indptr: torch.Tensor,
+    paged_kv_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    qo_indptr: Optional[torch.Tensor] = None,
+    mask_type: str = "dense",
+    window_left: int = -1,
+    sm_scale: Optional[float] = None,
+    output_scale: float = 1.0,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode over CSR pages (SPEC §3). ``query``: ``[B, Hq, D]``, ``[B, SQ, Hq, D]`` or packed
+    ``[T, Hq, D]`` with ``qo_indptr``; pools ``[P, Hkv, ps, D]``. Returns query's shape."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(query.shape[-1])
+    ps = k_cache.shape[2]
+    indptr = [int(x) for x in paged_kv_indptr.tolist()]
+    lens = [int(x) for x in seq_lens.tolist()]
+    out = torch.zeros(query.shape, dtype=compute_dtype, device=query.device)
+    if qo_indptr is not None:
+        qo = [int(x) for x in qo_indptr.tolist()]
+        rows = [(slice(qo[b], qo[b + 1]),) for b in range(len(qo) - 1)]
+    elif query.dim() == 3:
+        rows = [(slice(b, b + 1),) for b in range(query.shape[0])]
+    else:
+        rows = [(b,) for b in range(query.shape[0])]
+    for b, sel in enumerate(rows):
+        sk = lens[b]
+        pages = paged_kv_indices[indptr[b]: indptr[b] + (sk + ps - 1) // ps].to(k_cache.device)
+        kb, vb = gather_pages(k_cache, pages, sk), gather_pages(v_cache, pages, sk)
+        qb = query[sel]
+        vis = visible_keys(qb.shape[0], sk, mask_type, window_left, device=query.device)
+        out[sel] = attend(qb, kb, vb, vis, sm_scale, output_scale, compute_dtype)
+    return out

@@ -50,6 +50,7 @@ struct PrefillParams {
 
 template <class T, int BN, int MASK, bool PAGED>
 struct PrefillProblem {
+  static constexpr bool WANTS_LSE = false;
   const T* q;
   const T* k;  // request and K/V head applied (contiguous) / K/V head applied (paged)
   const T* v;
@@ -94,14 +95,7 @@ struct PrefillProblem {
     return ok;
   }
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
-    char* p = o + (r * o_st + c) * (out_dtype == OUT_F32 ? 4 : 2);
-    if (out_dtype == OUT_F32) {
-      *reinterpret_cast<float2*>(p) = make_float2(x, y);
-    } else if (out_dtype == OUT_BF16) {
-      *reinterpret_cast<u32*>(p) = pack2<bf16>(x, y);
-    } else {
-      *reinterpret_cast<u32*>(p) = pack2<f16>(x, y);
-    }
+    store_pair(o + (r * o_st + c) * out_dtype_size(out_dtype), out_dtype, x, y);
   }
 };
 
@@ -151,8 +145,8 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
     pb.k = static_cast<const T*>(p.k) + b * p.k_sb + (i64)kv_start * p.k_st + hk * p.k_sh;
     pb.v = static_cast<const T*>(p.v) + b * p.v_sb + (i64)kv_start * p.v_st + hk * p.v_sh;
   }
-  const int osz = p.out_dtype == OUT_F32 ? 4 : 2;
-  pb.o = static_cast<char*>(p.o) + (b * p.o_sb + (i64)(q_start + q0) * p.o_st + h * p.o_sh) * osz;
+  pb.o = static_cast<char*>(p.o) +
+         (b * p.o_sb + (i64)(q_start + q0) * p.o_st + h * p.o_sh) * out_dtype_size(p.out_dtype);
   pb.q_st = p.q_st;
   pb.k_st = p.k_st;
   pb.v_st = p.v_st;

@@ -8,7 +8,8 @@
 //   address  q_row(r) / kv_row(j): where a query row and K/V row j live;
 //   range    kv_begin / kv_end: which keys the tile visits;
 //   mask     tile_needs_mask(k0) and visible(r, j): the per-element predicate;
-//   output   store2(r, d, x, y): where and how results are written.
+//   output   store2(r, d, x, y): where and how results are written; problems with
+//            WANTS_LSE also get store_lse(r, lse) (split-KV partials).
 // The work policy (which Q tile, request and head this CTA owns) is decided by
 // the kernel entry before it builds the Problem.
 //
@@ -286,6 +287,10 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const float inv = l > 0.f ? out_scale / l : 0.f;
     const int r = row0 + g + 8 * h;
+    if constexpr (Problem::WANTS_LSE) {
+      // log2-domain log-sum-exp of the scaled scores, for merging split-KV partials
+      if (r < pb.q_rows && t == 0) pb.store_lse(r, l > 0.f ? m_row[h] * scale_log2 + fast_log2(l) : neg_inf());
+    }
     if (r < pb.q_rows) {
 #pragma unroll
       for (int n = 0; n < DT; ++n) pb.store2(r, n * 8 + 2 * t, o[n][2 * h] * inv, o[n][2 * h + 1] * inv);

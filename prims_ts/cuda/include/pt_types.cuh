@@ -41,9 +41,28 @@ template <> __device__ __forceinline__ u32 pack2<f16>(float lo, float hi) {
   return r;
 }
 
+__device__ __forceinline__ int out_dtype_size(int out_dtype) { return out_dtype == OUT_F32 ? 4 : 2; }
+
+// Store two adjacent output elements at `p` in the run-time output dtype.
+__device__ __forceinline__ void store_pair(char* p, int out_dtype, float x, float y) {
+  if (out_dtype == OUT_F32) {
+    *reinterpret_cast<float2*>(p) = make_float2(x, y);
+  } else if (out_dtype == OUT_BF16) {
+    *reinterpret_cast<u32*>(p) = pack2<bf16>(x, y);
+  } else {
+    *reinterpret_cast<u32*>(p) = pack2<f16>(x, y);
+  }
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
