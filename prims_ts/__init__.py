@@ -7,6 +7,12 @@ the pure-PyTorch reference (``prims_ts.reference``).
 from . import ops as _ops  # noqa: F401  (defines the ops)
 from . import meta as _meta  # noqa: F401  (registers their fakes)
 from .ops.prefill import BatchPrefillTSWrapper, batch_prefill
+from .ops.decode import (
+    BatchDecodePagedTSWrapper,
+    batch_decode_with_paged_kv_cache,
+    get_prims_ts_batch_decode_workspace_size,
+    prims_ts_batch_decode_with_kv_cache,
+)
 from .ops.prefill_paged import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 
 __version__ = "0.1.0"
@@ -16,5 +22,9 @@ __all__ = [
     "BatchPrefillTSWrapper",
     "batch_prefill_with_paged_kv_cache",
     "BatchPrefillPagedTSWrapper",
+    "prims_ts_batch_decode_with_kv_cache",
+    "get_prims_ts_batch_decode_workspace_size",
+    "BatchDecodePagedTSWrapper",
+    "batch_decode_with_paged_kv_cache",
     "__version__",
 ]

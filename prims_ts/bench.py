@@ -696,3 +696,123 @@ register_family(Family(
     ],
     reference="prims_ts_contiguous,sdpa_cudnn",
 ))
+
+
+# ----------------------------------------------------------------------------
+# paged decode (SPEC §3): TB/s of K/V bytes, beside SDPA on contiguous K/V
+# ----------------------------------------------------------------------------
+
+
+def _decode_problems() -> List[Problem]:
+    shapes = [
+        # (B, L, Hq, Hkv, D, quick, graph)
+        (128, 4096, 32, 8, 128, True, False),
+        (16, 32768, 32, 8, 128, False, False),
+        (64, 8192, 64, 8, 128, False, False),
+        (32, 8192, 16, 8, 256, True, False),
+        (1, 131072, 32, 8, 128, True, False),
+        (1, 1024, 32, 8, 128, True, True),  # latency: CUDA graphs on both sides
+    ]
+    out = []
+    for b, n, hq, hkv, d, quick, graph in shapes:
+        kv_bytes = 2 * b * n * hkv * d * 2
+        out.append(Problem(
+            family="decode",
+            name=f"B{b} L{n} H{hq}/{hkv} D{d} page32" + (" graphs" if graph else ""),
+            params=dict(B=b, L=n, Hq=hq, Hkv=hkv, D=d, page_size=32, graph=graph, dtype="bf16"),
+            work=float(kv_bytes),
+            unit="TB/s",
+            quick=quick,
+        ))
+    return out
+
+
+class DecodeInputs:
+    """q [B, Hq, D]; a combined paged cache with shuffled pages; the same K/V contiguous for SDPA."""
+
+    def __init__(self, prob: Problem, device: torch.device):
+        import prims_ts
+
+        p = prob.params
+        b, n, hq, hkv, d, ps = p["B"], p["L"], p["Hq"], p["Hkv"], p["D"], p["page_size"]
+        dt = torch.bfloat16
+        g = torch.Generator(device=device)
+        g.manual_seed(0)
+        self.graph = p["graph"]
+        self.q = torch.randn(b, hq, d, device=device, dtype=dt, generator=g)
+        per = (n + ps - 1) // ps
+        self.cache = torch.randn(b * per, 2, hkv, ps, d, device=device, dtype=dt, generator=g)
+        perm = torch.randperm(b * per, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+        self.indices = perm.to(device)
+        self.indptr = torch.arange(b + 1, device=device, dtype=torch.int32) * per
+        self.seq_lens = torch.full((b,), n, device=device, dtype=torch.int32)
+        self.max_seq_len = n
+        self.ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, n, device=device),
+                              dtype=torch.uint8, device=device)
+        self._contig = None
+
+    def contiguous(self):
+        """K, V as [B, Hkv, L, D] in logical order, and q as [B, Hq, 1, D]."""
+        if self._contig is None:
+            b = self.q.shape[0]
+            pages = self.cache[self.indices.long()]  # [B*per, 2, Hkv, ps, D]
+            per = pages.shape[0] // b
+            kv = pages.view(b, per, 2, *pages.shape[2:]).permute(2, 0, 3, 1, 4, 5)  # [2, B, Hkv, per, ps, D]
+            kv = kv.reshape(2, b, kv.shape[2], -1, kv.shape[-1])[:, :, :, : self.max_seq_len].contiguous()
+            self._contig = (self.q.unsqueeze(2), kv[0], kv[1])
+        return self._contig
+
+
+def _graphed(fn, enabled: bool):
+    """Capture fn in a CUDA graph (after a warm-up) when enabled: times launch-free replays."""
+    if not enabled:
+        return fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = fn()
+
+    def replay():
+        graph.replay()
+        return res
+
+    return replay
+
+
+def _setup_ours_decode(prob: Problem, x: DecodeInputs):
+    import prims_ts
+
+    out = torch.empty_like(x.q)
+
+    def fn():
+        return prims_ts.prims_ts_batch_decode_with_kv_cache(x.q, x.cache, x.ws, x.indptr, x.indices, x.seq_lens,
+                                                            x.max_seq_len, out=out)
+
+    return _graphed(fn, x.graph)
+
+
+def _setup_sdpa_decode(prob: Problem, x: DecodeInputs):
+    import torch.nn.functional as F
+
+    q, k, v = x.contiguous()
+
+    def fn():
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).squeeze(2)
+
+    return _graphed(fn, x.graph)
+
+
+register_family(Family(
+    name="decode",
+    problems=_decode_problems,
+    make_inputs=DecodeInputs,
+    runners=[
+        Runner("prims_ts", _setup_ours_decode),
+        Runner("sdpa", _setup_sdpa_decode),
+    ],
+    reference="sdpa",
+))

@@ -350,3 +350,94 @@ def _paged_prefill_cases() -> List[CheckCase]:
 
 
 register("batch_prefill_with_paged_kv_cache", _paged_prefill_cases())
+
+
+# ----------------------------------------------------------------------------
+# prims_ts_batch_decode_with_kv_cache (SPEC §3)
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    q_mode: str  # "single" [B,Hq,D] | "multi" [B,SQ,Hq,D] | "packed" [T,Hq,D]
+    mask: str
+    head_dim: int
+    hq: int
+    hkv: int
+    page_size: int
+    combined: bool
+    dtype: torch.dtype
+    window_left: int = -1
+
+    def lens(self, small: bool):
+        return [1, 37, 100] if small else [1, 37, 1000, 5000]
+
+    def name(self) -> str:
+        mask = self.mask + ("+window" if self.window_left >= 0 else "")
+        return (f"{self.q_mode} {mask} D{self.head_dim} H{self.hq}/{self.hkv} page{self.page_size} "
+                f"{'combined' if self.combined else 'tuple'}")
+
+    def describe(self, small: bool) -> str:
+        return f"lens{self.lens(small)}".replace(" ", "")
+
+    def run(self, device: torch.device, small: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        import prims_ts
+        from prims_ts import reference
+
+        g = _gen(_seed(self.name()))
+        ps, d, dt = self.page_size, self.head_dim, self.dtype
+        lens = self.lens(small)
+        if self.q_mode == "multi":
+            lens = [max(n, 3) for n in lens]  # causal needs SQ <= length
+        qlens = {"single": [1] * len(lens), "multi": [3] * len(lens), "packed": [1, 3, 4, 2][:len(lens)]}[self.q_mode]
+        lens = [max(n, q) for n, q in zip(lens, qlens)]
+        need = [(n + ps - 1) // ps for n in lens]
+        pool = sum(need) + 2
+        indices = torch.randperm(pool, generator=g)[: sum(need)].to(torch.int32).to(device)
+        indptr = torch.tensor([0] + need, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        k = _randn((pool, self.hkv, ps, d), dt, device, g)
+        v = _randn((pool, self.hkv, ps, d), dt, device, g)
+        cache = torch.stack([k, v], dim=1) if self.combined else (k, v)
+        b = len(lens)
+        kwargs = dict(mask_type=self.mask, window_left=self.window_left)
+        if self.q_mode == "single":
+            q = _randn((b, self.hq, d), dt, device, g)
+            max_sq = 1
+        elif self.q_mode == "multi":
+            q = _randn((b, 3, self.hq, d), dt, device, g)
+            kwargs["seq_len_q"] = max_sq = 3
+        else:
+            qo = torch.tensor([0] + qlens, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+            q = _randn((sum(qlens), self.hq, d), dt, device, g)
+            max_sq = max(qlens)
+            kwargs.update(qo_indptr=qo, max_seq_len_q=max_sq)
+        ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(
+            b, self.hq, self.hkv, d, max(lens), max_seq_len_q=max_sq, device=device), dtype=torch.uint8,
+            device=device)
+        out = _poisoned(q.shape, dt, device)
+        prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, ws, indptr, indices, seq_lens, max(lens), out=out,
+                                                     **kwargs)
+        ref = reference.batch_decode(q, k, v, indptr, indices, seq_lens, qo_indptr=kwargs.get("qo_indptr"),
+                                     mask_type=self.mask, window_left=self.window_left,
+                                     compute_dtype=torch.float64)
+        return out, ref
+
+    def case(self) -> CheckCase:
+        return CheckCase("prims_ts_batch_decode_with_kv_cache", self.name(), self.dtype, self.run, self.describe)
+
+
+def _decode_cases() -> List[CheckCase]:
+    bf16, fp16 = torch.bfloat16, torch.float16
+    specs = [
+        DecodeSpec("single", "dense", 128, 32, 8, 32, True, bf16),
+        DecodeSpec("single", "dense", 64, 8, 8, 16, False, fp16),
+        DecodeSpec("single", "causal", 256, 16, 8, 64, True, bf16, window_left=50),
+        DecodeSpec("multi", "causal", 128, 32, 1, 128, False, bf16),
+        DecodeSpec("packed", "causal", 128, 16, 4, 32, True, fp16),
+        DecodeSpec("packed", "dense", 256, 8, 1, 16, False, bf16),
+    ]
+    return [s.case() for s in specs]
+
+
+register("prims_ts_batch_decode_with_kv_cache", _decode_cases())

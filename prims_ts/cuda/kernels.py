@@ -236,7 +236,169 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
                 yield PrefillKey.choose(dtype, d, mask, arch).source()
             for mask in ("dense", "causal"):
                 yield PrefillKey.choose(dtype, d, mask, arch, paged=True).source()
+    for dtype in DTYPE_CODES:
+        for d in DECODE_HEAD_DIMS:
+            for bm in (16, 32, 64):
+                for causal in (False, True):
+                    yield DecodeKey(DTYPE_CODES[dtype], d, causal, bm, 32 if d == 256 else 64).source()
+    for d in DECODE_HEAD_DIMS:
+        yield DecodeKey("bf16", d, False, 16, 64).merge_source()
 
 
 def keys_list(arch: str = "sm_90a") -> List[runtime.KernelSource]:
     return list(all_keys(arch))
+
+
+# ----------------------------------------------------------------------------
+# paged decode (prims_ts_batch_decode_with_kv_cache)
+# ----------------------------------------------------------------------------
+
+DECODE_HEAD_DIMS = (64, 128, 256)
+DECODE_NOMINAL_SMS = 132  # CPU tensors: sizes are computed as for an H200
+MAX_SEQ_LEN_BOUND = 2_147_483_520  # the padded 128-token tile end must fit in int32
+
+
+@dataclass(frozen=True)
+class DecodePolicy:
+    """Static launch shape of one decode key: tile, row tiles, split-KV."""
+
+    bm: int  # M rows per CTA (GQA group x query tokens, padded to 16)
+    bn: int  # keys per K/V tile
+    row_tiles: int  # CTAs along the M rows of one (request, K/V head)
+    rows_max: int  # group * max query tokens
+    splits: int  # K/V chunks per (request, K/V head), merged through the workspace
+    chunk: int  # keys per split (multiple of bn)
+
+
+def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
+                  max_seq_len: int, sm_count: int) -> DecodePolicy:
+    """Tile and split-KV choice from the static arguments only (no metadata values)."""
+    rows_max = group * max_seq_len_q
+    bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
+    bn = 32 if head_dim == 256 else 64
+    row_tiles = (rows_max + bm - 1) // bm
+    ctas = batch * num_kv_heads * row_tiles
+    tiles = (max_seq_len + bn - 1) // bn
+    # enough CTAs for two waves of the SMs, each split at least 4 K/V tiles long
+    splits = max(1, min((2 * sm_count + ctas - 1) // ctas, tiles // 4, 128))
+    chunk = ((tiles + splits - 1) // splits) * bn
+    splits = (max_seq_len + chunk - 1) // chunk
+    return DecodePolicy(bm, bn, row_tiles, rows_max, splits, chunk)
+
+
+@dataclass(frozen=True)
+class DecodeKey:
+    dtype: str
+    head_dim: int
+    causal: bool
+    bm: int
+    bn: int
+
+    @property
+    def threads(self) -> int:
+        return self.bm // 16 * 32
+
+    @property
+    def smem(self) -> int:
+        return self.bm * self.head_dim * 2 + 4 * self.bn * self.head_dim * 2
+
+    @property
+    def name(self) -> str:
+        return f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
+
+    @property
+    def merge_name(self) -> str:
+        return f"pt_decode_merge_d{self.head_dim}"
+
+    def source(self) -> runtime.KernelSource:
+        q_regs = "true" if self.head_dim <= 128 else "false"
+        cfg = f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, 80>"
+        entry = (
+            f'\nextern "C" __global__ void __launch_bounds__({self.threads})\n'
+            f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"
+            f"  pt::decode_kernel<{cfg}, {str(self.causal).lower()}>(p);\n}}\n"
+        )
+        return runtime.KernelSource(key=self.name, name=self.name, source=_read("fmha_decode.cu") + entry)
+
+    def merge_source(self) -> runtime.KernelSource:
+        entry = (
+            f'\nextern "C" __global__ void {self.merge_name}(const __grid_constant__ pt::DecodeParams p) {{\n'
+            f"  pt::decode_merge(p, {self.head_dim});\n}}\n"
+        )
+        return runtime.KernelSource(key=self.merge_name, name=self.merge_name,
+                                    source=_read("fmha_decode.cu") + entry)
+
+
+class DecodeParams(ctypes.Structure):
+    """Mirror of pt::DecodeParams (prims_ts/cuda/fmha_decode.cu)."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "q", "k", "v", "o", "ws_o", "ws_lse", "qo_indptr", "kv_indptr", "kv_indices", "seq_lens")] + [
+        (n, ctypes.c_int64) for n in (
+            "q_sb", "q_st", "q_sh", "o_sb", "o_st", "o_sh", "k_sp", "k_sh", "k_ss", "v_sp", "v_sh", "v_ss")] + [
+        (n, ctypes.c_int32) for n in (
+            "sq", "rows_max", "row_tiles", "splits", "chunk", "group", "hkv", "page_shift", "window_left",
+            "out_dtype")] + [
+        ("scale_log2", ctypes.c_float),
+        ("out_scale", ctypes.c_float),
+    ]
+
+
+def _decode_q_strides(t: torch.Tensor, packed: bool):
+    """(request, token, head) strides of [B,Hq,D], [B,SQ,Hq,D] or packed [T,Hq,D]."""
+    if packed:
+        return 0, t.stride(0), t.stride(1)
+    if t.dim() == 3:
+        return t.stride(0), 0, t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
+                  seq_len_q: int, max_seq_len_q: int, max_seq_len: int, mask: str, window_left: int,
+                  sm_scale: float, output_scale: float) -> None:
+    packed = qo_indptr is not None
+    hq, hkv, d = query.shape[-2], k_cache.shape[1], query.shape[-1]
+    group = hq // hkv
+    batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
+    dev = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms)
+    key = DecodeKey(DTYPE_CODES[query.dtype], d, mask == "causal", pol.bm, pol.bn)
+    with torch.cuda.device(dev):
+        kern = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
+        merge = runtime.get_kernel(dev, key.merge_source(), 0, max(32, d // 2)) if pol.splits > 1 else None
+        p = DecodeParams()
+        p.q, p.k, p.v, p.o = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        if pol.splits > 1:
+            ws = workspace.data_ptr()
+            rows = batch * hkv * pol.splits * pol.rows_max
+            p.ws_lse = ws
+            p.ws_o = ws + ((rows * 4 + 255) // 256) * 256
+        p.qo_indptr = _ptr(qo_indptr)
+        p.kv_indptr, p.kv_indices, p.seq_lens = kv_indptr.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr()
+        p.q_sb, p.q_st, p.q_sh = _decode_q_strides(query, packed)
+        p.o_sb, p.o_st, p.o_sh = _decode_q_strides(out, packed)
+        p.k_sp, p.k_sh, p.k_ss = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+        p.v_sp, p.v_sh, p.v_ss = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+        p.sq = seq_len_q
+        p.rows_max, p.row_tiles, p.splits, p.chunk = pol.rows_max, pol.row_tiles, pol.splits, pol.chunk
+        p.group, p.hkv = group, hkv
+        p.page_shift = k_cache.shape[2].bit_length() - 1
+        p.window_left = window_left
+        p.out_dtype = OUT_DTYPE_CODES[out.dtype]
+        p.scale_log2 = sm_scale * LOG2E
+        p.out_scale = output_scale
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        runtime.launch(dev, kern, key.name, (pol.splits, hkv * pol.row_tiles, batch), p, stream)
+        if merge is not None:
+            runtime.launch(dev, merge, key.merge_name, (pol.rows_max, hkv, batch), p, stream)
+
+
+def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
+                           max_seq_len: int, sm_count: int) -> int:
+    """Workspace bytes of one decode key: lse rows (256-byte aligned section), then partial outputs."""
+    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count)
+    if pol.splits == 1:
+        return 0
+    rows = batch * num_kv_heads * pol.splits * pol.rows_max
+    return ((rows * 4 + 255) // 256) * 256 + rows * head_dim * 4

@@ -167,7 +167,7 @@ def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype) -> t
     return out_dtype
 
 
-def _span(t: torch.Tensor) -> Tuple[int, int]:
+def span(t: torch.Tensor) -> Tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     start = t.data_ptr()
@@ -195,11 +195,11 @@ def out_tensor(
     if not out.is_contiguous():
         fail("out: must be contiguous")
     if not tracing():
-        o0, o1 = _span(out)
+        o0, o1 = span(out)
         for name, t in inputs:
             if t is None or t.device != out.device:
                 continue
-            a0, a1 = _span(t)
+            a0, a1 = span(t)
             if a0 < o1 and o0 < a1:
                 fail(f"out: overlaps {name}; the output must not share memory with any input")
     return out
