@@ -1,0 +1,46 @@
+"""Host-side launch policies: split-KV choice and the heavy-first work list."""
+import itertools
+
+import pytest
+
+from prims_ts.cuda import kernels
+from prims_ts.ops.prefill import work_list
+
+
+@pytest.mark.parametrize("batch,hkv,group,sq,d,length",
+                         list(itertools.product([1, 7, 128, 512], [1, 8], [1, 4, 32], [1, 3], [64, 128, 256],
+                                                [1, 63, 64, 4097, 131072])))
+def test_decode_policy_covers_every_key_once(batch, hkv, group, sq, d, length):
+    pol = kernels.decode_policy(batch, hkv, group, sq, d, length, sm_count=132)
+    assert pol.bm in (16, 32, 64) and pol.rows_max == group * sq
+    assert pol.row_tiles * pol.bm >= pol.rows_max > (pol.row_tiles - 1) * pol.bm
+    assert pol.chunk % pol.bn == 0, "split boundaries must fall on K/V tile boundaries"
+    assert pol.splits >= 1 and pol.splits * pol.chunk >= length > (pol.splits - 1) * pol.chunk
+    assert pol.splits <= 128
+    ws = kernels.decode_workspace_bytes(batch, hkv, group, sq, d, length, sm_count=132)
+    if pol.splits == 1:
+        assert ws == 0
+    else:
+        rows = batch * hkv * pol.splits * pol.rows_max
+        assert ws >= rows * (d + 1) * 4
+
+
+def test_decode_policy_splits_long_single_requests():
+    pol = kernels.decode_policy(1, 8, 4, 1, 128, 131072, sm_count=132)
+    assert pol.splits > 1
+    assert kernels.decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132).splits == 1
+
+
+def test_work_list_heavy_first_and_complete():
+    q_lens, kv_lens = [1, 300, 129, 1000], [5, 300, 500, 1000]
+    items = work_list(q_lens, kv_lens, "causal", -1, 128)
+    expected = {(b, t) for b, n in enumerate(q_lens) for t in range((n + 127) // 128)}
+    assert set(items) == expected and len(items) == len(expected)
+
+    def cost(item):
+        b, t = item
+        sq, sk = q_lens[b], kv_lens[b]
+        return min(sk, sk - sq + min(sq, (t + 1) * 128))
+
+    costs = [cost(i) for i in items]
+    assert costs == sorted(costs, reverse=True)
