@@ -15,7 +15,7 @@ def test_decode_policy_covers_every_key_once(batch, hkv, group, sq, d, length):
     assert pol.bm in (16, 32, 64) and pol.rows_max == group * sq
     assert pol.row_tiles * pol.bm >= pol.rows_max > (pol.row_tiles - 1) * pol.bm
     assert pol.chunk % pol.bn == 0, "split boundaries must fall on K/V tile boundaries"
-    assert pol.splits >= 1 and pol.splits * pol.chunk >= length > (pol.splits - 1) * pol.chunk
+    assert pol.splits >= 1 and pol.splits * pol.chunk >= length, "every key belongs to a split"
     assert pol.splits <= 128
     ws = kernels.decode_workspace_bytes(batch, hkv, group, sq, d, length, sm_count=132)
     if pol.splits == 1:
@@ -23,6 +23,12 @@ def test_decode_policy_covers_every_key_once(batch, hkv, group, sq, d, length):
     else:
         rows = batch * hkv * pol.splits * pol.rows_max
         assert ws >= rows * (d + 1) * 4
+
+
+def test_decode_workspace_never_shrinks_as_max_seq_len_grows():
+    for batch, hkv, group in ((1, 1, 1), (1, 8, 4), (16, 8, 4)):
+        sizes = [kernels.decode_workspace_bytes(batch, hkv, group, 1, 128, n, 132) for n in range(1, 20000, 37)]
+        assert sizes == sorted(sizes)
 
 
 def test_decode_policy_splits_long_single_requests():

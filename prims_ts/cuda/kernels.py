@@ -280,9 +280,11 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     ctas = batch * num_kv_heads * row_tiles
     tiles = (max_seq_len + bn - 1) // bn
     # enough CTAs for two waves of the SMs, each split at least 4 K/V tiles long
+    # (the count is not re-derived from the rounded chunk, so it, and the workspace, never
+    # shrink as max_seq_len grows: a workspace sized for the longest key serves all shorter
+    # ones; a trailing split may then be empty and merges as nothing)
     splits = max(1, min((2 * sm_count + ctas - 1) // ctas, tiles // 4, 128))
     chunk = ((tiles + splits - 1) // splits) * bn
-    splits = (max_seq_len + chunk - 1) // chunk
     return DecodePolicy(bm, bn, row_tiles, rows_max, splits, chunk)
 
 

@@ -276,7 +276,7 @@ def prims_ts_batch_decode_with_kv_cache(
     inputs = [("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache),
               ("workspace_buffer", workspace_buffer)] + metadata
     V.out_tensor(out, query.shape, odt, device, inputs)
-    if not V.tracing() and workspace_buffer.is_cuda:
+    if not V.tracing():
         _check_disjoint("workspace_buffer", workspace_buffer, [i for i in inputs if i[0] != "workspace_buffer"])
     args = (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sq, max_sq, max_seq_len, mask_type, window_left,
             sm_scale, output_scale)
@@ -404,7 +404,9 @@ class BatchDecodePagedTSWrapper:
         if plan["max_page"] >= k_cache.shape[0]:
             V.fail(f"paged_kv_cache: the plan uses page ID {plan['max_page']} but the cache holds "
                    f"{k_cache.shape[0]} pages")
-        indptr, indices, _ = self._meta
+        indptr, indices, last = self._meta
+        if out is not None and not V.tracing():
+            _check_disjoint("out", out, [("indptr", indptr), ("indices", indices), ("last_page_len", last)])
         return prims_ts_batch_decode_with_kv_cache(
             q, paged_kv_cache, self._workspace, indptr, indices, self._live_seq_lens(), plan["max_seq_len"],
             bmm1_scale=plan["sm_scale"], bmm2_scale=plan["output_scale"], out=out, out_dtype=plan["out_dtype"],

@@ -1,0 +1,452 @@
+"""torch.compile / torch.export / AOTInductor / CUDA graphs over the paged decode API.
+
+CPU tests run everywhere (the ops run the pure-PyTorch reference there); tests
+marked ``cuda`` run the same checks on the GPU kernels, plus CUDA-graph capture of
+the standalone ``prims_ts_batch_decode_with_kv_cache(out=, workspace)`` and of
+``BatchDecodePagedTSWrapper.run(out=)``, replayed after the caller rewrites
+``seq_lens``, page IDs, CSR offsets and ``qo_indptr`` in place within the seed 003
+contract; a warmed call with ``out=`` neither allocates nor synchronises; and the
+workspace contract (two launches of one key with different data, no re-zeroing).
+Every result is compared with the float64 reference (``||out - ref|| / ||ref||`` <=
+2e-2 bf16, 5e-3 fp16) after poisoning ``out`` with NaN; NaN never passes.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import prims_ts  # noqa: F401
+from prims_ts import (
+    BatchDecodePagedTSWrapper,
+    get_prims_ts_batch_decode_workspace_size,
+    prims_ts_batch_decode_with_kv_cache,
+)
+from prims_ts import reference as R
+from aoti_child import run_aoti_in_child
+from cuda_graphs import assert_no_allocation_no_sync, warm_and_capture
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32 = torch.int32
+TOL = {BF16: 2e-2, FP16: 5e-3}
+NAN = float("nan")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+CUDA = "cuda"  # the device of the CUDA-graph tests
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def gen(device, seed):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def randn(shape, dtype, g, device):
+    return torch.randn(*shape, generator=g, device=device, dtype=FP32).to(dtype)
+
+
+def ip(values, device):
+    return torch.tensor(values, dtype=I32, device=device)
+
+
+def cumsum0(xs: Sequence[int]) -> List[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "NaN in the output (an unwritten element or bad math)"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def close(a, b):
+    """Compiled vs eager: the same kernel, so equal up to fused surrounding arithmetic."""
+    torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-3)
+
+
+def ws_for(device, batch, hq, hkv, d, max_seq_len, max_seq_len_q=1):
+    n = get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=max_seq_len_q,
+                                                 device=device)
+    return torch.zeros(n, dtype=torch.uint8, device=device)
+
+
+class Prob:
+    """Decode problem on `device`: q (single [B,Hq,D], fixed [B,SQ,Hq,D] or packed [T,Hq,D]), a combined
+    cache [P, 2, Hkv, ps, D] (``self.cache``; ``self.k``/``self.v`` are its halves), CSR pages with
+    non-identity IDs and `slack` spare entries per request, seq_lens, and a zeroed workspace."""
+
+    def __init__(self, qmode, seq_lens, hq, hkv, d, ps, dtype, device, seed, *, sq=3, q_lens=None, max_seq_len=None,
+                 max_seq_len_q=None, slack=1, extra_pages=3):
+        g = gen(device, seed)
+        cpu_g = torch.Generator().manual_seed(seed)
+        B = len(seq_lens)
+        self.qmode, self.device, self.dtype, self.ps = qmode, device, dtype, ps
+        self.hq, self.hkv, self.d = hq, hkv, d
+        n_live = [(sk + ps - 1) // ps for sk in seq_lens]
+        P = sum(n_live) + extra_pages
+        perm = torch.randperm(P, generator=cpu_g).tolist()
+        indices, at = [], 0
+        for n in n_live:
+            indices += perm[at:at + n] + [perm[(at + n + i) % P] for i in range(slack)]
+            at += n
+        self.num_pages = P
+        self.indptr = ip(cumsum0([n + slack for n in n_live]), device)
+        self.indices = ip(indices, device)
+        self.seq_lens = ip(seq_lens, device)
+        self.cache = randn((P, 2, hkv, ps, d), dtype, g, device)
+        self.k, self.v = self.cache[:, 0], self.cache[:, 1]
+        self.qo_indptr, self.seq_len_q = None, 1
+        if qmode == "single":
+            self.q, self.max_seq_len_q = randn((B, hq, d), dtype, g, device), 1
+        elif qmode == "fixed":
+            self.q, self.seq_len_q, self.max_seq_len_q = randn((B, sq, hq, d), dtype, g, device), sq, sq
+        else:
+            self.q = randn((sum(q_lens), hq, d), dtype, g, device)
+            self.qo_indptr = ip(cumsum0(q_lens), device)
+            self.max_seq_len_q = max_seq_len_q or max(q_lens)
+        self.batch = B
+        self.max_seq_len = max_seq_len or max(seq_lens)
+        self.ws = ws_for(device, B, hq, hkv, d, self.max_seq_len, self.max_seq_len_q)
+
+    def kw(self):
+        kw = {}
+        if self.qmode == "fixed":
+            kw["seq_len_q"] = self.seq_len_q
+        elif self.qmode == "packed":
+            kw.update(qo_indptr=self.qo_indptr, max_seq_len_q=self.max_seq_len_q)
+        return kw
+
+    def call(self, **kw):
+        return prims_ts_batch_decode_with_kv_cache(self.q, self.cache, self.ws, self.indptr, self.indices,
+                                                   self.seq_lens, self.max_seq_len, **self.kw(), **kw)
+
+    def ref(self, mask_type="dense", window_left=-1, bmm1_scale=None, bmm2_scale=1.0):
+        return R.batch_decode(self.q, self.k, self.v, self.indptr, self.indices, self.seq_lens,
+                              qo_indptr=self.qo_indptr, mask_type=mask_type, window_left=window_left,
+                              sm_scale=bmm1_scale, output_scale=bmm2_scale, compute_dtype=torch.float64)
+
+    def policy(self):
+        from prims_ts.cuda.kernels import decode_policy
+
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return decode_policy(self.batch, self.hkv, self.hq // self.hkv, self.max_seq_len_q, self.d,
+                             self.max_seq_len, sms)
+
+    def rewrite_metadata(self, new_lens, g, new_q_lens=None):
+        """In place, within the contract: new live lengths (<= max_seq_len), new CSR offsets (same total,
+        each request owning at least the pages its length needs), random page IDs in [0, P) (repeats
+        allowed) and, for packed queries, new offsets (same total, deltas <= max_seq_len_q)."""
+        N, B = self.indices.numel(), self.batch
+        need = [(sk + self.ps - 1) // self.ps for sk in new_lens]
+        assert sum(need) <= N and max(new_lens) <= self.max_seq_len
+        own = list(need)
+        for i in range(N - sum(need)):
+            own[int(torch.randint(0, B, (1,), generator=g))] += 1
+        self.seq_lens.copy_(ip(new_lens, self.device))
+        self.indptr.copy_(ip(cumsum0(own), self.device))
+        self.indices.copy_(torch.randint(0, self.num_pages, (N,), generator=g, dtype=I32).to(self.device))
+        if new_q_lens is not None:
+            assert self.qmode == "packed" and sum(new_q_lens) == self.q.shape[0]
+            assert max(new_q_lens) <= self.max_seq_len_q and min(new_q_lens) >= 1
+            self.qo_indptr.copy_(ip(cumsum0(new_q_lens), self.device))
+
+
+QMODES = ["single", "fixed", "packed"]
+# per device: seq_lens, page size, static max_seq_len (CUDA: large enough for split-KV)
+SIZES = {"cpu": ([20, 3, 33], 16, 48), "cuda": ([300, 7, 1333], 32, 4096)}
+Q_LENS = [2, 1, 3]
+
+
+def make(qmode, device, seed, dtype=BF16, hq=8, hkv=2, d=128):
+    lens, ps, max_len = SIZES[device]
+    return Prob(qmode, lens, hq, hkv, d, ps, dtype, device, seed, sq=3, q_lens=Q_LENS, max_seq_len=max_len,
+                max_seq_len_q=4)
+
+
+# ----------------------------------------------------------------------------
+# torch.compile(fullgraph=True)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", -1), ("causal", 5)])
+@pytest.mark.parametrize("qmode", QMODES)
+def test_compile_standalone_matches_eager(device, qmode, mask, window):
+    """Traced standalone call; new metadata values with the same shapes need no recompile and are honoured."""
+    pb = make(qmode, device, seed=1)
+    kw = pb.kw()
+    max_len = pb.max_seq_len
+
+    def f(q, cache, ws, indptr, indices, seq_lens, qo):
+        extra = dict(kw, qo_indptr=qo) if qo is not None else kw
+        o = prims_ts_batch_decode_with_kv_cache(q, cache, ws, indptr, indices, seq_lens, max_len, mask_type=mask,
+                                                window_left=window, bmm1_scale=0.08, bmm2_scale=0.5,
+                                                out_dtype=FP32, **extra)
+        return o * 2.0 + 1.0
+
+    cf = torch.compile(f, fullgraph=True)
+    args = (pb.q, pb.cache, pb.ws, pb.indptr, pb.indices, pb.seq_lens, pb.qo_indptr)
+    got = cf(*args)
+    close(got, f(*args))
+    ref = pb.ref(mask, window, 0.08, 0.5)
+    assert rel_err((got - 1.0) / 2.0, ref) <= TOL[BF16]
+
+    # new values, same shapes: lengths, CSR offsets, page IDs (and packed offsets)
+    g = torch.Generator().manual_seed(7)
+    lens = SIZES[device][0]
+    new_lens = [lens[2] - 5, lens[0] + 1, max(3, lens[1])]
+    pb.rewrite_metadata(new_lens, g, [3, 2, 1] if qmode == "packed" else None)
+    got2 = cf(*args)
+    ref2 = pb.ref(mask, window, 0.08, 0.5)
+    assert rel_err(ref.float(), ref2) > 0.1
+    assert rel_err((got2 - 1.0) / 2.0, ref2) <= TOL[BF16]
+    if device == "cpu":
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_compile_standalone_out_tuple_cache(device, qmode):
+    pb = make(qmode, device, seed=2, dtype=FP16, hq=8, hkv=1, d=256)
+    kw = pb.kw()
+    max_len = pb.max_seq_len
+
+    def f(q, k, v, ws, indptr, indices, seq_lens, out):
+        r = prims_ts_batch_decode_with_kv_cache(q, (k, v), ws, indptr, indices, seq_lens, max_len,
+                                                mask_type="causal", out=out, **kw)
+        return r.float().sum(), r
+
+    cf = torch.compile(f, fullgraph=True)
+    out = torch.full(pb.q.shape, NAN, dtype=FP32, device=device)
+    s, r = cf(pb.q, pb.k, pb.v, pb.ws, pb.indptr, pb.indices, pb.seq_lens, out)
+    assert rel_err(out, pb.ref("causal")) <= TOL[FP16]
+    torch.testing.assert_close(r, out, rtol=0, atol=0)
+    torch.testing.assert_close(s.double(), out.double().sum(), rtol=1e-3, atol=0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_wrapper_run(device):
+    """Compiled run of a planned wrapper; last_page_len and page IDs rewritten in place are honoured."""
+    lens, ps, _ = SIZES[device]
+    pb = Prob("single", lens, 8, 2, 128, ps, BF16, device, seed=3, slack=0)
+    last = ip([sk - ((sk + ps - 1) // ps - 1) * ps for sk in lens], device)
+    w = BatchDecodePagedTSWrapper()
+    w.plan(pb.indptr, pb.indices, last, 8, 2, 128, ps, mask_type="causal", q_data_type=BF16, out_dtype=FP32)
+    crun = torch.compile(lambda q, c: w.run(q, c), fullgraph=True)
+    crun_out = torch.compile(lambda q, c, out: w.run(q, c, out=out), fullgraph=True)
+    close(crun(pb.q, pb.cache), w.run(pb.q, pb.cache))
+    out = torch.full(pb.q.shape, NAN, dtype=FP32, device=device)
+    crun_out(pb.q, pb.cache, out)
+    assert rel_err(out, pb.ref("causal")) <= TOL[BF16]
+    # in place: shorter last pages, pages permuted among the planned IDs
+    last.copy_(ip([1] * len(lens), device))
+    pb.seq_lens.copy_(ip([((sk + ps - 1) // ps - 1) * ps + 1 for sk in lens], device))
+    pb.indices.copy_(pb.indices.flip(0))
+    out.fill_(NAN)
+    crun_out(pb.q, pb.cache, out)
+    assert rel_err(out, pb.ref("causal")) <= TOL[BF16]
+
+
+# ----------------------------------------------------------------------------
+# torch.export and AOTInductor
+# ----------------------------------------------------------------------------
+
+EXPORT_LENS = {"cpu": ([20, 3, 33], [9, 17, 40]), "cuda": ([300, 7, 1333], [1000, 70, 20])}
+EXPORT_PS = {"cpu": 16, "cuda": 32}
+EXPORT_MAX = {"cpu": 64, "cuda": 4096}
+
+
+class Decode(torch.nn.Module):
+    """Two standalone calls over one (K, V) tuple: packed causal + window to fp32 (scaled) and single-token
+    dense with defaults; every tensor, the two workspaces included, is a graph input."""
+
+    def __init__(self, max_seq_len):
+        super().__init__()
+        self.max_seq_len = max_seq_len
+
+    def forward(self, q_packed, q_single, k, v, ws_a, ws_b, indptr, indices, seq_lens, qo_indptr):
+        a = prims_ts_batch_decode_with_kv_cache(q_packed, (k, v), ws_a, indptr, indices, seq_lens, self.max_seq_len,
+                                                qo_indptr=qo_indptr, max_seq_len_q=4, mask_type="causal",
+                                                window_left=6, bmm1_scale=0.09, bmm2_scale=0.5, out_dtype=FP32)
+        b = prims_ts_batch_decode_with_kv_cache(q_single, (k, v), ws_b, indptr, indices, seq_lens, self.max_seq_len)
+        return a * 2.0, b
+
+
+def _module_inputs(device, which, seed):
+    """Same shapes for every `which` (same page counts and CSR size); other values."""
+    lens = EXPORT_LENS[device][which]
+    base_lens = EXPORT_LENS[device][0]
+    ps, max_len = EXPORT_PS[device], EXPORT_MAX[device]
+    pb = Prob("packed", base_lens, 8, 2, 128, ps, BF16, device, seed, q_lens=Q_LENS, max_seq_len=max_len,
+              max_seq_len_q=4)
+    if which:
+        pb.rewrite_metadata(lens, torch.Generator().manual_seed(seed), [1, 3, 2])
+    single = Prob("single", base_lens, 8, 2, 128, ps, BF16, device, seed + 1, max_seq_len=max_len)
+    args = (pb.q, single.q, pb.k, pb.v, pb.ws, single.ws, pb.indptr, pb.indices, pb.seq_lens, pb.qo_indptr)
+    return args, pb, single
+
+
+def _check_module_outputs(outs, device, args, pb, single):
+    a, b = outs
+    assert a.dtype == FP32 and b.dtype == BF16 and a.device == pb.q.device
+    assert rel_err(a / 2.0, pb.ref("causal", 6, 0.09, 0.5)) <= TOL[BF16]
+    ref_b = R.batch_decode(single.q, pb.k, pb.v, pb.indptr, pb.indices, pb.seq_lens, compute_dtype=torch.float64)
+    assert rel_err(b, ref_b) <= TOL[BF16]
+    for x, y in zip(outs, Decode(EXPORT_MAX[device])(*args)):
+        close(x, y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_static(device):
+    args, pb, single = _module_inputs(device, 0, seed=9)
+    ep = torch.export.export(Decode(EXPORT_MAX[device]), args)
+    calls = [n for n in ep.graph.nodes if n.op == "call_function"]
+    # the op, called directly or through auto_functionalized (it mutates the workspace)
+    assert sum("prims_ts.batch_decode" in f"{n.target} {n.args}" for n in calls) == 2, [str(n.target) for n in calls]
+    _check_module_outputs(ep.module()(*args), device, args, pb, single)
+    args2, pb2, single2 = _module_inputs(device, 1, seed=10)  # same shapes, new values
+    assert all(x.shape == y.shape for x, y in zip(args, args2))
+    _check_module_outputs(ep.module()(*args2), device, args2, pb2, single2)
+
+
+def _aoti_body(package_path: str, device: str) -> None:
+    """Export -> aoti_compile_and_package -> aoti_load_package -> run == eager + reference (two value sets)."""
+    args, _, _ = _module_inputs(device, 0, seed=17)
+    ep = torch.export.export(Decode(EXPORT_MAX[device]), args)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=package_path)
+    compiled = torch._inductor.aoti_load_package(path)
+    for which in (0, 1):
+        a, pb, single = _module_inputs(device, which, seed=18 + which)
+        outs = compiled(*a)
+        assert isinstance(outs, (list, tuple)) and len(outs) == 2
+        _check_module_outputs(outs, device, a, pb, single)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_aoti_package_load_run(device, tmp_path):
+    run_aoti_in_child(__file__, device, tmp_path)
+
+
+# ----------------------------------------------------------------------------
+# CUDA graphs, no allocation / no sync, workspace reuse
+# ----------------------------------------------------------------------------
+
+GRAPH_CASES = [("single", "dense", -1), ("single", "causal", 50), ("fixed", "causal", -1), ("fixed", "dense", -1),
+               ("packed", "causal", -1), ("packed", "causal", 0), ("packed", "dense", -1)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("max_len", [255, 8192], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("qmode,mask,window", GRAPH_CASES,
+                         ids=[f"{q}-{m}{w if w >= 0 else ''}" for q, m, w in GRAPH_CASES])
+def test_cuda_graph_standalone_replay(qmode, mask, window, max_len):
+    device = CUDA
+    lens = [200, 7, 250, 64] if max_len == 255 else [300, 7, 555, 64]
+    ps = 16 if max_len == 255 else 64
+    slack = 6 if max_len == 255 else 64  # room for longer requests after the CSR rewrite
+    pb = Prob(qmode, lens, 16, 4, 128, ps, BF16, device, seed=len(qmode) + max_len + window, sq=4,
+              q_lens=[3, 1, 4, 2], max_seq_len=max_len, max_seq_len_q=4, slack=slack)
+    pol = pb.policy()
+    assert (pol.splits > 1) == (max_len == 8192), pol
+    out = torch.full(pb.q.shape, NAN, dtype=BF16, device=device)
+
+    def launch():
+        pb.call(mask_type=mask, window_left=window, out=out)
+
+    graph = warm_and_capture(launch)
+    assert_no_allocation_no_sync(launch)
+    assert rel_err(out, pb.ref(mask, window)) <= TOL[BF16]
+    out.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, pb.ref(mask, window)) <= TOL[BF16]
+
+    g = torch.Generator().manual_seed(max_len)
+    new_data = randn(pb.cache.shape, BF16, gen(device, 5), device)
+    # new lengths (each >= the request's query count, as causal masks require), new packed offsets
+    steps = [([4, 255, 5, 200], [4, 3, 2, 1]), ([255, 4, 16, 254], [1, 4, 4, 1])] if max_len == 255 else \
+        [([8192, 4, 5, 3000], [4, 3, 2, 1]), ([64, 8000, 4, 8191], [1, 4, 4, 1])]
+    for new_lens, new_q in steps:
+        pb.rewrite_metadata(new_lens, g, new_q if qmode == "packed" else None)
+        pb.cache.copy_(new_data)
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = pb.ref(mask, window)
+        assert rel_err(out, ref) <= TOL[BF16], (new_lens, new_q)
+        # per request too: a short request must not hide behind a long one
+        rows = pb.q.shape[0] if qmode != "packed" else None
+        bounds = cumsum0(new_q) if qmode == "packed" else list(range(rows + 1))
+        for b in range(len(new_lens)):
+            s = slice(bounds[b], bounds[b + 1])
+            assert rel_err(out[s], ref[s]) <= TOL[BF16], (b, new_lens)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", -1), ("causal", 31)])
+def test_cuda_graph_wrapper_replay(mask, window):
+    device = CUDA
+    ps = 32
+    lens = [1000, 33, 1, 4000]
+    pb = Prob("single", lens, 32, 8, 128, ps, FP16, device, seed=11 + window, slack=0, extra_pages=20)
+    last = ip([sk - ((sk + ps - 1) // ps - 1) * ps for sk in lens], device)
+    w = BatchDecodePagedTSWrapper()
+    w.plan(pb.indptr, pb.indices, last, 32, 8, 128, ps, mask_type=mask, window_left=window, q_data_type=FP16,
+           max_seq_len=4096)
+    out = torch.full(pb.q.shape, NAN, dtype=FP16, device=device)
+    graph = warm_and_capture(lambda: w.run(pb.q, pb.cache, out=out))
+    assert_no_allocation_no_sync(lambda: w.run(pb.q, pb.cache, out=out))
+    assert rel_err(out, pb.ref(mask, window)) <= TOL[FP16]
+    g = torch.Generator().manual_seed(12)
+    n_pages = [(sk + ps - 1) // ps for sk in lens]
+    for new_last in ([ps, 1, 7, ps - 1], [3, ps, 1, 16]):
+        last.copy_(ip(new_last, device))
+        new_lens = [(n - 1) * ps + l for n, l in zip(n_pages, new_last)]
+        assert max(new_lens) <= 4096
+        pb.seq_lens.copy_(ip(new_lens, device))  # for the reference; the wrapper derives its own
+        pb.indices.copy_(torch.randint(0, pb.num_pages, tuple(pb.indices.shape), generator=g, dtype=I32).to(device))
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, pb.ref(mask, window)) <= TOL[FP16], new_last
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qmode", QMODES)
+def test_cuda_workspace_reused_without_rezeroing(qmode):
+    """Seed 003: zeroed before first use, left reusable for the next launch of the same key. Two back-to-back
+    launches of one split-KV key with different data (no sync, no re-zeroing in between) are both correct,
+    and a third launch repeating the first gives the first result bit for bit."""
+    device = CUDA
+    a = Prob(qmode, [5000, 17, 2049], 8, 2, 128, 64, BF16, device, seed=21, sq=2, q_lens=[2, 1, 2],
+             max_seq_len=8192, max_seq_len_q=2)
+    b = Prob(qmode, [100, 8000, 2], 8, 2, 128, 64, BF16, device, seed=22, sq=2, q_lens=[1, 2, 2],
+             max_seq_len=8192, max_seq_len_q=2)
+    assert a.policy().splits > 1
+    b.ws = a.ws  # one workspace for the key
+    outs = [torch.full(a.q.shape, NAN, dtype=BF16, device=device) for _ in range(3)]
+    torch.cuda.synchronize()
+    a.call(out=outs[0])
+    b.call(out=outs[1])
+    a.call(out=outs[2])
+    torch.cuda.synchronize()
+    assert rel_err(outs[0], a.ref()) <= TOL[BF16]
+    assert rel_err(outs[1], b.ref()) <= TOL[BF16]
+    torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=0)
+    # another key (causal + window: empty splits for short requests): re-zeroed first, as the seed requires
+    a.ws.zero_()
+    for pb, o in ((a, outs[0]), (b, outs[1])):
+        o.fill_(NAN)
+        pb.call(mask_type="causal", window_left=100, out=o)
+    torch.cuda.synchronize()
+    assert rel_err(outs[0], a.ref("causal", 100)) <= TOL[BF16]
+    assert rel_err(outs[1], b.ref("causal", 100)) <= TOL[BF16]

@@ -1,0 +1,413 @@
+"""prims_ts_batch_decode_with_kv_cache on the GPU against the float64 reference (issue 4's correctness grid).
+
+Grid: every Q mode (``[B, Hq, D]``, ``[B, SQ, Hq, D]`` with SQ 2..4, packed ``[T, Hq, D]`` +
+``qo_indptr``) x mask (dense, causal, causal + window 0 and 37) x D 64/128/256 x GQA 1/4/8/32;
+inside each (Q mode, mask) cell the page size (16/32/64/128), the cache form (combined
+``[P, 2, Hkv, ps, D]`` or a ``(K, V)`` tuple), the dtype, the page-ID pattern (non-identity
+permutation / IDs repeated across and within requests) and the length set (long: split-KV;
+short: one split, both checked with ``kernels.decode_policy``) rotate so that every value of
+every axis appears. K/V lengths include 1 and are not page multiples. Further tests: B from 1
+to 512, one request of 131072 tokens, output dtypes and scales, the wrapper and the one-shot.
+
+Tolerance: ``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16 against
+``prims_ts.reference.batch_decode(..., compute_dtype=torch.float64)``, over the whole output
+and per request; ``out`` is NaN-poisoned first and NaN never passes. Every cache slot that no
+request uses holds NaN and CSR entries past a request's live pages hold garbage page IDs
+(the seed only requires *live* IDs to index the cache), so a kernel that reads past a
+request's length, or an unused page, fails.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import List, Sequence
+
+import pytest
+import torch
+
+from prims_ts import (
+    BatchDecodePagedTSWrapper,
+    batch_decode_with_paged_kv_cache,
+    get_prims_ts_batch_decode_workspace_size,
+    prims_ts_batch_decode_with_kv_cache,
+)
+from prims_ts import reference as R
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "cuda"
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32 = torch.int32
+TOL = {BF16: 2e-2, FP16: 5e-3}
+NAN = float("nan")
+GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
+MASKS = [("dense", -1), ("causal", -1), ("causal", 0), ("causal", 37)]
+MASK_IDS = [f"{m}{w if w >= 0 else ''}" for m, w in MASKS]
+QMODES = ["single", "fixed", "packed"]
+DIMS = [64, 128, 256]
+GROUPS = [1, 4, 8, 32]
+PAGE_SIZES = [16, 32, 64, 128]
+FORMS = ["combined", "tuple"]
+# length sets: "long" forces split-KV, "short" (max_seq_len 127) runs one split for every D
+LONG = [1, 17, 100, 257, 1033, 2500]
+SHORT = [1, 17, 100, 127, 45]
+Q_LENS = {"long": [1, 4, 2, 3, 1, 2], "short": [1, 4, 2, 3, 1]}
+
+
+def seed_of(*parts) -> int:
+    """A seed that is stable across processes (hash() of a str is salted per process)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def cumsum0(xs: Sequence[int]) -> List[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in the output (unwritten element, poisoned slot read, or bad math)"
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+class Problem:
+    """A decode problem: CSR tables built on the host (CPU generator), data on the device."""
+
+    def __init__(self, seq_lens, hq, hkv, d, ps, dtype, seed, *, qmode="single", sq=1, q_lens=None,
+                 max_seq_len_q=None, form="combined", kind="perm", slack=1, extra_pages=3, max_seq_len=None,
+                 poison=True):
+        g = torch.Generator().manual_seed(seed)
+        dg = torch.Generator(device=DEVICE).manual_seed(seed)
+        B = len(seq_lens)
+        self.seq_lens_list, self.B = list(seq_lens), B
+        self.hq, self.hkv, self.d, self.ps, self.dtype, self.qmode = hq, hkv, d, ps, dtype, qmode
+        n_live = [(sk + ps - 1) // ps for sk in seq_lens]
+        if kind == "repeated":
+            shared = max(2, max(n_live) // 2 + 1)
+            P = shared + extra_pages
+            live = [torch.randint(0, shared, (n,), generator=g).tolist() for n in n_live]
+            live[-1][0] = live[0][0]
+        else:
+            P = sum(n_live) + extra_pages
+            perm = torch.randperm(P, generator=g).tolist()
+            if perm == sorted(perm):
+                perm = perm[::-1]
+            live, at = [], 0
+            for n in n_live:
+                live.append(perm[at:at + n])
+                at += n
+        slack_of = [(slack + b) % 3 if slack else 0 for b in range(B)]
+        indices = []
+        for b in range(B):
+            indices += live[b] + [GARBAGE[(b + i) % len(GARBAGE)] for i in range(slack_of[b])]
+        self.num_pages = P
+        self.indptr = torch.tensor(cumsum0([n + s for n, s in zip(n_live, slack_of)]), dtype=I32, device=DEVICE)
+        self.indices = torch.tensor(indices, dtype=I32, device=DEVICE)
+        self.seq_lens = torch.tensor(seq_lens, dtype=I32, device=DEVICE)
+        if form == "combined":
+            self.cache = torch.randn(P, 2, hkv, ps, d, generator=dg, device=DEVICE).to(dtype)
+            self.k, self.v = self.cache[:, 0], self.cache[:, 1]
+        else:
+            self.k = torch.randn(P, hkv, ps, d, generator=dg, device=DEVICE).to(dtype)
+            self.v = torch.randn(P, hkv, ps, d, generator=dg, device=DEVICE).to(dtype)
+            self.cache = (self.k, self.v)
+        if poison:
+            used = torch.zeros(P, ps, dtype=torch.bool)
+            for b, sk in enumerate(seq_lens):
+                j = torch.arange(sk)
+                used[torch.tensor(live[b], dtype=torch.long)[j // ps], j % ps] = True
+            unused = (~used).to(DEVICE)[:, None, :, None].expand_as(self.k)
+            self.k.masked_fill_(unused, NAN)
+            self.v.masked_fill_(unused, NAN)
+        self.qo_indptr, self.seq_len_q = None, 1
+        if qmode == "single":
+            self.q_lens, self.max_seq_len_q = [1] * B, 1
+            self.q = torch.randn(B, hq, d, generator=dg, device=DEVICE).to(dtype)
+        elif qmode == "fixed":
+            self.q_lens, self.seq_len_q, self.max_seq_len_q = [sq] * B, sq, sq
+            self.q = torch.randn(B, sq, hq, d, generator=dg, device=DEVICE).to(dtype)
+        else:
+            self.q_lens = list(q_lens)
+            self.qo_indptr = torch.tensor(cumsum0(q_lens), dtype=I32, device=DEVICE)
+            self.max_seq_len_q = max_seq_len_q or max(q_lens)
+            self.q = torch.randn(sum(q_lens), hq, d, generator=dg, device=DEVICE).to(dtype)
+        self.max_seq_len = max_seq_len or max(seq_lens)
+        nbytes = get_prims_ts_batch_decode_workspace_size(B, hq, hkv, d, self.max_seq_len,
+                                                          max_seq_len_q=self.max_seq_len_q, device=DEVICE)
+        self.workspace = torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE)
+
+    def policy(self):
+        from prims_ts.cuda.kernels import decode_policy
+
+        return decode_policy(self.B, self.hkv, self.hq // self.hkv, self.max_seq_len_q, self.d, self.max_seq_len,
+                             sm_count())
+
+    def call(self, **kw):
+        extra = {}
+        if self.qmode == "fixed":
+            extra["seq_len_q"] = self.seq_len_q
+        elif self.qmode == "packed":
+            extra.update(qo_indptr=self.qo_indptr, max_seq_len_q=self.max_seq_len_q)
+        return prims_ts_batch_decode_with_kv_cache(self.q, self.cache, self.workspace, self.indptr, self.indices,
+                                                   self.seq_lens, self.max_seq_len, **extra, **kw)
+
+    def ref(self, mask_type="dense", window_left=-1, bmm1_scale=None, bmm2_scale=1.0):
+        return R.batch_decode(self.q, self.k, self.v, self.indptr, self.indices, self.seq_lens,
+                              qo_indptr=self.qo_indptr, mask_type=mask_type, window_left=window_left,
+                              sm_scale=bmm1_scale, output_scale=bmm2_scale, compute_dtype=torch.float64)
+
+    def request_slices(self):
+        if self.qmode == "packed":
+            qo = cumsum0(self.q_lens)
+            return [slice(qo[b], qo[b + 1]) for b in range(self.B)]
+        return [slice(b, b + 1) for b in range(self.B)]
+
+
+def check(pb: Problem, mask="dense", window=-1, out_dtype=None, bmm1_scale=None, bmm2_scale=1.0, tol=None):
+    """Run into a NaN-poisoned out; compare with the float64 reference, whole and per request."""
+    odt = out_dtype or pb.dtype
+    out = torch.full(pb.q.shape, NAN, dtype=odt, device=DEVICE)
+    res = pb.call(mask_type=mask, window_left=window, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out,
+                  out_dtype=out_dtype)
+    assert res is out
+    torch.cuda.synchronize()
+    ref = pb.ref(mask, window, bmm1_scale, bmm2_scale)
+    tol = tol or TOL[pb.dtype]
+    err = rel_err(out, ref)
+    assert err <= tol, f"rel err {err:.3e}"
+    for b, s in enumerate(pb.request_slices()):
+        e = rel_err(out[s], ref[s])
+        assert e <= tol, f"request {b} (len {pb.seq_lens_list[b]}, q {pb.q_lens[b]}): rel err {e:.3e}"
+    return out, ref
+
+
+# ----------------------------------------------------------------------------
+# The grid
+# ----------------------------------------------------------------------------
+
+
+def grid_cell(qmode, mask, window, d, group):
+    """The rotated axes of one grid test: page size, form, dtype, page-ID kind, length set, SQ."""
+    cell = QMODES.index(qmode) * 4 + MASKS.index((mask, window))
+    j = DIMS.index(d) * 4 + GROUPS.index(group)  # 0..11 inside the cell
+    return dict(ps=PAGE_SIZES[(j + cell) % 4], form=FORMS[(j + j // 4) % 2], dtype=(BF16, FP16)[(j + cell) % 2],
+                kind=("perm", "repeated")[(j // 2 + cell) % 2], lengths=("long", "short")[(j + j // 4 + cell) % 2],
+                sq=2 + (j + cell) % 3)
+
+
+def test_grid_rotation_covers_every_axis():
+    """Inside every (Q mode, mask) cell every page size, form, dtype, kind and length set appears."""
+    for qmode in QMODES:
+        for mask, window in MASKS:
+            cells = [grid_cell(qmode, mask, window, d, g) for d in DIMS for g in GROUPS]
+            for key, values in (("ps", PAGE_SIZES), ("form", FORMS), ("dtype", [BF16, FP16]),
+                                ("kind", ["perm", "repeated"]), ("lengths", ["long", "short"])):
+                assert {c[key] for c in cells} == set(values), (qmode, mask, window, key)
+
+
+@pytest.mark.parametrize("group", GROUPS, ids=[f"gqa{g}" for g in GROUPS])
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_decode_grid(qmode, mask, window, d, group):
+    c = grid_cell(qmode, mask, window, d, group)
+    hkv = 1 if group == 32 else 2
+    lens = list(LONG if c["lengths"] == "long" else SHORT)
+    if qmode == "fixed" and mask == "causal":
+        lens[0] = c["sq"]  # causal: every request's query count <= its length
+    q_lens = Q_LENS[c["lengths"]]
+    max_len = 2600 if c["lengths"] == "long" else 127
+    pb = Problem(lens, group * hkv, hkv, d, c["ps"], c["dtype"], seed_of(qmode, mask, window, d, group),
+                 qmode=qmode, sq=c["sq"], q_lens=q_lens, max_seq_len_q=max(q_lens) + (d == 128), form=c["form"],
+                 kind=c["kind"], max_seq_len=max_len)
+    pol = pb.policy()
+    assert (pol.splits > 1) == (c["lengths"] == "long"), pol
+    check(pb, mask, window)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_both_cache_forms_every_page_size(ps, form):
+    """Every page size with both cache forms (GQA 8, D 128, packed causal + window, split-KV)."""
+    pb = Problem(LONG, 16, 2, 128, ps, BF16, seed_of("forms", ps, form), qmode="packed", q_lens=Q_LENS["long"],
+                 form=form, kind="repeated" if ps == 64 else "perm")
+    assert pb.policy().splits > 1
+    check(pb, "causal", 300)
+
+
+# ----------------------------------------------------------------------------
+# Split-KV and single-split policies
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split_kv", "one_split"])
+@pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_split_policies(qmode, mask, window, split):
+    if split:  # few requests, long lengths
+        lens, max_len = [20000, 1, 7777, 4096], 20000
+    else:  # many requests (enough CTAs for the SMs), short lengths
+        lens, max_len = [1 + (37 * i) % 250 for i in range(96)], 256
+    B = len(lens)
+    q_lens = [1 + i % 4 for i in range(B)]
+    if mask == "causal":
+        lens = [max(sk, ql, 4) for sk, ql in zip(lens, q_lens)]
+    pb = Problem(lens, 32, 8, 128, 64, BF16, seed_of("split", qmode, mask, window, split), qmode=qmode, sq=4,
+                 q_lens=q_lens, max_seq_len_q=4, max_seq_len=max_len, kind="perm")
+    pol = pb.policy()
+    if split:
+        assert pol.splits > 1, pol
+    else:
+        assert pol.splits == 1, pol
+    check(pb, mask, window)
+
+
+# ----------------------------------------------------------------------------
+# Batch sizes, the 131072-token request
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B", [1, 2, 64, 512])
+@pytest.mark.parametrize("qmode", ["single", "packed"])
+def test_batch_sizes(B, qmode):
+    g = torch.Generator().manual_seed(B)
+    lens = torch.randint(1, 700, (B,), generator=g).tolist()
+    lens[0] = 1
+    if B > 1:
+        lens[-1] = 699
+    q_lens = torch.randint(1, 4, (B,), generator=g).tolist()
+    pb = Problem(lens, 16, 2, 128, 16, BF16, seed_of("batch", B, qmode), qmode=qmode, q_lens=q_lens,
+                 max_seq_len_q=3, max_seq_len=700, kind="repeated" if B == 64 else "perm")
+    check(pb, "dense")
+    # causal: every request's query count <= its length
+    lens_c = [max(sk, ql) for sk, ql in zip(lens, q_lens)] if qmode == "packed" else lens
+    pb = Problem(lens_c, 16, 2, 128, 16, BF16, seed_of("batch", B, qmode, "causal"), qmode=qmode, q_lens=q_lens,
+                 max_seq_len_q=3, max_seq_len=700)
+    check(pb, "causal", 64)
+
+
+def test_one_request_of_131072_tokens():
+    """D 128, GQA 4 (Hq 4, Hkv 1), page 64, bf16: one 131072-token request beside a 1-token one."""
+    lens = [131072, 1]
+    pb = Problem(lens, 4, 1, 128, 64, BF16, seed_of("131072"), qmode="single", slack=0)
+    assert pb.policy().splits > 1
+    check(pb, "dense")
+    check(pb, "causal", 5000)
+    del pb
+    pk = Problem(lens[::-1], 4, 1, 128, 64, BF16, seed_of("131072", "packed"), qmode="packed", q_lens=[1, 4],
+                 max_seq_len_q=4, slack=0)
+    check(pk, "causal")
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------
+# Output dtypes, scales, strided query
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [FP32, FP16, BF16])
+@pytest.mark.parametrize("lengths", ["long", "short"])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_out_dtype_and_scales(dtype, lengths, out_dtype):
+    lens = LONG if lengths == "long" else SHORT
+    pb = Problem(lens, 8, 2, 128, 32, dtype, seed_of("odt", str(dtype), lengths, str(out_dtype)), qmode="packed",
+                 q_lens=Q_LENS[lengths], max_seq_len=2600 if lengths == "long" else 127)
+    tol = max(TOL[dtype], TOL[BF16] if out_dtype == BF16 else TOL[FP16])
+    for bmm1, bmm2 in [(0.05, 1.7), (None, 0.5), (0.3, 1.0)]:
+        out, _ = check(pb, "causal", -1, out_dtype=out_dtype, bmm1_scale=bmm1, bmm2_scale=bmm2, tol=tol)
+        assert out.dtype == out_dtype
+    res = pb.call(mask_type="causal", out_dtype=out_dtype)
+    assert res.dtype == out_dtype and res.shape == pb.q.shape
+    assert rel_err(res, pb.ref("causal")) <= tol
+
+
+def test_strided_query():
+    """Query heads sliced out of a fused projection (head stride > D)."""
+    pb = Problem(LONG, 8, 2, 128, 16, BF16, seed_of("strided"), poison=False)
+    fused = torch.zeros(pb.B, 12, 128, dtype=BF16, device=DEVICE)
+    fused[:, 2:10] = pb.q
+    q = fused[:, 2:10]
+    assert not q.is_contiguous()
+    out = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
+    prims_ts_batch_decode_with_kv_cache(q, pb.cache, pb.workspace, pb.indptr, pb.indices, pb.seq_lens,
+                                        pb.max_seq_len, mask_type="causal", out=out)
+    torch.cuda.synchronize()
+    assert rel_err(out, pb.ref("causal")) <= TOL[BF16]
+
+
+# ----------------------------------------------------------------------------
+# Wrapper and one-shot
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
+def test_wrapper_and_oneshot(mask, window, form):
+    lens = [1, 33, 1000, 4097, 64]
+    ps = 32
+    pb = Problem(lens, 32, 8, 128, ps, FP16, seed_of("wrapper", mask, window, form), form=form, slack=0)
+    last = torch.tensor([sk - ((sk + ps - 1) // ps - 1) * ps for sk in lens], dtype=I32, device=DEVICE)
+    w = BatchDecodePagedTSWrapper()
+    w.plan(pb.indptr, pb.indices, last, 32, 8, 128, ps, mask_type=mask, window_left=window, sm_scale=0.07,
+           output_scale=1.3, q_data_type=FP16, out_dtype=FP32)
+    ref = pb.ref(mask, window, 0.07, 1.3)
+    out = torch.full(pb.q.shape, NAN, dtype=FP32, device=DEVICE)
+    assert w.run(pb.q, pb.cache, out=out) is out
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) <= TOL[FP16]
+    res = w.run(pb.q, pb.cache)
+    assert res.dtype == FP32
+    assert rel_err(res, ref) <= TOL[FP16]
+    one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.indptr, pb.indices, last, mask_type=mask,
+                                           window_left=window, sm_scale=0.07, output_scale=1.3, out_dtype=FP32)
+    assert rel_err(one, ref) <= TOL[FP16]
+
+
+# ----------------------------------------------------------------------------
+# Host checks that only apply to device tensors
+# ----------------------------------------------------------------------------
+
+
+def _must_not_launch(*args, **kwargs):
+    raise AssertionError("the decode kernel was launched although validation should have failed first")
+
+
+@pytest.mark.parametrize("name", ["query", "kv_cache", "paged_kv_indptr", "paged_kv_indices", "seq_lens", "out",
+                                  "cpu_workspace"])
+def test_workspace_overlap_and_device_refused(name):
+    """The workspace must not share memory with any other argument (seed 003), and lives on the device."""
+    from unittest import mock
+
+    from prims_ts.cuda import kernels
+
+    pb = Problem([20, 5], 8, 2, 128, 16, BF16, seed_of("ws_overlap", name), slack=0, poison=False)
+    assert pb.workspace.numel() <= 4096
+    args = dict(query=pb.q, kv_cache=pb.cache, workspace_buffer=pb.workspace, paged_kv_indptr=pb.indptr,
+                paged_kv_indices=pb.indices, seq_lens=pb.seq_lens, max_seq_len=pb.max_seq_len)
+    kw = {}
+    if name == "query":
+        args["workspace_buffer"] = pb.q.view(-1).view(torch.uint8)
+    elif name == "kv_cache":
+        args["workspace_buffer"] = pb.cache.view(-1).view(torch.uint8)[:4096]
+    elif name == "out":
+        buf = torch.zeros(pb.workspace.numel() + pb.q.numel() * 2, dtype=torch.uint8, device=DEVICE)
+        args["workspace_buffer"] = buf[:pb.workspace.numel()]
+        kw["out"] = buf[pb.workspace.numel() - 16:][:pb.q.numel() * 2].view(BF16).view(pb.q.shape)
+    elif name == "cpu_workspace":
+        args["workspace_buffer"] = pb.workspace.cpu()
+    else:
+        buf = torch.zeros(8192, dtype=torch.uint8, device=DEVICE)
+        meta = args[name]
+        view = buf[:meta.numel() * 4].view(I32)
+        view.copy_(meta)
+        args[name] = view
+        args["workspace_buffer"] = buf
+    match = r"\bout\b|workspace_buffer" if name == "out" else "workspace_buffer"
+    with mock.patch.object(kernels, "launch_decode", _must_not_launch):
+        with pytest.raises(ValueError, match=match):
+            prims_ts_batch_decode_with_kv_cache(*args.values(), **kw)

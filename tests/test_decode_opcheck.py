@@ -1,0 +1,149 @@
+"""torch.library.opcheck on the paged decode ops with CPU tensors.
+
+opcheck runs, for each sample:
+  test_schema                - the schema's mutation/aliasing annotations match what the op does;
+  test_autograd_registration - an autograd kernel is registered where inputs may require grad;
+  test_faketensor            - the fake (meta/decode.py) agrees with the real kernel;
+  test_aot_dispatch_dynamic  - the op traces through AOTAutograd with dynamic shapes and gives the
+                               same result as eager.
+
+The op signatures (``prims_ts/ops/decode.py``):
+  batch_decode(query, k_cache, v_cache, workspace, kv_indptr, kv_indices, seq_lens, qo_indptr, seq_len_q,
+               max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale, out_dtype) -> Tensor
+  batch_decode_out(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
+                   seq_len_q, max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale) -> ()
+Samples: fixed [B, Hq, D], fixed [B, SQ, Hq, D] (SQ > 1) and packed [T, Hq, D] queries; K/V as two
+separate pools or as the two (strided) halves of one combined cache.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import prims_ts  # noqa: F401  (registers the ops and their fakes)
+from prims_ts import get_prims_ts_batch_decode_workspace_size
+from prims_ts import reference as R
+
+ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32 = torch.int32
+D = 128
+PS = 16
+
+
+def _randn(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def sample(qmode, mask, window, dtype, seed=0, combined=False, max_seq_len=64):
+    """3 requests (kv lens 20, 3, 33) over a 9-page pool with non-identity and repeated page IDs
+    (page 2 is used by all three), one spare CSR entry after request 1."""
+    lens = [20, 3, 33]
+    indptr, indices = [0, 2, 4, 7], [7, 2, 2, -1, 5, 8, 2]
+    hq, hkv, P = 4, 2, 9
+    if combined:
+        kv = _randn((P, 2, hkv, PS, D), dtype, seed + 1)
+        k, v = kv[:, 0], kv[:, 1]
+    else:
+        k, v = _randn((P, hkv, PS, D), dtype, seed + 1), _randn((P, hkv, PS, D), dtype, seed + 2)
+    qo = None
+    if qmode == "single":
+        q, sq, msq = _randn((3, hq, D), dtype, seed), 1, 1
+    elif qmode == "fixed":
+        q, sq, msq = _randn((3, 3, hq, D), dtype, seed), 3, 3
+    else:
+        q, sq, msq = _randn((6, hq, D), dtype, seed), 1, 4  # q lens 2, 1, 3 under a bound of 4
+        qo = torch.tensor([0, 2, 3, 6], dtype=I32)
+    ws = torch.zeros(get_prims_ts_batch_decode_workspace_size(3, hq, hkv, D, max_seq_len, max_seq_len_q=msq,
+                                                              device="cpu"), dtype=torch.uint8)
+    meta = (torch.tensor(indptr, dtype=I32), torch.tensor(indices, dtype=I32), torch.tensor(lens, dtype=I32), qo)
+    scalars = (sq, msq, max_seq_len, mask, window, 0.09, 0.75)
+    return q, k, v, ws, meta, scalars
+
+
+def _reference(q, k, v, meta, scalars):
+    _, _, _, mask, window, sm_scale, output_scale = scalars
+    return R.batch_decode(q, k, v, meta[0], meta[1], meta[2], qo_indptr=meta[3], mask_type=mask, window_left=window,
+                          sm_scale=sm_scale, output_scale=output_scale, compute_dtype=torch.float64)
+
+
+def _check(result, names=ALL_TESTS):
+    assert set(result) == set(names), result
+    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
+    assert not bad, bad
+
+
+def _rel(out, ref):
+    assert not torch.isnan(out).any()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+CASES = [("single", "dense", -1, BF16, BF16, False), ("single", "causal", 1, FP16, FP32, True),
+         ("fixed", "causal", -1, FP16, FP16, False), ("fixed", "dense", -1, BF16, FP32, True),
+         ("packed", "causal", 2, BF16, BF16, True), ("packed", "dense", -1, FP16, FP32, False)]
+IDS = [f"{qm}-{m}{w if w >= 0 else ''}-{'combined' if c else 'pools'}" for qm, m, w, _, _, c in CASES]
+
+
+@pytest.mark.parametrize("qmode,mask,window,dtype,out_dtype,combined", CASES, ids=IDS)
+def test_opcheck_batch_decode(qmode, mask, window, dtype, out_dtype, combined):
+    q, k, v, ws, meta, scalars = sample(qmode, mask, window, dtype, combined=combined)
+    args = (q, k, v, ws, *meta, *scalars, out_dtype)
+    _check(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=ALL_TESTS))
+    res = torch.ops.prims_ts.batch_decode(*args)
+    assert res.dtype == out_dtype and res.shape == q.shape
+    assert _rel(res, _reference(q, k, v, meta, scalars)) <= 2e-2
+
+
+@pytest.mark.parametrize("qmode,mask,window,dtype,out_dtype,combined", CASES, ids=IDS)
+def test_opcheck_batch_decode_out(qmode, mask, window, dtype, out_dtype, combined):
+    q, k, v, ws, meta, scalars = sample(qmode, mask, window, dtype, seed=10, combined=combined)
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype)
+    args = (q, k, v, ws, out, *meta, *scalars)
+    _check(opcheck(torch.ops.prims_ts.batch_decode_out.default, args, test_utils=ALL_TESTS))
+    out.fill_(float("nan"))
+    assert torch.ops.prims_ts.batch_decode_out(*args) is None
+    assert _rel(out, _reference(q, k, v, meta, scalars)) <= 2e-2
+
+
+def test_opcheck_split_kv_key():
+    """A static max_seq_len large enough for a split-KV policy (a bigger workspace); same result."""
+    q, k, v, ws, meta, scalars = sample("packed", "causal", -1, BF16, seed=20, max_seq_len=8192)
+    assert ws.numel() > 256
+    args = (q, k, v, ws, *meta, *scalars, BF16)
+    _check(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=ALL_TESTS))
+    assert _rel(torch.ops.prims_ts.batch_decode(*args), _reference(q, k, v, meta, scalars)) <= 2e-2
+
+
+def test_opcheck_with_requires_grad_inputs():
+    """Inference ops without a backward formula: with inputs that require grad there must be an autograd
+    kernel (custom_op's raises on backward), not a silent detach."""
+    q, k, v, ws, meta, scalars = sample("single", "causal", -1, FP32, seed=30)
+    q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
+    args = (q, k, v, ws, *meta, *scalars, BF16)
+    names = ("test_schema", "test_autograd_registration", "test_faketensor")
+    _check(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=names), names)
+    res = torch.ops.prims_ts.batch_decode(*args)
+    assert res.requires_grad
+    with pytest.raises(RuntimeError, match="autograd|backward"):
+        res.float().sum().backward()
+
+
+def test_fake_tensor_shapes():
+    """The fakes give the query's shape and the requested dtype, and never read data."""
+    for qmode in ("single", "fixed", "packed"):
+        q, k, v, ws, meta, scalars = sample(qmode, "causal", 3, BF16)
+        mq, mk, mv, mws = (t.to("meta") for t in (q, k, v, ws))
+        mmeta = tuple(t.to("meta") if t is not None else None for t in meta)
+        res = torch.ops.prims_ts.batch_decode(mq, mk, mv, mws, *mmeta, *scalars, FP32)
+        assert res.device.type == "meta" and res.shape == q.shape and res.dtype == FP32
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            fq, fk, fv, fws = (mode.from_tensor(t) for t in (q, k, v, ws))
+            fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
+            res = torch.ops.prims_ts.batch_decode(fq, fk, fv, fws, *fmeta, *scalars, FP16)
+            assert res.shape == q.shape and res.dtype == FP16
+            fout = torch.empty(q.shape, dtype=FP32)
+            assert torch.ops.prims_ts.batch_decode_out(fq, fk, fv, fws, fout, *fmeta, *scalars) is None

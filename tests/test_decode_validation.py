@@ -1,0 +1,743 @@
+"""Every bad input of the paged decode API is refused on the host, before any kernel runs.
+
+Contract (SPEC "Errors", §3, seed 003 and issue 4 item 7): anything outside the
+contract raises ``ValueError`` (``TypeError`` for a wrong Python type) whose message
+names the argument. On CPU the "kernel" of ``prims_ts::batch_decode(_out)`` is
+``prims_ts.reference.batch_decode``; every error case below runs with it replaced
+by a function that fails the test if it is ever reached, so an error raised *after*
+the launch does not count.
+
+The standalone ``prims_ts_batch_decode_with_kv_cache`` trusts metadata *values*
+(no device-to-host synchronisation); only shapes, dtypes, devices, the workspace
+and scalars are checked — ``test_standalone_trusts_metadata_values`` checks that
+invalid values reach the op untouched and unread. ``BatchDecodePagedTSWrapper.plan``
+and the one-shot ``batch_decode_with_paged_kv_cache`` read and validate values.
+
+Devices: this file runs on a CPU-only machine, so "another device" is 'meta'.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from unittest import mock
+
+import pytest
+import torch
+
+import prims_ts
+from prims_ts import (
+    BatchDecodePagedTSWrapper,
+    batch_decode_with_paged_kv_cache,
+    get_prims_ts_batch_decode_workspace_size,
+    prims_ts_batch_decode_with_kv_cache,
+)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32, U8 = torch.int32, torch.uint8
+D = 128
+HQ, HKV = 4, 2
+PS = 16
+P = 8
+B = 2
+INDPTR = [0, 2, 3]  # request 0 owns 2 pages, request 1 one page
+INDICES = [3, 1, 5]
+LENS = [20, 5]
+MAX_LEN = 32  # = 2 pages: the static bound
+QO = [0, 3, 5]  # packed: q lens 3, 2 (<= LENS, so causal is valid too)
+BOUND = 2_147_483_520
+
+DROP = object()  # base(key=DROP): leave the keyword out (use the function's default)
+
+
+def _rand(*shape, dtype=BF16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def ip(values, dtype=I32):
+    return torch.tensor(values, dtype=dtype)
+
+
+def make_q(b=B, hq=HQ, d=D, dtype=BF16, sq=None):
+    shape = (b, hq, d) if sq is None else (b, sq, hq, d)
+    return _rand(*shape, dtype=dtype, seed=1)
+
+
+def make_cache(p=P, hkv=HKV, ps=PS, d=D, dtype=BF16, two=2, seed=2):
+    return _rand(p, two, hkv, ps, d, dtype=dtype, seed=seed)
+
+
+def make_pool(p=P, hkv=HKV, ps=PS, d=D, dtype=BF16, seed=3):
+    return _rand(p, hkv, ps, d, dtype=dtype, seed=seed)
+
+
+def ws_bytes(batch=B, hq=HQ, hkv=HKV, d=D, max_seq_len=MAX_LEN, max_seq_len_q=1):
+    return get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=max_seq_len_q,
+                                                    device="cpu")
+
+
+def make_ws(nbytes=None, dtype=U8):
+    n = ws_bytes() if nbytes is None else nbytes
+    return torch.zeros(n, dtype=U8).view(dtype) if dtype != U8 else torch.zeros(n, dtype=U8)
+
+
+def _kernel_must_not_run(*args, **kwargs):
+    raise AssertionError("the CPU kernel (reference) ran although validation should have failed first")
+
+
+def expect(exc, match, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` raises ``exc`` matching ``match`` and never reaches the kernel."""
+    with mock.patch.object(prims_ts.reference, "batch_decode", _kernel_must_not_run):
+        with pytest.raises(exc, match=match):
+            fn(*args, **kwargs)
+
+
+_q = make_q()
+_q4 = make_q(sq=3)
+_qp = _rand(QO[-1], HQ, D, dtype=BF16, seed=4)
+_kv = make_cache()
+_k = make_pool(seed=5)
+_v = make_pool(seed=6)
+
+ARG_NAMES = ("query", "kv_cache", "workspace_buffer", "paged_kv_indptr", "paged_kv_indices", "seq_lens",
+             "max_seq_len")
+META = ("paged_kv_indptr", "paged_kv_indices", "seq_lens", "qo_indptr")
+
+
+def base(**mods):
+    """Valid standalone arguments with modifications applied: (args, kwargs)."""
+    args = dict(query=_q, kv_cache=_kv, workspace_buffer=make_ws(), paged_kv_indptr=ip(INDPTR),
+                paged_kv_indices=ip(INDICES), seq_lens=ip(LENS), max_seq_len=MAX_LEN)
+    kwargs = {}
+    for key, val in mods.items():
+        if isinstance(val, list) and key in META:
+            val = ip(val)
+        (args if key in args else kwargs)[key] = val
+    kwargs = {key: val for key, val in kwargs.items() if val is not DROP}
+    return tuple(args.values()), kwargs
+
+
+def packed(**mods):
+    """Valid packed-Q arguments (q lens 3 and 2, max_seq_len_q 3) with modifications."""
+    kw = dict(query=_qp, qo_indptr=ip(QO), max_seq_len_q=3,
+              workspace_buffer=make_ws(ws_bytes(max_seq_len_q=3)))
+    kw.update(mods)
+    return base(**kw)
+
+
+def fixed(sq=3, **mods):
+    kw = dict(query=make_q(sq=sq), seq_len_q=sq, workspace_buffer=make_ws(ws_bytes(max_seq_len_q=sq)))
+    kw.update(mods)
+    return base(**kw)
+
+
+def _noncontig_inner(t):
+    """Same shape and values as t, last dimension with stride 2."""
+    base_ = torch.zeros(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype)
+    view = base_[..., ::2]
+    view.copy_(t)
+    assert view.stride(-1) == 2
+    return view
+
+
+def _out_sharing(name):
+    """(metadata tensor holding the base values, out whose bytes start inside it)."""
+    values = {"paged_kv_indptr": INDPTR, "paged_kv_indices": INDICES, "seq_lens": LENS, "qo_indptr": QO}[name]
+    shape = _qp.shape if name == "qo_indptr" else _q.shape
+    n = math.prod(shape)
+    buf = torch.zeros(n * 2 + 64, dtype=U8)
+    meta = buf[:len(values) * 4].view(I32)
+    meta.copy_(ip(values))
+    out = buf[4:4 + n * 2].view(BF16).view(shape)
+    return meta, out
+
+
+def _out_overlaps(name):
+    meta, out = _out_sharing(name)
+    if name == "qo_indptr":
+        return packed(qo_indptr=meta, out=out)
+    return base(**{name: meta, "out": out})
+
+
+def _out_in_workspace():
+    n = ws_bytes()
+    buf = torch.zeros(n + _q.numel() * 2, dtype=U8)
+    ws = buf[:n]
+    out = buf[n - 16:n - 16 + _q.numel() * 2].view(BF16).view(_q.shape)  # last 16 workspace bytes shared
+    return base(workspace_buffer=ws, out=out)
+
+
+def _ws_sharing(name):
+    """A workspace buffer (big enough) whose bytes overlap the named input."""
+    if name == "query":
+        return base(workspace_buffer=_q.view(-1).view(U8))
+    if name == "kv_cache":
+        return base(workspace_buffer=_kv.view(-1).view(U8)[:4096])
+    meta, _ = _out_sharing(name)
+    buf = meta.untyped_storage()
+    ws = torch.empty(0, dtype=U8).set_(buf, 0, (buf.nbytes(),))
+    assert ws.numel() >= ws_bytes()
+    return base(**{name: meta, "workspace_buffer": ws})
+
+
+# ----------------------------------------------------------------------------
+# Sanity: the base inputs (and some unusual but valid ones) are accepted.
+# ----------------------------------------------------------------------------
+
+
+def test_base_inputs_are_valid():
+    args, kw = base()
+    assert prims_ts_batch_decode_with_kv_cache(*args, **kw).shape == _q.shape
+    args, kw = base(kv_cache=(_k, _v), mask_type="causal", window_left=0)
+    out = torch.empty(_q.shape, dtype=FP32)
+    assert prims_ts_batch_decode_with_kv_cache(*args, out=out, **kw) is out
+    args, kw = packed(mask_type="causal")
+    assert prims_ts_batch_decode_with_kv_cache(*args, **kw).shape == _qp.shape
+    args, kw = fixed(sq=3, max_seq_len_q=3)  # an explicit max_seq_len_q equal to the fixed SQ
+    assert prims_ts_batch_decode_with_kv_cache(*args, **kw).shape == (B, 3, HQ, D)
+    # int8 workspace, a 2-D contiguous workspace, a larger one
+    for ws in (make_ws(dtype=torch.int8), torch.zeros(2, ws_bytes(), dtype=U8), make_ws(10 * ws_bytes())):
+        args, kw = base(workspace_buffer=ws)
+        prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    # max_seq_len at the representable bound (with a workspace sized for it)
+    args, kw = base(max_seq_len=BOUND, workspace_buffer=make_ws(ws_bytes(max_seq_len=BOUND)))
+    prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    # out.dtype decides the output dtype when out_dtype is not given
+    args, kw = base()
+    assert prims_ts_batch_decode_with_kv_cache(*args, out=torch.empty(_q.shape, dtype=FP16), **kw).dtype == FP16
+
+
+ONESHOT = []  # filled below: (id, exc, match, make)
+
+
+def case(name, exc, match, make):
+    ONESHOT.append((name, exc, match, make))
+
+
+# --- mask, window, layout
+case("window_without_causal", ValueError, "window_left", lambda: base(window_left=4))
+case("window_zero_without_causal", ValueError, "window_left", lambda: base(window_left=0))
+case("window_minus_2", ValueError, "window_left", lambda: base(mask_type="causal", window_left=-2))
+case("window_minus_100", ValueError, "window_left", lambda: base(mask_type="causal", window_left=-100))
+case("window_float", TypeError, "window_left", lambda: base(mask_type="causal", window_left=2.0))
+case("mask_variable_window", ValueError, "mask_type", lambda: base(mask_type="variable_window"))
+case("mask_unknown", ValueError, "mask_type", lambda: base(mask_type="full"))
+case("mask_none", TypeError, "mask_type", lambda: base(mask_type=None))
+case("kv_layout_NHD", ValueError, "kv_layout", lambda: base(kv_layout="NHD"))
+case("kv_layout_lower", ValueError, "kv_layout", lambda: base(kv_layout="hnd"))
+case("kv_layout_none", TypeError, "kv_layout", lambda: base(kv_layout=None))
+# --- dtype mixes
+case("query_fp16_cache_bf16", ValueError, "query|kv_cache", lambda: base(query=_q.half()))
+case("query_bf16_cache_fp16", ValueError, "query|kv_cache", lambda: base(kv_cache=_kv.half()))
+case("tuple_k_bf16_v_fp16", ValueError, "kv_cache", lambda: base(kv_cache=(_k, _v.half())))
+case("tuple_k_fp16_v_bf16", ValueError, "kv_cache", lambda: base(query=_q.half(), kv_cache=(_k.half(), _v)))
+case("all_float32", ValueError, "query|kv_cache", lambda: base(query=_q.float(), kv_cache=_kv.float()))
+case("cache_int8", ValueError, "kv_cache", lambda: base(kv_cache=_kv.to(torch.int8)))
+# --- Q mode: packed needs max_seq_len_q; seq_len_q must agree with the query's shape
+case("packed_without_max_seq_len_q", ValueError, "max_seq_len_q", lambda: packed(max_seq_len_q=DROP))
+case("packed_max_seq_len_q_none", ValueError, "max_seq_len_q", lambda: packed(max_seq_len_q=None))
+case("packed_max_seq_len_q_zero", ValueError, "max_seq_len_q", lambda: packed(max_seq_len_q=0))
+case("packed_max_seq_len_q_float", TypeError, "max_seq_len_q", lambda: packed(max_seq_len_q=3.0))
+case("packed_seq_len_q_2", ValueError, "seq_len_q", lambda: packed(seq_len_q=2))
+case("packed_query_rank4", ValueError, "query", lambda: packed(query=_qp.unsqueeze(0)))
+case("packed_qo_int64", ValueError, "qo_indptr", lambda: packed(qo_indptr=ip(QO, torch.int64)))
+case("packed_qo_rank2", ValueError, "qo_indptr", lambda: packed(qo_indptr=[QO]))
+case("packed_qo_single_entry", ValueError, "qo_indptr", lambda: packed(qo_indptr=[0]))
+case("packed_qo_vs_indptr_length", ValueError, "qo_indptr|paged_kv_indptr", lambda: packed(qo_indptr=[0, 1, 3, 5]))
+case("packed_qo_meta", ValueError, "qo_indptr", lambda: packed(qo_indptr=ip(QO).to("meta")))
+case("packed_qo_list", TypeError, "qo_indptr", lambda: packed(qo_indptr=tuple(QO)))
+case("fixed3d_seq_len_q_2", ValueError, "seq_len_q|query", lambda: base(seq_len_q=2))
+case("fixed4d_wrong_sq", ValueError, "seq_len_q|query", lambda: fixed(sq=3, query=make_q(sq=2)))
+case("fixed4d_seq_len_q_default", ValueError, "seq_len_q|query", lambda: base(query=_q4))
+case("fixed4d_sq1_seq_len_q_1", ValueError, "seq_len_q|query", lambda: base(query=make_q(sq=1)))
+case("seq_len_q_zero", ValueError, "seq_len_q", lambda: base(seq_len_q=0))
+case("seq_len_q_float", TypeError, "seq_len_q", lambda: fixed(sq=3, seq_len_q=3.0))
+case("seq_len_q_none", TypeError, "seq_len_q", lambda: base(seq_len_q=None))
+case("fixed3d_max_seq_len_q_2", ValueError, "max_seq_len_q", lambda: base(max_seq_len_q=2))
+case("fixed4d_max_seq_len_q_4", ValueError, "max_seq_len_q", lambda: fixed(sq=3, max_seq_len_q=4))
+case("fixed4d_max_seq_len_q_2", ValueError, "max_seq_len_q", lambda: fixed(sq=3, max_seq_len_q=2))
+# --- workspace
+case("ws_float32", ValueError, "workspace_buffer",
+     lambda: base(workspace_buffer=torch.zeros((ws_bytes() + 3) // 4, dtype=FP32)))
+case("ws_int32", ValueError, "workspace_buffer",
+     lambda: base(workspace_buffer=torch.zeros((ws_bytes() + 3) // 4, dtype=I32)))
+case("ws_bf16", ValueError, "workspace_buffer",
+     lambda: base(workspace_buffer=torch.zeros(ws_bytes(), dtype=BF16)))
+case("ws_noncontig", ValueError, "workspace_buffer",
+     lambda: base(workspace_buffer=torch.zeros(2 * ws_bytes(), dtype=U8)[::2]))
+case("ws_noncontig_2d", ValueError, "workspace_buffer",
+     lambda: base(workspace_buffer=torch.zeros(ws_bytes(), 2, dtype=U8).t()))
+case("ws_meta", ValueError, "workspace_buffer",
+     lambda: base(workspace_buffer=torch.zeros(ws_bytes(), dtype=U8, device="meta")))
+case("ws_one_byte_short", ValueError, "workspace_buffer", lambda: base(workspace_buffer=make_ws(ws_bytes() - 1)))
+case("ws_empty", ValueError, "workspace_buffer", lambda: base(workspace_buffer=make_ws(0)))
+case("ws_sized_for_smaller_max_seq_len", ValueError, "workspace_buffer",
+     # a split-KV key: the size for max_seq_len 4096 exceeds the minimum; sized for 32 it is too small
+     lambda: base(max_seq_len=4096, workspace_buffer=make_ws(ws_bytes())))
+case("ws_split_key_one_byte_short", ValueError, "workspace_buffer",
+     lambda: base(max_seq_len=4096, workspace_buffer=make_ws(ws_bytes(max_seq_len=4096) - 1)))
+case("ws_sized_for_smaller_max_seq_len_q", ValueError, "workspace_buffer",
+     lambda: packed(max_seq_len_q=3, max_seq_len=4096,
+                    workspace_buffer=make_ws(ws_bytes(max_seq_len=4096, max_seq_len_q=1))))
+case("ws_not_tensor", TypeError, "workspace_buffer", lambda: base(workspace_buffer=bytearray(4096)))
+case("ws_none", TypeError, "workspace_buffer", lambda: base(workspace_buffer=None))
+# --- max_seq_len
+case("max_seq_len_0", ValueError, "max_seq_len", lambda: base(max_seq_len=0))
+case("max_seq_len_negative", ValueError, "max_seq_len", lambda: base(max_seq_len=-1))
+case("max_seq_len_bound_plus_1", ValueError, "max_seq_len", lambda: base(max_seq_len=BOUND + 1))
+case("max_seq_len_2_31", ValueError, "max_seq_len", lambda: base(max_seq_len=2**31))
+case("max_seq_len_2_40", ValueError, "max_seq_len", lambda: base(max_seq_len=2**40))
+case("max_seq_len_float", TypeError, "max_seq_len", lambda: base(max_seq_len=32.0))
+case("max_seq_len_str", TypeError, "max_seq_len", lambda: base(max_seq_len="32"))
+case("max_seq_len_bool", TypeError, "max_seq_len", lambda: base(max_seq_len=True))
+case("max_seq_len_none", TypeError, "max_seq_len", lambda: base(max_seq_len=None))
+case("max_seq_len_tensor", TypeError, "max_seq_len", lambda: base(max_seq_len=torch.tensor(32)))
+# --- out overlapping an input, a metadata tensor or the workspace
+case("out_is_query", ValueError, r"\bout\b", lambda: base(out=_q))
+_q3 = make_q(b=B + 1)
+case("out_in_query", ValueError, r"\bout\b", lambda: base(query=_q3[:B], out=_q3[1:B + 1]))
+case("out_in_combined_cache", ValueError, r"\bout\b", lambda: base(out=_kv.view(-1)[: _q.numel()].view(_q.shape)))
+case("out_tail_of_combined_cache", ValueError, r"\bout\b",
+     lambda: base(out=_kv.view(-1)[-_q.numel():].view(_q.shape)))
+case("out_in_tuple_k", ValueError, r"\bout\b",
+     lambda: base(kv_cache=(_k, _v), out=_k.view(-1)[100:100 + _q.numel()].view(_q.shape)))
+case("out_in_tuple_v", ValueError, r"\bout\b",
+     lambda: base(kv_cache=(_k, _v), out=_v.view(-1)[-_q.numel():].view(_q.shape)))
+case("out_overlaps_paged_kv_indptr", ValueError, r"\bout\b", lambda: _out_overlaps("paged_kv_indptr"))
+case("out_overlaps_paged_kv_indices", ValueError, r"\bout\b", lambda: _out_overlaps("paged_kv_indices"))
+case("out_overlaps_seq_lens", ValueError, r"\bout\b", lambda: _out_overlaps("seq_lens"))
+case("out_overlaps_qo_indptr", ValueError, r"\bout\b", lambda: _out_overlaps("qo_indptr"))
+case("out_overlaps_workspace", ValueError, r"\bout\b|workspace_buffer", lambda: _out_in_workspace())
+# --- out: shape, dtype, device, layout
+case("out_wrong_shape", ValueError, r"\bout\b", lambda: base(out=torch.empty(B, HQ, D + 128, dtype=BF16)))
+case("out_fixed4d_for_3d_query", ValueError, r"\bout\b", lambda: base(out=torch.empty(B, 1, HQ, D, dtype=BF16)))
+case("out_dtype_disagrees", ValueError, r"\bout\b", lambda: base(out=torch.empty(_q.shape, dtype=BF16),
+                                                                   out_dtype=FP32))
+case("out_float64", ValueError, r"\bout\b", lambda: base(out=torch.empty(_q.shape, dtype=torch.float64)))
+case("out_noncontig", ValueError, r"\bout\b", lambda: base(out=torch.empty(B, D, HQ, dtype=BF16).transpose(1, 2)))
+case("out_meta", ValueError, r"\bout\b", lambda: base(out=torch.empty(_q.shape, dtype=BF16, device="meta")))
+case("out_not_tensor", TypeError, r"\bout\b", lambda: base(out=0))
+case("out_dtype_float64", ValueError, "out_dtype", lambda: base(out_dtype=torch.float64))
+case("out_dtype_int32", ValueError, "out_dtype", lambda: base(out_dtype=I32))
+case("out_dtype_str", TypeError, "out_dtype", lambda: base(out_dtype="float32"))
+# --- cache forms, page size, head dim, heads
+case("combined_dim1_3", ValueError, "kv_cache", lambda: base(kv_cache=make_cache(two=3)))
+case("combined_dim1_1", ValueError, "kv_cache", lambda: base(kv_cache=make_cache(two=1)))
+case("combined_rank4", ValueError, "kv_cache", lambda: base(kv_cache=_k))
+case("combined_rank6", ValueError, "kv_cache", lambda: base(kv_cache=_kv.unsqueeze(0)))
+case("tuple_of_3", ValueError, "kv_cache", lambda: base(kv_cache=(_k, _v, _v)))
+case("tuple_of_1", ValueError, "kv_cache", lambda: base(kv_cache=(_k,)))
+case("tuple_shapes_differ", ValueError, "kv_cache", lambda: base(kv_cache=(_k, _v[:P - 1])))
+case("tuple_rank5", ValueError, "kv_cache", lambda: base(kv_cache=(_kv, _kv)))
+case("tuple_of_lists", TypeError, "kv_cache", lambda: base(kv_cache=(_k.tolist(), _v)))
+case("cache_not_tensor", TypeError, "kv_cache", lambda: base(kv_cache=None))
+case("cache_inner_noncontig", ValueError, "kv_cache", lambda: base(kv_cache=_noncontig_inner(_kv)))
+case("page_size_8", ValueError, "page size|kv_cache", lambda: base(kv_cache=make_cache(ps=8)))
+case("page_size_8_tuple", ValueError, "page size|kv_cache",
+     lambda: base(kv_cache=(make_pool(ps=8), make_pool(ps=8, seed=4))))
+case("page_size_256", ValueError, "page size|kv_cache", lambda: base(kv_cache=make_cache(p=2, ps=256)))
+case("page_size_48", ValueError, "page size|kv_cache", lambda: base(kv_cache=make_cache(ps=48)))
+case("head_dim_96", ValueError, "query|head dim",
+     lambda: base(query=make_q(d=96), kv_cache=make_cache(d=96)))
+case("head_dim_32", ValueError, "query|head dim",
+     lambda: base(query=make_q(d=32), kv_cache=make_cache(d=32)))
+case("head_dim_512", ValueError, "query|head dim",
+     lambda: base(query=make_q(d=512), kv_cache=make_cache(p=2, d=512)))
+case("head_dim_query_vs_cache", ValueError, "kv_cache|query", lambda: base(kv_cache=make_cache(d=64)))
+case("hq_not_multiple_of_hkv", ValueError, "query|kv_cache|heads", lambda: base(query=make_q(hq=3)))
+case("hkv_gt_hq", ValueError, "query|kv_cache|heads", lambda: base(query=make_q(hq=1)))
+case("hq_6_hkv_4", ValueError, "query|kv_cache|heads",
+     lambda: base(query=make_q(hq=6), kv_cache=make_cache(hkv=4)))
+# --- query: type, rank, layout
+case("query_not_tensor", TypeError, "query", lambda: base(query=_q.tolist()))
+case("query_rank2", ValueError, "query", lambda: base(query=_q[:, 0]))
+case("query_rank5", ValueError, "query", lambda: base(query=_q4.unsqueeze(0), seq_len_q=3))
+case("query_inner_noncontig", ValueError, "query", lambda: base(query=_noncontig_inner(_q)))
+case("query_misaligned", ValueError, "query",
+     lambda: base(query=torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape)))
+case("query_batch_vs_indptr", ValueError, "paged_kv_indptr|query", lambda: base(query=make_q(b=3)))
+# --- metadata dtypes and shapes
+case("indptr_int64", ValueError, "paged_kv_indptr", lambda: base(paged_kv_indptr=ip(INDPTR, torch.int64)))
+case("indptr_uint32", ValueError, "paged_kv_indptr", lambda: base(paged_kv_indptr=ip(INDPTR).view(torch.uint32)))
+case("indptr_float", ValueError, "paged_kv_indptr", lambda: base(paged_kv_indptr=ip(INDPTR, FP32)))
+case("indptr_length_B", ValueError, "paged_kv_indptr", lambda: base(paged_kv_indptr=[0, 3]))
+case("indptr_length_B_plus_2", ValueError, "paged_kv_indptr", lambda: base(paged_kv_indptr=[0, 1, 2, 3]))
+case("indptr_rank2", ValueError, "paged_kv_indptr", lambda: base(paged_kv_indptr=[INDPTR]))
+case("indptr_noncontig", ValueError, "paged_kv_indptr",
+     lambda: base(paged_kv_indptr=ip([0, 9, 2, 9, 3, 9])[::2]))
+case("indptr_list", TypeError, "paged_kv_indptr", lambda: base(paged_kv_indptr=tuple(INDPTR)))
+case("indptr_meta", ValueError, "paged_kv_indptr", lambda: base(paged_kv_indptr=ip(INDPTR).to("meta")))
+case("indices_int64", ValueError, "paged_kv_indices", lambda: base(paged_kv_indices=ip(INDICES, torch.int64)))
+case("indices_rank2", ValueError, "paged_kv_indices", lambda: base(paged_kv_indices=[INDICES]))
+case("indices_meta", ValueError, "paged_kv_indices", lambda: base(paged_kv_indices=ip(INDICES).to("meta")))
+case("indices_tuple", TypeError, "paged_kv_indices", lambda: base(paged_kv_indices=tuple(INDICES)))
+case("seq_lens_int64", ValueError, "seq_lens", lambda: base(seq_lens=ip(LENS, torch.int64)))
+case("seq_lens_length_B_plus_1", ValueError, "seq_lens", lambda: base(seq_lens=LENS + [5]))
+case("seq_lens_length_B_minus_1", ValueError, "seq_lens", lambda: base(seq_lens=LENS[:1]))
+case("seq_lens_rank2", ValueError, "seq_lens", lambda: base(seq_lens=[LENS]))
+case("seq_lens_noncontig", ValueError, "seq_lens", lambda: base(seq_lens=ip([20, 9, 5, 9])[::2]))
+case("seq_lens_meta", ValueError, "seq_lens", lambda: base(seq_lens=ip(LENS).to("meta")))
+case("query_meta", ValueError, "query|kv_cache", lambda: base(query=_q.to("meta")))
+case("cache_meta", ValueError, "kv_cache", lambda: base(kv_cache=_kv.to("meta")))
+# --- scales
+case("bmm1_scale_zero", ValueError, "bmm1_scale", lambda: base(bmm1_scale=0.0))
+case("bmm1_scale_nan", ValueError, "bmm1_scale", lambda: base(bmm1_scale=math.nan))
+case("bmm1_scale_inf", ValueError, "bmm1_scale", lambda: base(bmm1_scale=math.inf))
+case("bmm1_scale_negative", ValueError, "bmm1_scale", lambda: base(bmm1_scale=-0.1))
+case("bmm1_scale_str", TypeError, "bmm1_scale", lambda: base(bmm1_scale="0.1"))
+case("bmm1_scale_tensor", TypeError, "bmm1_scale", lambda: base(bmm1_scale=torch.tensor(0.1)))
+case("bmm2_scale_negative", ValueError, "bmm2_scale", lambda: base(bmm2_scale=-1.0))
+case("bmm2_scale_zero", ValueError, "bmm2_scale", lambda: base(bmm2_scale=0.0))
+case("bmm2_scale_nan", ValueError, "bmm2_scale", lambda: base(bmm2_scale=math.nan))
+case("bmm2_scale_inf", ValueError, "bmm2_scale", lambda: base(bmm2_scale=-math.inf))
+case("bmm2_scale_none", TypeError, "bmm2_scale", lambda: base(bmm2_scale=None))
+case("bmm2_scale_str", TypeError, "bmm2_scale", lambda: base(bmm2_scale="1"))
+
+
+@pytest.mark.parametrize("exc,match,make", [c[1:] for c in ONESHOT], ids=[c[0] for c in ONESHOT])
+def test_standalone_errors(exc, match, make):
+    args, kwargs = make()
+    expect(exc, match, prims_ts_batch_decode_with_kv_cache, *args, **kwargs)
+
+
+# The workspace must not overlap the query, the cache or a metadata tensor (seed 003), on any device.
+@pytest.mark.parametrize("name", ["query", "kv_cache", "paged_kv_indptr", "paged_kv_indices", "seq_lens"])
+def test_standalone_workspace_overlapping_an_input(name):
+    args, kwargs = _ws_sharing(name)
+    expect(ValueError, "workspace_buffer", prims_ts_batch_decode_with_kv_cache, *args, **kwargs)
+
+
+def test_error_leaves_out_and_workspace_untouched():
+    """A refused call writes nothing: the poisoned out is still all NaN, the workspace unchanged."""
+    for mods in (dict(window_left=3), dict(max_seq_len=0), dict(kv_layout="NHD"), dict(bmm1_scale=0.0),
+                 dict(seq_lens=LENS + [1])):
+        out = torch.full(_q.shape, float("nan"), dtype=BF16)
+        ws = torch.full((ws_bytes(),), 0xA5, dtype=U8)
+        args, kw = base(out=out, workspace_buffer=ws, **mods)
+        expect((ValueError, TypeError), ".", prims_ts_batch_decode_with_kv_cache, *args, **kw)
+        assert torch.isnan(out).all(), mods
+        assert (ws == 0xA5).all(), mods
+
+
+# ----------------------------------------------------------------------------
+# The standalone trusts metadata values: it neither reads nor validates them
+# ----------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Stands in for torch.ops.prims_ts.batch_decode(_out): records its arguments, launches nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def functional(self, *args):
+        self.calls.append(("batch_decode", args))
+        return torch.empty(args[0].shape, dtype=args[-1])
+
+    def out(self, *args):
+        self.calls.append(("batch_decode_out", args))
+
+
+def _no_host_reads():
+    """Patches that make any host read of a tensor's values fail (tolist, item, int(), bool(), ...)."""
+
+    def boom(*a, **k):
+        raise AssertionError("a tensor value was read on the host")
+
+    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "__iter__")
+    return [mock.patch.object(torch.Tensor, n, boom) for n in names]
+
+
+INVALID_VALUES = [
+    # seq_lens of 0 and beyond max_seq_len, indptr not monotone / not starting at 0 / past indices.numel(),
+    # page IDs outside the cache, negative page IDs
+    dict(seq_lens=[0, 0], paged_kv_indptr=[5, 1, 99], paged_kv_indices=[-1, 10**6, P]),
+    dict(seq_lens=[-7, MAX_LEN + 1000], paged_kv_indptr=[0, 0, 0], paged_kv_indices=[2**31 - 1, -2**31, 0]),
+]
+
+
+@pytest.mark.parametrize("mode", ["fixed1", "fixed3", "packed"])
+@pytest.mark.parametrize("which", [0, 1])
+def test_standalone_trusts_metadata_values(mode, which):
+    """Invalid metadata values (the caller's obligations per seed 003) raise nothing on the host: they
+    reach the op as the very same tensors, and no tensor value is read on the host on the way."""
+    mods = dict(INVALID_VALUES[which])
+    if mode == "packed":
+        mods["qo_indptr"] = [3, 1, 0]  # not starting at 0, decreasing, not ending at total_q
+        args, kw = packed(mask_type="causal", **mods)
+    elif mode == "fixed3":
+        args, kw = fixed(sq=3, mask_type="causal", **mods)
+    else:
+        args, kw = base(mask_type="causal", window_left=1, **mods)
+    rec = _Recorder()
+    out = torch.empty(args[0].shape, dtype=FP32)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.ops.prims_ts, "batch_decode", rec.functional))
+        stack.enter_context(mock.patch.object(torch.ops.prims_ts, "batch_decode_out", rec.out))
+        stack.enter_context(mock.patch.object(prims_ts.reference, "batch_decode", _kernel_must_not_run))
+        for p in _no_host_reads():
+            stack.enter_context(p)
+        with pytest.raises(AssertionError, match="host"):
+            args[5].tolist()  # the patches are live
+        res = prims_ts_batch_decode_with_kv_cache(*args, **kw)
+        res_out = prims_ts_batch_decode_with_kv_cache(*args, out=out, **kw)
+    assert res.shape == args[0].shape
+    assert res_out is out
+    assert [c[0] for c in rec.calls] == ["batch_decode", "batch_decode_out"]
+    for _, call in rec.calls:
+        names = {id(call[i]) for i in range(len(call)) if isinstance(call[i], torch.Tensor)}
+        for meta in (args[3], args[4], args[5]) + ((kw["qo_indptr"],) if "qo_indptr" in kw else ()):
+            assert id(meta) in names, "a metadata tensor was copied or replaced before the op"
+
+
+def test_standalone_does_not_modify_metadata():
+    args, kw = packed(mask_type="causal")
+    before = [t.clone() for t in args[3:6]] + [kw["qo_indptr"].clone()]
+    prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    for a, b in zip(before, list(args[3:6]) + [kw["qo_indptr"]]):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------
+# get_prims_ts_batch_decode_workspace_size
+# ----------------------------------------------------------------------------
+
+WS_CASES = [
+    ("batch_0", ValueError, "batch_size", dict(batch_size=0)),
+    ("batch_float", TypeError, "batch_size", dict(batch_size=2.0)),
+    ("hq_0", ValueError, "num_qo_heads", dict(num_qo_heads=0)),
+    ("hkv_float", TypeError, "num_kv_heads", dict(num_kv_heads=2.0)),
+    ("heads_not_multiple", ValueError, "num_qo_heads|num_kv_heads", dict(num_qo_heads=3)),
+    ("head_dim_96", ValueError, "head_dim", dict(head_dim=96)),
+    ("head_dim_str", TypeError, "head_dim", dict(head_dim="128")),
+    ("max_seq_len_0", ValueError, "max_seq_len", dict(max_seq_len=0)),
+    ("max_seq_len_past_bound", ValueError, "max_seq_len", dict(max_seq_len=BOUND + 1)),
+    ("max_seq_len_float", TypeError, "max_seq_len", dict(max_seq_len=32.0)),
+    ("max_seq_len_q_0", ValueError, "max_seq_len_q", dict(max_seq_len_q=0)),
+]
+
+
+@pytest.mark.parametrize("exc,match,mods", [c[1:] for c in WS_CASES], ids=[c[0] for c in WS_CASES])
+def test_workspace_size_errors(exc, match, mods):
+    kw = dict(batch_size=B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq_len=MAX_LEN)
+    kw.update(mods)
+    with pytest.raises(exc, match=match):
+        get_prims_ts_batch_decode_workspace_size(kw.pop("batch_size"), kw.pop("num_qo_heads"),
+                                                 kw.pop("num_kv_heads"), kw.pop("head_dim"), kw.pop("max_seq_len"),
+                                                 device="cpu", **kw)
+
+
+# ----------------------------------------------------------------------------
+# BatchDecodePagedTSWrapper.plan
+# ----------------------------------------------------------------------------
+
+LAST = [4, 5]  # request 0: (2 - 1) * 16 + 4 = 20 tokens; request 1: 5 tokens
+HEADS = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS)
+
+
+def plan_args(indptr=INDPTR, indices=INDICES, last=LAST, **kw):
+    conv = [ip(x) if isinstance(x, list) else x for x in (indptr, indices, last)]
+    args = dict(HEADS)
+    args.update(kw)
+    args = {k: v for k, v in args.items() if v is not DROP}
+    return tuple(conv), args
+
+
+PLAN_CASES = [
+    ("indptr_not_start_0", ValueError, "indptr", lambda: plan_args(indptr=[1, 2, 3])),
+    ("indptr_not_strict", ValueError, "indptr", lambda: plan_args(indptr=[0, 3, 3])),
+    ("indptr_zero_pages_first", ValueError, "indptr", lambda: plan_args(indptr=[0, 0, 3])),
+    ("indptr_decreasing", ValueError, "indptr", lambda: plan_args(indptr=[0, 3, 2], last=[4, 5])),
+    ("indptr_end_short", ValueError, "indptr", lambda: plan_args(indptr=[0, 1, 2])),
+    ("indptr_end_past", ValueError, "indptr", lambda: plan_args(indptr=[0, 2, 4])),
+    ("indptr_int64", ValueError, "indptr", lambda: plan_args(indptr=ip(INDPTR, torch.int64))),
+    ("indptr_single_entry", ValueError, "indptr|last_page_len",
+     lambda: plan_args(indptr=[0], indices=[], last=[])),
+    ("indptr_list", TypeError, "indptr", lambda: plan_args(indptr=tuple(INDPTR))),
+    ("last_page_len_0", ValueError, "last_page_len", lambda: plan_args(last=[0, 5])),
+    ("last_page_len_gt_page_size", ValueError, "last_page_len", lambda: plan_args(last=[4, PS + 1])),
+    ("last_page_len_negative", ValueError, "last_page_len", lambda: plan_args(last=[-3, 5])),
+    ("last_page_len_wrong_length", ValueError, "last_page_len", lambda: plan_args(last=[4, 5, 6])),
+    ("last_page_len_int64", ValueError, "last_page_len", lambda: plan_args(last=ip(LAST, torch.int64))),
+    ("last_page_len_meta", ValueError, "last_page_len|indptr", lambda: plan_args(last=ip(LAST).to("meta"))),
+    ("page_id_negative", ValueError, "indices", lambda: plan_args(indices=[3, -1, 5])),
+    ("page_id_min_int", ValueError, "indices", lambda: plan_args(indices=[3, 1, -2**31])),
+    ("indices_int64", ValueError, "indices", lambda: plan_args(indices=ip(INDICES, torch.int64))),
+    ("indices_meta", ValueError, "indices|indptr", lambda: plan_args(indices=ip(INDICES).to("meta"))),
+    ("page_size_8", ValueError, "page_size", lambda: plan_args(page_size=8)),
+    ("page_size_48", ValueError, "page_size", lambda: plan_args(page_size=48)),
+    ("page_size_256", ValueError, "page_size", lambda: plan_args(page_size=256)),
+    ("page_size_str", TypeError, "page_size", lambda: plan_args(page_size="16")),
+    ("page_size_float", TypeError, "page_size", lambda: plan_args(page_size=16.0)),
+    ("q_data_type_str", TypeError, "q_data_type", lambda: plan_args(q_data_type="bfloat16")),
+    ("q_data_type_none", TypeError, "q_data_type", lambda: plan_args(q_data_type=None)),
+    ("q_data_type_float32", ValueError, "q_data_type", lambda: plan_args(q_data_type=FP32)),
+    ("max_seq_len_below_longest", ValueError, "max_seq_len", lambda: plan_args(max_seq_len=19)),
+    ("max_seq_len_0", ValueError, "max_seq_len", lambda: plan_args(max_seq_len=0)),
+    ("max_seq_len_past_bound", ValueError, "max_seq_len", lambda: plan_args(max_seq_len=BOUND + 1)),
+    ("max_seq_len_float", TypeError, "max_seq_len", lambda: plan_args(max_seq_len=32.0)),
+    ("num_qo_heads_zero", ValueError, "num_qo_heads", lambda: plan_args(num_qo_heads=0)),
+    ("num_kv_heads_float", TypeError, "num_kv_heads", lambda: plan_args(num_kv_heads=2.0)),
+    ("heads_not_multiple", ValueError, "num_qo_heads|num_kv_heads", lambda: plan_args(num_qo_heads=3)),
+    ("head_dim_96", ValueError, "head_dim", lambda: plan_args(head_dim=96)),
+    ("head_dim_float", TypeError, "head_dim", lambda: plan_args(head_dim=128.0)),
+    ("mask_unknown", ValueError, "mask_type", lambda: plan_args(mask_type="full")),
+    ("window_without_causal", ValueError, "window_left", lambda: plan_args(window_left=3)),
+    ("window_minus_2", ValueError, "window_left", lambda: plan_args(mask_type="causal", window_left=-2)),
+    ("sm_scale_inf", ValueError, "sm_scale", lambda: plan_args(sm_scale=math.inf)),
+    ("sm_scale_str", TypeError, "sm_scale", lambda: plan_args(sm_scale="0.1")),
+    ("output_scale_zero", ValueError, "output_scale", lambda: plan_args(output_scale=0.0)),
+    ("output_scale_negative", ValueError, "output_scale", lambda: plan_args(output_scale=-2.0)),
+    ("out_dtype_float64", ValueError, "out_dtype", lambda: plan_args(out_dtype=torch.float64)),
+]
+
+
+@pytest.mark.parametrize("exc,match,make", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+def test_wrapper_plan_errors(exc, match, make):
+    args, kwargs = make()
+    expect(exc, match, BatchDecodePagedTSWrapper().plan, *args, **kwargs)
+
+
+def test_wrapper_plan_accepts_edge_values():
+    """last_page_len == page_size, max_seq_len == the longest request, the largest bound."""
+    for kw in (dict(last=[PS, PS], max_seq_len=2 * PS), dict(last=[1, 1], max_seq_len=17), dict(max_seq_len=BOUND),
+               dict(max_seq_len=DROP)):
+        w = BatchDecodePagedTSWrapper()
+        args, kwargs = plan_args(q_data_type=BF16, **kw)
+        w.plan(*args, **kwargs)
+        assert w.run(_q, _kv).shape == _q.shape
+
+
+# ----------------------------------------------------------------------------
+# BatchDecodePagedTSWrapper.run
+# ----------------------------------------------------------------------------
+
+
+def planned(**kw):
+    w = BatchDecodePagedTSWrapper()
+    args, kwargs = plan_args(**kw)
+    kwargs.setdefault("q_data_type", BF16)
+    w.plan(*args, **kwargs)
+    return w, args
+
+
+def test_wrapper_run_before_plan():
+    with pytest.raises((RuntimeError, ValueError), match="plan"):
+        BatchDecodePagedTSWrapper().run(_q, _kv)
+
+
+def test_wrapper_base_run_is_valid():
+    w, _ = planned(mask_type="causal")
+    out = torch.empty(_q.shape, dtype=BF16)
+    assert w.run(_q, _kv, out=out) is out
+    # a cache with exactly max_page + 1 pages is enough; a tuple cache works too
+    max_page = max(INDICES)
+    assert w.run(_q, _kv[:max_page + 1]).shape == _q.shape
+    assert w.run(_q, (_k, _v)).shape == _q.shape
+
+
+RUN_CASES = [
+    ("q_other_batch", {}, ValueError, r"\bq\b", lambda: (make_q(b=3), _kv)),
+    ("q_other_heads", {}, ValueError, r"\bq\b", lambda: (make_q(hq=2 * HQ), _kv)),
+    ("q_other_head_dim", {}, ValueError, r"\bq\b", lambda: (make_q(d=256), make_cache(d=256))),
+    ("q_rank4", {}, ValueError, r"\bq\b", lambda: (_q.unsqueeze(1), _kv)),
+    ("q_fp16_vs_plan_bf16", {}, ValueError, r"\bq\b", lambda: (_q.half(), _kv.half())),
+    ("q_bf16_vs_plan_fp16", dict(q_data_type=FP16), ValueError, r"\bq\b", lambda: (_q, _kv)),
+    ("cache_dtype_vs_q", {}, ValueError, r"query|\bq\b|cache", lambda: (_q, _kv.half())),
+    ("cache_too_few_pages", {}, ValueError, "paged_kv_cache", lambda: (_q, _kv[:max(INDICES)])),
+    ("tuple_cache_too_few_pages", {}, ValueError, "paged_kv_cache",
+     lambda: (_q, (_k[:max(INDICES)], _v[:max(INDICES)]))),
+    ("cache_page_size_32", {}, ValueError, "paged_kv_cache|page", lambda: (_q, make_cache(ps=32))),
+    ("cache_page_size_64_tuple", {}, ValueError, "paged_kv_cache|page",
+     lambda: (_q, (make_pool(ps=64), make_pool(ps=64, seed=4)))),
+    ("cache_other_heads", {}, ValueError, "paged_kv_cache|heads", lambda: (_q, make_cache(hkv=1))),
+    ("cache_dim1_3", {}, ValueError, "paged_kv_cache", lambda: (_q, make_cache(two=3))),
+    ("cache_tuple_of_3", {}, ValueError, "paged_kv_cache", lambda: (_q, (_k, _v, _v))),
+    ("out_is_q", {}, ValueError, r"\bout\b", lambda: (_q, _kv, _q)),
+    ("out_in_cache", {}, ValueError, r"\bout\b", lambda: (_q, _kv, _kv.view(-1)[: _q.numel()].view(_q.shape))),
+    ("out_wrong_dtype", {}, ValueError, r"\bout\b", lambda: (_q, _kv, torch.empty(_q.shape, dtype=FP16))),
+    ("out_wrong_shape", {}, ValueError, r"\bout\b", lambda: (_q, _kv, torch.empty(B, HQ, D + 1, dtype=BF16))),
+    ("q_meta", {}, ValueError, r"\bq\b|query|cache|indptr", lambda: (_q.to("meta"), _kv)),
+]
+
+
+@pytest.mark.parametrize("name,plan_kw,exc,match,make", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_wrapper_run_errors(name, plan_kw, exc, match, make):
+    w, _ = planned(**plan_kw)
+    args = make()
+    kwargs = {"out": args[2]} if len(args) == 3 else {}
+    expect(exc, match, w.run, *args[:2], **kwargs)
+
+
+@pytest.mark.parametrize("which", ["indptr", "indices", "last_page_len"])
+def test_wrapper_run_out_overlapping_planned_metadata(which):
+    values = {"indptr": INDPTR, "indices": INDICES, "last_page_len": LAST}[which]
+    buf = torch.zeros(_q.numel() * 2 + 64, dtype=U8)
+    meta = buf[:len(values) * 4].view(I32)
+    meta.copy_(ip(values))
+    out = buf[4:4 + _q.numel() * 2].view(BF16).view(_q.shape)
+    w, _ = planned(**{{"indptr": "indptr", "indices": "indices", "last_page_len": "last"}[which]: meta})
+    expect(ValueError, r"\bout\b", w.run, _q, _kv, out=out)
+
+
+# ----------------------------------------------------------------------------
+# One-shot batch_decode_with_paged_kv_cache: values are read and checked
+# ----------------------------------------------------------------------------
+
+
+def oneshot_args(**mods):
+    args = dict(q=_q, paged_kv_cache=_kv, paged_kv_indptr=ip(INDPTR), paged_kv_indices=ip(INDICES),
+                paged_kv_last_page_len=ip(LAST))
+    kwargs = {}
+    for key, val in mods.items():
+        if isinstance(val, list) and key.startswith("paged_kv_") and key != "paged_kv_cache":
+            val = ip(val)
+        (args if key in args else kwargs)[key] = val
+    return tuple(args.values()), kwargs
+
+
+ONESHOT_WRAPPER_CASES = [
+    ("page_id_eq_num_pages", ValueError, "paged_kv_indices", lambda: oneshot_args(paged_kv_indices=[3, P, 5])),
+    ("page_id_max_int", ValueError, "paged_kv_indices",
+     lambda: oneshot_args(paged_kv_indices=[3, 1, 2**31 - 1])),
+    ("page_id_vs_smaller_cache", ValueError, "paged_kv_indices", lambda: oneshot_args(paged_kv_cache=_kv[:5])),
+    ("page_id_vs_tuple_cache", ValueError, "paged_kv_indices",
+     lambda: oneshot_args(paged_kv_cache=(_k[:4], _v[:4]))),
+    ("page_id_negative", ValueError, "indices", lambda: oneshot_args(paged_kv_indices=[3, -1, 5])),
+    ("indptr_not_start_0", ValueError, "indptr", lambda: oneshot_args(paged_kv_indptr=[1, 2, 3])),
+    ("indptr_not_increasing", ValueError, "indptr", lambda: oneshot_args(paged_kv_indptr=[0, 2, 2])),
+    ("indptr_end", ValueError, "indptr", lambda: oneshot_args(paged_kv_indptr=[0, 1, 2])),
+    ("last_page_len_0", ValueError, "last_page_len", lambda: oneshot_args(paged_kv_last_page_len=[0, 5])),
+    ("last_page_len_past_page", ValueError, "last_page_len",
+     lambda: oneshot_args(paged_kv_last_page_len=[4, PS + 1])),
+    ("page_size_8", ValueError, "page_size|page size", lambda: oneshot_args(paged_kv_cache=make_cache(ps=8))),
+    ("window_without_causal", ValueError, "window_left", lambda: oneshot_args(window_left=2)),
+    ("q_rank4", ValueError, r"\bq\b", lambda: oneshot_args(q=_q4)),
+    ("q_fp16_cache_bf16", ValueError, r"\bq\b|query|cache", lambda: oneshot_args(q=_q.half())),
+    ("head_dim_96", ValueError, r"head|query|\bq\b", lambda: oneshot_args(q=make_q(d=96),
+                                                                         paged_kv_cache=make_cache(d=96))),
+    ("sm_scale_nan", ValueError, "sm_scale", lambda: oneshot_args(sm_scale=math.nan)),
+    ("out_is_q", ValueError, r"\bout\b", lambda: oneshot_args(out=_q)),
+]
+
+
+@pytest.mark.parametrize("exc,match,make", [c[1:] for c in ONESHOT_WRAPPER_CASES],
+                         ids=[c[0] for c in ONESHOT_WRAPPER_CASES])
+def test_oneshot_errors(exc, match, make):
+    args, kwargs = make()
+    expect(exc, match, batch_decode_with_paged_kv_cache, *args, **kwargs)
+
+
+def test_oneshot_base_is_valid():
+    args, kw = oneshot_args(mask_type="causal", window_left=3)
+    assert batch_decode_with_paged_kv_cache(*args, **kw).shape == _q.shape
+    args, kw = oneshot_args(paged_kv_cache=_kv[:max(INDICES) + 1])  # exactly enough pages
+    out = torch.empty(_q.shape, dtype=FP32)
+    assert batch_decode_with_paged_kv_cache(*args, out=out, **kw) is out
+
+
+def test_workspace_case_premises():
+    """The workspace cases above rely on these sizes: the minimum for a single-split key, more for split-KV."""
+    assert ws_bytes() == ws_bytes(max_seq_len_q=3) == 256
+    assert ws_bytes(max_seq_len=4096) > ws_bytes()
+    assert ws_bytes(max_seq_len=4096, max_seq_len_q=3) > ws_bytes(max_seq_len=4096)
