@@ -1,23 +1,49 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, in one device call (device time is the scarce
-# resource: the CPU-only tests are left to CI, `-m cuda` runs the GPU ones only).
+# What a GPU session checks, in as few device calls as possible (device time is the
+# scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [--quick]
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|sanitize|check|bench|quick|all]...
 #
-# Writes test.log, sanitize.log, check.log, bench.log and bench.json under $OUT.
+# Each stage writes its log under $OUT (bench also bench.json). One device call is
+# limited to 10 minutes: `tests` alone can take most of that; run `sanitize check bench`
+# in a second call if needed. Each test file gets its own summary line.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
 OUT="${OUT:-/tmp/prims_ts_gpu}"
 mkdir -p "$OUT"
-quick="${1:-}"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(all)
 
-echo "== GPU tests (cuda-marked)"
-timeout 420 python3 -m pytest tests compile_tests -q -m cuda -rs -p no:cacheprovider 2>&1 | tee "$OUT/test.log" | tail -15
-echo "== compute-sanitizer memcheck (small cases)"
-timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/gpu_sanitize.py 2>&1 \
-    | tee "$OUT/sanitize.log" | tail -4
-echo "== check"
-timeout 120 python3 -m prims_ts check 2>&1 | tee "$OUT/check.log" | tail -3
-echo "== bench"
-timeout 420 python3 -m prims_ts bench $quick --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+run_tests() {
+    local f
+    for f in tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_decode_cuda.py \
+             compile_tests/test_compile_cuda.py compile_tests/test_paged_compile.py \
+             compile_tests/test_decode_compile.py; do
+        echo "== $f"
+        timeout 200 "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider >"$OUT/$(basename "$f" .py).log" 2>&1
+        echo "   rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
+    done
+}
+
+for s in "${stages[@]}"; do
+    case "$s" in
+    tests) run_tests ;;
+    sanitize)
+        echo "== compute-sanitizer memcheck (small cases)"
+        timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" tests/gpu_sanitize.py \
+            >"$OUT/sanitize.log" 2>&1
+        echo "   rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1)" ;;
+    check)
+        echo "== check"
+        timeout 120 "$PY" -m prims_ts check >"$OUT/check.log" 2>&1
+        echo "   rc=$? $(tail -1 "$OUT/check.log")" ;;
+    bench | quick)
+        echo "== bench $([ "$s" = quick ] && echo --quick)"
+        timeout 420 "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
+            2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
+    all) "$0" tests sanitize check quick ;;
+    *) echo "unknown stage $s" >&2; exit 2 ;;
+    esac
+done
