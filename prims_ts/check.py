@@ -369,8 +369,14 @@ class DecodeSpec:
     dtype: torch.dtype
     window_left: int = -1
 
+    def q_lens(self, small: bool):
+        n = 3 if small else 4
+        return {"single": [1] * n, "multi": [3] * n, "packed": [1, 3, 4, 2][:n]}[self.q_mode]
+
     def lens(self, small: bool):
-        return [1, 37, 100] if small else [1, 37, 1000, 5000]
+        """K/V lengths: 1 and not page multiples, never below the request's query count."""
+        base = [1, 37, 100] if small else [1, 37, 1000, 5000]
+        return [max(n, q) for n, q in zip(base, self.q_lens(small))]
 
     def name(self) -> str:
         mask = self.mask + ("+window" if self.window_left >= 0 else "")
@@ -386,11 +392,7 @@ class DecodeSpec:
 
         g = _gen(_seed(self.name()))
         ps, d, dt = self.page_size, self.head_dim, self.dtype
-        lens = self.lens(small)
-        if self.q_mode == "multi":
-            lens = [max(n, 3) for n in lens]  # causal needs SQ <= length
-        qlens = {"single": [1] * len(lens), "multi": [3] * len(lens), "packed": [1, 3, 4, 2][:len(lens)]}[self.q_mode]
-        lens = [max(n, q) for n, q in zip(lens, qlens)]
+        lens, qlens = self.lens(small), self.q_lens(small)
         need = [(n + ps - 1) // ps for n in lens]
         pool = sum(need) + 2
         indices = torch.randperm(pool, generator=g)[: sum(need)].to(torch.int32).to(device)
