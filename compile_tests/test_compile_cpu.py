@@ -17,11 +17,11 @@ import prims_ts
 from aoti_child import run_aoti_in_child
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, rel_err
 
 DEVICE = "cpu"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
-TOL = {BF16: 2e-2, FP16: 5e-3}
 
 
 @pytest.fixture(autouse=True)
@@ -56,11 +56,6 @@ def ref64(q, k, v, **kw):
     return R.batch_prefill(q, k, v, compute_dtype=torch.float64, **kw)
 
 
-def rel_err(out, ref):
-    assert not torch.isnan(out).any()
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def bounds(B, sq, sk, g):
     a = torch.randint(0, sk, (B, sq), generator=g, dtype=I32, device=DEVICE)
     b = torch.randint(0, sk, (B, sq), generator=g, dtype=I32, device=DEVICE)
@@ -88,7 +83,7 @@ def test_compile_fixed_matches_eager(mask, window):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     ref = ref64(q, k, v, mask_type=mask, window_left=window, window_starts=starts, window_ends=ends, sm_scale=0.1,
                 output_scale=0.5)
-    assert rel_err((got - 1.0) / 2.0, ref) <= TOL[BF16]
+    assert rel_err((got - 1.0) / 2.0, ref) <= TOLERANCE[BF16]
     # new values, same shapes: no recompile, right answer
     q2, k2, v2 = fixed_inputs(2, 5, 8, 4, 2, 128, BF16, g)
     torch.testing.assert_close(cf(q2, k2, v2, starts, ends), f(q2, k2, v2, starts, ends), rtol=1e-6, atol=1e-6)
@@ -115,7 +110,7 @@ def test_compile_out_variant_writes_out():
     out = torch.full(q.shape, float("nan"), dtype=FP32, device=DEVICE)
     s, r = cf(q, k, v, out)
     assert not torch.isnan(out).any(), "compiled out= call did not write out"
-    assert rel_err(out, ref64(q, k, v, mask_type="causal")) <= TOL[BF16]
+    assert rel_err(out, ref64(q, k, v, mask_type="causal")) <= TOLERANCE[BF16]
     torch.testing.assert_close(r, out, rtol=0, atol=0)
     torch.testing.assert_close(s, out.sum(), rtol=1e-5, atol=1e-4)
 
@@ -135,11 +130,11 @@ def test_compile_packed_oneshot_matches_eager(mask, window):
     got = cf(q, k, v, ip(qo), ip(kvo))
     torch.testing.assert_close(got, f(q, k, v, ip(qo), ip(kvo)), rtol=0, atol=0)
     assert rel_err(got, ref64(q, k, v, qo_indptr=ip(qo), kv_indptr=ip(kvo), mask_type=mask, window_left=window)) \
-        <= TOL[BF16]
+        <= TOLERANCE[BF16]
     qo2, kvo2 = [0, 1, 5], [0, 2, 9]
     got2 = cf(q, k, v, ip(qo2), ip(kvo2))
     assert rel_err(got2, ref64(q, k, v, qo_indptr=ip(qo2), kv_indptr=ip(kvo2), mask_type=mask,
-                               window_left=window)) <= TOL[BF16]
+                               window_left=window)) <= TOLERANCE[BF16]
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -157,17 +152,17 @@ def test_compile_wrapper_run_packed():
     torch.testing.assert_close(crun(q, k, v), w.run(q, k, v), rtol=0, atol=0)
     out = torch.full(q.shape, float("nan"), dtype=FP32)
     crun_out(q, k, v, out)
-    assert rel_err(out, ref) <= TOL[BF16]
+    assert rel_err(out, ref) <= TOLERANCE[BF16]
 
     # the planned tensors' values change in place (same totals, q lens <= max_q_len, causal Sq <= Sk)
     qo.copy_(ip([0, 2, 5]))
     kvo.copy_(ip([0, 6, 9]))
     ref_new = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")
     assert rel_err(ref.float(), ref_new) > 0.1
-    assert rel_err(crun(q, k, v), ref_new) <= TOL[BF16]
+    assert rel_err(crun(q, k, v), ref_new) <= TOLERANCE[BF16]
     out.fill_(float("nan"))
     crun_out(q, k, v, out)
-    assert rel_err(out, ref_new) <= TOL[BF16]
+    assert rel_err(out, ref_new) <= TOLERANCE[BF16]
 
 
 def test_compile_wrapper_run_fixed():
@@ -179,7 +174,7 @@ def test_compile_wrapper_run_fixed():
     crun = torch.compile(lambda q, k, v: w.run(q, k, v), fullgraph=True)
     got = crun(q, k, v)
     torch.testing.assert_close(got, w.run(q, k, v), rtol=0, atol=0)
-    assert rel_err(got, ref64(q, k, v, mask_type="causal", window_left=2)) <= TOL[FP16]
+    assert rel_err(got, ref64(q, k, v, mask_type="causal", window_left=2)) <= TOLERANCE[FP16]
 
 
 # ----------------------------------------------------------------------------
@@ -198,7 +193,7 @@ def _run_dynamic_fixed(f):
         got = cf(q, k, v)
         assert got.shape == q.shape
         torch.testing.assert_close(got, f(q, k, v), rtol=1e-6, atol=1e-6)
-        assert rel_err(got, ref64(q, k, v, mask_type="causal", window_left=3, sm_scale=0.1)) <= TOL[BF16]
+        assert rel_err(got, ref64(q, k, v, mask_type="causal", window_left=3, sm_scale=0.1)) <= TOLERANCE[BF16]
     assert counters["stats"]["unique_graphs"] == 1, "dynamic=True recompiled for new Sq/Sk"
 
 
@@ -223,7 +218,7 @@ def test_compile_dynamic_packed_oneshot():
         q, k, v = packed_inputs(qo, kvo, 4, 2, 128, BF16, g)
         got = cf(q, k, v, ip(qo), ip(kvo))
         torch.testing.assert_close(got, f(q, k, v, ip(qo), ip(kvo)), rtol=0, atol=0)
-        assert rel_err(got, ref64(q, k, v, qo_indptr=ip(qo), kv_indptr=ip(kvo), mask_type="causal")) <= TOL[BF16]
+        assert rel_err(got, ref64(q, k, v, qo_indptr=ip(qo), kv_indptr=ip(kvo), mask_type="causal")) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -253,8 +248,8 @@ def _check_module_outputs(outs, args):
     a, b = outs
     assert a.dtype == FP32 and b.dtype == BF16
     assert rel_err(a / 2.0, ref64(q, k, v, mask_type="causal", window_left=3, sm_scale=0.09, output_scale=0.5)) \
-        <= TOL[BF16]
-    assert rel_err(b, ref64(qp, kp, vp, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOL[BF16]
+        <= TOLERANCE[BF16]
+    assert rel_err(b, ref64(qp, kp, vp, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOLERANCE[BF16]
     eager = Prefill()(*args)
     for x, y in zip(outs, eager):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)

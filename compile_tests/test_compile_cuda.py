@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 import prims_ts  # noqa: F401
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, rel_err
 from aoti_child import run_aoti_in_child
 from cuda_graphs import assert_no_allocation_no_sync, warm_and_capture
 
@@ -22,7 +23,6 @@ pytestmark = pytest.mark.cuda
 DEVICE = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
-TOL = {BF16: 2e-2, FP16: 5e-3}
 NAN = float("nan")
 
 
@@ -64,11 +64,6 @@ def ref64(q, k, v, **kw):
     return R.batch_prefill(q, k, v, compute_dtype=torch.float64, **kw)
 
 
-def rel_err(out, ref):
-    assert not torch.isnan(out).any(), "NaN in the output (an unwritten element or bad math)"
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def close(a, b):
     """Compiled vs eager: the same kernel, so equal up to fused surrounding arithmetic."""
     torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-3)
@@ -97,7 +92,7 @@ def test_compile_fixed_matches_eager(mask, window, d):
     close(got, f(q, k, v, starts, ends))
     ref = ref64(q, k, v, mask_type=mask, window_left=window, window_starts=starts, window_ends=ends, sm_scale=0.06,
                 output_scale=0.5)
-    assert rel_err((got - 1.0) / 2.0, ref) <= TOL[BF16]
+    assert rel_err((got - 1.0) / 2.0, ref) <= TOLERANCE[BF16]
 
 
 def test_compile_out_variant_writes_out():
@@ -111,7 +106,7 @@ def test_compile_out_variant_writes_out():
     cf = torch.compile(f, fullgraph=True)
     out = torch.full(q.shape, NAN, dtype=FP16, device=DEVICE)
     s, r = cf(q, k, v, out)
-    assert rel_err(out, ref64(q, k, v, mask_type="causal")) <= TOL[FP16]
+    assert rel_err(out, ref64(q, k, v, mask_type="causal")) <= TOLERANCE[FP16]
     assert r.data_ptr() == out.data_ptr() or torch.equal(r, out)
 
 
@@ -129,11 +124,11 @@ def test_compile_packed_oneshot_matches_eager(mask, window):
     got = cf(q, k, v, ip(qo), ip(kvo))
     close(got, f(q, k, v, ip(qo), ip(kvo)))
     assert rel_err(got, ref64(q, k, v, qo_indptr=ip(qo), kv_indptr=ip(kvo), mask_type=mask,
-                              window_left=window)) <= TOL[BF16]
+                              window_left=window)) <= TOLERANCE[BF16]
     qo2, kvo2 = [0, 1, 200, 350], [0, 10, 260, 400]  # new offsets, same totals
     got2 = cf(q, k, v, ip(qo2), ip(kvo2))
     assert rel_err(got2, ref64(q, k, v, qo_indptr=ip(qo2), kv_indptr=ip(kvo2), mask_type=mask,
-                               window_left=window)) <= TOL[BF16]
+                               window_left=window)) <= TOLERANCE[BF16]
 
 
 def test_compile_wrapper_run_packed():
@@ -146,12 +141,12 @@ def test_compile_wrapper_run_packed():
     crun = torch.compile(lambda q, k, v, out: w.run(q, k, v, out=out), fullgraph=True)
     out = torch.full(q.shape, NAN, dtype=BF16, device=DEVICE)
     crun(q, k, v, out)
-    assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOL[BF16]
+    assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOLERANCE[BF16]
     qo.copy_(ip([0, 150, 250]))
     kvo.copy_(ip([0, 320, 500]))
     out.fill_(NAN)
     crun(q, k, v, out)
-    assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOL[BF16]
+    assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -170,7 +165,7 @@ def test_compile_dynamic_fixed():
         q, k, v = fixed_inputs(2, sq, sk, 8, 2, 128, BF16, g)
         got = cf(q, k, v)
         close(got, f(q, k, v))
-        assert rel_err(got, ref64(q, k, v, mask_type="causal", window_left=40, sm_scale=0.08)) <= TOL[BF16]
+        assert rel_err(got, ref64(q, k, v, mask_type="causal", window_left=40, sm_scale=0.08)) <= TOLERANCE[BF16]
 
 
 def test_compile_dynamic_packed_oneshot():
@@ -184,7 +179,7 @@ def test_compile_dynamic_packed_oneshot():
         q, k, v = packed_inputs(qo, kvo, 8, 2, 128, BF16, g)
         got = cf(q, k, v, ip(qo), ip(kvo))
         close(got, f(q, k, v, ip(qo), ip(kvo)))
-        assert rel_err(got, ref64(q, k, v, qo_indptr=ip(qo), kv_indptr=ip(kvo), mask_type="causal")) <= TOL[BF16]
+        assert rel_err(got, ref64(q, k, v, qo_indptr=ip(qo), kv_indptr=ip(kvo), mask_type="causal")) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -206,14 +201,14 @@ def test_cuda_graph_wrapper_packed_replay_with_new_offsets(mask, window):
     graph = warm_and_capture(lambda: w.run(q, k, v, out=out))
     assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out))
     assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)) \
-        <= TOL[BF16]
+        <= TOLERANCE[BF16]
 
     # replay with the planned offsets
     out.fill_(NAN)
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)) \
-        <= TOL[BF16]
+        <= TOLERANCE[BF16]
 
     # new offset values in place (same totals; q lens 150, 100 <= 160; causal Sq <= Sk) and new data
     for new_qo, new_kvo in [([0, 150, 250], [0, 320, 500]), ([0, 90, 250], [0, 91, 500])]:
@@ -226,7 +221,7 @@ def test_cuda_graph_wrapper_packed_replay_with_new_offsets(mask, window):
         graph.replay()
         torch.cuda.synchronize()
         ref = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)
-        assert rel_err(out, ref) <= TOL[BF16], (new_qo, new_kvo)
+        assert rel_err(out, ref) <= TOLERANCE[BF16], (new_qo, new_kvo)
 
 
 def test_cuda_graph_wrapper_fixed_variable_window_replay():
@@ -249,7 +244,7 @@ def test_cuda_graph_wrapper_fixed_variable_window_replay():
         graph.replay()
         torch.cuda.synchronize()
         ref = ref64(q, k, v, mask_type="variable_window", window_starts=starts, window_ends=ends)
-        assert rel_err(out, ref) <= TOL[FP16]
+        assert rel_err(out, ref) <= TOLERANCE[FP16]
 
 
 # ----------------------------------------------------------------------------
@@ -277,8 +272,8 @@ def _check_module_outputs(outs, args):
     a, b = outs
     assert a.dtype == FP32 and b.dtype == BF16 and a.is_cuda and b.is_cuda
     assert rel_err(a / 2.0, ref64(q, k, v, mask_type="causal", window_left=33, sm_scale=0.09, output_scale=0.5)) \
-        <= TOL[BF16]
-    assert rel_err(b, ref64(qp, kp, vp, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOL[BF16]
+        <= TOLERANCE[BF16]
+    assert rel_err(b, ref64(qp, kp, vp, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOLERANCE[BF16]
     for x, y in zip(outs, Prefill()(*args)):
         close(x, y)
 

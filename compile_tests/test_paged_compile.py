@@ -10,8 +10,6 @@ poisoning ``out`` with NaN; NaN never passes.
 """
 from __future__ import annotations
 
-import os
-from typing import List, Sequence
 
 import pytest
 import torch
@@ -20,12 +18,12 @@ from torch._dynamo.utils import counters
 import prims_ts  # noqa: F401
 from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, cumsum0, rel_err
 from aoti_child import run_aoti_in_child
 from cuda_graphs import assert_no_allocation_no_sync, warm_and_capture
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
-TOL = {BF16: 2e-2, FP16: 5e-3}
 NAN = float("nan")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 CUDA = "cuda"  # the device of the CUDA-graph tests
@@ -49,18 +47,6 @@ def randn(shape, dtype, g, device):
 
 def ip(values, device):
     return torch.tensor(values, dtype=I32, device=device)
-
-
-def cumsum0(xs: Sequence[int]) -> List[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
-
-
-def rel_err(out, ref):
-    assert not torch.isnan(out).any(), "NaN in the output (an unwritten element or bad math)"
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def close(a, b):
@@ -117,7 +103,7 @@ def test_compile_oneshot_matches_eager(device, mask, window):
     got = cf(q, k, v, qo, bt, sl)
     close(got, f(q, k, v, qo, bt, sl))
     ref = ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window, sm_scale=0.08, output_scale=0.5)
-    assert rel_err((got - 1.0) / 2.0, ref) <= TOL[BF16]
+    assert rel_err((got - 1.0) / 2.0, ref) <= TOLERANCE[BF16]
 
     # new values, same shapes: other Q offsets and lengths (Sq <= Sk), pages reversed
     new_q = [q_lens[2], q_lens[1], q_lens[0]]
@@ -130,7 +116,7 @@ def test_compile_oneshot_matches_eager(device, mask, window):
     bt2.copy_(torch.flip(bt, dims=[0]))
     got2 = cf(q, k, v, qo2, bt2, sl2)
     ref2 = ref64(q, k, v, qo2, bt2, sl2, mask_type=mask, window_left=window, sm_scale=0.08, output_scale=0.5)
-    assert rel_err((got2 - 1.0) / 2.0, ref2) <= TOL[BF16]
+    assert rel_err((got2 - 1.0) / 2.0, ref2) <= TOLERANCE[BF16]
     if device == "cpu":
         assert counters["stats"]["unique_graphs"] == 1
 
@@ -147,7 +133,7 @@ def test_compile_oneshot_out_writes_out(device):
     cf = torch.compile(f, fullgraph=True)
     out = torch.full(q.shape, NAN, dtype=FP32, device=device)
     s, r = cf(q, k, v, qo, bt, sl, out)
-    assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOL[FP16]
+    assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[FP16]
     torch.testing.assert_close(r, out, rtol=0, atol=0)
     torch.testing.assert_close(s.double(), out.double().sum(), rtol=1e-3, atol=0.1)
 
@@ -166,7 +152,7 @@ def test_compile_oneshot_dynamic(device):
         q, k, v, qo, bt, sl = problem(q_lens, kv_lens, 4, 2, 128, 16, BF16, device, seed=3 + i)
         got = cf(q, k, v, qo, bt, sl)
         close(got, f(q, k, v, qo, bt, sl))
-        assert rel_err(got, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOL[BF16]
+        assert rel_err(got, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[BF16]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -185,7 +171,7 @@ def test_compile_wrapper_run(device):
     close(crun(q, k, v), w.run(q, k, v))
     out = torch.full(q.shape, NAN, dtype=FP32, device=device)
     crun_out(q, k, v, out)
-    assert rel_err(out, ref) <= TOL[BF16]
+    assert rel_err(out, ref) <= TOLERANCE[BF16]
 
     # in place: pages of requests 0 and 2 swapped in the table, new offsets (same total, <= max_q), lengths
     new_q = [q_lens[2], q_lens[1], q_lens[0]]
@@ -199,10 +185,10 @@ def test_compile_wrapper_run(device):
     sl.copy_(ip(new_kv, device))
     ref_new = ref64(q, k, v, qo, bt, sl, mask_type="causal")
     assert rel_err(ref.float(), ref_new) > 0.1
-    assert rel_err(crun(q, k, v), ref_new) <= TOL[BF16]
+    assert rel_err(crun(q, k, v), ref_new) <= TOLERANCE[BF16]
     out.fill_(NAN)
     crun_out(q, k, v, out)
-    assert rel_err(out, ref_new) <= TOL[BF16]
+    assert rel_err(out, ref_new) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -241,8 +227,8 @@ def _check_module_outputs(outs, args):
     a, b = outs
     assert a.dtype == FP32 and b.dtype == BF16 and a.device == q.device
     assert rel_err(a / 2.0, ref64(q, k, v, qo, bt, sl, mask_type="causal", window_left=6, sm_scale=0.09,
-                                  output_scale=0.5)) <= TOL[BF16]
-    assert rel_err(b, ref64(q, k, v, qo, bt, sl)) <= TOL[BF16]
+                                  output_scale=0.5)) <= TOLERANCE[BF16]
+    assert rel_err(b, ref64(q, k, v, qo, bt, sl)) <= TOLERANCE[BF16]
     for x, y in zip(outs, PagedPrefill()(*args)):
         close(x, y)
 
@@ -302,14 +288,14 @@ def test_export_wrapper_run(device):
     assert any("batch_prefill_paged" in str(t) for t in targets), targets
     ref = ref64(q, k, v, qo, bt, sl, mask_type="causal")
     res = ep.module()(q, k, v, out)
-    assert rel_err(res, ref) <= TOL[BF16]
+    assert rel_err(res, ref) <= TOLERANCE[BF16]
     # new q / pool data, same planned metadata
     g = gen(device, 16)
     q2 = randn(q.shape, BF16, g, device)
     v2 = randn(v.shape, BF16, g, device)
     out.fill_(NAN)
     res2 = ep.module()(q2, k, v2, out)
-    assert rel_err(res2, ref64(q2, k, v2, qo, bt, sl, mask_type="causal")) <= TOL[BF16]
+    assert rel_err(res2, ref64(q2, k, v2, qo, bt, sl, mask_type="causal")) <= TOLERANCE[BF16]
 
 
 def _aoti_body(package_path: str, device: str) -> None:
@@ -368,14 +354,14 @@ def test_cuda_graph_wrapper_replay_after_remap(ps, mask, window):
 
     graph = warm_and_capture(lambda: w.run(q, k, v, out=out))
     assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out))
-    assert rel_err(out, reference()) <= TOL[BF16]
+    assert rel_err(out, reference()) <= TOLERANCE[BF16]
 
     # 1. replay with the planned metadata
     out.fill_(NAN)
     graph.replay()
     torch.cuda.synchronize()
     before = out.clone()
-    assert rel_err(out, reference()) <= TOL[BF16]
+    assert rel_err(out, reference()) <= TOLERANCE[BF16]
 
     # 2. pages moved to new physical slots (pool contents and table values rewritten in place)
     g = torch.Generator().manual_seed(ps)
@@ -383,7 +369,7 @@ def test_cuda_graph_wrapper_replay_after_remap(ps, mask, window):
     out.fill_(NAN)
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(out, reference()) <= TOL[BF16]
+    assert rel_err(out, reference()) <= TOLERANCE[BF16]
     close(out, before)
 
     # 3. a different logical problem: other pages (repeated IDs), Q offsets and K/V lengths within bounds
@@ -397,4 +383,4 @@ def test_cuda_graph_wrapper_replay_after_remap(ps, mask, window):
         out.fill_(NAN)
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, reference()) <= TOL[BF16], (new_q, new_kv)
+        assert rel_err(out, reference()) <= TOLERANCE[BF16], (new_q, new_kv)

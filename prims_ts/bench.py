@@ -29,6 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from . import testing
+
 # ----------------------------------------------------------------------------
 # Registry
 # ----------------------------------------------------------------------------
@@ -132,14 +134,10 @@ CEILING_MEASURE = {"gemm_bf16_TFLOPs": measure_gemm_tflops, "copy_TBps": measure
 
 
 def relative_error(out, ref) -> Optional[float]:
+    """Our output against a peer's; None when the two are not comparable tensors."""
     if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor) or out.shape != ref.shape:
         return None
-    o, r = out.float(), ref.float()
-    if not bool(torch.isfinite(o).all()):
-        return float("nan")
-    den = torch.linalg.vector_norm(r).item()
-    num = torch.linalg.vector_norm(o - r).item()
-    return num / den if den > 0 else num
+    return testing.relative_error(out, ref)
 
 
 # ----------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 5e-3}
+from .testing import TOLERANCE, relative_error
+
 
 # (device, small) -> (out, ref); small=True on the CPU.
 CaseFn = Callable[[torch.device, bool], Tuple[torch.Tensor, torch.Tensor]]
@@ -54,19 +55,6 @@ class CheckResult:
 
 def _dt(d: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(d, str(d))
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; NaN/Inf anywhere in ``out`` gives NaN (never passes)."""
-    o = out.detach().to(torch.float64)
-    r = ref.detach().to(device=o.device, dtype=torch.float64)
-    if o.shape != r.shape:
-        raise ValueError(f"output shape {tuple(o.shape)} differs from the reference's {tuple(r.shape)}")
-    if not bool(torch.isfinite(o).all()):
-        return float("nan")
-    num = torch.linalg.vector_norm(o - r).item()
-    den = torch.linalg.vector_norm(r).item()
-    return num / den if den > 0 else num
 
 
 def run_case(case: CheckCase, device: torch.device, small: bool) -> CheckResult:

@@ -18,8 +18,6 @@ request's length, or an unused page, fails.
 """
 from __future__ import annotations
 
-import zlib
-from typing import List, Sequence
 
 import pytest
 import torch
@@ -31,13 +29,13 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
 
 pytestmark = pytest.mark.cuda
 
 DEVICE = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
-TOL = {BF16: 2e-2, FP16: 5e-3}
 NAN = float("nan")
 GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
 MASKS = [("dense", -1), ("causal", -1), ("causal", 0), ("causal", 37)]
@@ -51,24 +49,6 @@ FORMS = ["combined", "tuple"]
 LONG = [1, 17, 100, 257, 1033, 2500]
 SHORT = [1, 17, 100, 127, 45]
 Q_LENS = {"long": [1, 4, 2, 3, 1, 2], "short": [1, 4, 2, 3, 1]}
-
-
-def seed_of(*parts) -> int:
-    """A seed that is stable across processes (hash() of a str is salted per process)."""
-    return zlib.crc32(repr(parts).encode())
-
-
-def cumsum0(xs: Sequence[int]) -> List[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in the output (unwritten element, poisoned slot read, or bad math)"
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def sm_count() -> int:
@@ -177,7 +157,7 @@ def check(pb: Problem, mask="dense", window=-1, out_dtype=None, bmm1_scale=None,
     assert res is out
     torch.cuda.synchronize()
     ref = pb.ref(mask, window, bmm1_scale, bmm2_scale)
-    tol = tol or TOL[pb.dtype]
+    tol = tol or TOLERANCE[pb.dtype]
     err = rel_err(out, ref)
     assert err <= tol, f"rel err {err:.3e}"
     for b, s in enumerate(pb.request_slices()):
@@ -222,7 +202,7 @@ def test_decode_grid(qmode, mask, window, d, group):
         lens[0] = c["sq"]  # causal: every request's query count <= its length
     q_lens = Q_LENS[c["lengths"]]
     max_len = 2600 if c["lengths"] == "long" else 127
-    pb = Problem(lens, group * hkv, hkv, d, c["ps"], c["dtype"], seed_of(qmode, mask, window, d, group),
+    pb = Problem(lens, group * hkv, hkv, d, c["ps"], c["dtype"], stable_seed(qmode, mask, window, d, group),
                  qmode=qmode, sq=c["sq"], q_lens=q_lens, max_seq_len_q=max(q_lens) + (d == 128), form=c["form"],
                  kind=c["kind"], max_seq_len=max_len)
     pol = pb.policy()
@@ -234,7 +214,7 @@ def test_decode_grid(qmode, mask, window, d, group):
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 def test_both_cache_forms_every_page_size(ps, form):
     """Every page size with both cache forms (GQA 8, D 128, packed causal + window, split-KV)."""
-    pb = Problem(LONG, 16, 2, 128, ps, BF16, seed_of("forms", ps, form), qmode="packed", q_lens=Q_LENS["long"],
+    pb = Problem(LONG, 16, 2, 128, ps, BF16, stable_seed("forms", ps, form), qmode="packed", q_lens=Q_LENS["long"],
                  form=form, kind="repeated" if ps == 64 else "perm")
     assert pb.policy().splits > 1
     check(pb, "causal", 300)
@@ -257,7 +237,7 @@ def test_split_policies(qmode, mask, window, split):
     q_lens = [1 + i % 4 for i in range(B)]
     if mask == "causal":
         lens = [max(sk, ql, 4) for sk, ql in zip(lens, q_lens)]
-    pb = Problem(lens, 32, 8, 128, 64, BF16, seed_of("split", qmode, mask, window, split), qmode=qmode, sq=4,
+    pb = Problem(lens, 32, 8, 128, 64, BF16, stable_seed("split", qmode, mask, window, split), qmode=qmode, sq=4,
                  q_lens=q_lens, max_seq_len_q=4, max_seq_len=max_len, kind="perm")
     pol = pb.policy()
     if split:
@@ -281,12 +261,12 @@ def test_batch_sizes(B, qmode):
     if B > 1:
         lens[-1] = 699
     q_lens = torch.randint(1, 4, (B,), generator=g).tolist()
-    pb = Problem(lens, 16, 2, 128, 16, BF16, seed_of("batch", B, qmode), qmode=qmode, q_lens=q_lens,
+    pb = Problem(lens, 16, 2, 128, 16, BF16, stable_seed("batch", B, qmode), qmode=qmode, q_lens=q_lens,
                  max_seq_len_q=3, max_seq_len=700, kind="repeated" if B == 64 else "perm")
     check(pb, "dense")
     # causal: every request's query count <= its length
     lens_c = [max(sk, ql) for sk, ql in zip(lens, q_lens)] if qmode == "packed" else lens
-    pb = Problem(lens_c, 16, 2, 128, 16, BF16, seed_of("batch", B, qmode, "causal"), qmode=qmode, q_lens=q_lens,
+    pb = Problem(lens_c, 16, 2, 128, 16, BF16, stable_seed("batch", B, qmode, "causal"), qmode=qmode, q_lens=q_lens,
                  max_seq_len_q=3, max_seq_len=700)
     check(pb, "causal", 64)
 
@@ -294,12 +274,12 @@ def test_batch_sizes(B, qmode):
 def test_one_request_of_131072_tokens():
     """D 128, GQA 4 (Hq 4, Hkv 1), page 64, bf16: one 131072-token request beside a 1-token one."""
     lens = [131072, 1]
-    pb = Problem(lens, 4, 1, 128, 64, BF16, seed_of("131072"), qmode="single", slack=0)
+    pb = Problem(lens, 4, 1, 128, 64, BF16, stable_seed("131072"), qmode="single", slack=0)
     assert pb.policy().splits > 1
     check(pb, "dense")
     check(pb, "causal", 5000)
     del pb
-    pk = Problem(lens[::-1], 4, 1, 128, 64, BF16, seed_of("131072", "packed"), qmode="packed", q_lens=[1, 4],
+    pk = Problem(lens[::-1], 4, 1, 128, 64, BF16, stable_seed("131072", "packed"), qmode="packed", q_lens=[1, 4],
                  max_seq_len_q=4, slack=0)
     check(pk, "causal")
     torch.cuda.empty_cache()
@@ -315,9 +295,9 @@ def test_one_request_of_131072_tokens():
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_out_dtype_and_scales(dtype, lengths, out_dtype):
     lens = LONG if lengths == "long" else SHORT
-    pb = Problem(lens, 8, 2, 128, 32, dtype, seed_of("odt", str(dtype), lengths, str(out_dtype)), qmode="packed",
+    pb = Problem(lens, 8, 2, 128, 32, dtype, stable_seed("odt", str(dtype), lengths, str(out_dtype)), qmode="packed",
                  q_lens=Q_LENS[lengths], max_seq_len=2600 if lengths == "long" else 127)
-    tol = max(TOL[dtype], TOL[BF16] if out_dtype == BF16 else TOL[FP16])
+    tol = max(TOLERANCE[dtype], TOLERANCE[BF16] if out_dtype == BF16 else TOLERANCE[FP16])
     for bmm1, bmm2 in [(0.05, 1.7), (None, 0.5), (0.3, 1.0)]:
         out, _ = check(pb, "causal", -1, out_dtype=out_dtype, bmm1_scale=bmm1, bmm2_scale=bmm2, tol=tol)
         assert out.dtype == out_dtype
@@ -328,7 +308,7 @@ def test_out_dtype_and_scales(dtype, lengths, out_dtype):
 
 def test_strided_query():
     """Query heads sliced out of a fused projection (head stride > D)."""
-    pb = Problem(LONG, 8, 2, 128, 16, BF16, seed_of("strided"), poison=False)
+    pb = Problem(LONG, 8, 2, 128, 16, BF16, stable_seed("strided"), poison=False)
     fused = torch.zeros(pb.B, 12, 128, dtype=BF16, device=DEVICE)
     fused[:, 2:10] = pb.q
     q = fused[:, 2:10]
@@ -337,7 +317,7 @@ def test_strided_query():
     prims_ts_batch_decode_with_kv_cache(q, pb.cache, pb.workspace, pb.indptr, pb.indices, pb.seq_lens,
                                         pb.max_seq_len, mask_type="causal", out=out)
     torch.cuda.synchronize()
-    assert rel_err(out, pb.ref("causal")) <= TOL[BF16]
+    assert rel_err(out, pb.ref("causal")) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -350,7 +330,7 @@ def test_strided_query():
 def test_wrapper_and_oneshot(mask, window, form):
     lens = [1, 33, 1000, 4097, 64]
     ps = 32
-    pb = Problem(lens, 32, 8, 128, ps, FP16, seed_of("wrapper", mask, window, form), form=form, slack=0)
+    pb = Problem(lens, 32, 8, 128, ps, FP16, stable_seed("wrapper", mask, window, form), form=form, slack=0)
     last = torch.tensor([sk - ((sk + ps - 1) // ps - 1) * ps for sk in lens], dtype=I32, device=DEVICE)
     w = BatchDecodePagedTSWrapper()
     w.plan(pb.indptr, pb.indices, last, 32, 8, 128, ps, mask_type=mask, window_left=window, sm_scale=0.07,
@@ -359,13 +339,13 @@ def test_wrapper_and_oneshot(mask, window, form):
     out = torch.full(pb.q.shape, NAN, dtype=FP32, device=DEVICE)
     assert w.run(pb.q, pb.cache, out=out) is out
     torch.cuda.synchronize()
-    assert rel_err(out, ref) <= TOL[FP16]
+    assert rel_err(out, ref) <= TOLERANCE[FP16]
     res = w.run(pb.q, pb.cache)
     assert res.dtype == FP32
-    assert rel_err(res, ref) <= TOL[FP16]
+    assert rel_err(res, ref) <= TOLERANCE[FP16]
     one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.indptr, pb.indices, last, mask_type=mask,
                                            window_left=window, sm_scale=0.07, output_scale=1.3, out_dtype=FP32)
-    assert rel_err(one, ref) <= TOL[FP16]
+    assert rel_err(one, ref) <= TOLERANCE[FP16]
 
 
 # ----------------------------------------------------------------------------
@@ -385,7 +365,7 @@ def test_workspace_overlap_and_device_refused(name):
 
     from prims_ts.cuda import kernels
 
-    pb = Problem([20, 5], 8, 2, 128, 16, BF16, seed_of("ws_overlap", name), slack=0, poison=False)
+    pb = Problem([20, 5], 8, 2, 128, 16, BF16, stable_seed("ws_overlap", name), slack=0, poison=False)
     assert pb.workspace.numel() <= 4096
     args = dict(query=pb.q, kv_cache=pb.cache, workspace_buffer=pb.workspace, paged_kv_indptr=pb.indptr,
                 paged_kv_indices=pb.indices, seq_lens=pb.seq_lens, max_seq_len=pb.max_seq_len)

@@ -22,8 +22,7 @@ must own *at least* enough entries) hold garbage page IDs: reading either shows 
 from __future__ import annotations
 
 import math
-import zlib
-from typing import List, Sequence
+from typing import Sequence
 
 import pytest
 import torch
@@ -35,11 +34,11 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
 
 F64 = torch.float64
 I32 = torch.int32
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-TOL = {BF16: 2e-2, FP16: 5e-3}
 NAN = float("nan")
 GARBAGE = (-1, 2**31 - 1, -2**31, 123456)  # values written into CSR entries past the live pages
 
@@ -54,18 +53,6 @@ def randn(shape, dtype, g) -> torch.Tensor:
 
 def ip(values) -> torch.Tensor:
     return torch.tensor(values, dtype=I32)
-
-
-def seed_of(*parts) -> int:
-    """A seed that is stable across processes (hash() of a str is salted per process)."""
-    return zlib.crc32(repr(parts).encode())
-
-
-def cumsum0(xs: Sequence[int]) -> List[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
 
 
 def ws_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=1):
@@ -233,18 +220,12 @@ def naive_decode(pb: Decode, mask_type="dense", window_left=-1, bmm1_scale=None,
     return out.reshape(pb.q.shape)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in the output (an unwritten element, a poisoned slot read, or bad math)"
-    assert torch.isfinite(out).all()
-    return ((out.to(F64) - ref).norm() / ref.norm()).item()
-
-
 def check_public(pb: Decode, want: torch.Tensor, out_dtype=None, **kw):
     """Poisoned out is fully written and returned; the functional form gives the same values."""
     odt = out_dtype or pb.dtype
     out = torch.full(pb.q.shape, NAN, dtype=odt)
     assert pb.call(out=out, out_dtype=out_dtype, **kw) is out
-    assert rel_err(out, want) <= TOL[pb.dtype]
+    assert rel_err(out, want) <= TOLERANCE[pb.dtype]
     res = pb.call(out_dtype=out_dtype, **kw)
     assert res.dtype == odt and res.shape == pb.q.shape
     torch.testing.assert_close(res, out, rtol=0, atol=0)
@@ -279,7 +260,7 @@ def _mode_problem(qmode, mask, ps, i, g, **kw):
 @pytest.mark.parametrize("qmode", QMODES)
 def test_reference_and_standalone_match_gathered(qmode, mask, window, ps):
     i = QMODES.index(qmode) + MASKS.index((mask, window)) + ps // 16
-    pb = _mode_problem(qmode, mask, ps, i, gen(seed_of(qmode, mask, window, ps)))
+    pb = _mode_problem(qmode, mask, ps, i, gen(stable_seed(qmode, mask, window, ps)))
     want = gathered_ref(pb, mask, window)
     got = pb.ref(mask_type=mask, window_left=window)
     assert got.dtype == F64 and got.shape == pb.q.shape
@@ -293,7 +274,7 @@ NAIVE = [("single", "dense", -1), ("single", "causal", 2), ("fixed", "causal", -
 
 @pytest.mark.parametrize("qmode,mask,window", NAIVE, ids=[f"{q}-{m}{w if w >= 0 else ''}" for q, m, w in NAIVE])
 def test_reference_matches_naive(qmode, mask, window):
-    g = gen(seed_of("naive", qmode, mask, window))
+    g = gen(stable_seed("naive", qmode, mask, window))
     lens = [1, 19, 40] if mask == "dense" else [3, 19, 40]
     pb = Decode(lens, 4, 2, 64, 16, BF16, g, qmode=qmode, sq=3, q_lens=[1, 3, 2],
                 kind="repeated" if window >= 0 else "perm", slack=[1, 0, 1])
@@ -302,7 +283,7 @@ def test_reference_matches_naive(qmode, mask, window):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     out = torch.full(pb.q.shape, NAN, dtype=FP32)
     pb.call(mask_type=mask, window_left=window, bmm1_scale=0.07, bmm2_scale=1.3, out=out)
-    assert rel_err(out, want) <= TOL[BF16]
+    assert rel_err(out, want) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -316,7 +297,7 @@ def test_reference_matches_naive(qmode, mask, window):
 def test_heads_dims_forms(d, group, hkv, form):
     i = (64, 128, 256).index(d) + group
     qmode = QMODES[i % 3]
-    g = gen(seed_of("heads", d, group, form))
+    g = gen(stable_seed("heads", d, group, form))
     pb = Decode([1, 17, 64, 45], group * hkv, hkv, d, (16, 32, 64, 128)[i % 4], (BF16, FP16)[i % 2], g,
                 qmode=qmode, sq=2, q_lens=[1, 2, 1, 3], form=form, kind=("repeated", "perm")[i % 2],
                 slack=[1, 0, 0, 3])
@@ -329,7 +310,7 @@ def test_heads_dims_forms(d, group, hkv, form):
 @pytest.mark.parametrize("out_dtype", [None, FP32, FP16, BF16], ids=["out_default", "fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 def test_dtypes_and_out_dtypes(dtype, out_dtype):
-    g = gen(seed_of("dtypes", str(dtype), str(out_dtype)))
+    g = gen(stable_seed("dtypes", str(dtype), str(out_dtype)))
     pb = Decode([5, 33, 100], 8, 2, 128, 32, dtype, g, qmode="packed", q_lens=[2, 1, 3])
     want = gathered_ref(pb, "causal")
     check_public(pb, want, out_dtype=out_dtype, mask_type="causal")
@@ -342,12 +323,12 @@ def test_out_dtype_from_out():
     for dt in (FP32, BF16, FP16):
         out = torch.full(pb.q.shape, NAN, dtype=dt)
         assert pb.call(mask_type="causal", out=out) is out
-        assert rel_err(out, want) <= TOL[BF16 if dt == BF16 else FP16]
+        assert rel_err(out, want) <= TOLERANCE[BF16 if dt == BF16 else FP16]
 
 
 @pytest.mark.parametrize("qmode", QMODES)
 def test_scales(qmode):
-    g = gen(seed_of("scales", qmode))
+    g = gen(stable_seed("scales", qmode))
     pb = Decode([4, 20, 70], 8, 2, 128, 16, BF16, g, qmode=qmode, sq=4, q_lens=[4, 1, 2], kind="perm")
     for bmm1, bmm2 in [(0.02, 1.0), (0.3, 0.5), (None, 4.0), (1.0, 1e-3)]:
         want = gathered_ref(pb, "causal", -1, bmm1, bmm2)
@@ -355,7 +336,7 @@ def test_scales(qmode):
                                    rtol=1e-12, atol=1e-12)
         out = torch.full(pb.q.shape, NAN, dtype=FP32)
         pb.call(mask_type="causal", bmm1_scale=bmm1, bmm2_scale=bmm2, out=out)
-        assert rel_err(out, want) <= TOL[BF16]
+        assert rel_err(out, want) <= TOLERANCE[BF16]
     a = pb.call(mask_type="causal", out_dtype=FP32)
     b = pb.call(mask_type="causal", bmm1_scale=1.0 / math.sqrt(128), out_dtype=FP32)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -369,7 +350,7 @@ def test_scales(qmode):
 @pytest.mark.parametrize("ps", [16, 128])
 def test_lengths_of_one_and_page_boundaries(ps):
     """seq_lens of 1, ps - 1, ps, ps + 1, 2 * ps + 3: the last page partially or exactly full."""
-    g = gen(seed_of("lens", ps))
+    g = gen(stable_seed("lens", ps))
     lens = [1, ps - 1, ps, ps + 1, 2 * ps + 3, 1]
     pb = Decode(lens, 4, 1, 128, ps, FP16, g, kind="repeated", slack=[2, 0, 1, 0, 0, 3])
     for mask, window in MASKS:
@@ -417,7 +398,7 @@ def test_seq_lens_shorter_than_csr_capacity_uses_seq_lens():
     g = gen(23)
     pb = Decode([64, 64], 4, 2, 128, 16, FP16, g, poison=False)
     full = pb.call(out_dtype=FP32)
-    assert rel_err(full, gathered_ref(pb)) <= TOL[FP16]
+    assert rel_err(full, gathered_ref(pb)) <= TOLERANCE[FP16]
     pb.seq_lens.copy_(ip([17, 1]))
     pb.seq_lens_list = [17, 1]
     want = gathered_ref(pb)
@@ -437,7 +418,7 @@ def test_strided_query_and_combined_views():
     want = gathered_ref(pb, "causal")
     out = torch.full(pb.q.shape, NAN, dtype=BF16)
     assert pb.call(q=q, cache=(combined[:, 0], combined[:, 1]), mask_type="causal", out=out) is out
-    assert rel_err(out, want) <= TOL[BF16]
+    assert rel_err(out, want) <= TOLERANCE[BF16]
     out2 = pb.call(q=q, cache=combined, mask_type="causal")
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
@@ -485,7 +466,7 @@ def _plan(pb: Decode, **kw) -> BatchDecodePagedTSWrapper:
 @pytest.mark.parametrize("form", ["combined", "tuple"])
 @pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
 def test_wrapper_equals_standalone(mask, window, form):
-    g = gen(seed_of("wrapper", mask, window, form))
+    g = gen(stable_seed("wrapper", mask, window, form))
     pb = Decode([1, 33, 100, 64], 8, 2, 128, 32, FP16, g, form=form, kind=("perm", "repeated")[window > 0])
     pb.last = _last_page_len(pb)
     w = _plan(pb, mask_type=mask, window_left=window, sm_scale=0.05, output_scale=1.5, out_dtype=FP32)
@@ -495,7 +476,7 @@ def test_wrapper_equals_standalone(mask, window, form):
     for _ in range(2):  # a plan serves many runs
         out.fill_(NAN)
         assert w.run(pb.q, pb.cache, out=out) is out
-        assert rel_err(out, want) <= TOL[FP16]
+        assert rel_err(out, want) <= TOLERANCE[FP16]
         torch.testing.assert_close(out, standalone, rtol=0, atol=0)
     res = w.run(pb.q, pb.cache)
     assert res.dtype == FP32
@@ -519,7 +500,7 @@ def test_wrapper_run_after_in_place_metadata_rewrite():
     w = _plan(pb, mask_type="causal", window_left=9)
     out = torch.full(pb.q.shape, NAN, dtype=BF16)
     w.run(pb.q, pb.cache, out=out)
-    assert rel_err(out, gathered_ref(pb, "causal", 9)) <= TOL[BF16]
+    assert rel_err(out, gathered_ref(pb, "causal", 9)) <= TOLERANCE[BF16]
     for new_last in ([1, 16, 3], [8, 2, 16]):
         pb.last.copy_(ip(new_last))
         pb.seq_lens_list = [(n - 1) * 16 + l for n, l in zip([3, 4, 2], new_last)]
@@ -529,7 +510,7 @@ def test_wrapper_run_after_in_place_metadata_rewrite():
         w.run(pb.q, pb.cache, out=out)
         want = gathered_ref(pb, "causal", 9)
         torch.testing.assert_close(pb.ref(mask_type="causal", window_left=9), want, rtol=1e-12, atol=1e-12)
-        assert rel_err(out, want) <= TOL[BF16], new_last
+        assert rel_err(out, want) <= TOLERANCE[BF16], new_last
 
 
 def test_wrapper_replan():
@@ -540,7 +521,7 @@ def test_wrapper_replan():
     for pb, mask in ((a, "causal"), (b, "dense"), (a, "dense")):
         pb.last = _last_page_len(pb)
         w.plan(pb.indptr, pb.indices, pb.last, pb.hq, pb.hkv, pb.d, pb.ps, mask_type=mask, q_data_type=pb.dtype)
-        assert rel_err(w.run(pb.q, pb.cache), gathered_ref(pb, mask)) <= TOL[pb.dtype]
+        assert rel_err(w.run(pb.q, pb.cache), gathered_ref(pb, mask)) <= TOLERANCE[pb.dtype]
 
 
 # ----------------------------------------------------------------------------

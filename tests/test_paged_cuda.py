@@ -12,8 +12,7 @@ NaN, so a kernel that reads past a request's length (or an unused page) fails.
 from __future__ import annotations
 
 import math
-import zlib
-from typing import List, Sequence
+from typing import Sequence
 from unittest import mock
 
 import pytest
@@ -22,13 +21,13 @@ import torch
 import prims_ts
 from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
 
 pytestmark = pytest.mark.cuda
 
 DEVICE = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
-TOL = {BF16: 2e-2, FP16: 5e-3}
 NAN = float("nan")
 GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
 MASKS = [("dense", -1), ("causal", -1), ("causal", 0), ("causal", 100)]
@@ -36,24 +35,6 @@ KINDS = ("perm", "repeated", "padded")
 # (q len, kv len) per request; kv lengths are not page multiples (except 1); dense adds Sq > Sk
 REQUESTS = [(1, 1), (17, 17), (37, 100), (129, 129), (1000, 1033)]
 DENSE_EXTRA = [(50, 20)]
-
-
-def seed_of(*parts) -> int:
-    """A seed that is stable across processes (hash() of a str is salted per process)."""
-    return zlib.crc32(repr(parts).encode())
-
-
-def cumsum0(xs: Sequence[int]) -> List[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in the output (unwritten element, poisoned slot read, or bad math)"
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def tables(kind: str, kv_lens: Sequence[int], ps: int, g: torch.Generator, extra_pages: int = 5):
@@ -141,7 +122,7 @@ def test_paged_grid(ps, mask, window, d, group, dtype):
     hq = hkv * group
     requests = REQUESTS + (DENSE_EXTRA if mask == "dense" else [])
     for i, kind in enumerate(KINDS):
-        seed = seed_of(ps, mask, window, d, group, str(dtype), kind)
+        seed = stable_seed(ps, mask, window, d, group, str(dtype), kind)
         q, k, v, qo, bt, sl = make_problem(requests, hq, hkv, d, ps, dtype, kind, seed)
         if kind == "padded":
             assert bt.stride(0) > bt.shape[1]
@@ -152,13 +133,13 @@ def test_paged_grid(ps, mask, window, d, group, dtype):
         torch.cuda.synchronize()
         ref = ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window)
         err = rel_err(out, ref)
-        assert err <= TOL[dtype], f"{kind} table: rel err {err:.3e}"
+        assert err <= TOLERANCE[dtype], f"{kind} table: rel err {err:.3e}"
         # per request too: a small request must not hide behind the 1033-token one
         qo_l = qo.tolist()
         for b in range(len(requests)):
             s = slice(qo_l[b], qo_l[b + 1])
             e = rel_err(out[s], ref[s])
-            assert e <= TOL[dtype], f"{kind} table, request {b} {requests[b]}: rel err {e:.3e}"
+            assert e <= TOLERANCE[dtype], f"{kind} table, request {b} {requests[b]}: rel err {e:.3e}"
 
 
 # ----------------------------------------------------------------------------
@@ -193,7 +174,7 @@ def test_strided_q_and_pools_from_combined_cache():
     assert not q.is_contiguous() and not k.is_contiguous()
     out = torch.full(q.shape, NAN, dtype=FP16, device=DEVICE)
     batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=32, mask_type="causal", out=out)
-    assert rel_err(out, ref64(q0, k0, v0, qo, bt, sl, mask_type="causal")) <= TOL[FP16]
+    assert rel_err(out, ref64(q0, k0, v0, qo, bt, sl, mask_type="causal")) <= TOLERANCE[FP16]
 
 
 @pytest.mark.parametrize("ps", [16, 64])
@@ -210,14 +191,14 @@ def test_many_requests(ps):
         out = torch.full_like(q, NAN)
         batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=ps, mask_type=mask, window_left=window,
                                           out=out)
-        assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window)) <= TOL[BF16]
+        assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window)) <= TOLERANCE[BF16]
 
 
 def test_large_scores_no_overflow():
     q, k, v, qo, bt, sl = make_problem([(200, 500)], 4, 4, 128, 64, BF16, "perm", seed=5, poison=False)
     q, k = q * 8, k * 8
     out = batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=64)
-    assert rel_err(out, ref64(q, k, v, qo, bt, sl)) <= TOL[BF16]
+    assert rel_err(out, ref64(q, k, v, qo, bt, sl)) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -236,7 +217,7 @@ def test_wrapper_run_and_rewrites(d, dtype):
            max_q_len=320, q_data_type=dtype)
     out = torch.full_like(q, NAN)
     assert w.run(q, k, v, out=out) is out
-    assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOL[dtype]
+    assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[dtype]
     res = w.run(q, k, v)
     torch.testing.assert_close(res, out, rtol=0, atol=0)
     # rewrite page IDs, Q offsets and K/V lengths in place within the planned bounds
@@ -247,7 +228,7 @@ def test_wrapper_run_and_rewrites(d, dtype):
     sl.copy_(torch.tensor([min(C * ps, 1000), 60, 21], dtype=I32))
     out.fill_(NAN)
     w.run(q, k, v, out=out)
-    assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOL[dtype]
+    assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[dtype]
 
 
 # ----------------------------------------------------------------------------
@@ -286,10 +267,10 @@ def test_second_device():
         assert q.device == torch.device("cuda:1")
         out = batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=16, mask_type="causal")
         assert out.device == q.device
-        assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOL[BF16]
+        assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[BF16]
         w = BatchPrefillPagedTSWrapper()
         w.plan(qo, bt, sl, num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16, mask_type="causal")
-        assert rel_err(w.run(q, k, v), ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOL[BF16]
+        assert rel_err(w.run(q, k, v), ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[BF16]
     finally:
         DEVICE = saved
 

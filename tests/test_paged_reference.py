@@ -21,19 +21,18 @@ request's last page) holds NaN: reading one would show up as NaN in the output.
 from __future__ import annotations
 
 import math
-import zlib
-from typing import List, Sequence
+from typing import Sequence
 
 import pytest
 import torch
 
 from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
 
 F64 = torch.float64
 I32 = torch.int32
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-TOL = {BF16: 2e-2, FP16: 5e-3}
 NAN = float("nan")
 GARBAGE = (-1, 2**31 - 1, -2**31, 123456)  # values written into unused table entries
 
@@ -48,18 +47,6 @@ def randn(shape, dtype, g) -> torch.Tensor:
 
 def ip(values) -> torch.Tensor:
     return torch.tensor(values, dtype=I32)
-
-
-def seed_of(*parts) -> int:
-    """A seed that is stable across processes (hash() of a str is salted per process)."""
-    return zlib.crc32(repr(parts).encode())
-
-
-def cumsum0(xs: Sequence[int]) -> List[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
 
 
 # ----------------------------------------------------------------------------
@@ -185,12 +172,6 @@ def naive_paged(pb: Paged, mask_type="dense", window_left=-1, sm_scale=None, out
     return out
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in the output (an unwritten element, a poisoned slot read, or bad math)"
-    assert torch.isfinite(out).all()
-    return ((out.to(F64) - ref).norm() / ref.norm()).item()
-
-
 # (q lens, kv lens) per mask: kv lengths 1, 17, 100, 129 are not page multiples (except 1 with nothing)
 LENS = {
     "dense": ([3, 17, 40, 129], [1, 17, 100, 129]),  # dense: Sq > Sk allowed (3 > 1)
@@ -209,7 +190,7 @@ KINDS = ["perm", "repeated", "padded"]
 @pytest.mark.parametrize("mask,window", MASKS, ids=[f"{m}{w if w >= 0 else ''}" for m, w in MASKS])
 @pytest.mark.parametrize("ps", [16, 32, 64, 128])
 def test_reference_and_public_match_gathered(ps, mask, window, kind):
-    g = gen(seed_of(ps, mask, window, kind))
+    g = gen(stable_seed(ps, mask, window, kind))
     dtype = FP16 if ps in (16, 64) else BF16
     q_lens, kv_lens = LENS[mask]
     pb = Paged(q_lens, kv_lens, 4, 1, 128, ps, dtype, g, kind)
@@ -220,7 +201,7 @@ def test_reference_and_public_match_gathered(ps, mask, window, kind):
 
     out = torch.full(pb.q.shape, NAN, dtype=dtype)
     assert pb.call(mask_type=mask, window_left=window, out=out) is out
-    assert rel_err(out, want) <= TOL[dtype]
+    assert rel_err(out, want) <= TOLERANCE[dtype]
     res = pb.call(mask_type=mask, window_left=window)
     assert res.dtype == dtype and res.shape == pb.q.shape
     torch.testing.assert_close(res, out, rtol=0, atol=0)
@@ -233,14 +214,14 @@ NAIVE = [("dense", -1, [2, 5, 3], [1, 17, 33]), ("causal", -1, [1, 5, 17], [1, 1
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mask,window,q_lens,kv_lens", NAIVE, ids=[f"{m}{w if w >= 0 else ''}" for m, w, *_ in NAIVE])
 def test_reference_matches_naive(mask, window, q_lens, kv_lens, kind):
-    g = gen(seed_of("naive", mask, window, kind))
+    g = gen(stable_seed("naive", mask, window, kind))
     pb = Paged(q_lens, kv_lens, 4, 2, 128, 16, BF16, g, kind)
     want = naive_paged(pb, mask, window, sm_scale=0.07, output_scale=1.3)
     got = pb.ref(mask_type=mask, window_left=window, sm_scale=0.07, output_scale=1.3)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     out = torch.full(pb.q.shape, NAN, dtype=FP32)
     pb.call(mask_type=mask, window_left=window, sm_scale=0.07, output_scale=1.3, out=out)
-    assert rel_err(out, want) <= TOL[BF16]
+    assert rel_err(out, want) <= TOLERANCE[BF16]
 
 
 def test_reference_gather_pages_reads_table_order():
@@ -264,7 +245,7 @@ def test_reference_gather_pages_reads_table_order():
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("group", [1, 4])
 def test_public_heads_dims_dtypes(group, d, dtype, out_dtype):
-    g = gen(seed_of(group, d, str(dtype), str(out_dtype)))
+    g = gen(stable_seed(group, d, str(dtype), str(out_dtype)))
     hkv = 2
     pb = Paged([1, 30, 17], [17, 100, 129], hkv * group, hkv, d, 32, dtype, g, "padded")
     for mask, window in (("dense", -1), ("causal", 7)):
@@ -272,10 +253,10 @@ def test_public_heads_dims_dtypes(group, d, dtype, out_dtype):
         expect_dtype = out_dtype or dtype
         res = pb.call(mask_type=mask, window_left=window, out_dtype=out_dtype)
         assert res.dtype == expect_dtype and res.shape == pb.q.shape
-        assert rel_err(res, want) <= TOL[dtype]
+        assert rel_err(res, want) <= TOLERANCE[dtype]
         out = torch.full(pb.q.shape, NAN, dtype=expect_dtype)
         assert pb.call(mask_type=mask, window_left=window, out_dtype=out_dtype, out=out) is out
-        assert rel_err(out, want) <= TOL[dtype]
+        assert rel_err(out, want) <= TOLERANCE[dtype]
 
 
 def test_public_out_dtype_from_out():
@@ -285,7 +266,7 @@ def test_public_out_dtype_from_out():
     for dt in (FP32, BF16, FP16):
         out = torch.full(pb.q.shape, NAN, dtype=dt)
         assert pb.call(mask_type="causal", out=out) is out
-        assert rel_err(out, want) <= TOL[BF16 if dt == BF16 else FP16]
+        assert rel_err(out, want) <= TOLERANCE[BF16 if dt == BF16 else FP16]
 
 
 def test_public_scales():
@@ -295,7 +276,7 @@ def test_public_scales():
         want = gathered_ref(pb, "causal", -1, sm_scale, output_scale)
         out = torch.full(pb.q.shape, NAN, dtype=FP32)
         pb.call(mask_type="causal", sm_scale=sm_scale, output_scale=output_scale, out=out)
-        assert rel_err(out, want) <= TOL[BF16]
+        assert rel_err(out, want) <= TOLERANCE[BF16]
     a = pb.call(mask_type="causal", out_dtype=FP32)
     b = pb.call(mask_type="causal", sm_scale=1.0 / math.sqrt(128), out_dtype=FP32)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -314,7 +295,7 @@ def test_public_strided_q_and_pools_from_combined_cache():
     want = gathered_ref(pb, "causal")
     out = torch.full(pb.q.shape, NAN, dtype=BF16)
     batch_prefill_with_paged_kv_cache(q, k, v, *pb.meta(), page_size=32, mask_type="causal", out=out)
-    assert rel_err(out, want) <= TOL[BF16]
+    assert rel_err(out, want) <= TOLERANCE[BF16]
 
 
 def test_single_request_one_token():
@@ -322,7 +303,7 @@ def test_single_request_one_token():
     pb = Paged([1], [1], 2, 2, 256, 128, FP16, g, "padded")
     for mask in ("dense", "causal"):
         want = gathered_ref(pb, mask)
-        assert rel_err(pb.call(mask_type=mask), want) <= TOL[FP16]
+        assert rel_err(pb.call(mask_type=mask), want) <= TOLERANCE[FP16]
 
 
 def test_inputs_not_modified():
@@ -352,7 +333,7 @@ def _plan(pb: Paged, mask, window, **kw) -> BatchPrefillPagedTSWrapper:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", -1), ("causal", 4)])
 def test_wrapper_plan_run(mask, window, kind):
-    g = gen(seed_of("w", mask, window, kind))
+    g = gen(stable_seed("w", mask, window, kind))
     pb = Paged([2, 17, 30], [17, 33, 64], 8, 2, 128, 16, FP16, g, kind)
     w = _plan(pb, mask, window, sm_scale=0.05, output_scale=1.5, out_dtype=FP32)
     want = gathered_ref(pb, mask, window, 0.05, 1.5)
@@ -360,7 +341,7 @@ def test_wrapper_plan_run(mask, window, kind):
     for _ in range(2):  # a plan serves many runs
         out.fill_(NAN)
         assert w.run(pb.q, pb.k_cache, pb.v_cache, out=out) is out
-        assert rel_err(out, want) <= TOL[FP16]
+        assert rel_err(out, want) <= TOLERANCE[FP16]
     res = w.run(pb.q, pb.k_cache, pb.v_cache)
     assert res.dtype == FP32
     torch.testing.assert_close(res, out, rtol=0, atol=0)
@@ -370,7 +351,7 @@ def test_wrapper_plan_run(mask, window, kind):
     pb.v_cache.copy_(torch.where(used, randn(pb.v_cache.shape, FP16, g), pb.v_cache))
     out.fill_(NAN)
     w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
-    assert rel_err(out, gathered_ref(pb, mask, window, 0.05, 1.5)) <= TOL[FP16]
+    assert rel_err(out, gathered_ref(pb, mask, window, 0.05, 1.5)) <= TOLERANCE[FP16]
 
 
 @pytest.mark.parametrize("kind", ["perm", "padded"])
@@ -397,7 +378,7 @@ def test_wrapper_run_after_page_remap(kind):
     torch.testing.assert_close(gathered_ref(pb, "causal"), want, rtol=0, atol=0)
     out.fill_(NAN)
     w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
-    assert rel_err(out, want) <= TOL[BF16]
+    assert rel_err(out, want) <= TOLERANCE[BF16]
     torch.testing.assert_close(out, before, rtol=0, atol=0)
 
 
@@ -409,7 +390,7 @@ def test_wrapper_run_after_new_table_offsets_and_lengths():
     w = _plan(pb, "causal", -1, max_q_len=24)
     out = torch.full(pb.q.shape, NAN, dtype=FP16)
     w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
-    assert rel_err(out, pb.ref(mask_type="causal")) <= TOL[FP16]
+    assert rel_err(out, pb.ref(mask_type="causal")) <= TOLERANCE[FP16]
     C = pb.block_tables.shape[1]
     for new_q, new_kv in [([24, 8, 4], [24, 9, 60]), ([1, 24, 11], [64, 24, 11])]:
         assert max(new_q) <= 24 and sum(new_q) == 36 and max(new_kv) <= C * pb.ps
@@ -420,7 +401,7 @@ def test_wrapper_run_after_new_table_offsets_and_lengths():
         w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
         want = gathered_ref(pb, "causal")
         torch.testing.assert_close(pb.ref(mask_type="causal"), want, rtol=1e-12, atol=1e-12)
-        assert rel_err(out, want) <= TOL[FP16], (new_q, new_kv)
+        assert rel_err(out, want) <= TOLERANCE[FP16], (new_q, new_kv)
 
 
 def test_wrapper_replan():
@@ -431,4 +412,4 @@ def test_wrapper_replan():
     for pb, mask in ((a, "causal"), (b, "dense"), (a, "dense")):
         w.plan(*pb.meta(), num_qo_heads=pb.hq, num_kv_heads=pb.hkv, head_dim=pb.d, page_size=pb.ps,
                mask_type=mask, q_data_type=pb.dtype)
-        assert rel_err(w.run(pb.q, pb.k_cache, pb.v_cache), gathered_ref(pb, mask)) <= TOL[pb.dtype]
+        assert rel_err(w.run(pb.q, pb.k_cache, pb.v_cache), gathered_ref(pb, mask)) <= TOLERANCE[pb.dtype]

@@ -7,19 +7,14 @@ import torch
 
 import prims_ts
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, rel_err
 
 pytestmark = pytest.mark.cuda
 
-TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 MASKS = [("dense", -1), ("causal", -1), ("causal", 0), ("causal", 100), ("variable_window", -1)]
 FIXED_LENGTHS = [(1, 1), (7, 7), (127, 129), (129, 1000), (1000, 1033)]
 PACKED_Q = [1, 7, 127, 129, 1000]
 PACKED_KV = [1, 9, 127, 300, 1040]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in output (unwritten element or bad math)"
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _gen(seed):
@@ -63,7 +58,7 @@ def test_fixed_grid(mask, window, d, group, dtype):
         ref = R.batch_prefill(q, k, v, mask_type=mask, window_left=window, window_starts=starts, window_ends=ends,
                               compute_dtype=torch.float64)
         err = rel_err(out, ref)
-        assert err <= TOL[dtype], f"Sq={sq} Sk={sk}: rel err {err:.3e}"
+        assert err <= TOLERANCE[dtype], f"Sq={sq} Sk={sk}: rel err {err:.3e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -84,7 +79,7 @@ def test_packed_grid(mask, window, d, group, dtype):
     ref = R.batch_prefill(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window,
                           compute_dtype=torch.float64)
     err = rel_err(out, ref)
-    assert err <= TOL[dtype], f"rel err {err:.3e}"
+    assert err <= TOLERANCE[dtype], f"rel err {err:.3e}"
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -21,11 +21,11 @@ import torch
 import prims_ts
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, rel_err
 
 F64 = torch.float64
 I32 = torch.int32
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-TOL = {BF16: 2e-2, FP16: 5e-3}
 
 
 def gen(seed: int) -> torch.Generator:
@@ -101,12 +101,6 @@ def naive_prefill(q, k, v, *, qo: Optional[List[int]] = None, kvo: Optional[List
 
 def ref64(q, k, v, **kw) -> torch.Tensor:
     return R.batch_prefill(q, k, v, compute_dtype=F64, **kw)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(out).any(), "NaN in the output (an unwritten element or bad math)"
-    assert torch.isfinite(out).all()
-    return ((out.to(F64) - ref).norm() / ref.norm()).item()
 
 
 # ----------------------------------------------------------------------------
@@ -264,7 +258,7 @@ CONFIGS = [
 
 
 def _tol(in_dtype, out_dtype):
-    return TOL[BF16] if BF16 in (in_dtype, out_dtype) else TOL[FP16]
+    return TOLERANCE[BF16] if BF16 in (in_dtype, out_dtype) else TOLERANCE[FP16]
 
 
 def _problem(storage, mask, hq, hkv, d, dtype, g):
@@ -325,7 +319,7 @@ def test_public_cpu_scales(storage, in_dtype):
         got = batch_prefill(q, k, v, mask_type="causal", sm_scale=sm_scale, output_scale=output_scale, out=out,
                             **meta)
         assert got is out
-        assert rel_err(out, ref) <= TOL[in_dtype]
+        assert rel_err(out, ref) <= TOLERANCE[in_dtype]
     # sm_scale's default is 1/sqrt(D)
     a = batch_prefill(q, k, v, mask_type="causal", out_dtype=FP32, **meta)
     b = batch_prefill(q, k, v, mask_type="causal", sm_scale=1.0 / math.sqrt(128), out_dtype=FP32, **meta)
@@ -356,12 +350,12 @@ def test_public_cpu_strided_inputs():
     ref = ref64(q.contiguous(), k.contiguous(), v.contiguous(), mask_type="causal")
     out = torch.full(q.shape, float("nan"), dtype=BF16)
     batch_prefill(q, k, v, mask_type="causal", out=out)
-    assert rel_err(out, ref) <= TOL[BF16]
+    assert rel_err(out, ref) <= TOLERANCE[BF16]
     qp = randn((9, 2 * H, d), BF16, g)[:, :H]  # packed, row stride 2*H*d
     kp, vp = randn((12, H, d), BF16, g), randn((12, H, d), BF16, g)
     meta = dict(qo_indptr=torch.tensor([0, 4, 9], dtype=I32), kv_indptr=torch.tensor([0, 5, 12], dtype=I32))
     ref = ref64(qp.contiguous(), kp, vp, mask_type="causal", **meta)
-    assert rel_err(batch_prefill(qp, kp, vp, mask_type="causal", **meta), ref) <= TOL[BF16]
+    assert rel_err(batch_prefill(qp, kp, vp, mask_type="causal", **meta), ref) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -389,7 +383,7 @@ def test_wrapper_fixed(mask, window, in_dtype):
         ref = ref64(q, k, v, mask_type=mask, window_left=window, sm_scale=0.07, output_scale=1.5, **rkw)
         out.fill_(float("nan"))
         assert w.run(q, k, v, out=out, **kw) is out
-        assert rel_err(out, ref) <= TOL[in_dtype]
+        assert rel_err(out, ref) <= TOLERANCE[in_dtype]
         res = w.run(q, k, v, **kw)
         assert res.dtype == FP32
         torch.testing.assert_close(res, out, rtol=0, atol=0)
@@ -409,7 +403,7 @@ def test_wrapper_packed(mask, window, in_dtype):
     ref = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)
     out = torch.full(q.shape, float("nan"), dtype=in_dtype)
     assert w.run(q, k, v, out=out) is out
-    assert rel_err(out, ref) <= TOL[in_dtype]
+    assert rel_err(out, ref) <= TOLERANCE[in_dtype]
     res = w.run(q, k, v)
     assert res.dtype == in_dtype
     torch.testing.assert_close(res, out, rtol=0, atol=0)
@@ -443,7 +437,7 @@ def test_wrapper_packed_run_after_inplace_indptr_rewrite(mask, window, max_q_len
     out = torch.full(q.shape, float("nan"), dtype=BF16)
     w.run(q, k, v, out=out)
     assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)) \
-        <= TOL[BF16]
+        <= TOLERANCE[BF16]
 
     # the caller rewrites the planned tensors' values in place (same totals)
     assert rewritten[0][-1] == tq and rewritten[1][-1] == tk
@@ -456,5 +450,5 @@ def test_wrapper_packed_run_after_inplace_indptr_rewrite(mask, window, max_q_len
     assert rel_err(ref_old.to(BF16), ref_new) > 0.1, "the rewrite must change the answer for this test to bite"
     out.fill_(float("nan"))
     assert w.run(q, k, v, out=out) is out
-    assert rel_err(out, ref_new) <= TOL[BF16]
-    assert rel_err(w.run(q, k, v), ref_new) <= TOL[BF16]
+    assert rel_err(out, ref_new) <= TOLERANCE[BF16]
+    assert rel_err(w.run(q, k, v), ref_new) <= TOLERANCE[BF16]
