@@ -24,14 +24,6 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def gen(seed):
     return torch.Generator(device=DEVICE).manual_seed(seed)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 import prims_ts  # noqa: F401
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
@@ -24,14 +23,6 @@ DEVICE = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 NAN = float("nan")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def gen(seed):

@@ -35,14 +35,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 CUDA = "cuda"  # the device of the CUDA-graph tests
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def gen(device, seed):
     return torch.Generator(device=device).manual_seed(seed)
 

@@ -45,3 +45,13 @@ def cumsum0(xs: Sequence[int]) -> List[int]:
     for x in xs:
         out.append(out[-1] + x)
     return out
+
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def assert_opcheck_passed(result, names=OPCHECK_TESTS) -> None:
+    """``torch.library.opcheck``'s result dict: exactly ``names`` ran, each a SUCCESS."""
+    assert set(result) == set(names), result
+    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
+    assert not bad, bad

@@ -24,8 +24,8 @@ from torch.library import opcheck
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
 from prims_ts import get_prims_ts_batch_decode_workspace_size
 from prims_ts import reference as R
+from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed, rel_err
 
-ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 D = 128
@@ -69,17 +69,6 @@ def _reference(q, k, v, meta, scalars):
                           sm_scale=sm_scale, output_scale=output_scale, compute_dtype=torch.float64)
 
 
-def _check(result, names=ALL_TESTS):
-    assert set(result) == set(names), result
-    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
-    assert not bad, bad
-
-
-def _rel(out, ref):
-    assert not torch.isnan(out).any()
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 CASES = [("single", "dense", -1, BF16, BF16, False), ("single", "causal", 1, FP16, FP32, True),
          ("fixed", "causal", -1, FP16, FP16, False), ("fixed", "dense", -1, BF16, FP32, True),
          ("packed", "causal", 2, BF16, BF16, True), ("packed", "dense", -1, FP16, FP32, False)]
@@ -90,10 +79,10 @@ IDS = [f"{qm}-{m}{w if w >= 0 else ''}-{'combined' if c else 'pools'}" for qm, m
 def test_opcheck_batch_decode(qmode, mask, window, dtype, out_dtype, combined):
     q, k, v, ws, meta, scalars = sample(qmode, mask, window, dtype, combined=combined)
     args = (q, k, v, ws, *meta, *scalars, out_dtype)
-    _check(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=ALL_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_decode(*args)
     assert res.dtype == out_dtype and res.shape == q.shape
-    assert _rel(res, _reference(q, k, v, meta, scalars)) <= 2e-2
+    assert rel_err(res, _reference(q, k, v, meta, scalars)) <= 2e-2
 
 
 @pytest.mark.parametrize("qmode,mask,window,dtype,out_dtype,combined", CASES, ids=IDS)
@@ -101,10 +90,10 @@ def test_opcheck_batch_decode_out(qmode, mask, window, dtype, out_dtype, combine
     q, k, v, ws, meta, scalars = sample(qmode, mask, window, dtype, seed=10, combined=combined)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype)
     args = (q, k, v, ws, out, *meta, *scalars)
-    _check(opcheck(torch.ops.prims_ts.batch_decode_out.default, args, test_utils=ALL_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode_out.default, args, test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
     assert torch.ops.prims_ts.batch_decode_out(*args) is None
-    assert _rel(out, _reference(q, k, v, meta, scalars)) <= 2e-2
+    assert rel_err(out, _reference(q, k, v, meta, scalars)) <= 2e-2
 
 
 def test_opcheck_split_kv_key():
@@ -112,8 +101,8 @@ def test_opcheck_split_kv_key():
     q, k, v, ws, meta, scalars = sample("packed", "causal", -1, BF16, seed=20, max_seq_len=8192)
     assert ws.numel() > 256
     args = (q, k, v, ws, *meta, *scalars, BF16)
-    _check(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=ALL_TESTS))
-    assert _rel(torch.ops.prims_ts.batch_decode(*args), _reference(q, k, v, meta, scalars)) <= 2e-2
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=OPCHECK_TESTS))
+    assert rel_err(torch.ops.prims_ts.batch_decode(*args), _reference(q, k, v, meta, scalars)) <= 2e-2
 
 
 def test_opcheck_with_requires_grad_inputs():
@@ -123,7 +112,7 @@ def test_opcheck_with_requires_grad_inputs():
     q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
     args = (q, k, v, ws, *meta, *scalars, BF16)
     names = ("test_schema", "test_autograd_registration", "test_faketensor")
-    _check(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=names), names)
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=names), names)
     res = torch.ops.prims_ts.batch_decode(*args)
     assert res.requires_grad
     with pytest.raises(RuntimeError, match="autograd|backward"):

@@ -25,8 +25,8 @@ from torch.library import opcheck
 
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
 from prims_ts import reference as R
+from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed
 
-ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 D = 128
@@ -94,17 +94,11 @@ FIXED = [("dense", -1, BF16, BF16), ("causal", -1, FP16, FP32), ("causal", 2, BF
 PACKED = [("dense", -1, BF16, FP32, False), ("causal", -1, FP16, FP16, True), ("causal", 0, BF16, BF16, False)]
 
 
-def _check(result):
-    assert set(result) == set(ALL_TESTS), result
-    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
-    assert not bad, bad
-
-
 @pytest.mark.parametrize("mask,window,dtype,out_dtype", FIXED, ids=[f"{m}{w if w >= 0 else ''}" for m, w, *_ in FIXED])
 def test_opcheck_batch_prefill_fixed(mask, window, dtype, out_dtype):
     q, k, v, meta, scalars = fixed_sample(mask, window, dtype, out_dtype)
     args = functional_args(q, k, v, meta, scalars, out_dtype)
-    _check(opcheck(torch.ops.prims_ts.batch_prefill.default, args, test_utils=ALL_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_prefill(*args)
     assert res.dtype == out_dtype and res.shape == q.shape
     ref = _reference(q, k, v, meta, scalars)
@@ -116,7 +110,7 @@ def test_opcheck_batch_prefill_fixed(mask, window, dtype, out_dtype):
 def test_opcheck_batch_prefill_packed(mask, window, dtype, out_dtype, with_work):
     q, k, v, meta, scalars = packed_sample(mask, window, dtype, out_dtype, with_work=with_work)
     args = functional_args(q, k, v, meta, scalars, out_dtype)
-    _check(opcheck(torch.ops.prims_ts.batch_prefill.default, args, test_utils=ALL_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_prefill(*args)
     ref = _reference(q, k, v, meta, scalars)
     assert res.dtype == out_dtype and ((res.double() - ref).norm() / ref.norm()).item() <= 2e-2
@@ -126,8 +120,8 @@ def test_opcheck_batch_prefill_packed(mask, window, dtype, out_dtype, with_work)
 def test_opcheck_batch_prefill_out_fixed(mask, window, dtype, out_dtype):
     q, k, v, meta, scalars = fixed_sample(mask, window, dtype, out_dtype, seed=10)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype)
-    _check(opcheck(torch.ops.prims_ts.batch_prefill_out.default, out_args(q, k, v, out, meta, scalars),
-                   test_utils=ALL_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_out.default, out_args(q, k, v, out, meta, scalars),
+                   test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
     assert torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars)) is None
     ref = _reference(q, k, v, meta, scalars)
@@ -140,8 +134,8 @@ def test_opcheck_batch_prefill_out_fixed(mask, window, dtype, out_dtype):
 def test_opcheck_batch_prefill_out_packed(mask, window, dtype, out_dtype, with_work):
     q, k, v, meta, scalars = packed_sample(mask, window, dtype, out_dtype, seed=20, with_work=with_work)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype)
-    _check(opcheck(torch.ops.prims_ts.batch_prefill_out.default, out_args(q, k, v, out, meta, scalars),
-                   test_utils=ALL_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_out.default, out_args(q, k, v, out, meta, scalars),
+                   test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
     torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars))
     ref = _reference(q, k, v, meta, scalars)
@@ -160,19 +154,13 @@ def test_opcheck_with_requires_grad_inputs():
     q, k, v, meta, scalars = fixed_sample("causal", -1, FP32, FP32, seed=30)
     q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
     args = functional_args(q, k, v, meta, scalars, BF16)
-    _check_subset(opcheck(torch.ops.prims_ts.batch_prefill.default, args,
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor")),
                   ("test_schema", "test_autograd_registration", "test_faketensor"))
     res = torch.ops.prims_ts.batch_prefill(*args)
     assert res.requires_grad
     with pytest.raises(RuntimeError, match="autograd|backward"):
         res.float().sum().backward()
-
-
-def _check_subset(result, names):
-    assert set(result) == set(names), result
-    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
-    assert not bad, bad
 
 
 def test_fake_tensor_shapes():

@@ -21,8 +21,8 @@ from torch.library import opcheck
 
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
 from prims_ts import reference as R
+from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed, rel_err
 
-ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 D = 128
@@ -61,17 +61,6 @@ def _reference(q, k, v, meta, scalars):
                                  sm_scale=sm_scale, output_scale=output_scale, compute_dtype=torch.float64)
 
 
-def _check(result, names=ALL_TESTS):
-    assert set(result) == set(names), result
-    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
-    assert not bad, bad
-
-
-def _rel(out, ref):
-    assert not torch.isnan(out).any()
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 CASES = [("dense", -1, BF16, BF16, False, False), ("causal", -1, FP16, FP32, True, False),
          ("causal", 2, BF16, FP16, False, True), ("causal", 0, FP16, FP16, True, True)]
 IDS = [f"{m}{w if w >= 0 else ''}-{'padded' if p else 'dense_table'}{'-work' if ww else ''}"
@@ -82,10 +71,10 @@ IDS = [f"{m}{w if w >= 0 else ''}-{'padded' if p else 'dense_table'}{'-work' if 
 def test_opcheck_batch_prefill_paged(mask, window, dtype, out_dtype, padded, with_work):
     q, k, v, meta, scalars = sample(mask, window, dtype, padded=padded, with_work=with_work)
     args = (q, k, v, *meta, *scalars, out_dtype)
-    _check(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=ALL_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_prefill_paged(*args)
     assert res.dtype == out_dtype and res.shape == q.shape
-    assert _rel(res, _reference(q, k, v, meta, scalars)) <= 2e-2
+    assert rel_err(res, _reference(q, k, v, meta, scalars)) <= 2e-2
 
 
 @pytest.mark.parametrize("mask,window,dtype,out_dtype,padded,with_work", CASES, ids=IDS)
@@ -93,10 +82,10 @@ def test_opcheck_batch_prefill_paged_out(mask, window, dtype, out_dtype, padded,
     q, k, v, meta, scalars = sample(mask, window, dtype, seed=10, padded=padded, with_work=with_work)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype)
     args = (q, k, v, out, *meta, *scalars)
-    _check(opcheck(torch.ops.prims_ts.batch_prefill_paged_out.default, args, test_utils=ALL_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged_out.default, args, test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
     assert torch.ops.prims_ts.batch_prefill_paged_out(*args) is None
-    assert _rel(out, _reference(q, k, v, meta, scalars)) <= 2e-2
+    assert rel_err(out, _reference(q, k, v, meta, scalars)) <= 2e-2
 
 
 def test_opcheck_with_requires_grad_inputs():
@@ -107,7 +96,7 @@ def test_opcheck_with_requires_grad_inputs():
     q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
     args = (q, k, v, *meta, *scalars, BF16)
     names = ("test_schema", "test_autograd_registration", "test_faketensor")
-    _check(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=names), names)
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=names), names)
     res = torch.ops.prims_ts.batch_prefill_paged(*args)
     assert res.requires_grad
     with pytest.raises(RuntimeError, match="autograd|backward"):
