@@ -5,8 +5,10 @@
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|sanitize|check|bench|quick|all]...
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
-# limited to 10 minutes: `tests` alone can take most of that; run `sanitize check bench`
-# in a second call if needed. Each test file gets its own summary line.
+# limited to 10 minutes: `tests` alone can take most of that; `sanitize` runs the small
+# cases under memcheck and then racecheck (up to 150 s each, sanitize_memcheck.log and
+# sanitize_racecheck.log); run `sanitize check` and `quick` (or `bench`) in further calls
+# if needed. Each test file gets its own summary line.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -31,10 +33,14 @@ for s in "${stages[@]}"; do
     case "$s" in
     tests) run_tests ;;
     sanitize)
-        echo "== compute-sanitizer memcheck (small cases)"
-        timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 "$PY" tests/gpu_sanitize.py \
-            >"$OUT/sanitize.log" 2>&1
-        echo "   rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1)" ;;
+        # No caching allocator: every tensor is its own allocation, so memcheck sees
+        # accesses past a tensor's end instead of landing inside a pooled block.
+        for tool in memcheck racecheck; do
+            echo "== compute-sanitizer $tool (small cases)"
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                "$PY" tests/gpu_sanitize.py >"$OUT/sanitize_$tool.log" 2>&1
+            echo "   rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+        done ;;
     check)
         echo "== check"
         timeout 120 "$PY" -m prims_ts check >"$OUT/check.log" 2>&1

@@ -587,22 +587,36 @@ def _compiled_flex():
     return _flex_compiled
 
 
-def _setup_flex(prob: Problem, x: PrefillInputs):
+def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> Callable[[], Any]:
+    """The FlexAttention peer of every family: a zero-argument call of the compiled
+    ``flex_attention`` (one compile per shape) on contiguous ``[B, H, S, D]`` tensors,
+    GQA through ``enable_gqa=True``, causal (bottom-right aligned) through a block mask
+    built here, once. Its output is ``[B, Hq, Sq, D]``. A failure raises, and the
+    driver shows the cell as ``n/a`` with the reason."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    q, k, v = x.bhsd()
     flex = _compiled_flex()
     block_mask = None
-    if x.causal:
-        off = x.sk - x.sq
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        off = sk - sq
 
-        def causal(b, h, q_idx, kv_idx):
+        def causal_mod(b, h, q_idx, kv_idx):
             return q_idx + off >= kv_idx
 
-        block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=x.sq, KV_LEN=x.sk, device=q.device)
+        block_mask = create_block_mask(causal_mod, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=q.device)
 
     def fn():
-        return _to_bshd(flex(q, k, v, block_mask=block_mask, enable_gqa=True))
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    return fn
+
+
+def _setup_flex(prob: Problem, x: PrefillInputs):
+    call = _flex_call(*x.bhsd(), causal=x.causal)
+
+    def fn():
+        return _to_bshd(call())
 
     return fn
 
@@ -697,7 +711,8 @@ register_family(Family(
 
 
 # ----------------------------------------------------------------------------
-# paged decode (SPEC §3): TB/s of K/V bytes, beside SDPA on contiguous K/V
+# paged decode (SPEC §3): TB/s of K/V bytes, beside SDPA and FlexAttention on
+# contiguous K/V
 # ----------------------------------------------------------------------------
 
 
@@ -726,7 +741,7 @@ def _decode_problems() -> List[Problem]:
 
 
 class DecodeInputs:
-    """q [B, Hq, D]; a combined paged cache with shuffled pages; the same K/V contiguous for SDPA."""
+    """q [B, Hq, D]; a combined paged cache with shuffled pages; the same K/V contiguous for the peers."""
 
     def __init__(self, prob: Problem, device: torch.device):
         import prims_ts
@@ -762,7 +777,13 @@ class DecodeInputs:
 
 
 def _graphed(fn, enabled: bool):
-    """Capture fn in a CUDA graph (after a warm-up) when enabled: times launch-free replays."""
+    """Capture fn in a CUDA graph (after a warm-up) when enabled: times launch-free replays.
+
+    The replay is checked to be the whole computation: the captured output is poisoned
+    with NaN and must be rewritten by ``graph.replay()`` alone. Work that ran eagerly
+    during capture (a launch on a stream other than the capturing one) is not in the
+    graph, leaves the NaN, and the cell shows ``n/a`` instead of an empty graph's time.
+    """
     if not enabled:
         return fn
     s = torch.cuda.Stream()
@@ -770,9 +791,19 @@ def _graphed(fn, enabled: bool):
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         res = fn()
+    if not isinstance(res, torch.Tensor) or not res.is_floating_point():
+        raise RuntimeError(f"graph row: expected a floating-point tensor output, got {type(res).__name__}")
+    res.fill_(float("nan"))
+    torch.cuda.synchronize()
+    graph.replay()
+    torch.cuda.synchronize()
+    if not bool(torch.isfinite(res).all()):
+        raise RuntimeError("CUDA graph replay left NaN/Inf in the NaN-poisoned output: the work is not in the "
+                           "captured graph (or it computes non-finite values)")
 
     def replay():
         graph.replay()
@@ -804,6 +835,15 @@ def _setup_sdpa_decode(prob: Problem, x: DecodeInputs):
     return _graphed(fn, x.graph)
 
 
+def _setup_flex_decode(prob: Problem, x: DecodeInputs):
+    call = _flex_call(*x.contiguous())
+
+    def fn():
+        return call().squeeze(2)
+
+    return _graphed(fn, x.graph)
+
+
 register_family(Family(
     name="decode",
     problems=_decode_problems,
@@ -811,6 +851,7 @@ register_family(Family(
     runners=[
         Runner("prims_ts", _setup_ours_decode),
         Runner("sdpa", _setup_sdpa_decode),
+        Runner("flex", _setup_flex_decode),
     ],
     reference="sdpa",
 ))

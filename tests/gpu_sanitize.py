@@ -1,11 +1,104 @@
-"""Small prefill (contiguous and paged) cases for compute-sanitizer (not collected by pytest).
+"""Small prefill (contiguous and paged) and paged-decode cases for compute-sanitizer
+(not collected by pytest).
 
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
+    compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
+
+Both tools slow kernels ~100x: keep every case small and the launches few.
 """
 import torch
 
 import prims_ts
 from prims_ts import reference as R
+from prims_ts.testing import cumsum0, relative_error
+
+# CSR entries past a request's live pages: never read (an out-of-range ID makes a stray read fatal)
+GARBAGE = (-1, 2**31 - 1)
+# (name, query mode, SQ / packed Q lengths, mask, window, D, Hq, Hkv, page size, cache form, K/V lengths,
+#  max_seq_len, split-KV expected). One-split cases keep max_seq_len within one K/V tile, so that
+#  no split policy splits them; the split ones are long with few CTAs.
+DECODE_CASES = [
+    ("single d128 dense", "single", None, "dense", -1, 128, 8, 2, 16, "combined", [1, 37, 60], 60, False),
+    ("fixed sq3 d64 causal w20", "fixed", 3, "causal", 20, 64, 8, 1, 32, "tuple", [3, 45, 77], 77, False),
+    ("packed d128 causal", "packed", [1, 3, 2], "causal", -1, 128, 16, 2, 32, "tuple", [5, 50, 61], 64, False),
+    ("split single d128 dense", "single", None, "dense", -1, 128, 8, 2, 64, "combined", [3000], 3000, True),
+    ("split fixed sq2 d64 causal w700", "fixed", 2, "causal", 700, 64, 8, 2, 128, "tuple", [2999, 2], 3000, True),
+    ("split packed d128 causal", "packed", [2, 1], "causal", -1, 128, 32, 8, 16, "combined", [2500, 700], 2600,
+     True),
+]
+
+
+def _sm_count(dev) -> int:
+    from prims_ts.cuda.kernels import DECODE_NOMINAL_SMS
+
+    if torch.device(dev).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(dev)).multi_processor_count
+    return DECODE_NOMINAL_SMS
+
+
+def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, max_seq_len, split) -> None:
+    """One decode launch over shuffled pages (unused slots NaN, garbage CSR entries past the live
+    pages) into a NaN-poisoned out, against the float64 reference."""
+    from prims_ts.cuda.kernels import decode_policy
+
+    B, dt = len(lens), torch.bfloat16
+    n_live = [(n + ps - 1) // ps for n in lens]
+    num_pages = sum(n_live) + 2  # two pages no request uses
+    perm = torch.randperm(num_pages).tolist()
+    indices, entries, live, at = [], [], [], 0
+    for b, n in enumerate(n_live):
+        live.append(perm[at:at + n])
+        at += n
+        slack = [GARBAGE[b % 2]] * (b % 2 + 1)
+        indices += live[b] + slack
+        entries.append(n + len(slack))
+    indptr = torch.tensor(cumsum0(entries), dtype=torch.int32, device=dev)
+    indices = torch.tensor(indices, dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    if form == "combined":
+        cache = torch.randn(num_pages, 2, hkv, ps, d, device=dev, dtype=dt)
+        k, v = cache[:, 0], cache[:, 1]
+    else:
+        k = torch.randn(num_pages, hkv, ps, d, device=dev, dtype=dt)
+        v = torch.randn_like(k)
+        cache = (k, v)
+    used = torch.zeros(num_pages, ps, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        j = torch.arange(n)
+        used[torch.tensor(live[b])[j // ps], j % ps] = True
+    unused = (~used).to(dev)[:, None, :, None].expand_as(k)
+    k.masked_fill_(unused, float("nan"))
+    v.masked_fill_(unused, float("nan"))
+    kw, qo_indptr, max_sq = {}, None, 1
+    if qmode == "single":
+        q = torch.randn(B, hq, d, device=dev, dtype=dt)
+    elif qmode == "fixed":
+        q = torch.randn(B, sq, hq, d, device=dev, dtype=dt)
+        kw["seq_len_q"] = max_sq = sq
+    else:
+        qo_indptr = torch.tensor(cumsum0(sq), dtype=torch.int32, device=dev)
+        q = torch.randn(sum(sq), hq, d, device=dev, dtype=dt)
+        max_sq = max(sq)
+        kw.update(qo_indptr=qo_indptr, max_seq_len_q=max_sq)
+    pol = decode_policy(B, hkv, hq // hkv, max_sq, d, max_seq_len, _sm_count(dev))
+    assert (pol.splits > 1) == split, (name, pol)
+    nbytes = prims_ts.get_prims_ts_batch_decode_workspace_size(B, hq, hkv, d, max_seq_len, max_seq_len_q=max_sq,
+                                                                device=dev)
+    workspace = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    out = torch.full(q.shape, float("nan"), dtype=dt, device=dev)
+    res = prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, workspace, indptr, indices, seq_lens, max_seq_len,
+                                                       mask_type=mask, window_left=window, out=out, **kw)
+    assert res is out
+    ref = R.batch_decode(q, k, v, indptr, indices, seq_lens, qo_indptr=qo_indptr, mask_type=mask,
+                         window_left=window, compute_dtype=torch.float64)
+    err = relative_error(out, ref)
+    print(f"decode {name} (splits {pol.splits}): rel err {err:.2e}")
+    assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
+
+
+def decode_cases(dev) -> None:
+    for case in DECODE_CASES:
+        decode_case(dev, *case)
 
 
 def main() -> None:
@@ -51,6 +144,8 @@ def main() -> None:
         err = ((out.double() - ref).norm() / ref.norm()).item()
         print(f"paged ps={ps}: rel err {err:.2e}")
         assert err < 2e-2
+    # paged decode: [B,Hq,D], [B,SQ,Hq,D] causal + window, packed; with and without split-KV
+    decode_cases(dev)
     torch.cuda.synchronize()
     print("sanitize cases done")
 

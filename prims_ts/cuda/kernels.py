@@ -6,6 +6,7 @@ public APIs can ask for (``python -m prims_ts warmup`` compiles them all).
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional
@@ -21,8 +22,21 @@ OUT_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # pt:
 MASK_CODES = {"dense": 0, "causal": 1, "variable_window": 2}  # pt::MaskKind
 
 
+@functools.lru_cache(maxsize=None)
 def _read(name: str) -> str:
+    """A kernel source file (read once per process: keys build their source on every launch)."""
     return (HERE / name).read_text()
+
+
+def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: int = 1) -> int:
+    """Dynamic shared memory of one FMHA core CTA: pt::FmhaConfig<...>::SMEM_BYTES (pt_fmha.cuh).
+
+    The Q tile and `stages` K/V tile pairs; with warps_n > 1 the key-split merge reuses
+    those bytes for (m, l) per warp row and the O fragments of warps_n - 1 warps.
+    """
+    pipe = bm * head_dim * 2 + 2 * stages * bn * head_dim * 2
+    merge = (bm // 16 * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * head_dim * 4) if warps_n > 1 else 0
+    return max(pipe, merge)
 
 
 # ----------------------------------------------------------------------------
@@ -59,11 +73,9 @@ class PrefillKey:
 
     @property
     def smem(self) -> int:
-        q = self.bm * self.head_dim * 2
-        kv = self.bn * self.head_dim * 2
         extra = 2 * self.bm * 4 if self.mask == "variable_window" else 0
         align = 1024 if self.arch == 90 else 0  # slack to 1024-align the wgmma tiles
-        return q + 4 * kv + extra + align
+        return fmha_smem_bytes(self.bm, self.bn, self.head_dim) + extra + align
 
     @property
     def name(self) -> str:
@@ -238,9 +250,10 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
                 yield PrefillKey.choose(dtype, d, mask, arch, paged=True).source()
     for dtype in DTYPE_CODES:
         for d in DECODE_HEAD_DIMS:
-            for bm in (16, 32, 64):
+            for group in (1, 32, 64):  # one policy per row-tile height (BM 16, 32, 64)
+                pol = decode_policy(1, 1, group, 1, d, 1, DECODE_NOMINAL_SMS)
                 for causal in (False, True):
-                    yield DecodeKey(DTYPE_CODES[dtype], d, causal, bm, 32 if d == 256 else 64).source()
+                    yield DecodeKey.of(DTYPE_CODES[dtype], d, causal, pol).source()
     for d in DECODE_HEAD_DIMS:
         yield DecodeKey("bf16", d, False, 16, 64).merge_source()
 
@@ -258,16 +271,42 @@ DECODE_NOMINAL_SMS = 132  # CPU tensors: sizes are computed as for an H200
 MAX_SEQ_LEN_BOUND = 2_147_483_520  # the padded 128-token tile end must fit in int32
 
 
+# K/V tile keys and pipeline depth per head dim: 32 KB of K+V per stage, three stages
+DECODE_TILE = {64: (128, 3), 128: (64, 3), 256: (32, 3)}
+DECODE_MIN_KEYS_PER_SPLIT = 128
+DECODE_MAX_SPLITS = 128
+SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
+
+
 @dataclass(frozen=True)
 class DecodePolicy:
-    """Static launch shape of one decode key: tile, row tiles, split-KV."""
+    """Static launch shape of one decode key: tile, warps, row tiles, split-KV."""
 
     bm: int  # M rows per CTA (GQA group x query tokens, padded to 16)
     bn: int  # keys per K/V tile
+    warps_n: int  # warps splitting each K/V tile's keys (merged in the CTA)
+    stages: int  # K/V tiles in flight
     row_tiles: int  # CTAs along the M rows of one (request, K/V head)
     rows_max: int  # group * max query tokens
     splits: int  # K/V chunks per (request, K/V head), merged through the workspace
     chunk: int  # keys per split (multiple of bn)
+
+    @property
+    def threads(self) -> int:
+        return self.bm // 16 * self.warps_n * 32
+
+
+def _split_target(ctas: int, slots: int) -> int:
+    """Splits per (request, K/V head) that fill the resident CTA slots best (fewest on ties)."""
+    if ctas >= slots:
+        return 1
+    best, best_eff = 1, 0.0
+    for s in range(1, min(DECODE_MAX_SPLITS, -(-4 * slots // ctas)) + 1):
+        total = ctas * s
+        eff = total / (-(-total // slots) * slots)
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
 
 
 def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
@@ -275,17 +314,22 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     """Tile and split-KV choice from the static arguments only (no metadata values)."""
     rows_max = group * max_seq_len_q
     bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
-    bn = 32 if head_dim == 256 else 64
+    bn, stages = DECODE_TILE[head_dim]
+    # four warps per CTA where the rows leave room: the extra ones split the keys
+    warps_n = max(1, min(4 // (bm // 16), bn // 16))
     row_tiles = (rows_max + bm - 1) // bm
     ctas = batch * num_kv_heads * row_tiles
+    threads = bm // 16 * warps_n * 32
+    per_sm = max(1, min(SM_SMEM_BYTES // (fmha_smem_bytes(bm, bn, head_dim, stages, warps_n) + 1024),
+                        2048 // threads))
     tiles = (max_seq_len + bn - 1) // bn
-    # enough CTAs for two waves of the SMs, each split at least 4 K/V tiles long
-    # (the count is not re-derived from the rounded chunk, so it, and the workspace, never
-    # shrink as max_seq_len grows: a workspace sized for the longest key serves all shorter
-    # ones; a trailing split may then be empty and merges as nothing)
-    splits = max(1, min((2 * sm_count + ctas - 1) // ctas, tiles // 4, 128))
+    # The split count fills the SMs' resident slots (wave quantisation included) and
+    # is capped by the key count only (at least 128 keys per split), so it, and the
+    # workspace, never shrink as max_seq_len grows: a workspace sized for the longest
+    # key serves all shorter ones; a trailing split may then be empty (merged as nothing).
+    splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     chunk = ((tiles + splits - 1) // splits) * bn
-    return DecodePolicy(bm, bn, row_tiles, rows_max, splits, chunk)
+    return DecodePolicy(bm, bn, warps_n, stages, row_tiles, rows_max, splits, chunk)
 
 
 @dataclass(frozen=True)
@@ -295,18 +339,25 @@ class DecodeKey:
     causal: bool
     bm: int
     bn: int
+    warps_n: int = 1
+    stages: int = 2
+
+    @staticmethod
+    def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy) -> "DecodeKey":
+        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages)
 
     @property
     def threads(self) -> int:
-        return self.bm // 16 * 32
+        return self.bm // 16 * self.warps_n * 32
 
     @property
     def smem(self) -> int:
-        return self.bm * self.head_dim * 2 + 4 * self.bn * self.head_dim * 2
+        return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n)
 
     @property
     def name(self) -> str:
-        return f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
+        return (f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
+                f"_wn{self.warps_n}_s{self.stages}")
 
     @property
     def merge_name(self) -> str:
@@ -314,7 +365,8 @@ class DecodeKey:
 
     def source(self) -> runtime.KernelSource:
         q_regs = "true" if self.head_dim <= 128 else "false"
-        cfg = f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, 80>"
+        cfg = (f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, 80, "
+               f"{self.warps_n}, {self.stages}>")
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads})\n'
             f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"
@@ -365,14 +417,14 @@ def launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices
     dev = query.device.index if query.device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms)
-    key = DecodeKey(DTYPE_CODES[query.dtype], d, mask == "causal", pol.bm, pol.bn)
+    key = DecodeKey.of(DTYPE_CODES[query.dtype], d, mask == "causal", pol)
     with torch.cuda.device(dev):
         kern = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
         merge = runtime.get_kernel(dev, key.merge_source(), 0, max(32, d // 2)) if pol.splits > 1 else None
         p = DecodeParams()
         p.q, p.k, p.v, p.o = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
         if pol.splits > 1:
-            ws = workspace.data_ptr()
+            ws = workspace.data_ptr()  # the _decode_partial_bytes layout
             rows = batch * hkv * pol.splits * pol.rows_max
             p.ws_lse = ws
             p.ws_o = ws + ((rows * 4 + 255) // 256) * 256
@@ -396,11 +448,27 @@ def launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices
             runtime.launch(dev, merge, key.merge_name, (pol.rows_max, hkv, batch), p, stream)
 
 
-def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
-                           max_seq_len: int, sm_count: int) -> int:
-    """Workspace bytes of one decode key: lse rows (256-byte aligned section), then partial outputs."""
-    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count)
+def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head_dim: int) -> int:
+    """Workspace layout of one launch: lse rows (256-byte aligned section), then partial outputs."""
     if pol.splits == 1:
         return 0
     rows = batch * num_kv_heads * pol.splits * pol.rows_max
     return ((rows * 4 + 255) // 256) * 256 + rows * head_dim * 4
+
+
+def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
+                           max_seq_len: int, sm_count: int) -> int:
+    """Workspace bytes for these static arguments.
+
+    Taller row tiles mean more CTAs and so fewer splits; the size is the largest over
+    every query length up to max_seq_len_q (the last one of each row-tile shape is
+    enough), so that it never shrinks as max_seq_len_q or max_seq_len grows.
+    """
+    def need(sq: int) -> int:
+        pol = decode_policy(batch, num_kv_heads, group, sq, head_dim, max_seq_len, sm_count)
+        return _decode_partial_bytes(batch, num_kv_heads, pol, head_dim)
+
+    # the last sq of each (bm, row_tiles) shape: group * sq just below 16, 32 and each multiple of 64
+    edges = {max_seq_len_q} | {e // group for e in (16, 32)} | {
+        64 * k // group for k in range(1, (group * max_seq_len_q) // 64 + 1)}
+    return max(need(sq) for sq in edges if 1 <= sq <= max_seq_len_q)

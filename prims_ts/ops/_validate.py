@@ -171,6 +171,8 @@ def span(t: torch.Tensor) -> Tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.numel() * t.element_size()
     extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + 1
     return start, start + extent * t.element_size()
 

@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .. import reference
+from . import _dispatch
 from . import _validate as V
 from .prefill_paged import PAGE_SIZES
 
@@ -280,10 +281,8 @@ def prims_ts_batch_decode_with_kv_cache(
         _check_disjoint("workspace_buffer", workspace_buffer, [i for i in inputs if i[0] != "workspace_buffer"])
     args = (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sq, max_sq, max_seq_len, mask_type, window_left,
             sm_scale, output_scale)
-    if out is None:
-        return torch.ops.prims_ts.batch_decode(query, k_cache, v_cache, workspace_buffer, *args, odt)
-    torch.ops.prims_ts.batch_decode_out(query, k_cache, v_cache, workspace_buffer, out, *args)
-    return out
+    return _dispatch.call(torch.ops.prims_ts.batch_decode, torch.ops.prims_ts.batch_decode_out, _run,
+                          (query, k_cache, v_cache, workspace_buffer), args, out, odt)
 
 
 def _check_disjoint(name: str, t: torch.Tensor, others: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:

@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import reference
+from . import _dispatch
 from . import _validate as V
 
 MASKS = ("dense", "causal", "variable_window")
@@ -264,10 +265,8 @@ def plan_prefill(
 def _call(plan: PrefillPlan, q, k, v, qo_indptr, kv_indptr, starts, ends, out):
     args = (qo_indptr, kv_indptr, starts, ends, plan.work, plan.mask_type, plan.window_left, plan.sm_scale,
             plan.output_scale, plan.max_q_len)
-    if out is None:
-        return torch.ops.prims_ts.batch_prefill(q, k, v, *args, plan.out_dtype)
-    torch.ops.prims_ts.batch_prefill_out(q, k, v, out, *args)
-    return out
+    return _dispatch.call(torch.ops.prims_ts.batch_prefill, torch.ops.prims_ts.batch_prefill_out, _run, (q, k, v),
+                          args, out, plan.out_dtype)
 
 
 def batch_prefill(

@@ -18,6 +18,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .. import reference
+from . import _dispatch
 from . import _validate as V
 from .prefill import HEAD_DIMS, PrefillPlan, _tile_m, _work_tensor, work_list
 
@@ -185,10 +186,8 @@ def _metadata_inputs(qo_indptr, block_tables, seq_lens_kv):
 def _call(plan: PrefillPlan, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, out):
     args = (qo_indptr, block_tables, seq_lens_kv, plan.work, plan.mask_type, plan.window_left, plan.sm_scale,
             plan.output_scale, plan.max_q_len)
-    if out is None:
-        return torch.ops.prims_ts.batch_prefill_paged(q, k_cache, v_cache, *args, plan.out_dtype)
-    torch.ops.prims_ts.batch_prefill_paged_out(q, k_cache, v_cache, out, *args)
-    return out
+    return _dispatch.call(torch.ops.prims_ts.batch_prefill_paged, torch.ops.prims_ts.batch_prefill_paged_out, _run,
+                          (q, k_cache, v_cache), args, out, plan.out_dtype)
 
 
 def batch_prefill_with_paged_kv_cache(

@@ -34,7 +34,8 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
   return p + (((a + 1023u) & ~1023u) - a);
 }
 
-template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80>
+template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
+          int STAGES_ = 2>
 struct FmhaConfig {
   using T = T_;
   static constexpr int ARCH = ARCH_;
@@ -42,16 +43,26 @@ struct FmhaConfig {
   static constexpr int BM = BM_;
   static constexpr int BN = BN_;
   static constexpr bool Q_IN_REGS = Q_IN_REGS_;
-  static constexpr int WARPS = BM / 16;
+  // Warps along the rows (16 each) and along the keys: with WARPS_N > 1 each warp
+  // owns BN / WARPS_N keys of every tile with its own (m, l, O), merged at the end.
+  static constexpr int WARPS_M = BM / 16;
+  static constexpr int WARPS_N = WARPS_N_;
+  static constexpr int BNW = BN / WARPS_N;  // keys of a tile per warp
+  static constexpr int WARPS = WARPS_M * WARPS_N;
   static constexpr int THREADS = WARPS * 32;
-  static constexpr int STAGES = 2;
+  static constexpr int STAGES = STAGES_;
   using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
   using KVTile = typename Select<ARCH_ == 90, SmemTileW<BN, D>, SmemTile<BN, D>>::type;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
-  static constexpr int SMEM_BYTES = SMEM_Q + 2 * STAGES * SMEM_KV;
-  static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_), "wgmma engine: warpgroups of 64 rows, Q in smem");
-  static_assert(BN % 16 == 0 && D % 64 == 0, "tile shape");
+  static constexpr int SMEM_PIPE = SMEM_Q + 2 * STAGES * SMEM_KV;
+  // key-split merge (reuses the pipeline's bytes): (m, l) per warp and row, then
+  // the O fragments of the WARPS_N - 1 warps that hand theirs over
+  static constexpr int SMEM_MERGE = WARPS_N > 1 ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * D * 4 : 0;
+  static constexpr int SMEM_BYTES = SMEM_PIPE > SMEM_MERGE ? SMEM_PIPE : SMEM_MERGE;
+  static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_ && WARPS_N_ == 1),
+                "wgmma engine: warpgroups of 64 rows, Q in smem, no key split");
+  static_assert(BN % (16 * WARPS_N) == 0 && D % 64 == 0 && STAGES >= 2, "tile shape");
 };
 
 // Copy `rows` valid rows (of at most ROWS) into a swizzled tile; zero-fill the rest.
@@ -88,14 +99,17 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, int rows, RowFn kv
 template <class Cfg, class Problem>
 __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float scale_log2, float out_scale) {
   using T = typename Cfg::T;
-  constexpr int D = Cfg::D, BN = Cfg::BN, THREADS = Cfg::THREADS;
-  constexpr int NT = BN / 8;   // S n-tiles (8 keys each)
-  constexpr int KD = D / 16;   // k-steps over the head dim
-  constexpr int DT = D / 8;    // O n-tiles (8 columns each)
+  constexpr int D = Cfg::D, BN = Cfg::BN, THREADS = Cfg::THREADS, STAGES = Cfg::STAGES;
+  constexpr int BNW = Cfg::BNW;  // keys of a tile this warp scores
+  constexpr int NT = BNW / 8;    // S n-tiles (8 keys each)
+  constexpr int KD = D / 16;     // k-steps over the head dim
+  constexpr int DT = D / 8;      // O n-tiles (8 columns each)
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp_m = warp % Cfg::WARPS_M, warp_n = warp / Cfg::WARPS_M;
+  const int key0 = warp_n * BNW;  // this warp's first key within a tile
   const int g = lane >> 2, t = lane & 3;
   const u32 sQ = smem_addr(smem);
   const u32 sKV = sQ + Cfg::SMEM_Q;  // stage s: K at sKV + 2*s*SMEM_KV, V right after
@@ -115,11 +129,13 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     load_kv_tiles<KVTile, THREADS>(sK(stage), sV(stage), rows, [&](int r) { return pb.kv_row(k0 + r); });
   };
 
+  // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
   load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); });
-  if (n_tiles > 0) issue_kv(0, 0);
-  cp_async_commit();
-  if (n_tiles > 1) issue_kv(1, 1);
-  cp_async_commit();
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) {
+    if (s < n_tiles) issue_kv(s, s);
+    cp_async_commit();
+  }
 
   float o[DT][4];
 #pragma unroll
@@ -129,7 +145,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
 
   constexpr int QF = Cfg::Q_IN_REGS ? KD : 1;
   u32 q_frag[QF][4];
-  const int row0 = warp * 16;  // this warp's first row in the tile
+  const int row0 = warp_m * 16;  // this warp's first row in the tile
 
   auto load_q_frag = [&](int ks, u32 (&a)[4]) {
     int r = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -137,10 +153,10 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     ldmatrix_x4(a, sQ + QTile::offset(r, c));
   };
 
+  int stage = 0;
   for (int it = 0; it < n_tiles; ++it) {
-    const int stage = it & 1;
     const int k0 = (nb_last - it) * BN;
-    cp_async_wait<1>();
+    cp_async_wait<STAGES - 1>();
     if constexpr (Cfg::ARCH == 90) fence_proxy_async();
     __syncthreads();
     if constexpr (Cfg::Q_IN_REGS) {
@@ -181,7 +197,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       for (int p = 0; p < NT / 2; ++p) {
         u32 b[4];
         int mi = lane >> 3;
-        int r = 16 * p + (lane & 7) + (mi >> 1) * 8;
+        int r = key0 + 16 * p + (lane & 7) + (mi >> 1) * 8;
         int c = 2 * ks + (mi & 1);
         ldmatrix_x4(b, sK(stage) + KVTile::offset(r, c));
         mma_16816<T>(s[2 * p], af, b[0], b[1]);
@@ -197,7 +213,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           int r = row0 + g + (e >> 1) * 8;
-          int j = k0 + nt * 8 + 2 * t + (e & 1);
+          int j = k0 + key0 + nt * 8 + 2 * t + (e & 1);
           if (!pb.visible(r, j)) s[nt][e] = neg_inf();
         }
       }
@@ -254,7 +270,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       fence_regs(o);
     } else {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < BNW / 16; ++kk) {
       u32 a[4];
       a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
       a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
@@ -264,7 +280,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       for (int n = 0; n < DT; n += 2) {
         u32 b[4];
         int mi = lane >> 3;
-        int r = 16 * kk + (lane & 7) + (mi & 1) * 8;
+        int r = key0 + 16 * kk + (lane & 7) + (mi & 1) * 8;
         int c = n + (mi >> 1);
         ldmatrix_x4_trans(b, sV(stage) + KVTile::offset(r, c));
         mma_16816<T>(o[n], a, b[0], b[1]);
@@ -274,17 +290,78 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
 
     __syncthreads();  // every warp is done with this stage
-    if (it + 2 < n_tiles) issue_kv(it + 2, stage);
+    if (it + STAGES < n_tiles) issue_kv(it + STAGES, stage);
     cp_async_commit();
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
   cp_async_wait<0>();
 
   // ---- epilogue ---------------------------------------------------------------
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float l = l_row[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 1);
+    l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 2);
+  }
+  if constexpr (Cfg::WARPS_N > 1) {
+    // Key-split merge: the warps of one row band rescale to their common max;
+    // warps warp_n > 0 hand their O fragments over through shared memory (the
+    // pipeline is drained) and warp_n == 0 finishes the epilogue.
+    __syncthreads();
+    float* ml = reinterpret_cast<float*>(smem);  // [WARPS][16][2]: m, l
+    float4* xo = reinterpret_cast<float4*>(smem + Cfg::WARPS * 16 * 2 * 4);  // [WARPS_N-1][WARPS_M][DT][32]
+    if (t == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ml[(warp * 16 + g + 8 * h) * 2] = m_row[h];
+        ml[(warp * 16 + g + 8 * h) * 2 + 1] = l_row[h];
+      }
+    }
+    __syncthreads();
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = neg_inf();
+#pragma unroll
+      for (int wn = 0; wn < Cfg::WARPS_N; ++wn)
+        mx = max_(mx, ml[((wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h) * 2]);
+      const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
+      float l = 0.f;
+#pragma unroll
+      for (int wn = 0; wn < Cfg::WARPS_N; ++wn) {
+        const int i = ((wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h) * 2;
+        l += ml[i + 1] * fast_exp2(ml[i] * scale_log2 - base);
+      }
+      f[h] = fast_exp2(m_row[h] * scale_log2 - base);
+      m_row[h] = mx;
+      l_row[h] = l;
+    }
+    if (warp_n > 0) {
+#pragma unroll
+      for (int n = 0; n < DT; ++n)
+        xo[(((warp_n - 1) * Cfg::WARPS_M + warp_m) * DT + n) * 32 + lane] =
+            make_float4(o[n][0] * f[0], o[n][1] * f[0], o[n][2] * f[1], o[n][3] * f[1]);
+    }
+    __syncthreads();
+    if (warp_n > 0) return;
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      o[n][0] *= f[0];
+      o[n][1] *= f[0];
+      o[n][2] *= f[1];
+      o[n][3] *= f[1];
+#pragma unroll
+      for (int wn = 1; wn < Cfg::WARPS_N; ++wn) {
+        const float4 x = xo[(((wn - 1) * Cfg::WARPS_M + warp_m) * DT + n) * 32 + lane];
+        o[n][0] += x.x;
+        o[n][1] += x.y;
+        o[n][2] += x.z;
+        o[n][3] += x.w;
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = l_row[h];
     const float inv = l > 0.f ? out_scale / l : 0.f;
     const int r = row0 + g + 8 * h;
     if constexpr (Problem::WANTS_LSE) {

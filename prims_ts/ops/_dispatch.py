@@ -1,0 +1,45 @@
+"""How a public function reaches its custom op: one shared rule for every API.
+
+Traced calls (torch.compile, torch.export), fake or functional tensors, tensor
+subclasses and active torch-function / dispatch modes go through
+``torch.ops.prims_ts.*`` so that the op, its fake and its mutation contract are what
+the tracer sees. A plain eager call on CUDA tensors runs the op's CUDA implementation
+directly instead: the dispatcher's Python custom-op layer (argument defaults,
+autograd and in-place/view redispatch) costs about as much host time as a whole
+decode kernel takes on the GPU, and does nothing for such a call.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import _validate as V
+
+
+def eager_direct(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+    """True when an eager call on these tensors may skip the dispatcher."""
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or not t.is_cuda):
+            return False
+    return not (V.tracing() or torch._C._is_torch_function_mode_enabled()
+                or _get_current_dispatch_mode() is not None)
+
+
+def call(functional_op: Callable, out_op: Callable, run: Callable, inputs: tuple, args: tuple,
+         out: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``out_op(*inputs, out, *args)`` or ``functional_op(*inputs, *args, out_dtype)``.
+
+    `run(*inputs, out, *args)` is the implementation both ops call; the functional op
+    allocates ``out`` as ``empty(inputs[0].shape, out_dtype)`` first.
+    """
+    if eager_direct(inputs + (out,) + tuple(a for a in args if isinstance(a, torch.Tensor))):
+        if out is None:
+            out = torch.empty(inputs[0].shape, dtype=out_dtype, device=inputs[0].device)
+        run(*inputs, out, *args)
+        return out
+    if out is None:
+        return functional_op(*inputs, *args, out_dtype)
+    out_op(*inputs, out, *args)
+    return out
