@@ -131,6 +131,12 @@ def fixed(sq=3, **mods):
     return base(**kw)
 
 
+def _huge_page_stride(t):
+    """A one-page view of the pool whose page stride is 2**31 elements (nothing past page 0
+    is touched, so no storage is needed for it): checked before any shape comparison."""
+    return t.as_strided((1,) + tuple(t.shape[1:]), (2**31,) + t.stride()[1:])
+
+
 def _noncontig_inner(t):
     """Same shape and values as t, last dimension with stride 2."""
     base_ = torch.zeros(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype)
@@ -379,6 +385,10 @@ case("seq_lens_noncontig", ValueError, "seq_lens", lambda: base(seq_lens=ip([20,
 case("seq_lens_meta", ValueError, "seq_lens", lambda: base(seq_lens=ip(LENS).to("meta")))
 case("query_meta", ValueError, "query|kv_cache", lambda: base(query=_q.to("meta")))
 case("cache_meta", ValueError, "kv_cache", lambda: base(kv_cache=_kv.to("meta")))
+case("combined_page_stride_beyond_int32", ValueError, "kv_cache: page stride",
+     lambda: base(kv_cache=_kv.as_strided((1,) + tuple(_kv.shape[1:]), (2**31,) + _kv.stride()[1:])))
+case("tuple_k_page_stride_beyond_int32", ValueError, r"kv_cache\[0\]: page stride",
+     lambda: base(kv_cache=(_huge_page_stride(_k), _huge_page_stride(_v))))
 # --- scales
 case("bmm1_scale_zero", ValueError, "bmm1_scale", lambda: base(bmm1_scale=0.0))
 case("bmm1_scale_nan", ValueError, "bmm1_scale", lambda: base(bmm1_scale=math.nan))

@@ -81,6 +81,12 @@ def base(**mods):
     return tuple(args.values()), kwargs
 
 
+def _huge_page_stride(t):
+    """A one-page view of the pool whose page stride is 2**31 elements (nothing past page 0
+    is touched, so no storage is needed for it): checked before any shape comparison."""
+    return t.as_strided((1,) + tuple(t.shape[1:]), (2**31,) + t.stride()[1:])
+
+
 def _noncontig_inner(t):
     """Same shape and values as t, last dimension with stride 2."""
     base_ = torch.zeros(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype)
@@ -198,6 +204,8 @@ ONESHOT_CASES = [
     ("v_inner_noncontig", ValueError, "v_cache", lambda: base(v_cache=_noncontig_inner(_v))),
     ("pools_empty", ValueError, "k_cache", lambda: base(k_cache=make_pool(p=0), v_cache=make_pool(p=0))),
     ("k_not_tensor", TypeError, "k_cache", lambda: base(k_cache=_k.tolist())),
+    ("k_page_stride_beyond_int32", ValueError, "k_cache: page stride", lambda: base(k_cache=_huge_page_stride(_k))),
+    ("v_page_stride_beyond_int32", ValueError, "v_cache: page stride", lambda: base(v_cache=_huge_page_stride(_v))),
     ("v_none", TypeError, "v_cache", lambda: base(v_cache=None)),
     # block_tables: dtype, rank, strides, rows
     ("bt_int64", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE, torch.int64))),

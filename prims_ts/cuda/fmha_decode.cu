@@ -77,10 +77,13 @@ struct DecodeProblem {
     const int rr = row0 + r;
     return q + (rr / p->group) * p->q_st + (rr % p->group) * p->q_sh;
   }
-  __device__ __forceinline__ KVRow<T> kv_row(int j) const {
-    const i64 page = pages[j >> p->page_shift];
-    const i64 slot = j & ((1 << p->page_shift) - 1);
-    return {k + page * p->k_sp + slot * p->k_ss, v + page * p->v_sp + slot * p->v_ss};
+  // page and slot strides fit in int32 (checked on the host): one 32x32->64 multiply-add
+  __device__ __forceinline__ int kv_page(int j) const { return pages[j >> p->page_shift]; }
+  __device__ __forceinline__ const T* k_row(int page, int j) const {
+    return k + ((i64)page * (int)p->k_sp + (j & ((1 << p->page_shift) - 1)) * (int)p->k_ss);
+  }
+  __device__ __forceinline__ const T* v_row(int page, int j) const {
+    return v + ((i64)page * (int)p->v_sp + (j & ((1 << p->page_shift) - 1)) * (int)p->v_ss);
   }
   __device__ __forceinline__ int diag(int r) const { return sk - sq + (row0 + r) / p->group; }
   __device__ __forceinline__ bool tile_needs_mask(int k0) const {

@@ -56,7 +56,8 @@ struct PrefillProblem {
   const T* v;
   char* o;
   i64 q_st, k_st, v_st, o_st;  // row strides (paged: slot strides)
-  i64 k_sp, v_sp;  // paged: page strides
+  int k_sp, v_sp;  // paged: page and slot strides (int32: checked on the host, and the
+  int k_ss, v_ss;  // page address is then one 32x32->64-bit multiply-add)
   const int* bt;  // paged: this request's block-table row
   int page_shift;
   int out_dtype;
@@ -67,13 +68,14 @@ struct PrefillProblem {
   const int* hi;
 
   __device__ __forceinline__ const T* q_row(int r) const { return q + r * q_st; }
-  __device__ __forceinline__ KVRow<T> kv_row(int j) const {
-    if (PAGED) {
-      const i64 page = bt[j >> page_shift];
-      const i64 slot = j & ((1 << page_shift) - 1);
-      return {k + page * k_sp + slot * k_st, v + page * v_sp + slot * v_st};
-    }
-    return {k + j * k_st, v + j * v_st};
+  __device__ __forceinline__ int kv_page(int j) const { return PAGED ? bt[j >> page_shift] : 0; }
+  __device__ __forceinline__ const T* k_row(int page, int j) const {
+    if (PAGED) return k + ((i64)page * k_sp + (j & ((1 << page_shift) - 1)) * k_ss);
+    return k + j * k_st;
+  }
+  __device__ __forceinline__ const T* v_row(int page, int j) const {
+    if (PAGED) return v + ((i64)page * v_sp + (j & ((1 << page_shift) - 1)) * v_ss);
+    return v + j * v_st;
   }
 
   __device__ __forceinline__ bool tile_needs_mask(int k0) const {
@@ -137,8 +139,10 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
   if (PAGED) {
     pb.k = static_cast<const T*>(p.k) + hk * p.k_sh;
     pb.v = static_cast<const T*>(p.v) + hk * p.v_sh;
-    pb.k_sp = p.k_sb;
-    pb.v_sp = p.v_sb;
+    pb.k_sp = (int)p.k_sb;
+    pb.v_sp = (int)p.v_sb;
+    pb.k_ss = (int)p.k_st;
+    pb.v_ss = (int)p.v_st;
     pb.bt = p.block_tables + b * p.bt_stride;
     pb.page_shift = p.page_shift;
   } else {

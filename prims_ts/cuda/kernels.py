@@ -28,14 +28,18 @@ def _read(name: str) -> str:
     return (HERE / name).read_text()
 
 
-def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: int = 1) -> int:
+def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: int = 1,
+                    split_o: bool = False) -> int:
     """Dynamic shared memory of one FMHA core CTA: pt::FmhaConfig<...>::SMEM_BYTES (pt_fmha.cuh).
 
-    The Q tile and `stages` K/V tile pairs; with warps_n > 1 the key-split merge reuses
-    those bytes for (m, l) per warp row and the O fragments of warps_n - 1 warps.
+    The Q tile and `stages` K/V tile pairs; split_o adds its exchange area (a float per
+    warp row, P as A fragments); otherwise, with warps_n > 1, the key-split merge reuses
+    the pipeline's bytes for (m, l) per warp row and the O fragments of warps_n - 1 warps.
     """
-    pipe = bm * head_dim * 2 + 2 * stages * bn * head_dim * 2
-    merge = (bm // 16 * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * head_dim * 4) if warps_n > 1 else 0
+    warps_m = bm // 16
+    xchg = warps_m * warps_n * 16 * 4 + warps_m * (bn // 16) * 32 * 16 if split_o else 0
+    pipe = bm * head_dim * 2 + 2 * stages * bn * head_dim * 2 + xchg
+    merge = (warps_m * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * head_dim * 4) if warps_n > 1 and not split_o else 0
     return max(pipe, merge)
 
 
@@ -271,8 +275,9 @@ DECODE_NOMINAL_SMS = 132  # CPU tensors: sizes are computed as for an H200
 MAX_SEQ_LEN_BOUND = 2_147_483_520  # the padded 128-token tile end must fit in int32
 
 
-# K/V tile keys and pipeline depth per head dim: 32 KB of K+V per stage, three stages
-DECODE_TILE = {64: (128, 3), 128: (64, 3), 256: (32, 3)}
+# Per head dim: K/V tile keys, pipeline depth (32 KB of K+V per stage, three stages) and
+# whether the warps split O's columns (D256: o[] would not fit in registers otherwise)
+DECODE_TILE = {64: (128, 3, False), 128: (64, 3, False), 256: (32, 3, True)}
 DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
@@ -286,6 +291,7 @@ class DecodePolicy:
     bn: int  # keys per K/V tile
     warps_n: int  # warps splitting each K/V tile's keys (merged in the CTA)
     stages: int  # K/V tiles in flight
+    split_o: bool  # the warps_n warps also split O's columns (P shared through smem)
     row_tiles: int  # CTAs along the M rows of one (request, K/V head)
     rows_max: int  # group * max query tokens
     splits: int  # K/V chunks per (request, K/V head), merged through the workspace
@@ -309,18 +315,21 @@ def _split_target(ctas: int, slots: int) -> int:
     return best
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch
 def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
                   max_seq_len: int, sm_count: int) -> DecodePolicy:
     """Tile and split-KV choice from the static arguments only (no metadata values)."""
     rows_max = group * max_seq_len_q
     bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
-    bn, stages = DECODE_TILE[head_dim]
+    bn, stages, split_o = DECODE_TILE[head_dim]
     # four warps per CTA where the rows leave room: the extra ones split the keys
     warps_n = max(1, min(4 // (bm // 16), bn // 16))
+    if split_o:
+        warps_n = max(2, warps_n)
     row_tiles = (rows_max + bm - 1) // bm
     ctas = batch * num_kv_heads * row_tiles
     threads = bm // 16 * warps_n * 32
-    per_sm = max(1, min(SM_SMEM_BYTES // (fmha_smem_bytes(bm, bn, head_dim, stages, warps_n) + 1024),
+    per_sm = max(1, min(SM_SMEM_BYTES // (fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o) + 1024),
                         2048 // threads))
     tiles = (max_seq_len + bn - 1) // bn
     # The split count fills the SMs' resident slots (wave quantisation included) and
@@ -329,7 +338,7 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     # key serves all shorter ones; a trailing split may then be empty (merged as nothing).
     splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     chunk = ((tiles + splits - 1) // splits) * bn
-    return DecodePolicy(bm, bn, warps_n, stages, row_tiles, rows_max, splits, chunk)
+    return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, chunk)
 
 
 @dataclass(frozen=True)
@@ -341,10 +350,11 @@ class DecodeKey:
     bn: int
     warps_n: int = 1
     stages: int = 2
+    split_o: bool = False
 
     @staticmethod
     def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy) -> "DecodeKey":
-        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages)
+        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o)
 
     @property
     def threads(self) -> int:
@@ -352,12 +362,12 @@ class DecodeKey:
 
     @property
     def smem(self) -> int:
-        return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n)
+        return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o)
 
     @property
     def name(self) -> str:
         return (f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
-                f"_wn{self.warps_n}_s{self.stages}")
+                f"_wn{self.warps_n}_s{self.stages}" + ("_so" if self.split_o else ""))
 
     @property
     def merge_name(self) -> str:
@@ -366,7 +376,7 @@ class DecodeKey:
     def source(self) -> runtime.KernelSource:
         q_regs = "true" if self.head_dim <= 128 else "false"
         cfg = (f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, 80, "
-               f"{self.warps_n}, {self.stages}>")
+               f"{self.warps_n}, {self.stages}, {str(self.split_o).lower()}>")
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads})\n'
             f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"
@@ -456,6 +466,7 @@ def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head
     return ((rows * 4 + 255) // 256) * 256 + rows * head_dim * 4
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch
 def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
                            max_seq_len: int, sm_count: int) -> int:
     """Workspace bytes for these static arguments.

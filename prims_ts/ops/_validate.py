@@ -167,6 +167,18 @@ def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype) -> t
     return out_dtype
 
 
+INT32_MAX = 2**31 - 1
+
+
+def pool_strides(name: str, t: torch.Tensor) -> None:
+    """A paged pool [num_pages, Hkv, page_size, D]: page and slot strides must fit in int32
+    (the kernels address a page slot with one 32x32->64-bit multiply-add)."""
+    for dim, what in ((0, "page"), (2, "slot")):
+        if t.stride(dim) > INT32_MAX:
+            fail(f"{name}: {what} stride {t.stride(dim)} elements exceeds int32; use a pool whose pages are "
+                 f"less than 2**31 elements apart")
+
+
 def span(t: torch.Tensor) -> Tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)

@@ -167,12 +167,16 @@ def split_cache(kv_cache: KVCache, name: str = "kv_cache") -> Tuple[torch.Tensor
             V.fail(f"{name}: K and V pools differ in shape: {tuple(k.shape)} vs {tuple(v.shape)}")
         if k.dtype != v.dtype:
             V.fail(f"{name}: K and V pools differ in dtype: {k.dtype} vs {v.dtype}")
+        V.pool_strides(f"{name}[0]", k)
+        V.pool_strides(f"{name}[1]", v)
         return k, v
     V.tensor(name, kv_cache, dtypes=V.INPUT_DTYPES, ndim=5, inner_contiguous=True, vector_aligned=True)
     if kv_cache.shape[1] != 2:
         V.fail(f"{name}: a combined cache is [num_pages, 2, Hkv, page_size, D]; dim 1 must be 2, got "
                f"shape {tuple(kv_cache.shape)}")
-    return kv_cache[:, 0], kv_cache[:, 1]
+    k, v = kv_cache[:, 0], kv_cache[:, 1]
+    V.pool_strides(name, k)
+    return k, v
 
 
 def _check_layout(kv_layout) -> None:

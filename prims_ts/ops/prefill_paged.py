@@ -115,6 +115,7 @@ def _check_tensors(q, k_cache, v_cache, page_size: int):
         V.tensor(name, t, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
         if t.dim() != 4:
             V.fail(f"{name}: expected an HND pool [num_pages, Hkv, page_size, D], got shape {tuple(t.shape)}")
+        V.pool_strides(name, t)
     if tuple(k_cache.shape) != tuple(v_cache.shape):
         V.fail(f"v_cache: shape {tuple(v_cache.shape)} must equal k_cache's {tuple(k_cache.shape)}")
     V.same_dtype([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)])

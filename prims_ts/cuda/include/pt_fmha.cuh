@@ -5,7 +5,9 @@
 //
 // Everything that differs between the APIs is a *policy* supplied by the caller
 // through the `Problem` type (see pt_policies.cuh):
-//   address  q_row(r) / kv_row(j): where a query row and K/V row j live;
+//   address  q_row(r): where query row r lives; kv_page(j), then k_row(page, j) and
+//            v_row(page, j): where K/V row j lives (a paged policy resolves the page
+//            once per row for both; a contiguous one ignores it);
 //   range    kv_begin / kv_end: which keys the tile visits;
 //   mask     tile_needs_mask(k0) and visible(r, j): the per-element predicate;
 //   output   store2(r, d, x, y): where and how results are written; problems with
@@ -35,7 +37,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 }
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
-          int STAGES_ = 2>
+          int STAGES_ = 2, bool SPLIT_O_ = false>
 struct FmhaConfig {
   using T = T_;
   static constexpr int ARCH = ARCH_;
@@ -44,10 +46,16 @@ struct FmhaConfig {
   static constexpr int BN = BN_;
   static constexpr bool Q_IN_REGS = Q_IN_REGS_;
   // Warps along the rows (16 each) and along the keys: with WARPS_N > 1 each warp
-  // owns BN / WARPS_N keys of every tile with its own (m, l, O), merged at the end.
+  // scores BN / WARPS_N keys of every tile. Without SPLIT_O each such warp keeps its
+  // own (m, l, O) over all D columns, merged once at the end. With SPLIT_O the warps of
+  // a row band share one running max per tile and exchange P through shared memory;
+  // each then multiplies all BN keys of P into its D / WARPS_N columns of O (wide heads:
+  // O's registers are divided, not repeated).
   static constexpr int WARPS_M = BM / 16;
   static constexpr int WARPS_N = WARPS_N_;
+  static constexpr bool SPLIT_O = SPLIT_O_;
   static constexpr int BNW = BN / WARPS_N;  // keys of a tile per warp
+  static constexpr int DTW = SPLIT_O ? D / 8 / WARPS_N : D / 8;  // O n-tiles (8 columns) per warp
   static constexpr int WARPS = WARPS_M * WARPS_N;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int STAGES = STAGES_;
@@ -55,14 +63,19 @@ struct FmhaConfig {
   using KVTile = typename Select<ARCH_ == 90, SmemTileW<BN, D>, SmemTile<BN, D>>::type;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
-  static constexpr int SMEM_PIPE = SMEM_Q + 2 * STAGES * SMEM_KV;
+  // SPLIT_O exchange, after the pipeline: one float per warp row (row maxima, then
+  // sums), then P of the tile as A fragments [WARPS_M][BN / 16][32 lanes] x 16 bytes
+  static constexpr int SMEM_XCHG_RED = WARPS * 16 * 4;
+  static constexpr int SMEM_XCHG = SPLIT_O ? SMEM_XCHG_RED + WARPS_M * (BN / 16) * 32 * 16 : 0;
+  static constexpr int SMEM_PIPE = SMEM_Q + 2 * STAGES * SMEM_KV + SMEM_XCHG;
   // key-split merge (reuses the pipeline's bytes): (m, l) per warp and row, then
   // the O fragments of the WARPS_N - 1 warps that hand theirs over
-  static constexpr int SMEM_MERGE = WARPS_N > 1 ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * D * 4 : 0;
+  static constexpr int SMEM_MERGE = WARPS_N > 1 && !SPLIT_O ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * D * 4 : 0;
   static constexpr int SMEM_BYTES = SMEM_PIPE > SMEM_MERGE ? SMEM_PIPE : SMEM_MERGE;
   static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_ && WARPS_N_ == 1),
                 "wgmma engine: warpgroups of 64 rows, Q in smem, no key split");
   static_assert(BN % (16 * WARPS_N) == 0 && D % 64 == 0 && STAGES >= 2, "tile shape");
+  static_assert(!SPLIT_O || (ARCH_ == 80 && WARPS_N > 1 && DTW % 2 == 0), "SPLIT_O: mma.sync, column pairs per warp");
 };
 
 // Copy `rows` valid rows (of at most ROWS) into a swizzled tile; zero-fill the rest.
@@ -81,19 +94,31 @@ __device__ __forceinline__ void load_tile(u32 smem_base, int rows, RowFn row_ptr
   }
 }
 
-// Row j of the K and V streams as resolved by the address policy.
-template <class T> struct KVRow {
-  const T* k;
-  const T* v;
-};
-
-// Copy `rows` valid K and V rows into two tiles (same layout); zero-fill the rest.
-// K first, then V: each pass keeps only the pointer it needs live (fewer registers
-// than one pass over both; paged policies then look each page ID up twice, in L1).
-template <class Tile, int THREADS, class RowFn>
-__device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, int rows, RowFn kv_row) {
-  load_tile<Tile, THREADS>(sk, rows, [&](int r) { return kv_row(r).k; });
-  load_tile<Tile, THREADS>(sv, rows, [&](int r) { return kv_row(r).v; });
+// Copy K/V rows k0 .. k0 + rows - 1 into two tiles (same layout); zero-fill the rest.
+// K first, then V, each pass keeping only its pointers live; the page of each row is
+// looked up once, in the K pass, and kept (an int per copied chunk) for the V pass.
+template <class Tile, int THREADS, class Problem>
+__device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows) {
+  constexpr int N = Tile::BYTES / 16 / THREADS;
+  static_assert((Tile::BYTES / 16) % THREADS == 0, "tile not divisible among threads");
+  int page[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int idx = threadIdx.x + i * THREADS;
+    const int r = idx / Tile::CHUNKS, c = idx % Tile::CHUNKS;
+    const bool valid = r < rows;
+    const int j = k0 + (valid ? r : 0);
+    page[i] = pb.kv_page(j);
+    cp_async_16(sk + Tile::offset(r, c), reinterpret_cast<const char*>(pb.k_row(page[i], j)) + c * 16, valid);
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int idx = threadIdx.x + i * THREADS;
+    const int r = idx / Tile::CHUNKS, c = idx % Tile::CHUNKS;
+    const bool valid = r < rows;
+    const int j = k0 + (valid ? r : 0);
+    cp_async_16(sv + Tile::offset(r, c), reinterpret_cast<const char*>(pb.v_row(page[i], j)) + c * 16, valid);
+  }
 }
 
 template <class Cfg, class Problem>
@@ -103,7 +128,8 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   constexpr int BNW = Cfg::BNW;  // keys of a tile this warp scores
   constexpr int NT = BNW / 8;    // S n-tiles (8 keys each)
   constexpr int KD = D / 16;     // k-steps over the head dim
-  constexpr int DT = D / 8;      // O n-tiles (8 columns each)
+  constexpr int DT = Cfg::DTW;   // O n-tiles (8 columns each) this warp accumulates
+  constexpr bool SPLIT_O = Cfg::SPLIT_O;
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
 
@@ -113,6 +139,10 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   const int g = lane >> 2, t = lane & 3;
   const u32 sQ = smem_addr(smem);
   const u32 sKV = sQ + Cfg::SMEM_Q;  // stage s: K at sKV + 2*s*SMEM_KV, V right after
+  // SPLIT_O exchange area (after the ring)
+  float* xred = reinterpret_cast<float*>(smem + Cfg::SMEM_Q + 2 * STAGES * Cfg::SMEM_KV);
+  uint4* xp = reinterpret_cast<uint4*>(smem + Cfg::SMEM_Q + 2 * STAGES * Cfg::SMEM_KV + Cfg::SMEM_XCHG_RED);
+  const int col0 = SPLIT_O ? warp_n * DT : 0;  // this warp's first O n-tile
   auto sK = [&](int s) { return sKV + (u32)(2 * s) * Cfg::SMEM_KV; };
   auto sV = [&](int s) { return sKV + (u32)(2 * s + 1) * Cfg::SMEM_KV; };
 
@@ -126,7 +156,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   auto issue_kv = [&](int it, int stage) {
     const int k0 = (nb_last - it) * BN;
     const int rows = min_(BN, pb.sk - k0);
-    load_kv_tiles<KVTile, THREADS>(sK(stage), sV(stage), rows, [&](int r) { return pb.kv_row(k0 + r); });
+    load_kv_tiles<KVTile, THREADS>(sK(stage), sV(stage), pb, k0, rows);
   };
 
   // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
@@ -220,19 +250,35 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
 
     // ---- online softmax -----------------------------------------------------
-    float corr[2];
+    float mx[2], corr[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = m_row[h];
+      mx[h] = m_row[h];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx = max_(mx, max_(s[nt][2 * h], s[nt][2 * h + 1]));
-      mx = max_(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = max_(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      for (int nt = 0; nt < NT; ++nt) mx[h] = max_(mx[h], max_(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    }
+    if constexpr (SPLIT_O) {  // the band's max over all its warps' keys
+      if (t == 0) {
+        xred[warp * 16 + g] = mx[0];
+        xred[warp * 16 + g + 8] = mx[1];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int wn = 0; wn < Cfg::WARPS_N; ++wn)
+          mx[h] = max_(mx[h], xred[(wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
       // A row that has seen no key yet keeps m = -inf; subtract 0 then so that
       // exp2(-inf - base) is 0 and never NaN.
-      const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
+      const float base = mx[h] == neg_inf() ? 0.f : mx[h] * scale_log2;
       corr[h] = fast_exp2(m_row[h] * scale_log2 - base);
-      m_row[h] = mx;
+      m_row[h] = mx[h];
       float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -268,6 +314,30 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
+    } else if constexpr (SPLIT_O) {
+      // hand this warp's P over as A fragments, then multiply all BN keys into this
+      // warp's columns
+#pragma unroll
+      for (int kk = 0; kk < BNW / 16; ++kk)
+        xp[(warp_m * (BN / 16) + warp_n * (BNW / 16) + kk) * 32 + lane] =
+            make_uint4(pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]));
+      __syncthreads();
+#pragma unroll
+      for (int kb = 0; kb < BN / 16; ++kb) {
+        const uint4 pa = xp[(warp_m * (BN / 16) + kb) * 32 + lane];
+        const u32 a[4] = {pa.x, pa.y, pa.z, pa.w};
+#pragma unroll
+        for (int n = 0; n < DT; n += 2) {
+          u32 b[4];
+          int mi = lane >> 3;
+          int r = 16 * kb + (lane & 7) + (mi & 1) * 8;
+          int c = col0 + n + (mi >> 1);
+          ldmatrix_x4_trans(b, sV(stage) + KVTile::offset(r, c));
+          mma_16816<T>(o[n], a, b[0], b[1]);
+          mma_16816<T>(o[n + 1], a, b[2], b[3]);
+        }
+      }
     } else {
 #pragma unroll
     for (int kk = 0; kk < BNW / 16; ++kk) {
@@ -302,7 +372,22 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 1);
     l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 2);
   }
-  if constexpr (Cfg::WARPS_N > 1) {
+  if constexpr (SPLIT_O) {
+    // one running max per band already; the sums add up over the band's warps
+    __syncthreads();
+    if (t == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) xred[warp * 16 + g + 8 * h] = l_row[h];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = 0.f;
+#pragma unroll
+      for (int wn = 0; wn < Cfg::WARPS_N; ++wn) l += xred[(wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h];
+      l_row[h] = l;
+    }
+  } else if constexpr (Cfg::WARPS_N > 1) {
     // Key-split merge: the warps of one row band rescale to their common max;
     // warps warp_n > 0 hand their O fragments over through shared memory (the
     // pipeline is drained) and warp_n == 0 finishes the epilogue.
@@ -366,11 +451,11 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     const int r = row0 + g + 8 * h;
     if constexpr (Problem::WANTS_LSE) {
       // log2-domain log-sum-exp of the scaled scores, for merging split-KV partials
-      if (r < pb.q_rows && t == 0) pb.store_lse(r, l > 0.f ? m_row[h] * scale_log2 + fast_log2(l) : neg_inf());
+      if (r < pb.q_rows && t == 0 && (!SPLIT_O || warp_n == 0)) pb.store_lse(r, l > 0.f ? m_row[h] * scale_log2 + fast_log2(l) : neg_inf());
     }
     if (r < pb.q_rows) {
 #pragma unroll
-      for (int n = 0; n < DT; ++n) pb.store2(r, n * 8 + 2 * t, o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+      for (int n = 0; n < DT; ++n) pb.store2(r, (col0 + n) * 8 + 2 * t, o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
     }
   }
 }
