@@ -25,6 +25,9 @@ DECODE_CASES = [
     ("split fixed sq2 d64 causal w700", "fixed", 2, "causal", 700, 64, 8, 2, 128, "tuple", [2999, 2], 3000, True),
     ("split packed d128 causal", "packed", [2, 1], "causal", -1, 128, 32, 8, 16, "combined", [2500, 700], 2600,
      True),
+    # D256: the warps split O's columns and exchange P through shared memory (SPLIT_O)
+    ("single d256 dense", "single", None, "dense", -1, 256, 8, 2, 16, "combined", [1, 17, 30], 30, False),
+    ("split fixed sq4 d256 causal", "fixed", 4, "causal", -1, 256, 16, 2, 32, "tuple", [1500, 40], 1500, True),
 ]
 
 
