@@ -50,3 +50,25 @@ def test_work_list_heavy_first_and_complete():
 
     costs = [cost(i) for i in items]
     assert costs == sorted(costs, reverse=True)
+
+
+@pytest.mark.parametrize("batch,heads,sq,length", list(itertools.product([1, 64, 128], [8, 16, 32, 64, 128], [1, 4],
+                                                                            [1, 63, 4097, 131072])))
+def test_mla_policy_is_the_decode_policy_of_one_latent_head(batch, heads, sq, length):
+    """MLA decode = the decode kernel with Hkv = 1, group = H, 576-wide K, 512-wide V."""
+    pol = kernels.decode_policy(batch, 1, heads, sq, kernels.MLA_DIM_QK, length, sm_count=132)
+    assert pol.split_o and pol.rows_max == heads * sq and pol.splits * pol.chunk >= length
+    assert pol.bn % (16 * pol.warps_n) == 0 and (kernels.MLA_DIM_V // 8 // pol.warps_n) % 2 == 0
+    key = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, True, pol)
+    assert key.dv == kernels.MLA_DIM_V and key.shared_kv and key.smem <= 227 * 1024
+    ws = kernels.mla_workspace_bytes(batch, heads, sq, length, 132)
+    if pol.splits > 1:
+        assert ws >= batch * pol.splits * pol.rows_max * (kernels.MLA_DIM_V + 1) * 4
+
+
+def test_mla_workspace_never_shrinks():
+    for batch, heads in ((1, 16), (64, 16), (2, 128)):
+        sizes = [kernels.mla_workspace_bytes(batch, heads, 1, n, 132) for n in range(1, 20000, 97)]
+        assert sizes == sorted(sizes)
+        assert [kernels.mla_workspace_bytes(batch, heads, q, 8192, 132) for q in range(1, 6)] == sorted(
+            kernels.mla_workspace_bytes(batch, heads, q, 8192, 132) for q in range(1, 6))

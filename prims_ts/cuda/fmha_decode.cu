@@ -7,8 +7,11 @@
 // K/V byte is loaded once per group. A split covers a BN-aligned chunk of keys;
 // with more than one split, every CTA writes its normalised partial O and its
 // log-sum-exp to the workspace and decode_merge combines them.
-// Address policy: key j of request b lives in page indices[indptr[b] + j / ps],
+// Address policy: key j of request b lives in page indices[indptr[b] + j / ps] (CSR
+// pages), or indices[b * bt_stride + j / ps] without an indptr (a dense block table),
 // slot j % ps, of the K and V pools (combined caches are passed as two views).
+// MLA decode is this kernel with one latent K/V head (Hkv = 1, group = H) whose V row
+// is the first DV values of the K row: the core then keeps one tile per stage.
 // Mask policy: key bound, bottom-right causal on the query token, left window.
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/kernels.py).
@@ -24,13 +27,14 @@ struct DecodeParams {
   float* ws_o;    // [B, Hkv, splits, rows_max, D] partial outputs (splits > 1)
   float* ws_lse;  // [B, Hkv, splits, rows_max]
   const int* qo_indptr;  // packed queries: [B+1]; null: fixed
-  const int* kv_indptr;  // CSR pages: [B+1]
+  const int* kv_indptr;  // CSR pages: [B+1]; null: kv_indices is a block table
   const int* kv_indices;
   const int* seq_lens;   // [B]
   i64 q_sb, q_st, q_sh;  // element strides: request, token, head
   i64 o_sb, o_st, o_sh;
   i64 k_sp, k_sh, k_ss;  // pools: page, head, slot
   i64 v_sp, v_sh, v_ss;
+  i64 bt_stride;   // block-table row stride (kv_indptr null)
   int sq;          // fixed storage: query tokens per request
   int rows_max;    // group * (max) query tokens: M rows per (request, K/V head)
   int row_tiles;   // ceil(rows_max / BM)
@@ -62,7 +66,7 @@ __device__ __forceinline__ void decode_request(const DecodeParams& p, int b, int
   }
 }
 
-template <class T, int D, int BM, int BN, bool CAUSAL>
+template <class T, int DV, int BM, int BN, bool CAUSAL>
 struct DecodeProblem {
   static constexpr bool WANTS_LSE = true;
   const DecodeParams* p;
@@ -107,7 +111,7 @@ struct DecodeProblem {
   }
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
     if (p->splits > 1) {
-      *reinterpret_cast<float2*>(p->ws_o + partial_row(r) * D + c) = make_float2(x, y);
+      *reinterpret_cast<float2*>(p->ws_o + partial_row(r) * DV + c) = make_float2(x, y);
     } else {
       store_pair(decode_out_row(*p, b, hk, q_start, row0 + r) + c * out_dtype_size(p->out_dtype), p->out_dtype,
                  x, y);
@@ -126,7 +130,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
 
   const int split = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y / p.row_tiles, rt = blockIdx.y % p.row_tiles;
-  DecodeProblem<T, Cfg::D, BM, BN, CAUSAL> pb;
+  DecodeProblem<T, Cfg::DV, BM, BN, CAUSAL> pb;
   pb.p = &p;
   pb.b = b;
   pb.hk = hk;
@@ -139,7 +143,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   pb.q = static_cast<const T*>(p.q) + b * p.q_sb + (i64)pb.q_start * p.q_st + (i64)hk * p.group * p.q_sh;
   pb.k = static_cast<const T*>(p.k) + hk * p.k_sh;
   pb.v = static_cast<const T*>(p.v) + hk * p.v_sh;
-  pb.pages = p.kv_indices + p.kv_indptr[b];
+  pb.pages = p.kv_indptr != nullptr ? p.kv_indices + p.kv_indptr[b] : p.kv_indices + b * p.bt_stride;
 
   // range: this split's keys, narrowed by the causal band of the tile's tokens
   int begin = split * p.chunk, end = min_(pb.sk, begin + p.chunk);

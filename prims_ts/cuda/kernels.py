@@ -29,17 +29,19 @@ def _read(name: str) -> str:
 
 
 def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: int = 1,
-                    split_o: bool = False) -> int:
+                    split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False) -> int:
     """Dynamic shared memory of one FMHA core CTA: pt::FmhaConfig<...>::SMEM_BYTES (pt_fmha.cuh).
 
-    The Q tile and `stages` K/V tile pairs; split_o adds its exchange area (a float per
-    warp row, P as A fragments); otherwise, with warps_n > 1, the key-split merge reuses
-    the pipeline's bytes for (m, l) per warp row and the O fragments of warps_n - 1 warps.
+    The Q tile and `stages` K/V tile pairs (one tile per stage when V is a prefix of the
+    K row); split_o adds its exchange area (a float per warp row, P as A fragments);
+    otherwise, with warps_n > 1, the key-split merge reuses the pipeline's bytes for
+    (m, l) per warp row and the O fragments (dv wide) of warps_n - 1 warps.
     """
+    dv = head_dim if dv is None else dv
     warps_m = bm // 16
     xchg = warps_m * warps_n * 16 * 4 + warps_m * (bn // 16) * 32 * 16 if split_o else 0
-    pipe = bm * head_dim * 2 + 2 * stages * bn * head_dim * 2 + xchg
-    merge = (warps_m * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * head_dim * 4) if warps_n > 1 and not split_o else 0
+    pipe = bm * head_dim * 2 + (1 if shared_kv else 2) * stages * bn * head_dim * 2 + xchg
+    merge = (warps_m * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * dv * 4) if warps_n > 1 and not split_o else 0
     return max(pipe, merge)
 
 
@@ -258,7 +260,12 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
                 pol = decode_policy(1, 1, group, 1, d, 1, DECODE_NOMINAL_SMS)
                 for causal in (False, True):
                     yield DecodeKey.of(DTYPE_CODES[dtype], d, causal, pol).source()
-    for d in DECODE_HEAD_DIMS:
+    for dtype in DTYPE_CODES:
+        for heads in (16, 32, 64):  # MLA: one policy per row-tile height (BM 16, 32, 64)
+            pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS)
+            for causal in (False, True):
+                yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol).source()
+    for d in DECODE_HEAD_DIMS + (MLA_DIM_QK,):
         yield DecodeKey("bf16", d, False, 16, 64).merge_source()
 
 
@@ -278,6 +285,12 @@ MAX_SEQ_LEN_BOUND = 2_147_483_520  # the padded 128-token tile end must fit in i
 # Per head dim: K/V tile keys, pipeline depth (32 KB of K+V per stage, three stages) and
 # whether the warps split O's columns (D256: o[] would not fit in registers otherwise)
 DECODE_TILE = {64: (128, 3, False), 128: (64, 3, False), 256: (32, 3, True)}
+# MLA decode runs on the same kernel: one latent head (Hkv = 1, group = H) of 576-wide
+# K rows whose first 512 values are V (one shared tile per stage, O split across warps);
+# per row-tile height BM: (keys per tile, stages, warps splitting the keys and O)
+MLA_DIM_QK = 576
+MLA_DIM_V = 512
+MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (32, 2, 2)}
 DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
@@ -315,22 +328,32 @@ def _split_target(ctas: int, slots: int) -> int:
     return best
 
 
+def value_dim(head_dim: int) -> int:
+    """V/O width of a decode key: the head dim, or 512 for MLA's 576-wide latents."""
+    return MLA_DIM_V if head_dim == MLA_DIM_QK else head_dim
+
+
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch
 def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
                   max_seq_len: int, sm_count: int) -> DecodePolicy:
     """Tile and split-KV choice from the static arguments only (no metadata values)."""
     rows_max = group * max_seq_len_q
     bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
-    bn, stages, split_o = DECODE_TILE[head_dim]
-    # four warps per CTA where the rows leave room: the extra ones split the keys
-    warps_n = max(1, min(4 // (bm // 16), bn // 16))
-    if split_o:
-        warps_n = max(2, warps_n)
+    if head_dim == MLA_DIM_QK:
+        bn, stages, warps_n = MLA_TILE[bm]
+        split_o = True
+    else:
+        bn, stages, split_o = DECODE_TILE[head_dim]
+        # four warps per CTA where the rows leave room: the extra ones split the keys
+        warps_n = max(1, min(4 // (bm // 16), bn // 16))
+        if split_o:
+            warps_n = max(2, warps_n)
     row_tiles = (rows_max + bm - 1) // bm
     ctas = batch * num_kv_heads * row_tiles
     threads = bm // 16 * warps_n * 32
-    per_sm = max(1, min(SM_SMEM_BYTES // (fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o) + 1024),
-                        2048 // threads))
+    dv, shared_kv = value_dim(head_dim), head_dim == MLA_DIM_QK
+    smem = fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o, dv, shared_kv)
+    per_sm = max(1, min(SM_SMEM_BYTES // (smem + 1024), 2048 // threads))
     tiles = (max_seq_len + bn - 1) // bn
     # The split count fills the SMs' resident slots (wave quantisation included) and
     # is capped by the key count only (at least 128 keys per split), so it, and the
@@ -361,8 +384,17 @@ class DecodeKey:
         return self.bm // 16 * self.warps_n * 32
 
     @property
+    def dv(self) -> int:
+        return value_dim(self.head_dim)
+
+    @property
+    def shared_kv(self) -> bool:
+        return self.head_dim == MLA_DIM_QK
+
+    @property
     def smem(self) -> int:
-        return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o)
+        return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
+                               self.shared_kv)
 
     @property
     def name(self) -> str:
@@ -371,12 +403,13 @@ class DecodeKey:
 
     @property
     def merge_name(self) -> str:
-        return f"pt_decode_merge_d{self.head_dim}"
+        return f"pt_decode_merge_d{self.dv}"
 
     def source(self) -> runtime.KernelSource:
         q_regs = "true" if self.head_dim <= 128 else "false"
         cfg = (f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, 80, "
-               f"{self.warps_n}, {self.stages}, {str(self.split_o).lower()}>")
+               f"{self.warps_n}, {self.stages}, {str(self.split_o).lower()}, {self.dv}, "
+               f"{str(self.shared_kv).lower()}>")
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads})\n'
             f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"
@@ -387,7 +420,7 @@ class DecodeKey:
     def merge_source(self) -> runtime.KernelSource:
         entry = (
             f'\nextern "C" __global__ void {self.merge_name}(const __grid_constant__ pt::DecodeParams p) {{\n'
-            f"  pt::decode_merge(p, {self.head_dim});\n}}\n"
+            f"  pt::decode_merge(p, {self.dv});\n}}\n"
         )
         return runtime.KernelSource(key=self.merge_name, name=self.merge_name,
                                     source=_read("fmha_decode.cu") + entry)
@@ -399,7 +432,8 @@ class DecodeParams(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "q", "k", "v", "o", "ws_o", "ws_lse", "qo_indptr", "kv_indptr", "kv_indices", "seq_lens")] + [
         (n, ctypes.c_int64) for n in (
-            "q_sb", "q_st", "q_sh", "o_sb", "o_st", "o_sh", "k_sp", "k_sh", "k_ss", "v_sp", "v_sh", "v_ss")] + [
+            "q_sb", "q_st", "q_sh", "o_sb", "o_st", "o_sh", "k_sp", "k_sh", "k_ss", "v_sp", "v_sh", "v_ss",
+            "bt_stride")] + [
         (n, ctypes.c_int32) for n in (
             "sq", "rows_max", "row_tiles", "splits", "chunk", "group", "hkv", "page_shift", "window_left",
             "out_dtype")] + [
@@ -420,6 +454,17 @@ def _decode_q_strides(t: torch.Tensor, packed: bool):
 def launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
                   seq_len_q: int, max_seq_len_q: int, max_seq_len: int, mask: str, window_left: int,
                   sm_scale: float, output_scale: float) -> None:
+    """Paged decode over CSR pages. Trusted arguments (validated by prims_ts.ops.decode)."""
+    _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, 0, seq_lens, qo_indptr,
+                          seq_len_q, max_seq_len_q, max_seq_len, mask == "causal", window_left, sm_scale,
+                          output_scale)
+
+
+def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, bt_stride: int, seq_lens,
+                          qo_indptr, seq_len_q: int, max_seq_len_q: int, max_seq_len: int, causal: bool,
+                          window_left: int, sm_scale: float, output_scale: float) -> None:
+    """The decode kernel (+ split merge) on pools [P, Hkv, ps, D]; pages from CSR
+    (kv_indptr, kv_indices) or, with kv_indptr None, a block table of row stride bt_stride."""
     packed = qo_indptr is not None
     hq, hkv, d = query.shape[-2], k_cache.shape[1], query.shape[-1]
     group = hq // hkv
@@ -427,10 +472,10 @@ def launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices
     dev = query.device.index if query.device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms)
-    key = DecodeKey.of(DTYPE_CODES[query.dtype], d, mask == "causal", pol)
+    key = DecodeKey.of(DTYPE_CODES[query.dtype], d, causal, pol)
     with torch.cuda.device(dev):
         kern = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
-        merge = runtime.get_kernel(dev, key.merge_source(), 0, max(32, d // 2)) if pol.splits > 1 else None
+        merge = runtime.get_kernel(dev, key.merge_source(), 0, max(32, key.dv // 2)) if pol.splits > 1 else None
         p = DecodeParams()
         p.q, p.k, p.v, p.o = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
         if pol.splits > 1:
@@ -439,7 +484,8 @@ def launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices
             p.ws_lse = ws
             p.ws_o = ws + ((rows * 4 + 255) // 256) * 256
         p.qo_indptr = _ptr(qo_indptr)
-        p.kv_indptr, p.kv_indices, p.seq_lens = kv_indptr.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr()
+        p.kv_indptr, p.kv_indices, p.seq_lens = _ptr(kv_indptr), kv_indices.data_ptr(), seq_lens.data_ptr()
+        p.bt_stride = bt_stride
         p.q_sb, p.q_st, p.q_sh = _decode_q_strides(query, packed)
         p.o_sb, p.o_st, p.o_sh = _decode_q_strides(out, packed)
         p.k_sp, p.k_sh, p.k_ss = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
@@ -458,12 +504,27 @@ def launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices
             runtime.launch(dev, merge, key.merge_name, (pol.rows_max, hkv, batch), p, stream)
 
 
+def launch_mla(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, seq_len_q: int,
+               max_seq_len_q: int, max_seq_len: int, causal: bool, sm_scale: float, output_scale: float) -> None:
+    """MLA decode: the decode kernel with one latent head (Hkv = 1, group = H), 576-wide K
+    rows whose first 512 values are V, pages from a dense block table. Trusted arguments:
+    query [B, SQ, H, 576] or packed [T, H, 576]; kv_cache [P, ps, 576]; out [..., 512]."""
+    kv = kv_cache.unsqueeze(1)  # [P, 1, ps, 576]: the decode kernel's one-head pool (a view)
+    _launch_decode_kernel(query, kv, kv, workspace, out, None, block_tables, block_tables.stride(0), seq_lens,
+                          qo_indptr, seq_len_q, max_seq_len_q, max_seq_len, causal, -1, sm_scale, output_scale)
+
+
+def mla_workspace_bytes(batch: int, num_heads: int, max_seq_len_q: int, max_seq_len: int, sm_count: int) -> int:
+    """Workspace bytes of MLA decode (never shrinks as max_seq_len or max_seq_len_q grows)."""
+    return decode_workspace_bytes(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sm_count)
+
+
 def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head_dim: int) -> int:
     """Workspace layout of one launch: lse rows (256-byte aligned section), then partial outputs."""
     if pol.splits == 1:
         return 0
     rows = batch * num_kv_heads * pol.splits * pol.rows_max
-    return ((rows * 4 + 255) // 256) * 256 + rows * head_dim * 4
+    return ((rows * 4 + 255) // 256) * 256 + rows * value_dim(head_dim) * 4
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch

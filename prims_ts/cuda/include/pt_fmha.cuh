@@ -37,11 +37,15 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 }
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
-          int STAGES_ = 2, bool SPLIT_O_ = false>
+          int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false>
 struct FmhaConfig {
   using T = T_;
   static constexpr int ARCH = ARCH_;
-  static constexpr int D = D_;
+  static constexpr int D = D_;    // Q/K width (the QK^T reduction)
+  static constexpr int DV = DV_;  // V/O width
+  // V row j is the first DV values of K row j (MLA latents): one tile per stage serves
+  // both products, loaded once
+  static constexpr bool SHARED_KV = SHARED_KV_;
   static constexpr int BM = BM_;
   static constexpr int BN = BN_;
   static constexpr bool Q_IN_REGS = Q_IN_REGS_;
@@ -55,7 +59,7 @@ struct FmhaConfig {
   static constexpr int WARPS_N = WARPS_N_;
   static constexpr bool SPLIT_O = SPLIT_O_;
   static constexpr int BNW = BN / WARPS_N;  // keys of a tile per warp
-  static constexpr int DTW = SPLIT_O ? D / 8 / WARPS_N : D / 8;  // O n-tiles (8 columns) per warp
+  static constexpr int DTW = SPLIT_O ? DV / 8 / WARPS_N : DV / 8;  // O n-tiles (8 columns) per warp
   static constexpr int WARPS = WARPS_M * WARPS_N;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int STAGES = STAGES_;
@@ -63,19 +67,23 @@ struct FmhaConfig {
   using KVTile = typename Select<ARCH_ == 90, SmemTileW<BN, D>, SmemTile<BN, D>>::type;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
+  static constexpr int KV_TILES = SHARED_KV ? 1 : 2;  // tiles per stage
+  static constexpr int SMEM_RING = KV_TILES * STAGES * SMEM_KV;
   // SPLIT_O exchange, after the pipeline: one float per warp row (row maxima, then
   // sums), then P of the tile as A fragments [WARPS_M][BN / 16][32 lanes] x 16 bytes
   static constexpr int SMEM_XCHG_RED = WARPS * 16 * 4;
   static constexpr int SMEM_XCHG = SPLIT_O ? SMEM_XCHG_RED + WARPS_M * (BN / 16) * 32 * 16 : 0;
-  static constexpr int SMEM_PIPE = SMEM_Q + 2 * STAGES * SMEM_KV + SMEM_XCHG;
+  static constexpr int SMEM_PIPE = SMEM_Q + SMEM_RING + SMEM_XCHG;
   // key-split merge (reuses the pipeline's bytes): (m, l) per warp and row, then
   // the O fragments of the WARPS_N - 1 warps that hand theirs over
-  static constexpr int SMEM_MERGE = WARPS_N > 1 && !SPLIT_O ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * D * 4 : 0;
+  static constexpr int SMEM_MERGE = WARPS_N > 1 && !SPLIT_O ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * DV * 4 : 0;
   static constexpr int SMEM_BYTES = SMEM_PIPE > SMEM_MERGE ? SMEM_PIPE : SMEM_MERGE;
   static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_ && WARPS_N_ == 1),
                 "wgmma engine: warpgroups of 64 rows, Q in smem, no key split");
   static_assert(BN % (16 * WARPS_N) == 0 && D % 64 == 0 && STAGES >= 2, "tile shape");
   static_assert(!SPLIT_O || (ARCH_ == 80 && WARPS_N > 1 && DTW % 2 == 0), "SPLIT_O: mma.sync, column pairs per warp");
+  static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV) && (ARCH_ == 80 || (DV == D && !SHARED_KV)),
+                "V width: D, or a prefix of the K row (shared K/V tiles, mma.sync engine)");
 };
 
 // Copy `rows` valid rows (of at most ROWS) into a swizzled tile; zero-fill the rest.
@@ -138,13 +146,13 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   const int key0 = warp_n * BNW;  // this warp's first key within a tile
   const int g = lane >> 2, t = lane & 3;
   const u32 sQ = smem_addr(smem);
-  const u32 sKV = sQ + Cfg::SMEM_Q;  // stage s: K at sKV + 2*s*SMEM_KV, V right after
+  const u32 sKV = sQ + Cfg::SMEM_Q;  // stage s: K at sKV + KV_TILES*s*SMEM_KV, V right after (or = K)
   // SPLIT_O exchange area (after the ring)
-  float* xred = reinterpret_cast<float*>(smem + Cfg::SMEM_Q + 2 * STAGES * Cfg::SMEM_KV);
-  uint4* xp = reinterpret_cast<uint4*>(smem + Cfg::SMEM_Q + 2 * STAGES * Cfg::SMEM_KV + Cfg::SMEM_XCHG_RED);
+  float* xred = reinterpret_cast<float*>(smem + Cfg::SMEM_Q + Cfg::SMEM_RING);
+  uint4* xp = reinterpret_cast<uint4*>(smem + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG_RED);
   const int col0 = SPLIT_O ? warp_n * DT : 0;  // this warp's first O n-tile
-  auto sK = [&](int s) { return sKV + (u32)(2 * s) * Cfg::SMEM_KV; };
-  auto sV = [&](int s) { return sKV + (u32)(2 * s + 1) * Cfg::SMEM_KV; };
+  auto sK = [&](int s) { return sKV + (u32)(Cfg::KV_TILES * s) * Cfg::SMEM_KV; };
+  auto sV = [&](int s) { return sKV + (u32)(Cfg::KV_TILES * s + Cfg::KV_TILES - 1) * Cfg::SMEM_KV; };
 
   const int kv_begin = pb.kv_begin, kv_end = pb.kv_end;
   // K/V tiles are aligned to BN; walk them from the last (the masked diagonal
@@ -156,7 +164,11 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   auto issue_kv = [&](int it, int stage) {
     const int k0 = (nb_last - it) * BN;
     const int rows = min_(BN, pb.sk - k0);
-    load_kv_tiles<KVTile, THREADS>(sK(stage), sV(stage), pb, k0, rows);
+    if constexpr (Cfg::SHARED_KV) {
+      load_tile<KVTile, THREADS>(sK(stage), rows, [&](int r) { return pb.k_row(pb.kv_page(k0 + r), k0 + r); });
+    } else {
+      load_kv_tiles<KVTile, THREADS>(sK(stage), sV(stage), pb, k0, rows);
+    }
   };
 
   // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
