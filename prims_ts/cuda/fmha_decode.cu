@@ -1,126 +1,17 @@
-// Paged decode (prims_ts_batch_decode_with_kv_cache): few query tokens per
-// request over CSR-paged K/V, on the shared FMHA core.
+// Paged decode (prims_ts_batch_decode_with_kv_cache) and MLA decode: few query tokens
+// per request over paged K/V, on the shared FMHA core (the problem: pt_decode.cuh).
 //
-// Work policy: blockIdx = (split, K/V head * row_tiles + row tile, request).
-// The M rows of a CTA are the query rows of one GQA group: row rr of (request,
-// K/V head) is query token rr / group of head hk * group + rr % group, so each
-// K/V byte is loaded once per group. A split covers a BN-aligned chunk of keys;
-// with more than one split, every CTA writes its normalised partial O and its
-// log-sum-exp to the workspace and decode_merge combines them.
-// Address policy: key j of request b lives in page indices[indptr[b] + j / ps] (CSR
-// pages), or indices[b * bt_stride + j / ps] without an indptr (a dense block table),
-// slot j % ps, of the K and V pools (combined caches are passed as two views).
+// Work policy: blockIdx = (split, K/V head * row_tiles + row tile, request). A split
+// covers a BN-aligned chunk of keys; with more than one split, every CTA writes its
+// normalised partial O and its log-sum-exp to the workspace and decode_merge combines
+// them.
 // MLA decode is this kernel with one latent K/V head (Hkv = 1, group = H) whose V row
 // is the first DV values of the K row: the core then keeps one tile per stage.
-// Mask policy: key bound, bottom-right causal on the query token, left window.
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/kernels.py).
-#include "pt_fmha.cuh"
+#include "pt_decode.cuh"
 
 namespace pt {
-
-struct DecodeParams {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* o;
-  float* ws_o;    // [B, Hkv, splits, rows_max, D] partial outputs (splits > 1)
-  float* ws_lse;  // [B, Hkv, splits, rows_max]
-  const int* qo_indptr;  // packed queries: [B+1]; null: fixed
-  const int* kv_indptr;  // CSR pages: [B+1]; null: kv_indices is a block table
-  const int* kv_indices;
-  const int* seq_lens;   // [B]
-  i64 q_sb, q_st, q_sh;  // element strides: request, token, head
-  i64 o_sb, o_st, o_sh;
-  i64 k_sp, k_sh, k_ss;  // pools: page, head, slot
-  i64 v_sp, v_sh, v_ss;
-  i64 bt_stride;   // block-table row stride (kv_indptr null)
-  int sq;          // fixed storage: query tokens per request
-  int rows_max;    // group * (max) query tokens: M rows per (request, K/V head)
-  int row_tiles;   // ceil(rows_max / BM)
-  int splits;
-  int chunk;       // keys per split, a multiple of BN
-  int group;
-  int hkv;
-  int page_shift;
-  int window_left;
-  int out_dtype;
-  float scale_log2;
-  float out_scale;
-};
-
-// Where output row rr (query token rr / group, head hk * group + rr % group) lives.
-__device__ __forceinline__ char* decode_out_row(const DecodeParams& p, int b, int hk, int q_start, int rr) {
-  const int t = rr / p.group, h = hk * p.group + rr % p.group;
-  return static_cast<char*>(p.o) +
-         (b * p.o_sb + (i64)(q_start + t) * p.o_st + h * p.o_sh) * out_dtype_size(p.out_dtype);
-}
-
-__device__ __forceinline__ void decode_request(const DecodeParams& p, int b, int& q_start, int& sq) {
-  if (p.qo_indptr != nullptr) {
-    q_start = p.qo_indptr[b];
-    sq = p.qo_indptr[b + 1] - q_start;
-  } else {
-    q_start = 0;
-    sq = p.sq;
-  }
-}
-
-template <class T, int DV, int BM, int BN, bool CAUSAL>
-struct DecodeProblem {
-  static constexpr bool WANTS_LSE = true;
-  const DecodeParams* p;
-  const T* q;  // request's first query token, head hk * group
-  const T* k;  // K/V head applied
-  const T* v;
-  const int* pages;  // this request's CSR page IDs
-  int b, hk, split, q_start, row0;  // row0: first group row of this tile
-  int q_rows, sk, sq, kv_begin, kv_end;
-
-  __device__ __forceinline__ const T* q_row(int r) const {
-    const int rr = row0 + r;
-    return q + (rr / p->group) * p->q_st + (rr % p->group) * p->q_sh;
-  }
-  // page and slot strides fit in int32 (checked on the host): one 32x32->64 multiply-add
-  __device__ __forceinline__ int kv_page(int j) const { return pages[j >> p->page_shift]; }
-  __device__ __forceinline__ const T* k_row(int page, int j) const {
-    return k + ((i64)page * (int)p->k_sp + (j & ((1 << p->page_shift) - 1)) * (int)p->k_ss);
-  }
-  __device__ __forceinline__ const T* v_row(int page, int j) const {
-    return v + ((i64)page * (int)p->v_sp + (j & ((1 << p->page_shift) - 1)) * (int)p->v_ss);
-  }
-  __device__ __forceinline__ int diag(int r) const { return sk - sq + (row0 + r) / p->group; }
-  __device__ __forceinline__ bool tile_needs_mask(int k0) const {
-    bool m = k0 + BN > sk;
-    if (CAUSAL) {
-      m = m || (k0 + BN - 1 > diag(0));
-      m = m || (p->window_left >= 0 && k0 < diag(q_rows - 1) - p->window_left);
-    }
-    return m;
-  }
-  __device__ __forceinline__ bool visible(int r, int j) const {
-    bool ok = j < sk;
-    if (CAUSAL) {
-      const int d = diag(r);
-      ok = ok && j <= d && (p->window_left < 0 || j >= d - p->window_left);
-    }
-    return ok;
-  }
-  __device__ __forceinline__ i64 partial_row(int r) const {
-    return (((i64)b * p->hkv + hk) * p->splits + split) * p->rows_max + row0 + r;
-  }
-  __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
-    if (p->splits > 1) {
-      *reinterpret_cast<float2*>(p->ws_o + partial_row(r) * DV + c) = make_float2(x, y);
-    } else {
-      store_pair(decode_out_row(*p, b, hk, q_start, row0 + r) + c * out_dtype_size(p->out_dtype), p->out_dtype,
-                 x, y);
-    }
-  }
-  __device__ __forceinline__ void store_lse(int r, float lse) const {
-    if (p->splits > 1) p->ws_lse[partial_row(r)] = lse;
-  }
-};
 
 template <class Cfg, bool CAUSAL>
 __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {

@@ -51,6 +51,7 @@ struct PrefillParams {
 template <class T, int BN, int MASK, bool PAGED>
 struct PrefillProblem {
   static constexpr bool WANTS_LSE = false;
+  static constexpr bool SHORT_TILES = false;
   const T* q;
   const T* k;  // request and K/V head applied (contiguous) / K/V head applied (paged)
   const T* v;
@@ -62,6 +63,7 @@ struct PrefillProblem {
   int page_shift;
   int out_dtype;
   int q_rows, sk, kv_begin, kv_end;
+  __device__ __forceinline__ BandRange<BN> range() const { return BandRange<BN>(kv_begin, kv_end, sk); }
   int diag0;  // key index on the causal diagonal of tile row 0
   int window;
   const int* lo;  // variable window bounds per tile row (shared memory)

@@ -267,6 +267,8 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
                 yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol).source()
     for d in DECODE_HEAD_DIMS + (MLA_DIM_QK,):
         yield DecodeKey("bf16", d, False, 16, 64).merge_source()
+    for key in block_sparse_keys(arch):
+        yield key.source()
 
 
 def keys_list(arch: str = "sm_90a") -> List[runtime.KernelSource]:
@@ -544,3 +546,120 @@ def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_le
     edges = {max_seq_len_q} | {e // group for e in (16, 32)} | {
         64 * k // group for k in range(1, (group * max_seq_len_q) // 64 + 1)}
     return max(need(sq) for sq in edges if 1 <= sq <= max_seq_len_q)
+
+
+# ----------------------------------------------------------------------------
+# paged block-sparse attention (block_sparse_attention_with_paged_kv_cache)
+# ----------------------------------------------------------------------------
+
+BLOCK_SPARSE_HEAD_DIMS = (128, 256)
+
+
+@dataclass(frozen=True)
+class BlockSparseKey:
+    """One block-sparse kernel: the decode problem's GQA rows over a route's KV blocks.
+
+    KV blocks of 64+ keys on sm_90a take the wgmma engine (BM 64 for short rows at D128,
+    else 128; BN 128 when the block size allows at D128, else 64); smaller blocks (8/16/32: one short tile of BN
+    16/32 per block) and other archs the mma.sync engine with BM 64.
+    """
+
+    dtype: str
+    head_dim: int
+    causal: bool
+    bm: int
+    bn: int
+    arch: int
+
+    @staticmethod
+    def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int,
+               arch: str) -> "BlockSparseKey":
+        """`rows`: the M rows of one route row, q_block_size (or Sq if smaller) x group."""
+        if arch == "sm_90a" and kv_block_size % 64 == 0:
+            bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
+            bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
+            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90)
+        bn = 64 if kv_block_size % 64 == 0 else max(16, kv_block_size)
+        return BlockSparseKey(dtype, head_dim, causal, 128 if head_dim == 256 else 64, bn, 80)
+
+    @property
+    def threads(self) -> int:
+        return self.bm // 16 * 32
+
+    @property
+    def smem(self) -> int:
+        return fmha_smem_bytes(self.bm, self.bn, self.head_dim) + (1024 if self.arch == 90 else 0)
+
+    @property
+    def name(self) -> str:
+        return f"pt_bsr_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}_sm{self.arch}"
+
+    def source(self) -> runtime.KernelSource:
+        q_regs = "true" if self.arch == 80 and self.head_dim <= 128 else "false"
+        cfg = f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, {self.arch}>"
+        entry = (
+            f'\nextern "C" __global__ void __launch_bounds__({self.threads})\n'
+            f"{self.name}(const __grid_constant__ pt::BlockSparseParams p) {{\n"
+            f"  pt::block_sparse_kernel<{cfg}, {str(self.causal).lower()}>(p);\n}}\n"
+        )
+        return runtime.KernelSource(key=self.name, name=self.name, source=_read("fmha_block_sparse.cu") + entry)
+
+
+def block_sparse_keys(arch: str) -> Iterator[BlockSparseKey]:
+    for dtype in DTYPE_CODES.values():
+        for d in BLOCK_SPARSE_HEAD_DIMS:
+            for causal in (False, True):
+                shapes = {(kvb, rows) for kvb in (8, 32, 64, 128) for rows in (64, 128)}
+                for key in sorted({BlockSparseKey.choose(dtype, d, causal, kvb, rows, arch) for kvb, rows in shapes},
+                                  key=lambda k: k.name):
+                    yield key
+
+
+class BlockSparseParams(ctypes.Structure):
+    """Mirror of pt::BlockSparseParams (prims_ts/cuda/fmha_block_sparse.cu)."""
+
+    _fields_ = [
+        ("d", DecodeParams),
+        ("block_indptr", ctypes.c_void_p),
+        ("block_indices", ctypes.c_void_p),
+        ("valid_bits", ctypes.c_void_p),
+    ] + [(n, ctypes.c_int32) for n in ("rows_r", "q_block", "kv_block", "row_tiles", "valid_words")]
+
+
+def launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices,
+                        q_block_size: int, kv_block_size: int, seq_lens, valid_bits, causal: bool,
+                        sm_scale: float) -> None:
+    """Block-sparse attention over CSR-paged pools [P, Hkv, ps, D]. Trusted arguments: q and
+    out [B, Sq, Hq, D] (out contiguous), block_indptr [B, Hkv, R + 1], valid_bits
+    [B, words] (uint32 or int32 bits) or None. No host synchronisation."""
+    batch, sq, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    rows_r = -(-sq // q_block_size)
+    rows = min(q_block_size, sq) * group
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    key = BlockSparseKey.choose(DTYPE_CODES[q.dtype], d, causal, kv_block_size, rows, runtime.device_arch(dev))
+    row_tiles = -(-q_block_size * group // key.bm)
+    with torch.cuda.device(dev):
+        kern = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
+        bp = BlockSparseParams()
+        p = bp.d
+        p.q, p.k, p.v, p.o = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        p.kv_indptr, p.kv_indices, p.seq_lens = kv_indptr.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr()
+        p.q_sb, p.q_st, p.q_sh = q.stride(0), q.stride(1), q.stride(2)
+        p.o_sb, p.o_st, p.o_sh = out.stride(0), out.stride(1), out.stride(2)
+        p.k_sp, p.k_sh, p.k_ss = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+        p.v_sp, p.v_sh, p.v_ss = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+        p.sq, p.rows_max, p.row_tiles, p.splits, p.chunk = sq, rows, row_tiles, 1, 0
+        p.group, p.hkv = group, hkv
+        p.page_shift = k_cache.shape[2].bit_length() - 1
+        p.window_left = -1
+        p.out_dtype = OUT_DTYPE_CODES[out.dtype]
+        p.scale_log2 = sm_scale * LOG2E
+        p.out_scale = 1.0
+        bp.block_indptr, bp.block_indices = block_indptr.data_ptr(), block_indices.data_ptr()
+        bp.valid_bits = _ptr(valid_bits)
+        bp.rows_r, bp.q_block, bp.kv_block, bp.row_tiles = rows_r, q_block_size, kv_block_size, row_tiles
+        bp.valid_words = valid_bits.shape[1] if valid_bits is not None else 0
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        runtime.launch(dev, kern, key.name, (rows_r * row_tiles, hkv, batch), bp, stream)

@@ -8,8 +8,11 @@
 //   address  q_row(r): where query row r lives; kv_page(j), then k_row(page, j) and
 //            v_row(page, j): where K/V row j lives (a paged policy resolves the page
 //            once per row for both; a contiguous one ignores it);
-//   range    kv_begin / kv_end: which keys the tile visits;
-//   mask     tile_needs_mask(k0) and visible(r, j): the per-element predicate;
+//   range    range(): which key tiles the Q tile visits, as n_tiles() tiles of at
+//            most BN consecutive keys, tile(it) = {first key, valid rows}
+//            (BandRange below: one band of keys; block-sparse: a route's blocks);
+//   mask     tile_needs_mask(k0) and visible(r, j): the per-element predicate
+//            (SHORT_TILES: tiles may also end early, see the mask step);
 //   output   store2(r, d, x, y): where and how results are written; problems with
 //            WANTS_LSE also get store_lse(r, lse) (split-KV partials).
 // The work policy (which Q tile, request and head this CTA owns) is decided by
@@ -102,6 +105,29 @@ __device__ __forceinline__ void load_tile(u32 smem_base, int rows, RowFn row_ptr
   }
 }
 
+// A tile of the range policy: keys k0 .. k0 + rows - 1 (rows <= BN; the rest of the
+// tile is zero-filled and masked).
+struct KeyTile {
+  int k0, rows;
+};
+
+// The range policy of the contiguous problems: keys [begin, end) of a request with sk
+// keys, in BN-aligned tiles, walked from the last (the masked diagonal of causal
+// problems) to the first.
+template <int BN> struct BandRange {
+  int nb_last, count, sk;
+  __device__ __forceinline__ BandRange(int begin, int end, int sk_) : sk(sk_) {
+    const int nb_first = begin / BN;
+    nb_last = end > begin ? (end - 1) / BN : nb_first - 1;
+    count = nb_last - nb_first + 1;
+  }
+  __device__ __forceinline__ int n_tiles() const { return count; }
+  __device__ __forceinline__ KeyTile tile(int it) const {
+    const int k0 = (nb_last - it) * BN;
+    return {k0, min_(BN, sk - k0)};
+  }
+};
+
 // Copy K/V rows k0 .. k0 + rows - 1 into two tiles (same layout); zero-fill the rest.
 // K first, then V, each pass keeping only its pointers live; the page of each row is
 // looked up once, in the K pass, and kept (an int per copied chunk) for the V pass.
@@ -154,16 +180,12 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   auto sK = [&](int s) { return sKV + (u32)(Cfg::KV_TILES * s) * Cfg::SMEM_KV; };
   auto sV = [&](int s) { return sKV + (u32)(Cfg::KV_TILES * s + Cfg::KV_TILES - 1) * Cfg::SMEM_KV; };
 
-  const int kv_begin = pb.kv_begin, kv_end = pb.kv_end;
-  // K/V tiles are aligned to BN; walk them from the last (the masked diagonal
-  // of causal problems) to the first.
-  const int nb_first = kv_begin / BN;
-  const int nb_last = kv_end > kv_begin ? (kv_end - 1) / BN : nb_first - 1;
-  const int n_tiles = nb_last - nb_first + 1;
+  const auto range = pb.range();
+  const int n_tiles = range.n_tiles();
 
   auto issue_kv = [&](int it, int stage) {
-    const int k0 = (nb_last - it) * BN;
-    const int rows = min_(BN, pb.sk - k0);
+    const KeyTile kt = range.tile(it);
+    const int k0 = kt.k0, rows = kt.rows;
     if constexpr (Cfg::SHARED_KV) {
       load_tile<KVTile, THREADS>(sK(stage), rows, [&](int r) { return pb.k_row(pb.kv_page(k0 + r), k0 + r); });
     } else {
@@ -197,7 +219,8 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
 
   int stage = 0;
   for (int it = 0; it < n_tiles; ++it) {
-    const int k0 = (nb_last - it) * BN;
+    const KeyTile kt = range.tile(it);
+    const int k0 = kt.k0;
     cp_async_wait<STAGES - 1>();
     if constexpr (Cfg::ARCH == 90) fence_proxy_async();
     __syncthreads();
@@ -249,14 +272,16 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
 
     // ---- mask ---------------------------------------------------------------
-    if (pb.tile_needs_mask(k0)) {
+    // Problems with SHORT_TILES may end a tile before the key bound (a block-sparse
+    // block smaller than BN): its rows past kt.rows are masked here, not by visible().
+    if ((Problem::SHORT_TILES && kt.rows < BN) || pb.tile_needs_mask(k0)) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           int r = row0 + g + (e >> 1) * 8;
-          int j = k0 + key0 + nt * 8 + 2 * t + (e & 1);
-          if (!pb.visible(r, j)) s[nt][e] = neg_inf();
+          int l = key0 + nt * 8 + 2 * t + (e & 1);
+          if ((Problem::SHORT_TILES && l >= kt.rows) || !pb.visible(r, k0 + l)) s[nt][e] = neg_inf();
         }
       }
     }
