@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|sanitize|check|bench|quick|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|compile|sanitize|check|bench|quick|all]...
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
 # limited to 10 minutes: `tests` alone can take most of that; `sanitize` runs the small
@@ -18,11 +18,16 @@ mkdir -p "$OUT"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 
-run_tests() {
+KERNEL_TESTS=(tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_decode_cuda.py
+              tests/test_mla_cuda.py tests/test_block_sparse_cuda.py)
+COMPILE_TESTS=(compile_tests/test_compile_cuda.py compile_tests/test_paged_compile.py
+               compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py
+               compile_tests/test_block_sparse_compile.py)
+
+run_tests() {  # the cuda-marked tests of each file that exists, one summary line per file
     local f
-    for f in tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_decode_cuda.py \
-             compile_tests/test_compile_cuda.py compile_tests/test_paged_compile.py \
-             compile_tests/test_decode_compile.py; do
+    for f in "$@"; do
+        [ -f "$f" ] || continue
         echo "== $f"
         timeout 200 "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider >"$OUT/$(basename "$f" .py).log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
@@ -31,7 +36,8 @@ run_tests() {
 
 for s in "${stages[@]}"; do
     case "$s" in
-    tests) run_tests ;;
+    tests) run_tests "${KERNEL_TESTS[@]}" ;;
+    compile) run_tests "${COMPILE_TESTS[@]}" ;;  # torch.compile / export / graphs: ~2 min a file
     sanitize)
         # No caching allocator: every tensor is its own allocation, so memcheck sees
         # accesses past a tensor's end instead of landing inside a pooled block.
@@ -49,7 +55,7 @@ for s in "${stages[@]}"; do
         echo "== bench $([ "$s" = quick ] && echo --quick)"
         timeout 420 "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
-    all) "$0" tests sanitize check quick ;;
+    all) "$0" tests compile sanitize check quick ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
     esac
 done
