@@ -9,7 +9,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -144,6 +144,31 @@ class PrefillParams(ctypes.Structure):
     ]
 
 
+_LOADED: Dict[Tuple[int, object, str], runtime.LoadedKernel] = {}
+_DEVICES: Dict[int, Tuple[str, int]] = {}
+
+
+def _kernel(dev: int, key, which: str = "source", smem: Optional[int] = None,
+            threads: Optional[int] = None) -> runtime.LoadedKernel:
+    """The loaded kernel `key.<which>()` on device `dev`, looked up by the (hashable) key
+    itself: a launch neither rebuilds the source text nor hashes it once loaded."""
+    k = _LOADED.get((dev, key, which))
+    if k is None:
+        k = runtime.get_kernel(dev, getattr(key, which)(), key.smem if smem is None else smem,
+                               key.threads if threads is None else threads)
+        _LOADED[(dev, key, which)] = k
+    return k
+
+
+def _device(dev: int) -> Tuple[str, int]:
+    """(arch, SM count) of a CUDA device, read once."""
+    info = _DEVICES.get(dev)
+    if info is None:
+        info = (runtime.device_arch(dev), torch.cuda.get_device_properties(dev).multi_processor_count)
+        _DEVICES[dev] = info
+    return info
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
@@ -220,9 +245,9 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
     packed = qo_indptr is not None
     hq, hkv = q.shape[-2], k.shape[1] if paged else k.shape[-2]
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    key = PrefillKey.choose(q.dtype, q.shape[-1], mask, runtime.device_arch(dev), paged=paged)
+    key = PrefillKey.choose(q.dtype, q.shape[-1], mask, _device(dev)[0], paged=paged)
     with torch.cuda.device(dev):
-        kern = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
+        kern = _kernel(dev, key)
         p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         p.qo_indptr = _ptr(qo_indptr)
         p.work = _ptr(work)
@@ -472,12 +497,12 @@ def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv
     group = hq // hkv
     batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
     dev = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = _device(dev)[1]
     pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms)
     key = DecodeKey.of(DTYPE_CODES[query.dtype], d, causal, pol)
     with torch.cuda.device(dev):
-        kern = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
-        merge = runtime.get_kernel(dev, key.merge_source(), 0, max(32, key.dv // 2)) if pol.splits > 1 else None
+        kern = _kernel(dev, key)
+        merge = _kernel(dev, key, "merge_source", 0, max(32, key.dv // 2)) if pol.splits > 1 else None
         p = DecodeParams()
         p.q, p.k, p.v, p.o = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
         if pol.splits > 1:
@@ -638,10 +663,10 @@ def launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_i
     rows_r = -(-sq // q_block_size)
     rows = min(q_block_size, sq) * group
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    key = BlockSparseKey.choose(DTYPE_CODES[q.dtype], d, causal, kv_block_size, rows, runtime.device_arch(dev))
+    key = BlockSparseKey.choose(DTYPE_CODES[q.dtype], d, causal, kv_block_size, rows, _device(dev)[0])
     row_tiles = -(-q_block_size * group // key.bm)
     with torch.cuda.device(dev):
-        kern = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
+        kern = _kernel(dev, key)
         bp = BlockSparseParams()
         p = bp.d
         p.q, p.k, p.v, p.o = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
