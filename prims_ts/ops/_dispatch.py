@@ -28,15 +28,18 @@ def eager_direct(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
 
 
 def call(functional_op: Callable, out_op: Callable, run: Callable, inputs: tuple, args: tuple,
-         out: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+         out: Optional[torch.Tensor], out_dtype: torch.dtype,
+         out_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
     """``out_op(*inputs, out, *args)`` or ``functional_op(*inputs, *args, out_dtype)``.
 
     `run(*inputs, out, *args)` is the implementation both ops call; the functional op
-    allocates ``out`` as ``empty(inputs[0].shape, out_dtype)`` first.
+    allocates ``out`` as ``empty(out_shape, out_dtype)`` first (``out_shape`` defaults to
+    ``inputs[0].shape``, and must be what the functional op allocates).
     """
     if eager_direct(inputs + (out,) + tuple(a for a in args if isinstance(a, torch.Tensor))):
         if out is None:
-            out = torch.empty(inputs[0].shape, dtype=out_dtype, device=inputs[0].device)
+            shape = inputs[0].shape if out_shape is None else out_shape
+            out = torch.empty(shape, dtype=out_dtype, device=inputs[0].device)
         run(*inputs, out, *args)
         return out
     if out is None:

@@ -170,10 +170,11 @@ def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype) -> t
 INT32_MAX = 2**31 - 1
 
 
-def pool_strides(name: str, t: torch.Tensor) -> None:
-    """A paged pool [num_pages, Hkv, page_size, D]: page and slot strides must fit in int32
-    (the kernels address a page slot with one 32x32->64-bit multiply-add)."""
-    for dim, what in ((0, "page"), (2, "slot")):
+def pool_strides(name: str, t: torch.Tensor, slot_dim: int = 2) -> None:
+    """A paged pool [num_pages, Hkv, page_size, D] (``slot_dim`` 2) or [num_pages, page_size, D]
+    (``slot_dim`` 1): page and slot strides must fit in int32 (the kernels address a page slot
+    with one 32x32->64-bit multiply-add)."""
+    for dim, what in ((0, "page"), (slot_dim, "slot")):
         if t.stride(dim) > INT32_MAX:
             fail(f"{name}: {what} stride {t.stride(dim)} elements exceeds int32; use a pool whose pages are "
                  f"less than 2**31 elements apart")
@@ -195,7 +196,10 @@ def out_tensor(
     dtype: torch.dtype,
     device: torch.device,
     inputs: Sequence[Tuple[str, Optional[torch.Tensor]]],
+    aligned: bool = False,
 ) -> Optional[torch.Tensor]:
+    """``out=``: shape, dtype, device, contiguous, no overlap with any of ``inputs``; with
+    ``aligned``, a 16-byte aligned start (for kernels that store rows in 16-byte vectors)."""
     if out is None:
         return None
     if not isinstance(out, torch.Tensor):
@@ -208,6 +212,8 @@ def out_tensor(
         fail(f"out: is on {out.device}, expected {device}")
     if not out.is_contiguous():
         fail("out: must be contiguous")
+    if aligned and out.numel() and not tracing() and out.data_ptr() % 16:
+        fail(f"out: must start at a 16-byte aligned address, got {out.data_ptr():#x}")
     if not tracing():
         o0, o1 = span(out)
         for name, t in inputs:
@@ -222,6 +228,33 @@ def out_tensor(
 # ----------------------------------------------------------------------------
 # Metadata
 # ----------------------------------------------------------------------------
+
+
+def disjoint(name: str, t: torch.Tensor, others: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
+    """``t`` (a workspace, an output) shares no byte with any of ``others`` on its device."""
+    a0, a1 = span(t)
+    for other, o in others:
+        if o is None or o.device != t.device:
+            continue
+        b0, b1 = span(o)
+        if a0 < b1 and b0 < a1:
+            fail(f"{name}: overlaps {other}; it must not share memory with any other argument")
+
+
+def block_table(name: str, t, batch: Optional[int] = None) -> Tuple[int, int]:
+    """A dense page table ``int32 [B, C]``: rows inner-contiguous and non-overlapping (any row
+    stride >= C, so a padded, row-strided view is valid). Returns (B, C)."""
+    tensor(name, t, dtypes=(torch.int32,), ndim=2)
+    if batch is not None and t.shape[0] != batch:
+        fail(f"{name}: expected {batch} rows (one per request), got shape {tuple(t.shape)}")
+    rows, cols = t.shape
+    if cols < 1:
+        fail(f"{name}: needs at least one column")
+    if cols > 1 and t.stride(1) != 1:
+        fail(f"{name}: rows must be inner-contiguous (stride 1), got strides {tuple(t.stride())}")
+    if rows > 1 and t.stride(0) < cols:
+        fail(f"{name}: row stride {t.stride(0)} is smaller than the row length {cols}")
+    return rows, cols
 
 
 def int32_vector(name: str, t, length: Optional[int] = None, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -243,3 +276,19 @@ def values_indptr(name: str, values: List[int], end: int, end_name: str, strict:
                  f"entries {i} and {i + 1} are {values[i]} and {values[i + 1]}")
     if values[-1] != end:
         fail(f"{name}: must end at {end_name} = {end}, got {values[-1]}")
+
+
+def values_block_table(name: str, table: torch.Tensor, lens: List[int], page_size: int,
+                       num_pages: Optional[int]) -> int:
+    """The used entries of a page table (row b's first ceil(lens[b] / page_size)) are page IDs in
+    ``[0, num_pages)`` (``num_pages`` None: only ``>= 0``). ``table`` is on the host; ``lens`` are
+    already checked against its row capacity. Returns the largest used page ID."""
+    need = torch.tensor([(n + page_size - 1) // page_size for n in lens], dtype=torch.int64)
+    used = torch.arange(table.shape[1]).unsqueeze(0) < need.unsqueeze(1)  # [B, C]
+    ids = table.to(torch.int64)
+    bad = used & ((ids < 0) | (ids >= (num_pages if num_pages is not None else INT32_MAX + 1)))
+    if bool(bad.any()):
+        b, c = (int(x) for x in bad.nonzero()[0])
+        fail(f"{name}: request {b} uses page ID {int(ids[b, c])} (column {c}), outside "
+             f"[0, {num_pages if num_pages is not None else 'P'})")
+    return int(ids[used].max()) if bool(used.any()) else -1

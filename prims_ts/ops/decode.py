@@ -11,7 +11,7 @@ Fakes:  ``prims_ts/meta/decode.py``; CPU kernel: ``prims_ts.reference.batch_deco
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -282,21 +282,11 @@ def prims_ts_batch_decode_with_kv_cache(
               ("workspace_buffer", workspace_buffer)] + metadata
     V.out_tensor(out, query.shape, odt, device, inputs)
     if not V.tracing():
-        _check_disjoint("workspace_buffer", workspace_buffer, [i for i in inputs if i[0] != "workspace_buffer"])
+        V.disjoint("workspace_buffer", workspace_buffer, [i for i in inputs if i[0] != "workspace_buffer"])
     args = (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sq, max_sq, max_seq_len, mask_type, window_left,
             sm_scale, output_scale)
     return _dispatch.call(torch.ops.prims_ts.batch_decode, torch.ops.prims_ts.batch_decode_out, _run,
                           (query, k_cache, v_cache, workspace_buffer), args, out, odt)
-
-
-def _check_disjoint(name: str, t: torch.Tensor, others: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
-    a0, a1 = V.span(t)
-    for other, o in others:
-        if o is None or o.device != t.device:
-            continue
-        b0, b1 = V.span(o)
-        if a0 < b1 and b0 < a1:
-            V.fail(f"{name}: overlaps {other}; the workspace must not share memory with any other argument")
 
 
 # ----------------------------------------------------------------------------
@@ -409,7 +399,7 @@ class BatchDecodePagedTSWrapper:
                    f"{k_cache.shape[0]} pages")
         indptr, indices, last = self._meta
         if out is not None and not V.tracing():
-            _check_disjoint("out", out, [("indptr", indptr), ("indices", indices), ("last_page_len", last)])
+            V.disjoint("out", out, [("indptr", indptr), ("indices", indices), ("last_page_len", last)])
         return prims_ts_batch_decode_with_kv_cache(
             q, paged_kv_cache, self._workspace, indptr, indices, self._live_seq_lens(), plan["max_seq_len"],
             bmm1_scale=plan["sm_scale"], bmm2_scale=plan["output_scale"], out=out, out_dtype=plan["out_dtype"],

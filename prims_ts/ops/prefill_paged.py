@@ -13,7 +13,7 @@ from the pages named by the block table, never gathered into a copy.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
@@ -137,16 +137,7 @@ def _check_metadata(qo_indptr, block_tables, seq_lens_kv):
     if qo_indptr.shape[0] < 2:
         V.fail(f"qo_indptr: expected [B+1] with B >= 1, got shape {tuple(qo_indptr.shape)}")
     batch = qo_indptr.shape[0] - 1
-    V.tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2)
-    if block_tables.shape[0] != batch:
-        V.fail(f"block_tables: expected {batch} rows (one per request), got shape {tuple(block_tables.shape)}")
-    cols = block_tables.shape[1]
-    if cols < 1:
-        V.fail("block_tables: needs at least one column")
-    if cols > 1 and block_tables.stride(1) != 1:
-        V.fail(f"block_tables: rows must be inner-contiguous (stride 1), got strides {tuple(block_tables.stride())}")
-    if batch > 1 and block_tables.stride(0) < cols:
-        V.fail(f"block_tables: row stride {block_tables.stride(0)} is smaller than the row length {cols}")
+    _, cols = V.block_table("block_tables", block_tables, batch)
     V.int32_vector("seq_lens_kv", seq_lens_kv, length=batch)
     return batch, cols
 
