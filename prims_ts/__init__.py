@@ -13,6 +13,12 @@ from .ops.decode import (
     get_prims_ts_batch_decode_workspace_size,
     prims_ts_batch_decode_with_kv_cache,
 )
+from .ops.mla import (
+    BatchMLADecodePagedTSWrapper,
+    batch_mla_decode_with_paged_kv_cache,
+    get_prims_ts_batch_decode_mla_workspace_size,
+    prims_ts_batch_decode_with_kv_cache_mla,
+)
 from .ops.prefill_paged import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 
 __version__ = "0.1.0"
@@ -26,5 +32,9 @@ __all__ = [
     "get_prims_ts_batch_decode_workspace_size",
     "BatchDecodePagedTSWrapper",
     "batch_decode_with_paged_kv_cache",
+    "batch_mla_decode_with_paged_kv_cache",
+    "BatchMLADecodePagedTSWrapper",
+    "prims_ts_batch_decode_with_kv_cache_mla",
+    "get_prims_ts_batch_decode_mla_workspace_size",
     "__version__",
 ]

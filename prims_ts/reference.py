@@ -198,3 +198,117 @@ def batch_decode(
         vis = visible_keys(qb.shape[0], sk, mask_type, window_left, device=query.device)
         out[sel] = attend(qb, kb, vb, vis, sm_scale, output_scale, compute_dtype)
     return out
+
+
+MLA_DIM_QK = 576  # kv_lora_rank (512) + qk_rope_head_dim (64)
+MLA_DIM_V = 512  # kv_lora_rank
+
+
+def batch_mla_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    qo_indptr: Optional[torch.Tensor] = None,
+    mask_type: str = "causal",
+    sm_scale: float = 1.0,
+    output_scale: float = 1.0,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """MLA decode over a paged latent cache (SPEC §4).
+
+    ``query``: fixed ``[B, SQ, H, 576]`` or packed ``[T, H, 576]`` with ``qo_indptr``.
+    ``kv_cache``: ``[P, page_size, 576]`` or ``[P, 1, page_size, 576]``: one latent row per
+    token, shared by all H heads; K is the whole 576-wide row, V its first 512 values.
+    Request ``b``'s pages are ``block_tables[b, :ceil(seq_lens[b] / page_size)]``.
+    Returns ``query.shape[:-1] + (512,)`` in ``compute_dtype``; memory is O(H * SQ * Sk) per
+    request (the latent row is never repeated per head).
+    """
+    cache = kv_cache[:, 0] if kv_cache.dim() == 4 else kv_cache  # [P, ps, 576]
+    ps = cache.shape[1]
+    lens = [int(x) for x in seq_lens.tolist()]
+    out = torch.zeros(tuple(query.shape[:-1]) + (MLA_DIM_V,), dtype=compute_dtype, device=query.device)
+    if qo_indptr is not None:
+        qo = [int(x) for x in qo_indptr.tolist()]
+        rows = [slice(qo[b], qo[b + 1]) for b in range(len(qo) - 1)]
+    else:
+        rows = list(range(query.shape[0]))
+    for b, sel in enumerate(rows):
+        sk = lens[b]
+        pages = block_tables[b, : (sk + ps - 1) // ps].to(cache.device).long()
+        kv = cache[pages].reshape(-1, cache.shape[-1])[:sk].to(compute_dtype)  # [sk, 576]
+        qb = query[sel].to(compute_dtype)  # [sq, H, 576]
+        sq = qb.shape[0]
+        vis = visible_keys(sq, sk, mask_type, device=query.device)  # [sq, sk]
+        s = torch.einsum("qhd,kd->hqk", qb, kv) * sm_scale  # [H, sq, sk]
+        s = s.masked_fill(~vis.unsqueeze(0), float("-inf"))
+        m = s.amax(dim=2, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m)
+        l = p.sum(dim=2, keepdim=True)
+        o = torch.matmul(p, kv[:, :MLA_DIM_V]) / torch.where(l > 0, l, torch.ones_like(l))  # [H, sq, 512]
+        o = o * output_scale * vis.any(dim=1).view(1, sq, 1).to(compute_dtype)
+        out[sel] = o.permute(1, 0, 2)
+    return out
+
+
+def valid_bit_mask(words: torch.Tensor, sk: int) -> torch.Tensor:
+    """Keys ``0 .. sk-1`` of one request's ``kv_valid_bits`` row (uint32 or int32 words):
+    key ``j`` is valid when bit ``j % 32`` of word ``j // 32`` is set."""
+    w = words.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    j = torch.arange(sk, device=words.device)
+    return ((w[j // 32] >> (j % 32)) & 1).bool()
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    paged_kv_indptr: torch.Tensor,
+    paged_kv_indices: torch.Tensor,
+    block_indptr: torch.Tensor,
+    block_indices: torch.Tensor,
+    q_block_size: int,
+    kv_block_size: int,
+    seq_lens_kv: torch.Tensor,
+    *,
+    kv_valid_bits: Optional[torch.Tensor] = None,
+    mask_type: str = "dense",
+    sm_scale: Optional[float] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """BSR block-sparse attention over CSR pages (SPEC §5). ``q``: ``[B, Sq, Hq, D]``; pools
+    ``[P, Hkv, ps, D]``; route row r of (request b, K/V head h) — query tokens
+    ``[r * q_block_size, (r + 1) * q_block_size)`` of h's query heads — sees the keys of the
+    blocks ``block_indices[block_indptr[b, h, r]:block_indptr[b, h, r + 1]]`` (block c: keys
+    ``[c * kv_block_size, (c + 1) * kv_block_size)``), intersected with the mask and the
+    valid bits. Returns ``[B, Sq, Hq, D]``; a row with no visible key is zero."""
+    batch, sq, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    ps = k_cache.shape[2]
+    indptr = [int(x) for x in paged_kv_indptr.tolist()]
+    lens = [int(x) for x in seq_lens_kv.tolist()]
+    bptr = block_indptr.to("cpu", torch.int64)
+    blocks = block_indices.to("cpu", torch.int64)
+    out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    for b in range(batch):
+        sk = lens[b]
+        pages = paged_kv_indices[indptr[b]: indptr[b] + (sk + ps - 1) // ps].to(k_cache.device)
+        kb, vb = gather_pages(k_cache, pages, sk), gather_pages(v_cache, pages, sk)
+        base = visible_keys(sq, sk, mask_type, device=q.device)
+        if kv_valid_bits is not None:
+            base = base & valid_bit_mask(kv_valid_bits[b], sk).unsqueeze(0)
+        for h in range(hkv):
+            routes = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+            for r in range(bptr.shape[2] - 1):
+                t0, t1 = r * q_block_size, min(sq, (r + 1) * q_block_size)
+                for c in blocks[int(bptr[b, h, r]): int(bptr[b, h, r + 1])].tolist():
+                    routes[t0:t1, c * kv_block_size: min(sk, (c + 1) * kv_block_size)] = True
+            heads = slice(h * group, (h + 1) * group)
+            out[b, :, heads] = attend(q[b, :, heads], kb[:, h: h + 1], vb[:, h: h + 1], base & routes, sm_scale, 1.0,
+                                      compute_dtype)
+    return out
