@@ -59,8 +59,10 @@ def test_mla_policy_is_the_decode_policy_of_one_latent_head(batch, heads, sq, le
     pol = kernels.decode_policy(batch, 1, heads, sq, kernels.MLA_DIM_QK, length, sm_count=132)
     assert pol.split_o and pol.rows_max == heads * sq and pol.splits * pol.chunk >= length
     assert pol.bn % (16 * pol.warps_n) == 0 and (kernels.MLA_DIM_V // 8 // pol.warps_n) % 2 == 0
-    key = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, True, pol)
-    assert key.dv == kernels.MLA_DIM_V and key.shared_kv and key.smem <= 227 * 1024
+    for arch in ("sm_80", "sm_90a"):
+        key = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, True, pol, arch)
+        assert key.dv == kernels.MLA_DIM_V and key.shared_kv and key.smem <= 227 * 1024
+        assert key.arch == (90 if arch == "sm_90a" and pol.bm == 64 else 80)
     ws = kernels.mla_workspace_bytes(batch, heads, sq, length, 132)
     if pol.splits > 1:
         assert ws >= batch * pol.splits * pol.rows_max * (kernels.MLA_DIM_V + 1) * 4

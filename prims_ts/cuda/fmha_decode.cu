@@ -6,7 +6,9 @@
 // normalised partial O and its log-sum-exp to the workspace and decode_merge combines
 // them.
 // MLA decode is this kernel with one latent K/V head (Hkv = 1, group = H) whose V row
-// is the first DV values of the K row: the core then keeps one tile per stage.
+// is the first DV values of the K row: the core then keeps one tile per stage. Row
+// tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
+// tile's keys for S and O's columns for PV, P exchanged through shared memory.
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/kernels.py).
 #include "pt_decode.cuh"
@@ -17,7 +19,8 @@ template <class Cfg, bool CAUSAL>
 __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
 
   const int split = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y / p.row_tiles, rt = blockIdx.y % p.row_tiles;

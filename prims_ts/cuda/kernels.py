@@ -289,7 +289,7 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
         for heads in (16, 32, 64):  # MLA: one policy per row-tile height (BM 16, 32, 64)
             pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS)
             for causal in (False, True):
-                yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol).source()
+                yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch).source()
     for d in DECODE_HEAD_DIMS + (MLA_DIM_QK,):
         yield DecodeKey("bf16", d, False, 16, 64).merge_source()
     for key in block_sparse_keys(arch):
@@ -317,7 +317,7 @@ DECODE_TILE = {64: (128, 3, False), 128: (64, 3, False), 256: (32, 3, True)}
 # per row-tile height BM: (keys per tile, stages, warps splitting the keys and O)
 MLA_DIM_QK = 576
 MLA_DIM_V = 512
-MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (32, 2, 2)}
+MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (64, 2, 2)}  # BM 64: the wgmma engine on sm_90a
 DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
@@ -401,10 +401,12 @@ class DecodeKey:
     warps_n: int = 1
     stages: int = 2
     split_o: bool = False
+    arch: int = 80  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
 
     @staticmethod
-    def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy) -> "DecodeKey":
-        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o)
+    def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str = "sm_80") -> "DecodeKey":
+        engine = 90 if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64 else 80
+        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine)
 
     @property
     def threads(self) -> int:
@@ -421,12 +423,13 @@ class DecodeKey:
     @property
     def smem(self) -> int:
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
-                               self.shared_kv)
+                               self.shared_kv) + (1024 if self.arch == 90 else 0)  # 1024-alignment slack
 
     @property
     def name(self) -> str:
         return (f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
-                f"_wn{self.warps_n}_s{self.stages}" + ("_so" if self.split_o else ""))
+                f"_wn{self.warps_n}_s{self.stages}" + ("_so" if self.split_o else "") +
+                ("_sm90" if self.arch == 90 else ""))
 
     @property
     def merge_name(self) -> str:
@@ -434,7 +437,8 @@ class DecodeKey:
 
     def source(self) -> runtime.KernelSource:
         q_regs = "true" if self.head_dim <= 128 else "false"
-        cfg = (f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, 80, "
+        q_regs = "false" if self.arch == 90 else q_regs
+        cfg = (f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, {self.arch}, "
                f"{self.warps_n}, {self.stages}, {str(self.split_o).lower()}, {self.dv}, "
                f"{str(self.shared_kv).lower()}>")
         entry = (
@@ -497,9 +501,9 @@ def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv
     group = hq // hkv
     batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
     dev = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    sms = _device(dev)[1]
+    arch, sms = _device(dev)
     pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms)
-    key = DecodeKey.of(DTYPE_CODES[query.dtype], d, causal, pol)
+    key = DecodeKey.of(DTYPE_CODES[query.dtype], d, causal, pol, arch)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
         merge = _kernel(dev, key, "merge_source", 0, max(32, key.dv // 2)) if pol.splits > 1 else None

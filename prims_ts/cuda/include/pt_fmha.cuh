@@ -81,12 +81,12 @@ struct FmhaConfig {
   // the O fragments of the WARPS_N - 1 warps that hand theirs over
   static constexpr int SMEM_MERGE = WARPS_N > 1 && !SPLIT_O ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * DV * 4 : 0;
   static constexpr int SMEM_BYTES = SMEM_PIPE > SMEM_MERGE ? SMEM_PIPE : SMEM_MERGE;
-  static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_ && WARPS_N_ == 1),
-                "wgmma engine: warpgroups of 64 rows, Q in smem, no key split");
+  static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_ && (WARPS_N_ == 1 || SPLIT_O_)),
+                "wgmma engine: warpgroups of 64 rows, Q in smem, keys split only with O split");
   static_assert(BN % (16 * WARPS_N) == 0 && D % 64 == 0 && STAGES >= 2, "tile shape");
-  static_assert(!SPLIT_O || (ARCH_ == 80 && WARPS_N > 1 && DTW % 2 == 0), "SPLIT_O: mma.sync, column pairs per warp");
-  static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV) && (ARCH_ == 80 || (DV == D && !SHARED_KV)),
-                "V width: D, or a prefix of the K row (shared K/V tiles, mma.sync engine)");
+  static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0 && (ARCH_ == 80 || (DTW * 8) % 64 == 0)),
+                "SPLIT_O: column pairs per warp (whole 64-column panels per warpgroup on wgmma)");
+  static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
 };
 
 // Copy `rows` valid rows (of at most ROWS) into a swizzled tile; zero-fill the rest.
@@ -234,15 +234,17 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     // ---- S = Q K^T --------------------------------------------------------
     float s[NT][4];
     if constexpr (Cfg::ARCH == 90) {
-      // One warpgroup = 64 rows; A = its Q rows, B = the K tile, both K-major.
-      const u32 q_wg = sQ + (u32)(warp >> 2) * 64 * 128;
+      // One warpgroup = 64 rows; A = its Q rows, B = its BNW keys of the K tile (rows
+      // key0.., 8-row swizzle atoms of 1024 bytes), both K-major.
+      const u32 q_wg = sQ + (u32)(warp_m >> 2) * 64 * 128;
+      const u32 k_wg = sK(stage) + (u32)key0 * 128;
       fence_regs(s);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KD; ++ks) {
         const u32 koff = (u32)(ks & 3) * 32;  // 16 columns = 32 bytes into the panel
-        Wgmma<T, BN>::ss(s, desc_kmajor(q_wg + (ks >> 2) * QTile::PANEL + koff),
-                         desc_kmajor(sK(stage) + (ks >> 2) * KVTile::PANEL + koff), ks > 0);
+        Wgmma<T, BNW>::ss(s, desc_kmajor(q_wg + (ks >> 2) * QTile::PANEL + koff),
+                          desc_kmajor(k_wg + (ks >> 2) * KVTile::PANEL + koff), ks > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -334,7 +336,34 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
 
     // ---- O += P V -------------------------------------------------------------
-    if constexpr (Cfg::ARCH == 90) {
+    if constexpr (Cfg::ARCH == 90 && SPLIT_O) {
+      // hand this warpgroup's P over as A fragments (the RS operand's register layout is
+      // the mma.sync one), then multiply all BN keys into its DV / WARPS_N columns
+#pragma unroll
+      for (int kk = 0; kk < BNW / 16; ++kk)
+        xp[(warp_m * (BN / 16) + warp_n * (BNW / 16) + kk) * 32 + lane] =
+            make_uint4(pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]));
+      __syncthreads();
+      u32 pf[BN / 16][4];
+#pragma unroll
+      for (int kb = 0; kb < BN / 16; ++kb) {
+        const uint4 pa = xp[(warp_m * (BN / 16) + kb) * 32 + lane];
+        pf[kb][0] = pa.x;
+        pf[kb][1] = pa.y;
+        pf[kb][2] = pa.z;
+        pf[kb][3] = pa.w;
+      }
+      const u32 v_wg = sV(stage) + (u32)(col0 * 8 / 64) * KVTile::PANEL;  // this warpgroup's first column panel
+      fence_regs(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kb = 0; kb < BN / 16; ++kb)
+        Wgmma<T, DT * 8>::rs_nmajor(o, pf[kb], desc_nmajor(v_wg + kb * 16 * 128, KVTile::PANEL), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+    } else if constexpr (Cfg::ARCH == 90) {
       u32 pf[BN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
@@ -347,7 +376,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<T, D>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + kk * 16 * 128, KVTile::PANEL), 1);
+        Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + kk * 16 * 128, KVTile::PANEL), 1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
