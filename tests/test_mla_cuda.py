@@ -1,0 +1,398 @@
+"""MLA decode on the GPU against the float64 reference (issue 5's correctness grid).
+
+Grid: Q mode (fixed ``[B, SQ, H, 576]``, packed ``[T, H, 576]`` + ``qo_indptr``) x mask (dense,
+causal) x H (8, 16, 32, 64, 128) x SQ (1..4; packed: per-request counts up to SQ); inside each
+(Q mode, mask) cell the page size (16/32/64/128), the cache rank (``[P, ps, 576]`` or
+``[P, 1, ps, 576]``), the dtype, the page-ID pattern (non-identity permutation / IDs repeated
+across and within requests) and the length set (long: split-KV; short: one split, both checked
+with ``kernels.decode_policy``) rotate so that every value of every axis appears; a separate
+test runs every page size with both cache ranks and both Q modes. K/V lengths include 1 (or the
+query count) and are not page multiples. Further tests: split-KV and one-split policies, batch
+sizes 1..512, a 131072-token request, output dtypes and scales, a strided query, the wrapper
+(both run modes) and the one-shot.
+
+Tolerance: ``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16 against
+``prims_ts.reference.batch_mla_decode(..., compute_dtype=torch.float64)``, over the whole output
+and per request; ``out`` is NaN-poisoned first and NaN never passes. Every cache slot that no
+request uses holds NaN and block-table entries past a request's live pages hold garbage page
+IDs, so a kernel that reads past a request's length, or an unused page, fails.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prims_ts import (
+    BatchMLADecodePagedTSWrapper,
+    batch_mla_decode_with_paged_kv_cache,
+    get_prims_ts_batch_decode_mla_workspace_size,
+    prims_ts_batch_decode_with_kv_cache_mla,
+)
+from prims_ts import reference as R
+from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "cuda"
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32 = torch.int32
+NAN = float("nan")
+DQK, DV = 576, 512
+SCALE = 1.0 / math.sqrt(DQK)
+GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
+MASKS = ["dense", "causal"]
+QMODES = ["fixed", "packed"]
+HEADS = [8, 16, 32, 64, 128]
+SQS = [1, 2, 3, 4]
+PAGE_SIZES = [16, 32, 64, 128]
+RANKS = [3, 4]
+# length sets: "long" forces split-KV (max_seq_len 2600), "short" (max_seq_len 127) runs one split
+LONG = [1, 17, 100, 257, 1033, 2500]
+SHORT = [1, 17, 100, 127, 45]
+
+
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+class Problem:
+    """An MLA problem: block tables built on the host (CPU generator), data on the device."""
+
+    def __init__(self, seq_lens, h, ps, dtype, seed, *, qmode="fixed", sq=1, q_lens=None, max_seq_len_q=None,
+                 rank=3, kind="perm", slack=1, pad=3, extra_pages=3, max_seq_len=None, poison=True):
+        g = torch.Generator().manual_seed(seed)
+        dg = torch.Generator(device=DEVICE).manual_seed(seed)
+        B = len(seq_lens)
+        self.seq_lens_list, self.B = list(seq_lens), B
+        self.h, self.ps, self.dtype, self.qmode = h, ps, dtype, qmode
+        n_live = [(sk + ps - 1) // ps for sk in seq_lens]
+        cols = max(n_live) + slack
+        if kind == "repeated":
+            shared = max(2, max(n_live) // 2 + 1)
+            P = shared + extra_pages
+            live = [torch.randint(0, shared, (n,), generator=g).tolist() for n in n_live]
+            live[-1][0] = live[0][0]
+        else:
+            P = sum(n_live) + extra_pages
+            perm = torch.randperm(P, generator=g).tolist()
+            if perm == sorted(perm):
+                perm = perm[::-1]
+            live, at = [], 0
+            for n in n_live:
+                live.append(perm[at:at + n])
+                at += n
+        wide = torch.full((B, cols + pad), -1, dtype=I32)
+        for b in range(B):
+            wide[b, :cols] = torch.tensor(live[b] + [GARBAGE[(b + i) % len(GARBAGE)] for i in range(cols - n_live[b])],
+                                          dtype=I32)
+        self.num_pages = P
+        self.block_tables = wide.to(DEVICE)[:, :cols]  # row stride cols + pad
+        self.seq_lens = torch.tensor(seq_lens, dtype=I32, device=DEVICE)
+        self.pool = torch.randn(P, ps, DQK, generator=dg, device=DEVICE).to(dtype)
+        self.cache = self.pool.unsqueeze(1) if rank == 4 else self.pool
+        if poison:
+            used = torch.zeros(P, ps, dtype=torch.bool)
+            for b, sk in enumerate(seq_lens):
+                j = torch.arange(sk)
+                used[torch.tensor(live[b], dtype=torch.long)[j // ps], j % ps] = True
+            self.pool.masked_fill_((~used).to(DEVICE)[:, :, None].expand_as(self.pool), NAN)
+        self.qo_indptr = None
+        if qmode == "fixed":
+            self.q_lens, self.max_seq_len_q = [sq] * B, sq
+            self.q = torch.randn(B, sq, h, DQK, generator=dg, device=DEVICE).to(dtype)
+        else:
+            self.q_lens = list(q_lens)
+            self.qo_indptr = torch.tensor(cumsum0(q_lens), dtype=I32, device=DEVICE)
+            self.max_seq_len_q = max_seq_len_q or max(q_lens)
+            self.q = torch.randn(sum(q_lens), h, DQK, generator=dg, device=DEVICE).to(dtype)
+        self.max_seq_len = max_seq_len or max(seq_lens)
+        nbytes = get_prims_ts_batch_decode_mla_workspace_size(B, h, self.max_seq_len, self.max_seq_len_q,
+                                                              device=DEVICE)
+        self.workspace = torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE)
+
+    @property
+    def out_shape(self):
+        return tuple(self.q.shape[:-1]) + (DV,)
+
+    def policy(self):
+        from prims_ts.cuda.kernels import MLA_DIM_QK, decode_policy
+
+        return decode_policy(self.B, 1, self.h, self.max_seq_len_q, MLA_DIM_QK, self.max_seq_len, sm_count())
+
+    def call(self, q=None, **kw):
+        extra = dict(qo_indptr=self.qo_indptr, max_seq_len_q=self.max_seq_len_q) if self.qmode == "packed" else {}
+        return prims_ts_batch_decode_with_kv_cache_mla(self.q if q is None else q, self.cache, self.workspace,
+                                                       self.block_tables, self.seq_lens, self.max_seq_len, **extra,
+                                                       **kw)
+
+    def ref(self, mask_type="causal", bmm1_scale=SCALE, bmm2_scale=1.0):
+        return R.batch_mla_decode(self.q, self.cache, self.block_tables, self.seq_lens, qo_indptr=self.qo_indptr,
+                                  mask_type=mask_type, sm_scale=bmm1_scale, output_scale=bmm2_scale,
+                                  compute_dtype=torch.float64)
+
+    def request_slices(self):
+        if self.qmode == "packed":
+            qo = cumsum0(self.q_lens)
+            return [slice(qo[b], qo[b + 1]) for b in range(self.B)]
+        return [slice(b, b + 1) for b in range(self.B)]
+
+
+def compare(pb: Problem, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    err = rel_err(out, ref)
+    assert err <= tol, f"rel err {err:.3e}"
+    for b, s in enumerate(pb.request_slices()):
+        e = rel_err(out[s], ref[s])
+        assert e <= tol, f"request {b} (len {pb.seq_lens_list[b]}, q {pb.q_lens[b]}): rel err {e:.3e}"
+
+
+def check(pb: Problem, mask="causal", out_dtype=None, bmm1_scale=SCALE, bmm2_scale=1.0, tol=None):
+    """Run into a NaN-poisoned out; compare with the float64 reference, whole and per request."""
+    odt = out_dtype or BF16
+    out = torch.full(pb.out_shape, NAN, dtype=odt, device=DEVICE)
+    res = pb.call(mask_type=mask, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out, out_dtype=odt)
+    assert res is out
+    torch.cuda.synchronize()
+    ref = pb.ref(mask, bmm1_scale, bmm2_scale)
+    compare(pb, out, ref, tol or max(TOLERANCE[pb.dtype], TOLERANCE[odt]))
+    return out, ref
+
+
+# ----------------------------------------------------------------------------
+# The grid
+# ----------------------------------------------------------------------------
+
+
+def grid_cell(qmode, mask, h, sq):
+    """The rotated axes of one grid test: page size, cache rank, dtype, page-ID kind, length set."""
+    cell = QMODES.index(qmode) * 2 + MASKS.index(mask)
+    j = HEADS.index(h) * 4 + SQS.index(sq)  # 0..19 inside the cell
+    return dict(ps=PAGE_SIZES[(j + cell) % 4], rank=RANKS[(j + j // 4 + cell) % 2],
+                dtype=(BF16, FP16)[(j // 2 + cell) % 2], kind=("perm", "repeated")[(j // 3 + cell) % 2],
+                lengths=("long", "short")[(j + j // 5 + cell) % 2])
+
+
+def test_grid_rotation_covers_every_axis():
+    """Inside every (Q mode, mask) cell every page size, rank, dtype, kind and length set appears,
+    and every page size meets both length sets."""
+    for qmode in QMODES:
+        for mask in MASKS:
+            cells = [grid_cell(qmode, mask, h, sq) for h in HEADS for sq in SQS]
+            for key, values in (("ps", PAGE_SIZES), ("rank", RANKS), ("dtype", [BF16, FP16]),
+                                ("kind", ["perm", "repeated"]), ("lengths", ["long", "short"])):
+                assert {c[key] for c in cells} == set(values), (qmode, mask, key)
+            assert {(c["ps"], c["lengths"]) for c in cells} == {(p, n) for p in PAGE_SIZES for n in ("long", "short")}
+
+
+@pytest.mark.parametrize("sq", SQS, ids=[f"sq{s}" for s in SQS])
+@pytest.mark.parametrize("h", HEADS, ids=[f"h{h}" for h in HEADS])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_mla_grid(qmode, mask, h, sq):
+    c = grid_cell(qmode, mask, h, sq)
+    lens = list(LONG if c["lengths"] == "long" else SHORT)
+    B = len(lens)
+    q_lens = [1 + (b + sq) % sq for b in range(B)]  # packed: counts 1..SQ, SQ reached
+    if mask == "causal":
+        lens[0] = sq if qmode == "fixed" else q_lens[0]  # the shortest legal length
+    max_len = 2600 if c["lengths"] == "long" else 127
+    pb = Problem(lens, h, c["ps"], c["dtype"], stable_seed("mla", qmode, mask, h, sq), qmode=qmode, sq=sq,
+                 q_lens=q_lens, max_seq_len_q=sq, rank=c["rank"], kind=c["kind"], max_seq_len=max_len)
+    pol = pb.policy()
+    assert (pol.splits > 1) == (c["lengths"] == "long"), pol
+    check(pb, mask)
+
+
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_every_page_size_both_ranks(qmode, ps, rank):
+    """Every page size with both cache ranks (H 16, SQ up to 3, split-KV), causal and dense."""
+    pb = Problem([3, 17, 100, 257, 1033, 2500], 16, ps, BF16, stable_seed("pages", qmode, ps, rank), qmode=qmode,
+                 sq=3, q_lens=[1, 3, 2, 3, 1, 2], rank=rank, kind="repeated" if ps == 64 else "perm",
+                 max_seq_len=2600)
+    assert pb.policy().splits > 1
+    check(pb, "causal")
+    check(pb, "dense")
+
+
+# ----------------------------------------------------------------------------
+# Split-KV and single-split policies, batch sizes, the long request
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split_kv", "one_split"])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_split_policies(qmode, mask, split):
+    if split:  # few requests, long lengths
+        lens, max_len = [20000, 4, 7777, 4096], 20000
+    else:  # many requests (enough CTAs for the SMs), short lengths
+        lens, max_len = [4 + (37 * i) % 250 for i in range(96)], 256
+    B = len(lens)
+    q_lens = [1 + i % 4 for i in range(B)]
+    pb = Problem(lens, 32, 64, BF16, stable_seed("split", qmode, mask, split), qmode=qmode, sq=4, q_lens=q_lens,
+                 max_seq_len_q=4, max_seq_len=max_len)
+    pol = pb.policy()
+    assert (pol.splits > 1) == split, pol
+    check(pb, mask)
+
+
+@pytest.mark.parametrize("B", [1, 2, 64, 512])
+@pytest.mark.parametrize("qmode", QMODES)
+def test_batch_sizes(B, qmode):
+    g = torch.Generator().manual_seed(B)
+    lens = torch.randint(3, 700, (B,), generator=g).tolist()
+    lens[0] = 3
+    if B > 1:
+        lens[-1] = 699
+    q_lens = torch.randint(1, 4, (B,), generator=g).tolist()
+    pb = Problem(lens, 16, 16, BF16, stable_seed("batch", B, qmode), qmode=qmode, sq=3, q_lens=q_lens,
+                 max_seq_len_q=3, max_seq_len=700, kind="repeated" if B == 64 else "perm")
+    check(pb, "dense")
+    check(pb, "causal")
+
+
+def test_one_request_of_131072_tokens():
+    """H 64, page 64, bf16: one 131072-token request beside a 4-token one (fixed SQ 4 and packed)."""
+    lens = [131072, 4]
+    pb = Problem(lens, 64, 64, BF16, stable_seed("131072"), sq=4, slack=0)
+    assert pb.policy().splits > 1
+    check(pb, "causal")
+    check(pb, "dense")
+    del pb
+    pk = Problem(lens[::-1], 64, 64, BF16, stable_seed("131072", "packed"), qmode="packed", q_lens=[1, 4],
+                 max_seq_len_q=4, slack=0)
+    check(pk, "causal")
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------
+# Output dtypes, scales, strided query
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [FP32, FP16, BF16])
+@pytest.mark.parametrize("lengths", ["long", "short"])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_out_dtype_and_scales(dtype, lengths, out_dtype):
+    lens = LONG if lengths == "long" else SHORT
+    pb = Problem(lens, 16, 32, dtype, stable_seed("odt", str(dtype), lengths, str(out_dtype)), qmode="packed",
+                 q_lens=[1, 2, 1, 1, 1, 2][:len(lens)], max_seq_len=2600 if lengths == "long" else 127)
+    tol = max(TOLERANCE[dtype], TOLERANCE[out_dtype])
+    for bmm1, bmm2 in [(0.02, 1.7), (SCALE, 0.5), (0.1, 1.0)]:
+        out, _ = check(pb, "causal", out_dtype=out_dtype, bmm1_scale=bmm1, bmm2_scale=bmm2, tol=tol)
+        assert out.dtype == out_dtype
+    res = pb.call(bmm1_scale=SCALE, out_dtype=out_dtype)
+    assert res.dtype == out_dtype and res.shape == pb.out_shape
+    assert rel_err(res, pb.ref("causal")) <= tol
+    # the seed's defaults: bmm1_scale 1.0, bmm2_scale 1.0, bfloat16 output
+    res = pb.call()
+    assert res.dtype == BF16
+    torch.cuda.synchronize()
+    compare(pb, res, pb.ref("causal", 1.0, 1.0), max(TOLERANCE[dtype], TOLERANCE[BF16]))
+
+
+def test_strided_query():
+    """Query heads sliced out of a wider projection (token stride > H * 576)."""
+    pb = Problem(LONG, 16, 16, BF16, stable_seed("strided"), sq=2, poison=False)
+    wide = torch.zeros(pb.B, 2, 20, DQK, dtype=BF16, device=DEVICE)
+    wide[:, :, 2:18] = pb.q
+    q = wide[:, :, 2:18]
+    assert not q.is_contiguous()
+    out = torch.full(pb.out_shape, NAN, dtype=BF16, device=DEVICE)
+    pb.call(q=q, bmm1_scale=SCALE, out=out)
+    torch.cuda.synchronize()
+    compare(pb, out, pb.ref("causal"), TOLERANCE[BF16])
+
+
+# ----------------------------------------------------------------------------
+# Wrapper and one-shot
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_wrapper_and_oneshot(qmode, mask, rank):
+    lens = [4, 33, 1000, 4097, 64]
+    pb = Problem(lens, 128, 32, FP16, stable_seed("wrapper", qmode, mask, rank), qmode=qmode, sq=2,
+                 q_lens=[4, 1, 2, 3, 1], rank=rank)
+    ref = pb.ref(mask, 0.03, 1.3)
+    w = BatchMLADecodePagedTSWrapper()
+    w.plan(pb.seq_lens, 128, 32, qo_indptr=pb.qo_indptr, max_seq_len_q=None if qmode == "packed" else 2,
+           mask_type=mask, bmm1_scale=0.03, bmm2_scale=1.3, q_data_type=FP16, out_dtype=FP32)
+    for validate in (True, False):
+        out = torch.full(pb.out_shape, NAN, dtype=FP32, device=DEVICE)
+        assert w.run(pb.q, pb.cache, pb.block_tables, pb.seq_lens, pb.qo_indptr, out=out, validate=validate) is out
+        torch.cuda.synchronize()
+        compare(pb, out, ref, TOLERANCE[FP16])
+    res = w.run(pb.q, pb.cache, pb.block_tables, pb.seq_lens, pb.qo_indptr)
+    assert res.dtype == FP32
+    compare(pb, res, ref, TOLERANCE[FP16])
+    one = batch_mla_decode_with_paged_kv_cache(pb.q, pb.cache, pb.block_tables, pb.seq_lens, qo_indptr=pb.qo_indptr,
+                                               mask_type=mask, bmm1_scale=0.03, bmm2_scale=1.3, out_dtype=FP32)
+    compare(pb, one, ref, TOLERANCE[FP16])
+    # the one-shot's refusal of a used page ID outside the cache reaches the device metadata
+    bad = pb.block_tables.clone()
+    bad[1, 0] = pb.num_pages
+    with pytest.raises(ValueError, match="block_tables"):
+        batch_mla_decode_with_paged_kv_cache(pb.q, pb.cache, bad, pb.seq_lens, qo_indptr=pb.qo_indptr,
+                                             mask_type=mask)
+
+
+def test_wrapper_with_caller_workspace():
+    """A caller workspace (FlashInfer style) sized generously: the plan zeroes what it needs."""
+    pb = Problem(LONG, 32, 64, BF16, stable_seed("caller_ws"), qmode="packed", q_lens=[1, 2, 3, 4, 1, 2])
+    ws = torch.full((64 << 20,), 0x5A, dtype=torch.uint8, device=DEVICE)
+    w = BatchMLADecodePagedTSWrapper(ws)
+    w.plan(pb.seq_lens, 32, 64, qo_indptr=pb.qo_indptr, max_kv_len=8192, bmm1_scale=SCALE)
+    out = w.run(pb.q, pb.cache, pb.block_tables, pb.seq_lens, pb.qo_indptr)
+    torch.cuda.synchronize()
+    compare(pb, out, pb.ref("causal"), TOLERANCE[BF16])
+
+
+# ----------------------------------------------------------------------------
+# Host checks that only apply to device tensors
+# ----------------------------------------------------------------------------
+
+
+def _must_not_launch(*args, **kwargs):
+    raise AssertionError("the MLA kernel was launched although validation should have failed first")
+
+
+@pytest.mark.parametrize("name", ["query", "kv_cache", "block_tables", "seq_lens", "out", "cpu_workspace"])
+def test_workspace_overlap_and_device_refused(name):
+    """The workspace must not share memory with any other argument, and lives on the device."""
+    from unittest import mock
+
+    from prims_ts.cuda import kernels
+
+    pb = Problem([20, 5], 8, 16, BF16, stable_seed("ws_overlap", name), slack=0, poison=False)
+    assert pb.workspace.numel() <= 4096
+    args = dict(query=pb.q, kv_cache=pb.cache, workspace_buffer=pb.workspace, block_tables=pb.block_tables,
+                seq_lens=pb.seq_lens, max_seq_len=pb.max_seq_len)
+    kw = {}
+    nbytes = math.prod(pb.out_shape) * 2
+    if name == "query":
+        args["workspace_buffer"] = pb.q.view(-1).view(torch.uint8)
+    elif name == "kv_cache":
+        args["workspace_buffer"] = pb.pool.view(-1).view(torch.uint8)[:4096]
+    elif name == "out":
+        buf = torch.zeros(pb.workspace.numel() + nbytes, dtype=torch.uint8, device=DEVICE)
+        args["workspace_buffer"] = buf[:pb.workspace.numel()]
+        kw["out"] = buf[pb.workspace.numel() - 16:][:nbytes].view(BF16).view(pb.out_shape)
+    elif name == "cpu_workspace":
+        args["workspace_buffer"] = pb.workspace.cpu()
+    else:
+        buf = torch.zeros(8192, dtype=torch.uint8, device=DEVICE)
+        meta = args[name]
+        view = buf[:meta.numel() * 4].view(I32).view(meta.shape)
+        view.copy_(meta)
+        args[name] = view
+        args["workspace_buffer"] = buf
+    match = r"\bout\b|workspace_buffer" if name == "out" else "workspace_buffer"
+    with mock.patch.object(kernels, "launch_mla", _must_not_launch):
+        with pytest.raises(ValueError, match=match):
+            prims_ts_batch_decode_with_kv_cache_mla(*args.values(), **kw)
