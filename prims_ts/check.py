@@ -431,3 +431,125 @@ def _decode_cases() -> List[CheckCase]:
 
 
 register("prims_ts_batch_decode_with_kv_cache", _decode_cases())
+
+
+# ----------------------------------------------------------------------------
+# MLA decode (SPEC §4): the one-shot, the standalone and the wrapper
+# ----------------------------------------------------------------------------
+
+MLA_APIS = {"oneshot": "batch_mla_decode_with_paged_kv_cache",
+            "standalone": "prims_ts_batch_decode_with_kv_cache_mla",
+            "wrapper": "BatchMLADecodePagedTSWrapper"}
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    entry: str  # "oneshot" | "standalone" | "wrapper" (run(validate=False))
+    q_mode: str  # "fixed" [B, SQ, H, 576] | "packed" [T, H, 576]
+    mask: str  # "dense" | "causal"
+    heads: int
+    sq: int  # fixed: SQ; packed: the largest per-request query count
+    page_size: int
+    rank: int  # 3: [P, ps, 576]; 4: [P, 1, ps, 576]
+    dtype: torch.dtype  # sets the tolerance: fp16 cases ask for fp16 output (the default is bf16)
+    out_dtype: Optional[torch.dtype] = None
+
+    def q_lens(self, small: bool):
+        n = 3 if small else 4
+        if self.q_mode == "fixed":
+            return [self.sq] * n
+        return [1, self.sq, max(1, self.sq - 1), 2][:n]
+
+    def lens(self, small: bool):
+        """K/V lengths: 1 (or the query count) and not page multiples."""
+        base = [1, 37, 100] if small else [1, 37, 1000, 5000]
+        return [max(n, q) for n, q in zip(base, self.q_lens(small))]
+
+    def name(self) -> str:
+        extra = f" out={_dt(self.out_dtype)}" if self.out_dtype is not None else ""
+        return (f"{self.q_mode} {self.mask} H{self.heads} SQ{self.sq} page{self.page_size} "
+                f"{self.rank}-D cache{extra}")
+
+    def describe(self, small: bool) -> str:
+        return f"lens{self.lens(small)}".replace(" ", "")
+
+    def run(self, device: torch.device, small: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        import prims_ts
+        from prims_ts import reference
+
+        g = _gen(_seed(self.entry + " " + self.name()))
+        ps, dt, h = self.page_size, self.dtype, self.heads
+        lens, q_lens = self.lens(small), self.q_lens(small)
+        b = len(lens)
+        need = [(n + ps - 1) // ps for n in lens]
+        pool = sum(need) + 2
+        # shuffled pages; the table is a row-strided view of a wider one, garbage past the live pages
+        perm = torch.randperm(pool, generator=g).to(torch.int32)
+        cols = max(need) + 1
+        wide = torch.full((b, cols + 3), -1, dtype=torch.int32)
+        at = 0
+        for i, n in enumerate(need):
+            wide[i, :n] = perm[at:at + n]
+            at += n
+        table = wide.to(device)[:, :cols]
+        latents = _randn((pool, ps, 576), dt, device, g)
+        used = torch.zeros(pool, ps, dtype=torch.bool)
+        for i, n in enumerate(lens):
+            j = torch.arange(n)
+            used[wide[i, :need[i]].long()[j // ps], j % ps] = True
+        latents.masked_fill_((~used).to(device)[:, :, None], float("nan"))  # unused slots: never read
+        cache = latents.unsqueeze(1) if self.rank == 4 else latents
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        qo = None
+        if self.q_mode == "fixed":
+            q = _randn((b, self.sq, h, 576), dt, device, g)
+        else:
+            qo = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+            q = _randn((sum(q_lens), h, 576), dt, device, g)
+        scale = 1.0 / math.sqrt(576)
+        odt = self.out_dtype or torch.bfloat16
+        out = _poisoned(tuple(q.shape[:-1]) + (512,), odt, device)
+        max_sq = self.sq
+        if self.entry == "oneshot":
+            res = prims_ts.batch_mla_decode_with_paged_kv_cache(
+                q, cache, table, seq_lens, qo_indptr=qo, mask_type=self.mask, bmm1_scale=scale, out=out)
+        elif self.entry == "standalone":
+            ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_mla_workspace_size(b, h, max(lens), max_sq,
+                                                                                 device=device),
+                             dtype=torch.uint8, device=device)
+            res = prims_ts.prims_ts_batch_decode_with_kv_cache_mla(
+                q, cache, ws, table, seq_lens, max(lens), qo_indptr=qo,
+                max_seq_len_q=max_sq if qo is not None else None, mask_type=self.mask, bmm1_scale=scale, out=out)
+        else:
+            w = prims_ts.BatchMLADecodePagedTSWrapper()
+            w.plan(seq_lens, h, ps, qo_indptr=qo, max_seq_len_q=max_sq, mask_type=self.mask, bmm1_scale=scale,
+                   q_data_type=dt, out_dtype=odt)
+            res = w.run(q, cache, table, seq_lens, qo, out=out, validate=False)
+        if res is not out:
+            raise AssertionError(f"{MLA_APIS[self.entry]}(out=...) must return out itself")
+        ref = reference.batch_mla_decode(q, cache, table, seq_lens, qo_indptr=qo, mask_type=self.mask,
+                                         sm_scale=scale, compute_dtype=torch.float64)
+        return out, ref
+
+    def case(self) -> CheckCase:
+        return CheckCase(MLA_APIS[self.entry], self.name(), self.dtype, self.run, self.describe)
+
+
+def _mla_cases() -> List[CheckCase]:
+    bf16, fp16 = torch.bfloat16, torch.float16
+    specs = [
+        MLASpec("oneshot", "fixed", "causal", 16, 1, 64, 3, bf16),
+        MLASpec("oneshot", "packed", "causal", 128, 4, 16, 4, bf16),
+        MLASpec("oneshot", "fixed", "dense", 32, 2, 128, 4, fp16, out_dtype=fp16),
+        MLASpec("oneshot", "packed", "dense", 8, 3, 32, 3, bf16, out_dtype=torch.float32),
+        MLASpec("standalone", "fixed", "causal", 64, 1, 32, 3, bf16),
+        MLASpec("standalone", "packed", "causal", 16, 4, 64, 4, fp16, out_dtype=fp16),
+        MLASpec("standalone", "fixed", "causal", 128, 2, 16, 3, bf16),
+        MLASpec("wrapper", "packed", "causal", 32, 3, 64, 3, bf16),
+        MLASpec("wrapper", "fixed", "dense", 16, 1, 128, 4, fp16, out_dtype=fp16),
+    ]
+    return [s.case() for s in specs]
+
+
+for _case in _mla_cases():
+    register(_case.api, [_case])
