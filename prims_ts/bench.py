@@ -855,3 +855,117 @@ register_family(Family(
     ],
     reference="sdpa",
 ))
+
+
+# ----------------------------------------------------------------------------
+# MLA decode (SPEC §4): the standalone path (preallocated workspace and out) over a
+# page-64 latent cache with shuffled pages, beside a plain-PyTorch MLA (bmm + softmax
+# + bmm) on the same latents stored contiguously. Memory-bound rows count the latent
+# cache's bytes (B * L * 576 * 2); compute-bound rows 2 * H * SQ * L * (576 + 512)
+# FLOPs per request.
+# ----------------------------------------------------------------------------
+
+MLA_DQK, MLA_DV = 576, 512
+
+
+def _mla_problems() -> List[Problem]:
+    shapes = [
+        # (B, L, H, SQ, unit, quick, graph)
+        (64, 8192, 16, 1, "TB/s", True, False),  # memory-bound (issue 5 floor: 3.5 TB/s)
+        (128, 4096, 128, 1, "TFLOP/s", True, False),  # compute-bound (issue 5 floor: 300 TFLOP/s)
+        (1, 1024, 16, 1, "TB/s", True, True),  # latency: CUDA graphs on both sides
+    ]
+    out = []
+    for b, n, h, sq, unit, quick, graph in shapes:
+        work = b * n * MLA_DQK * 2 if unit == "TB/s" else b * 2 * h * sq * n * (MLA_DQK + MLA_DV)
+        out.append(Problem(
+            family="mla",
+            name=f"B{b} L{n} H{h} SQ{sq} page64" + (" graphs" if graph else ""),
+            params=dict(B=b, L=n, H=h, SQ=sq, page_size=64, graph=graph, dtype="bf16"),
+            work=float(work),
+            unit=unit,
+            quick=quick,
+        ))
+    return out
+
+
+class MLAInputs:
+    """q [B, SQ, H, 576]; a latent cache [P, 64, 576] with shuffled pages and its block table;
+    the same latents contiguous [B, L, 576] for the plain-PyTorch peer."""
+
+    def __init__(self, prob: Problem, device: torch.device):
+        import prims_ts
+
+        p = prob.params
+        b, n, h, sq, ps = p["B"], p["L"], p["H"], p["SQ"], p["page_size"]
+        dt = torch.bfloat16
+        g = torch.Generator(device=device)
+        g.manual_seed(0)
+        self.graph = p["graph"]
+        self.scale = 1.0 / math.sqrt(MLA_DQK)
+        self.q = torch.randn(b, sq, h, MLA_DQK, device=device, dtype=dt, generator=g)
+        per = (n + ps - 1) // ps
+        self.cache = torch.randn(b * per, ps, MLA_DQK, device=device, dtype=dt, generator=g)
+        perm = torch.randperm(b * per, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+        self.block_tables = perm.view(b, per).to(device)
+        self.seq_lens = torch.full((b,), n, device=device, dtype=torch.int32)
+        self.max_seq_len = n
+        self.ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_mla_workspace_size(b, h, n, sq, device=device),
+                              dtype=torch.uint8, device=device)
+        self._contig = None
+
+    def contiguous(self):
+        """q as [B, SQ * H, 576] (rows token-major) and the latents as [B, L, 576] in logical order."""
+        if self._contig is None:
+            b, sq, h, _ = self.q.shape
+            kv = self.cache[self.block_tables.long()]  # [B, per, ps, 576]
+            kv = kv.reshape(b, -1, MLA_DQK)[:, : self.max_seq_len].contiguous()
+            self._contig = (self.q.reshape(b, sq * h, MLA_DQK), kv)
+        return self._contig
+
+
+def _setup_ours_mla(prob: Problem, x: MLAInputs):
+    import prims_ts
+
+    out = torch.empty(tuple(x.q.shape[:-1]) + (MLA_DV,), device=x.q.device, dtype=torch.bfloat16)
+
+    def fn():
+        return prims_ts.prims_ts_batch_decode_with_kv_cache_mla(x.q, x.cache, x.ws, x.block_tables, x.seq_lens,
+                                                                x.max_seq_len, bmm1_scale=x.scale, out=out)
+
+    return _graphed(fn, x.graph)
+
+
+def _setup_torch_mla(prob: Problem, x: MLAInputs):
+    """Plain PyTorch: S = Q K^T (bmm), softmax in float32, O = P V (bmm; V = the latents' first 512
+    columns, a strided view). Bottom-right causal for SQ > 1 (the same rule as ours)."""
+    q, kv = x.contiguous()
+    v = kv[..., :MLA_DV]
+    b, sq, h, _ = x.q.shape
+    n = kv.shape[1]
+    hidden = None
+    if sq > 1:
+        i = torch.arange(sq, device=q.device).view(sq, 1)
+        j = torch.arange(n, device=q.device).view(1, n)
+        hidden = (j > n - sq + i).view(1, sq, 1, n)
+
+    def fn():
+        s = torch.bmm(q, kv.transpose(1, 2)).float().mul_(x.scale)  # [B, SQ * H, L]
+        if hidden is not None:
+            s = s.view(b, sq, h, n).masked_fill(hidden, float("-inf")).view(b, sq * h, n)
+        p = torch.softmax(s, dim=-1).to(q.dtype)
+        return torch.bmm(p, v).view(b, sq, h, MLA_DV)
+
+    return _graphed(fn, x.graph)
+
+
+register_family(Family(
+    name="mla",
+    problems=_mla_problems,
+    make_inputs=MLAInputs,
+    runners=[
+        Runner("prims_ts", _setup_ours_mla),
+        Runner("torch", _setup_torch_mla),
+    ],
+    reference="torch",
+))
