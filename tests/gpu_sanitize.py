@@ -1,4 +1,4 @@
-"""Small prefill (contiguous and paged) and paged-decode cases for compute-sanitizer
+"""Small prefill (contiguous and paged), paged-decode and MLA-decode cases for compute-sanitizer
 (not collected by pytest).
 
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
@@ -104,6 +104,71 @@ def decode_cases(dev) -> None:
         decode_case(dev, *case)
 
 
+# (name, query mode, SQ / packed Q lengths, mask, H, page size, cache rank, K/V lengths, max_seq_len,
+#  split-KV expected)
+MLA_CASES = [
+    ("fixed sq1 h16 causal", "fixed", 1, "causal", 16, 16, 3, [1, 37, 60], 60, False),
+    ("packed h64 causal", "packed", [1, 3, 2], "causal", 64, 32, 4, [5, 50, 61], 64, False),
+    ("split fixed sq2 h8 dense", "fixed", 2, "dense", 8, 64, 3, [3000, 1], 3000, True),
+    ("split packed h128 causal", "packed", [4, 1], "causal", 128, 128, 4, [1200, 300], 1300, True),
+]
+
+
+def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split) -> None:
+    """One MLA launch over shuffled pages (unused slots NaN, garbage block-table entries past the live
+    pages, a row-strided table) into a NaN-poisoned out, against the float64 reference."""
+    from prims_ts.cuda.kernels import MLA_DIM_QK, decode_policy
+
+    B, dt = len(lens), torch.bfloat16
+    n_live = [(n + ps - 1) // ps for n in lens]
+    num_pages = sum(n_live) + 2  # two pages no request uses
+    perm = torch.randperm(num_pages).tolist()
+    cols = max(n_live) + 1
+    wide = torch.full((B, cols + 2), GARBAGE[1], dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(n_live):
+        wide[b, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
+        wide[b, n:cols] = GARBAGE[b % 2]
+        at += n
+    table = wide.to(dev)[:, :cols]
+    latents = torch.randn(num_pages, ps, 576, device=dev, dtype=dt)
+    used = torch.zeros(num_pages, ps, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        j = torch.arange(n)
+        used[wide[b, :n_live[b]].long()[j // ps], j % ps] = True
+    latents.masked_fill_((~used).to(dev)[:, :, None], float("nan"))
+    cache = latents.unsqueeze(1) if rank == 4 else latents
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    kw, qo_indptr = {}, None
+    if qmode == "fixed":
+        q = torch.randn(B, sq, h, 576, device=dev, dtype=dt)
+        max_sq = sq
+    else:
+        qo_indptr = torch.tensor(cumsum0(sq), dtype=torch.int32, device=dev)
+        q = torch.randn(sum(sq), h, 576, device=dev, dtype=dt)
+        max_sq = max(sq)
+        kw.update(qo_indptr=qo_indptr, max_seq_len_q=max_sq)
+    pol = decode_policy(B, 1, h, max_sq, MLA_DIM_QK, max_seq_len, _sm_count(dev))
+    assert (pol.splits > 1) == split, (name, pol)
+    nbytes = prims_ts.get_prims_ts_batch_decode_mla_workspace_size(B, h, max_seq_len, max_sq, device=dev)
+    workspace = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    out = torch.full(tuple(q.shape[:-1]) + (512,), float("nan"), dtype=dt, device=dev)
+    scale = 576 ** -0.5
+    res = prims_ts.prims_ts_batch_decode_with_kv_cache_mla(q, cache, workspace, table, seq_lens, max_seq_len,
+                                                           mask_type=mask, bmm1_scale=scale, out=out, **kw)
+    assert res is out
+    ref = R.batch_mla_decode(q, cache, table, seq_lens, qo_indptr=qo_indptr, mask_type=mask, sm_scale=scale,
+                             compute_dtype=torch.float64)
+    err = relative_error(out, ref)
+    print(f"mla {name} (splits {pol.splits}): rel err {err:.2e}")
+    assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
+
+
+def mla_cases(dev) -> None:
+    for case in MLA_CASES:
+        mla_case(dev, *case)
+
+
 def main() -> None:
     torch.manual_seed(0)
     dev = "cuda"
@@ -149,6 +214,8 @@ def main() -> None:
         assert err < 2e-2
     # paged decode: [B,Hq,D], [B,SQ,Hq,D] causal + window, packed; with and without split-KV
     decode_cases(dev)
+    # MLA decode: fixed and packed, both cache ranks, with and without split-KV
+    mla_cases(dev)
     torch.cuda.synchronize()
     print("sanitize cases done")
 
