@@ -823,9 +823,21 @@ def test_wrapper_init_and_workspace_errors():
     w.plan(ip(LENS), H, PS)  # a one-split key: the minimum is enough
     with pytest.raises(ValueError, match="workspace_buffer"):
         w.plan(ip(LENS), H, PS, max_kv_len=4096)
-    # metadata on another device than the caller's workspace
+    # plan reads values: metadata on the meta device cannot be planned from
     with pytest.raises(ValueError, match="seq_lens"):
         BatchMLADecodePagedTSWrapper(make_ws()).plan(ip(LENS).to("meta"), H, PS)
+
+
+def test_wrapper_device_rules():
+    """plan binds nothing, so host metadata is fine where the device is known (workspace or device=);
+    run refuses a query on another device than the wrapper's workspace, naming the query."""
+    w = BatchMLADecodePagedTSWrapper(device="meta")
+    w.plan(ip(LENS), H, PS)  # host metadata, a workspace on the wrapper's device
+    assert w.workspace_buffer.device.type == "meta"
+    expect(ValueError, "query", w.run, _q, _kv, block_tables(), ip(LENS))
+    w = BatchMLADecodePagedTSWrapper(torch.zeros(256, dtype=U8, device="meta"))
+    w.plan(ip(LENS), H, PS)
+    expect(ValueError, "query", w.run, _q, _kv, block_tables(), ip(LENS), validate=False)
 
 
 def test_wrapper_plan_zeroes_the_caller_workspace():

@@ -393,7 +393,9 @@ class BatchMLADecodePagedTSWrapper:
 
     ``plan`` reads ``seq_lens`` (and ``qo_indptr``) once on the host, validates them and fixes
     the bounds: batch, heads, page size, query mode and ``max_seq_len_q``, ``max_kv_len``, the
-    mask, the scales and the dtypes. ``run`` takes the live metadata tensors:
+    mask, the scales and the dtypes. It binds no tensor: the metadata it reads may live on the
+    host when the wrapper's device is known (``workspace_buffer`` or ``device=``); otherwise the
+    wrapper's own workspace goes to the metadata's device. ``run`` takes the live metadata tensors:
 
     * ``validate=True`` (default) reads them on the host and checks them against the plan and
       the cache: ``1 <= seq_lens[b] <= min(max_kv_len, block_tables.shape[1] * page_size)``,
@@ -453,8 +455,8 @@ class BatchMLADecodePagedTSWrapper:
         if packed:
             V.int32_vector("qo_indptr", qo_indptr, length=batch + 1)
         device = V.same_device([("seq_lens", seq_lens), ("qo_indptr", qo_indptr)])
-        if self.device is not None and device != self.device:
-            V.fail(f"seq_lens: is on {device} but the wrapper's device (its workspace) is {self.device}")
+        if device.type == "meta":
+            V.fail("seq_lens: plan reads the metadata values; got tensors on the meta device")
         _check_num_heads("num_heads", V.integer("num_heads", num_heads))
         V.integer("page_size", page_size)
         if page_size not in PAGE_SIZES:
@@ -487,7 +489,7 @@ class BatchMLADecodePagedTSWrapper:
             q_lens = [max_seq_len_q] * batch
         if mask_type == "causal":
             _values_causal(q_lens, lens)
-        self._allocate(batch, num_heads, max_kv_len, max_seq_len_q, device)
+        self._allocate(batch, num_heads, max_kv_len, max_seq_len_q, self.device or device)
         self._plan = _Plan(batch, num_heads, page_size, packed, max_seq_len_q, max_kv_len, mask_type, sm_scale,
                            output_scale, q_data_type, odt)
 
@@ -530,6 +532,10 @@ class BatchMLADecodePagedTSWrapper:
         if not plan.packed and qo_indptr is not None:
             V.fail("qo_indptr: the plan is for fixed queries [B, SQ, H, 576]; qo_indptr must be None")
         V.tensor("query", query, dtypes=V.INPUT_DTYPES)
+        ws = self.workspace_buffer
+        if query.device != ws.device:
+            V.fail(f"query: is on {query.device} but the wrapper's workspace is on {ws.device} (plan with metadata "
+                   "on the query's device, or construct the wrapper with device= or workspace_buffer=)")
         if query.dtype != plan.dtype:
             V.fail(f"query: dtype {query.dtype} differs from the planned q_data_type {plan.dtype}")
         if query.dim() >= 2 and query.shape[-2] != plan.num_heads:
@@ -542,7 +548,7 @@ class BatchMLADecodePagedTSWrapper:
         V.int32_vector("seq_lens", seq_lens, length=plan.batch)
         if isinstance(out, torch.Tensor) and out.dtype != plan.out_dtype:
             V.fail(f"out: dtype {out.dtype} differs from the planned out_dtype {plan.out_dtype}")
-        call = _prepare(query, kv_cache, self.workspace_buffer, block_tables, seq_lens, plan.max_kv_len, qo_indptr,
+        call = _prepare(query, kv_cache, ws, block_tables, seq_lens, plan.max_kv_len, qo_indptr,
                         plan.max_seq_len_q if plan.packed else None, KV_LORA_RANK, QK_ROPE_HEAD_DIM, plan.mask_type,
                         plan.sm_scale, plan.output_scale, out, plan.out_dtype)
         if validate and not V.tracing():
