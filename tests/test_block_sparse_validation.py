@@ -458,12 +458,6 @@ def test_oneshot_errors(exc, match, make):
     expect(exc, match, block_sparse_attention_with_paged_kv_cache, *args, **kwargs)
 
 
-V_DEVICE_BUG = ("bug: block_sparse.py _check_static leaves the V pool of a (K, V) tuple out of its same-device "
-                "check: on CPU a 'meta' V is accepted and out= is left unwritten; on CUDA a V pool on another "
-                "device would reach the kernel")
-
-
-@pytest.mark.xfail(strict=True, reason=V_DEVICE_BUG)
 @pytest.mark.parametrize("where", ["v_meta", "v_meta_k_cpu_out"])
 def test_oneshot_tuple_v_on_another_device(where):
     out = torch.empty(_q.shape, dtype=BF16) if where == "v_meta_k_cpu_out" else None
@@ -687,8 +681,6 @@ def test_wrapper_run_out_overlapping_metadata(name):
     expect(ValueError, r"\bout\b", w.run, *pos, **kw)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="bug: BlockSparsePagedTSWrapper.run answers a q that "
-                   "is not a tensor with ValueError; SPEC 'Errors' asks for TypeError for a wrong Python type")
 def test_wrapper_run_q_not_a_tensor():
     w = planned()
     pos, kw = run_args(q=_q.tolist())
@@ -698,7 +690,6 @@ def test_wrapper_run_q_not_a_tensor():
         raise AssertionError(f"ValueError instead of TypeError: {e}") from e
 
 
-@pytest.mark.xfail(strict=True, reason=V_DEVICE_BUG)
 def test_wrapper_run_tuple_v_on_another_device():
     w = planned()
     pos, kw = run_args(paged_kv_cache=(_k, _v.to("meta")))

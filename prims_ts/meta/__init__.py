@@ -3,4 +3,4 @@
 They never read tensor data, so torch.compile, torch.export and AOTInductor can
 trace the ops with fake tensors.
 """
-from . import decode, mla, prefill, prefill_paged  # noqa: F401
+from . import block_sparse, decode, mla, prefill, prefill_paged  # noqa: F401

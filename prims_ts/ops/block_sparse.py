@@ -161,7 +161,8 @@ def _check_static(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, bloc
         if tuple(valid_bits.shape) != (batch, words):
             V.fail(f"kv_valid_bits: expected [B, ceil(max_seq_len_kv / 32)] = {(batch, words)}, "
                    f"got {tuple(valid_bits.shape)}")
-    device = V.same_device([("q", q), ("paged_kv_cache", k_cache), ("paged_kv_indptr", kv_indptr),
+    device = V.same_device([("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache),
+                            ("paged_kv_indptr", kv_indptr),
                             ("paged_kv_indices", kv_indices), ("block_indptr", block_indptr),
                             ("block_indices", block_indices), ("seq_lens_kv", seq_lens),
                             ("kv_valid_bits", valid_bits)])
@@ -326,9 +327,10 @@ class BlockSparsePagedTSWrapper:
             raise RuntimeError("BlockSparsePagedTSWrapper.run: call plan(...) first")
         k_cache, v_cache = split_cache(paged_kv_cache, "paged_kv_cache")
         expect = (plan["batch"], plan["sq"], plan["hq"], plan["d"])
-        if not isinstance(q, torch.Tensor) or tuple(q.shape) != expect:
-            V.fail(f"q: expected the planned [B, Sq, Hq, D] = {expect}, got "
-                   f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+        if tuple(q.shape) != expect:
+            V.fail(f"q: expected the planned [B, Sq, Hq, D] = {expect}, got {tuple(q.shape)}")
         if q.dtype != plan["dtype"]:
             V.fail(f"q: dtype {q.dtype} differs from the planned q_data_type {plan['dtype']}")
         if k_cache.shape[1] != plan["hkv"] or k_cache.shape[2] != plan["page_size"]:
