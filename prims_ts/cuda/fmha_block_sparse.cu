@@ -36,9 +36,12 @@ template <int BN> struct BsrRange {
   int nblk, tpb, kv_block, sk;  // tpb: tiles per block
   __device__ __forceinline__ int n_tiles() const { return nblk * tpb; }
   __device__ __forceinline__ KeyTile tile(int it) const {
-    const int c = blocks[nblk - 1 - it / tpb];
-    const int k0 = c * kv_block + (tpb - 1 - it % tpb) * BN;
-    const int end = min_(sk, c * kv_block + kv_block);
+    const int start = blocks[nblk - 1 - it / tpb] * kv_block;  // < sk (the route contract)
+    const int k0 = start + (tpb - 1 - it % tpb) * BN;
+    const int end = min_(sk, start + kv_block);
+    // A sub-tile of a block cut by the request's end holds nothing: an empty tile at the
+    // block's start (every address the loader forms stays inside the live pages).
+    if (k0 >= end) return {start, 0};
     return {k0, min_(BN, end - k0)};
   }
 };
