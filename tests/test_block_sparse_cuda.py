@@ -444,9 +444,8 @@ def test_tensor_on_the_host_refused(name):
             block_sparse_attention_with_paged_kv_cache(*args.values(), **kw)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: block_sparse.py _check_static leaves the V pool of a (K, V) tuple out "
-                   "of its same-device check: a V pool on the host reaches the kernel")
 def test_tuple_v_on_the_host_refused():
+    """The V pool of a (K, V) tuple on the host (K on the GPU): refused before any launch."""
     from unittest import mock
 
     from prims_ts.cuda import kernels
