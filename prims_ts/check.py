@@ -553,3 +553,184 @@ def _mla_cases() -> List[CheckCase]:
 
 for _case in _mla_cases():
     register(_case.api, [_case])
+
+
+# ----------------------------------------------------------------------------
+# Paged block-sparse attention (SPEC §5): the one-shot and the wrapper's run
+# ----------------------------------------------------------------------------
+
+BSR_APIS = {"oneshot": "block_sparse_attention_with_paged_kv_cache", "wrapper": "BlockSparsePagedTSWrapper"}
+_PAGE_GARBAGE = (-1, 2 ** 31 - 1)  # CSR entries past a request's live pages
+_BLOCK_GARBAGE = (-7, 2 ** 31 - 1)  # block_indices entries outside every route row
+
+
+def bsr_routes(lens: Sequence[int], sq: int, hkv: int, q_block: int, kv_block: int, g: torch.Generator,
+               density: float = 0.5, empty: bool = False) -> List[List[List[List[int]]]]:
+    """routes[b][h][r]: sorted block IDs; each block of request b (those starting before its
+    length) with probability ``density``, the blocks holding row r's bottom-right diagonal
+    keys always. ``empty``: request 0's last K/V head has an empty last row and request 1's
+    first K/V head selects nothing at all (those query rows write zeros)."""
+    n_rows = -(-sq // q_block)
+    routes = []
+    for b, sk in enumerate(lens):
+        nblk = -(-sk // kv_block)
+        heads = []
+        for h in range(hkv):
+            rows = []
+            for r in range(n_rows):
+                sel = set((torch.rand(nblk, generator=g) < density).nonzero().flatten().tolist())
+                t0, t1 = r * q_block, min(sq, (r + 1) * q_block)
+                lo, hi = max(0, sk - sq + t0), min(sk - 1, max(0, sk - sq + t1 - 1))
+                sel |= set(range(lo // kv_block, hi // kv_block + 1))
+                if empty and ((b == 0 and h == hkv - 1 and r == n_rows - 1) or (b == 1 and h == 0)):
+                    sel = set()
+                rows.append(sorted(sel))
+            heads.append(rows)
+        routes.append(heads)
+    return routes
+
+
+def bsr_tensors(routes, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(block_indptr [B, Hkv, R + 1] of absolute offsets, block_indices) for routes[b][h][r], the
+    (b, h) segments back to back, two garbage block IDs after the last one."""
+    ptr, flat = [], []
+    for heads in routes:
+        ptr.append([])
+        for rows in heads:
+            offs = [len(flat)]
+            for row in rows:
+                flat += row
+                offs.append(len(flat))
+            ptr[-1].append(offs)
+    flat += list(_BLOCK_GARBAGE)
+    return (torch.tensor(ptr, dtype=torch.int32, device=device),
+            torch.tensor(flat, dtype=torch.int32, device=device))
+
+
+@dataclass(frozen=True)
+class BlockSparseSpec:
+    entry: str  # "oneshot" | "wrapper" (plan, then run(out=))
+    mask: str  # "dense" | "causal"
+    head_dim: int
+    hq: int
+    hkv: int
+    q_block: int
+    kv_block: int
+    page_size: int
+    combined: bool  # [P, 2, Hkv, ps, D] or a (K, V) tuple
+    dtype: torch.dtype
+    bits: Optional[str] = None  # kv_valid_bits: None | "uint32" | "int32"
+    empty: bool = False  # an empty route row and a K/V head with no blocks (see bsr_routes)
+    sq1: bool = False  # Sq = 1
+    out_dtype: Optional[torch.dtype] = None
+
+    def sizes(self, small: bool):
+        """(Sq, K/V lengths, max_seq_len_kv): lengths not page or block multiples, Sq <= every length,
+        max_seq_len_kv above the longest (spare valid-bit words)."""
+        sq = 1 if self.sq1 else (40 if small else 300)
+        lens = [300, 61] if small else [1000, 333, 777]
+        return sq, lens, max(lens) + 37
+
+    def name(self) -> str:
+        group = self.hq // self.hkv
+        heads = "MHA" if group == 1 else f"GQA{group}"
+        extra = f" bits={self.bits}" if self.bits else ""
+        extra += " empty" if self.empty else ""
+        extra += " Sq1" if self.sq1 else ""
+        extra += f" out={_dt(self.out_dtype)}" if self.out_dtype is not None else ""
+        return (f"{self.mask} D{self.head_dim} {heads} qb{self.q_block} kvb{self.kv_block} page{self.page_size} "
+                f"{'combined' if self.combined else 'tuple'}{extra}")
+
+    def describe(self, small: bool) -> str:
+        sq, lens, _ = self.sizes(small)
+        return f"Sq{sq} lens{lens} H{self.hq}/{self.hkv}".replace(", ", ",")
+
+    def run(self, device: torch.device, small: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        import prims_ts
+        from prims_ts import reference
+
+        g = _gen(_seed(self.entry + " " + self.name()))
+        ps, d, dt, hq, hkv = self.page_size, self.head_dim, self.dtype, self.hq, self.hkv
+        sq, lens, max_len = self.sizes(small)
+        b = len(lens)
+        need = [(n + ps - 1) // ps for n in lens]
+        pool = sum(need) + 2  # two pages no request uses
+        perm = torch.randperm(pool, generator=g).tolist()
+        indices, entries, live, at = [], [], [], 0
+        for i, n in enumerate(need):  # shuffled pages, garbage CSR entries past the live ones
+            live.append(perm[at:at + n])
+            at += n
+            slack = [_PAGE_GARBAGE[i % 2]] * (i % 2 + 1)
+            indices += live[i] + slack
+            entries.append(n + len(slack))
+        indptr = torch.tensor(entries, dtype=torch.int64).cumsum(0)
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int64), indptr]).to(torch.int32).to(device)
+        indices = torch.tensor(indices, dtype=torch.int32, device=device)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        if self.combined:
+            cache = _randn((pool, 2, hkv, ps, d), dt, device, g)
+            k, v = cache[:, 0], cache[:, 1]
+        else:
+            k, v = _randn((pool, hkv, ps, d), dt, device, g), _randn((pool, hkv, ps, d), dt, device, g)
+            cache = (k, v)
+        used = torch.zeros(pool, ps, dtype=torch.bool)
+        for i, n in enumerate(lens):
+            j = torch.arange(n)
+            used[torch.tensor(live[i])[j // ps], j % ps] = True
+        unused = (~used).to(device)[:, None, :, None].expand_as(k)
+        k.masked_fill_(unused, float("nan"))  # unused slots: never read
+        v.masked_fill_(unused, float("nan"))
+        routes = bsr_routes(lens, sq, hkv, self.q_block, self.kv_block, g, empty=self.empty)
+        block_indptr, block_indices = bsr_tensors(routes, device)
+        bits = None
+        if self.bits is not None:
+            words = -(-max_len // 32)
+            on = (torch.rand(b, words, 32, generator=g) < 0.75).to(torch.int64)
+            w = (on << torch.arange(32)).sum(-1)
+            w[0, 0] |= 1 << 31  # a word with the top bit set
+            bits = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).to(device)
+            if self.bits == "uint32":
+                bits = bits.view(torch.uint32)
+        q = _randn((b, sq, hq, d), dt, device, g)
+        out = _poisoned(q.shape, self.out_dtype or dt, device)
+        if self.entry == "oneshot":
+            res = prims_ts.block_sparse_attention_with_paged_kv_cache(
+                q, cache, indptr, indices, block_indptr, block_indices, self.q_block, self.kv_block,
+                max_seq_len_kv=max_len, seq_lens_kv=seq_lens, kv_valid_bits=bits, mask_type=self.mask, out=out)
+        else:
+            w = prims_ts.BlockSparsePagedTSWrapper()
+            w.plan(b, sq, hq, hkv, d, ps, self.q_block, self.kv_block, max_len, seq_lens_kv=seq_lens,
+                   use_valid_bits=bits is not None, mask_type=self.mask, q_data_type=dt)
+            res = w.run(q, cache, indptr, indices, block_indptr, block_indices, seq_lens, kv_valid_bits=bits,
+                        out=out)
+        if res is not out:
+            raise AssertionError(f"{BSR_APIS[self.entry]}(out=...) must return out itself")
+        ref = reference.block_sparse_attention(q, k, v, indptr, indices, block_indptr, block_indices, self.q_block,
+                                               self.kv_block, seq_lens, kv_valid_bits=bits, mask_type=self.mask,
+                                               compute_dtype=torch.float64)
+        return out, ref
+
+    def case(self) -> CheckCase:
+        return CheckCase(BSR_APIS[self.entry], self.name(), self.dtype, self.run, self.describe)
+
+
+def _block_sparse_cases() -> List[CheckCase]:
+    bf16, fp16 = torch.bfloat16, torch.float16
+    S = BlockSparseSpec
+    specs = [
+        S("oneshot", "dense", 128, 8, 2, 16, 8, 16, True, bf16, empty=True),
+        S("oneshot", "causal", 128, 4, 4, 32, 32, 32, False, bf16, bits="uint32"),
+        S("oneshot", "causal", 128, 32, 8, 64, 64, 64, True, bf16, empty=True),
+        S("oneshot", "dense", 256, 8, 2, 128, 128, 128, False, bf16, bits="int32", empty=True),
+        S("oneshot", "causal", 256, 4, 4, 8, 8, 16, True, fp16, bits="uint32", empty=True),
+        S("oneshot", "dense", 128, 8, 2, 24, 192, 64, False, bf16),
+        S("wrapper", "dense", 128, 8, 8, 64, 128, 32, False, fp16, empty=True),
+        S("wrapper", "causal", 128, 16, 4, 2, 64, 64, True, bf16, bits="uint32", sq1=True),
+        S("wrapper", "causal", 256, 8, 2, 32, 32, 128, False, bf16, bits="int32", empty=True),
+        S("wrapper", "dense", 128, 8, 2, 128, 128, 16, True, bf16, bits="uint32", out_dtype=torch.float32),
+    ]
+    return [s.case() for s in specs]
+
+
+for _case in _block_sparse_cases():
+    register(_case.api, [_case])
