@@ -458,6 +458,26 @@ def test_tuple_v_on_the_host_refused():
                 max_seq_len_kv=pb.max_seq_len_kv, seq_lens_kv=pb.seq_lens)
 
 
+@pytest.mark.xfail(strict=True, reason="bug: block_sparse.py _launch calls V.out_tensor without aligned=True: a "
+                   "contiguous out not aligned for the kernel's u32/float2 stores reaches the kernel")
+@pytest.mark.parametrize("dtype,shift", [(BF16, 2), (FP32, 4)], ids=["bf16+2", "fp32+4"])
+def test_misaligned_out_refused(dtype, shift):
+    """A contiguous out whose start the kernel's paired stores cannot use: refused before any launch (the
+    launch is patched out, so a miss fails here instead of faulting the device)."""
+    from unittest import mock
+
+    from prims_ts.cuda import kernels
+
+    pb = Problem([40, 9], 8, 8, 2, 128, 16, 8, 8, BF16, stable_seed("misaligned", shift), poison=False)
+    n = pb.q.numel() * torch.empty(0, dtype=dtype).element_size()
+    buf = torch.empty(n + 64, dtype=torch.uint8, device=DEVICE)
+    start = (-buf.data_ptr()) % 16 + shift
+    out = buf[start:start + n].view(dtype).view(pb.q.shape)
+    with mock.patch.object(kernels, "launch_block_sparse", _must_not_launch):
+        with pytest.raises(ValueError, match=r"\bout\b"):
+            pb.call(out=out)
+
+
 def test_math_constants():
     """The default scale is 1 / sqrt(D) on the GPU too."""
     pb = Problem([200, 33], 16, 8, 2, 256, 32, 8, 16, BF16, stable_seed("scale"))
