@@ -18,6 +18,7 @@ this module; the driver (:func:`run_bench`) does not change.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import platform
@@ -587,16 +588,19 @@ def _compiled_flex():
     return _flex_compiled
 
 
-def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> Callable[[], Any]:
+def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+               block_mask: Any = None) -> Callable[[], Any]:
     """The FlexAttention peer of every family: a zero-argument call of the compiled
     ``flex_attention`` (one compile per shape) on contiguous ``[B, H, S, D]`` tensors,
     GQA through ``enable_gqa=True``, causal (bottom-right aligned) through a block mask
-    built here, once. Its output is ``[B, Hq, Sq, D]``. A failure raises, and the
-    driver shows the cell as ``n/a`` with the reason."""
+    built here, once, or the caller's ``block_mask`` (block-sparse). Its output is
+    ``[B, Hq, Sq, D]``. A failure raises, and the driver shows the cell as ``n/a`` with
+    the reason."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     flex = _compiled_flex()
-    block_mask = None
+    if causal and block_mask is not None:
+        raise ValueError("_flex_call: give causal or a block mask, not both")
     if causal:
         sq, sk = q.shape[2], k.shape[2]
         off = sk - sq
@@ -968,4 +972,131 @@ register_family(Family(
         Runner("torch", _setup_torch_mla),
     ],
     reference="torch",
+))
+
+
+# ----------------------------------------------------------------------------
+# block-sparse (SPEC §5): B2 S8192 H32/8 D128 bf16 over page-64 HND pools (shuffled
+# pages), BSR routes with q_block = kv_block = 64 or 128 drawn per (request, K/V head,
+# row): each block with probability `density`, the diagonal block always; dense inside
+# the blocks. Ours: a wrapper planned once, only run(out=) timed. Peer: FlexAttention
+# with the same routes as a BlockMask of full blocks (block size = the BSR block size;
+# every query head of a K/V head's group gets that head's routes). Useful TFLOP/s =
+# 4 * D * (selected (query, key) pairs summed over requests and query heads), i.e.
+# 4 * B * Hq * D * the mean selected pairs; the name shows the selected fraction.
+# ----------------------------------------------------------------------------
+
+BSR_DENSITIES = (1.0, 0.5, 0.25, 0.1)  # 1.0: every block (the "dense time" of the 10% <= 0.2x rule)
+BSR_BLOCK_SIZES = (64, 128)
+
+
+@functools.lru_cache(maxsize=16)
+def bsr_block_mask(batch: int, hkv: int, n_blocks: int, density: float, seed: int) -> torch.Tensor:
+    """Routes as a dense bool block table [B, Hkv, R, C] (R = C = n_blocks, Sq = Sk) on the CPU:
+    each block with probability ``density``, the diagonal block of every row always. Cached:
+    the problem list (work) and the inputs (tensors) see the same table; do not modify it."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(batch, hkv, n_blocks, n_blocks, generator=g) < density
+    diag = torch.arange(n_blocks)
+    m[:, :, diag, diag] = True
+    return m
+
+
+def _bsr_problems() -> List[Problem]:
+    b, s, hq, hkv, d, ps = 2, 8192, 32, 8, 128, 64
+    out = []
+    for bs in BSR_BLOCK_SIZES:
+        for density in BSR_DENSITIES:
+            seed = testing.stable_seed("bsr", bs, density)
+            m = bsr_block_mask(b, hkv, s // bs, density, seed)
+            selected = int(m.sum())
+            pairs = selected * bs * bs * (hq // hkv)  # over (request, query head)
+            frac = selected / m.numel()
+            label = "100%" if density == 1.0 else f"{round(100 * density)}% ({frac:.3f})"
+            out.append(Problem(
+                family="block_sparse",
+                name=f"B{b} S{s} H{hq}/{hkv} D{d} block{bs} {label}",
+                params=dict(B=b, Sq=s, Sk=s, Hq=hq, Hkv=hkv, D=d, causal=False, page_size=ps, block_size=bs,
+                            density=density, selected=round(frac, 4), seed=seed, dtype="bf16"),
+                work=4.0 * d * pairs,
+                quick=density == 0.1,
+            ))
+    return out
+
+
+class BlockSparseInputs(PagedPrefillInputs):
+    """The paged-prefill inputs (q, shuffled page-64 pools, contiguous copies for the peer) plus
+    CSR pages, the BSR routes (block_indptr / block_indices from the family's block table) and,
+    on demand, the equivalent FlexAttention BlockMask."""
+
+    def __init__(self, prob: Problem, device: torch.device):
+        super().__init__(prob, device)
+        p = prob.params
+        b, s, hkv, bs = p["B"], p["Sq"], p["Hkv"], p["block_size"]
+        if p["Sq"] != p["Sk"] or s % bs or s % p["page_size"]:
+            raise ValueError("block_sparse family: expects Sq == Sk, multiples of the block and page sizes")
+        self.block_size, self.hq, self.hkv = bs, p["Hq"], hkv
+        self.routes = bsr_block_mask(b, hkv, s // bs, p["density"], p["seed"])  # [B, Hkv, R, C], CPU
+        self.kv_indptr = torch.arange(b + 1, device=device, dtype=torch.int32) * (s // self.page_size)
+        self.kv_indices = self.block_tables.reshape(-1)
+        counts = self.routes.sum(-1).to(torch.int64)  # [B, Hkv, R]; rows back to back in (b, h, r) order
+        ends = counts.flatten().cumsum(0).view(counts.shape)
+        starts = ends - counts
+        self.block_indptr = torch.cat([starts, ends[..., -1:]], dim=-1).to(torch.int32).to(device)
+        self.block_indices = self.routes.nonzero()[:, 3].to(torch.int32).to(device)  # sorted within a row
+
+    def flex_block_mask(self):
+        """The same routes for FlexAttention: the K/V head's table repeated for each query head of
+        its group, every selected block a full block (the compiled kernel skips the others and
+        never calls mask_mod on full blocks); the mask_mod indexes the same table, so that the
+        mask is also right where Flex evaluates it elementwise (eager mode ignores block lists)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        bs = self.block_size
+        m = self.routes.to(self.q.device).repeat_interleave(self.hq // self.hkv, dim=1)  # [B, Hq, R, C]
+        full_num = m.sum(-1, dtype=torch.int32)
+        full_idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # selected first
+
+        def routes_mod(b, h, q_idx, kv_idx):
+            return m[b, h, q_idx // bs, kv_idx // bs]
+
+        return BlockMask.from_kv_blocks(torch.zeros_like(full_num), torch.zeros_like(full_idx), full_num, full_idx,
+                                        BLOCK_SIZE=bs, mask_mod=routes_mod, seq_lengths=(self.sq, self.sk))
+
+
+def _setup_ours_bsr(prob: Problem, x: BlockSparseInputs):
+    import prims_ts
+
+    p = prob.params
+    bs = x.block_size
+    w = prims_ts.BlockSparsePagedTSWrapper()
+    w.plan(p["B"], p["Sq"], p["Hq"], p["Hkv"], p["D"], x.page_size, bs, bs, p["Sk"], seq_lens_kv=x.seq_lens,
+           mask_type="dense", q_data_type=x.q.dtype)
+    out = torch.empty_like(x.q)
+    cache = (x.k_cache, x.v_cache)
+
+    def fn():
+        return w.run(x.q, cache, x.kv_indptr, x.kv_indices, x.block_indptr, x.block_indices, x.seq_lens, out=out)
+
+    return fn
+
+
+def _setup_flex_bsr(prob: Problem, x: BlockSparseInputs):
+    call = _flex_call(*x.bhsd(), block_mask=x.flex_block_mask())
+
+    def fn():
+        return _to_bshd(call())
+
+    return fn
+
+
+register_family(Family(
+    name="block_sparse",
+    problems=_bsr_problems,
+    make_inputs=BlockSparseInputs,
+    runners=[
+        Runner("prims_ts", _setup_ours_bsr),
+        Runner("flex", _setup_flex_bsr),
+    ],
+    reference="flex",
 ))
