@@ -1,5 +1,5 @@
-"""Small prefill (contiguous and paged), paged-decode and MLA-decode cases for compute-sanitizer
-(not collected by pytest).
+"""Small prefill (contiguous and paged), paged-decode, MLA-decode and block-sparse cases for
+compute-sanitizer (not collected by pytest).
 
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
@@ -10,7 +10,7 @@ import torch
 
 import prims_ts
 from prims_ts import reference as R
-from prims_ts.testing import cumsum0, relative_error
+from prims_ts.testing import cumsum0, relative_error, stable_seed
 
 # CSR entries past a request's live pages: never read (an out-of-range ID makes a stray read fatal)
 GARBAGE = (-1, 2**31 - 1)
@@ -169,6 +169,90 @@ def mla_cases(dev) -> None:
         mla_case(dev, *case)
 
 
+# (name, entry, mask, D, Hq, Hkv, q_block, kv_block, page size, cache form, valid bits, Sq, K/V lengths,
+#  empty rows). Rows of one route row (min(q_block, Sq) x group) at 64 and 256 pick both wgmma row
+#  tiles on sm_90a for 64+-key blocks; 8/32-key blocks take the mma.sync engine with short tiles.
+BSR_CASES = [
+    ("kv8 dense bits", "oneshot", "dense", 128, 8, 2, 16, 8, 16, "combined", "uint32", 20, [45, 70], True),
+    ("kv64 causal rows256", "oneshot", "causal", 128, 8, 2, 64, 64, 32, "tuple", None, 70, [70, 150], True),
+    ("kv64 dense rows64 bits", "wrapper", "dense", 128, 8, 2, 16, 64, 128, "tuple", "int32", 33, [130, 40], True),
+    ("kv128 causal bits d256", "oneshot", "causal", 256, 4, 2, 32, 128, 64, "combined", "int32", 40, [130, 300],
+     True),
+    ("kv32 causal sq1", "wrapper", "causal", 128, 16, 4, 2, 32, 16, "combined", "uint32", 1, [1, 77], False),
+]
+
+
+def block_sparse_case(dev, name, entry, mask, d, hq, hkv, q_block, kv_block, ps, form, bits_kind, sq, lens,
+                      empty) -> None:
+    """One block-sparse launch over shuffled pages (unused slots NaN, garbage CSR entries past the live
+    pages, garbage block IDs past the route segments) into a NaN-poisoned out, against the float64
+    reference. Routes: random blocks plus the diagonal; ``empty``: request 0's last K/V head has an
+    empty last row and request 1's first K/V head selects nothing."""
+    from prims_ts.check import bsr_routes, bsr_tensors
+
+    B, dt = len(lens), torch.bfloat16
+    g = torch.Generator().manual_seed(stable_seed("bsr", name))
+    n_live = [(n + ps - 1) // ps for n in lens]
+    num_pages = sum(n_live) + 2  # two pages no request uses
+    perm = torch.randperm(num_pages).tolist()
+    indices, entries, live, at = [], [], [], 0
+    for b, n in enumerate(n_live):
+        live.append(perm[at:at + n])
+        at += n
+        slack = [GARBAGE[b % 2]] * (b % 2 + 1)
+        indices += live[b] + slack
+        entries.append(n + len(slack))
+    indptr = torch.tensor(cumsum0(entries), dtype=torch.int32, device=dev)
+    indices = torch.tensor(indices, dtype=torch.int32, device=dev)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    if form == "combined":
+        cache = torch.randn(num_pages, 2, hkv, ps, d, device=dev, dtype=dt)
+        k, v = cache[:, 0], cache[:, 1]
+    else:
+        k = torch.randn(num_pages, hkv, ps, d, device=dev, dtype=dt)
+        v = torch.randn_like(k)
+        cache = (k, v)
+    used = torch.zeros(num_pages, ps, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        j = torch.arange(n)
+        used[torch.tensor(live[b])[j // ps], j % ps] = True
+    unused = (~used).to(dev)[:, None, :, None].expand_as(k)
+    k.masked_fill_(unused, float("nan"))
+    v.masked_fill_(unused, float("nan"))
+    block_indptr, block_indices = bsr_tensors(bsr_routes(lens, sq, hkv, q_block, kv_block, g, empty=empty), dev)
+    max_len = max(lens) + 40  # spare valid-bit words
+    bits = None
+    if bits_kind is not None:
+        on = (torch.rand(B, -(-max_len // 32), 32, generator=g) < 0.75).to(torch.int64)
+        w = (on << torch.arange(32)).sum(-1)
+        w[0, 0] |= 1 << 31
+        bits = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32).to(dev)
+        if bits_kind == "uint32":
+            bits = bits.view(torch.uint32)
+    q = torch.randn(B, sq, hq, d, device=dev, dtype=dt)
+    out = torch.full(q.shape, float("nan"), dtype=dt, device=dev)
+    if entry == "oneshot":
+        res = prims_ts.block_sparse_attention_with_paged_kv_cache(
+            q, cache, indptr, indices, block_indptr, block_indices, q_block, kv_block, max_seq_len_kv=max_len,
+            seq_lens_kv=seq_lens, kv_valid_bits=bits, mask_type=mask, out=out)
+    else:
+        wr = prims_ts.BlockSparsePagedTSWrapper()
+        wr.plan(B, sq, hq, hkv, d, ps, q_block, kv_block, max_len, use_valid_bits=bits is not None, mask_type=mask,
+                q_data_type=dt)
+        res = wr.run(q, cache, indptr, indices, block_indptr, block_indices, seq_lens, kv_valid_bits=bits, out=out)
+    assert res is out
+    ref = R.block_sparse_attention(q, k, v, indptr, indices, block_indptr, block_indices, q_block, kv_block,
+                                   seq_lens, kv_valid_bits=bits, mask_type=mask, compute_dtype=torch.float64)
+    err = relative_error(out, ref)
+    print(f"block-sparse {name}: rel err {err:.2e}")
+    assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
+
+
+def block_sparse_cases(dev) -> None:
+    for case in BSR_CASES:
+        block_sparse_case(dev, *case)
+
+
 def main() -> None:
     torch.manual_seed(0)
     dev = "cuda"
@@ -216,6 +300,8 @@ def main() -> None:
     decode_cases(dev)
     # MLA decode: fixed and packed, both cache ranks, with and without split-KV
     mla_cases(dev)
+    # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
+    block_sparse_cases(dev)
     torch.cuda.synchronize()
     print("sanitize cases done")
 
