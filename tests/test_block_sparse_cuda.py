@@ -458,8 +458,6 @@ def test_tuple_v_on_the_host_refused():
                 max_seq_len_kv=pb.max_seq_len_kv, seq_lens_kv=pb.seq_lens)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: block_sparse.py _launch calls V.out_tensor without aligned=True: a "
-                   "contiguous out not aligned for the kernel's u32/float2 stores reaches the kernel")
 @pytest.mark.parametrize("dtype,shift", [(BF16, 2), (FP32, 4)], ids=["bf16+2", "fp32+4"])
 def test_misaligned_out_refused(dtype, shift):
     """A contiguous out whose start the kernel's paired stores cannot use: refused before any launch (the

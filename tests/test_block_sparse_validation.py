@@ -475,12 +475,6 @@ def misaligned_out(dtype, shift_bytes, shape=_q.shape, device="cpu"):
     return out
 
 
-OUT_MISALIGNED_BUG = ("bug: block_sparse.py _launch calls V.out_tensor without aligned=True, so a contiguous out whose "
-                      "start is not aligned for the kernel's paired stores (u32 for 16-bit outputs, float2 for "
-                      "float32: pt_types.cuh store_pair) is accepted; on the GPU that is a misaligned store")
-
-
-@pytest.mark.xfail(strict=True, reason=OUT_MISALIGNED_BUG)
 @pytest.mark.parametrize("dtype,shift", [(BF16, 2), (FP16, 6), (FP32, 4)], ids=["bf16+2", "fp16+6", "fp32+4"])
 def test_oneshot_out_misaligned(dtype, shift):
     """Like the MLA API (and q, whose rows must be 16-byte aligned): an out the kernel cannot store to
@@ -489,7 +483,6 @@ def test_oneshot_out_misaligned(dtype, shift):
     expect(ValueError, r"\bout\b", block_sparse_attention_with_paged_kv_cache, *args, **kw)
 
 
-@pytest.mark.xfail(strict=True, reason=OUT_MISALIGNED_BUG)
 def test_wrapper_run_out_misaligned():
     w = planned()
     pos, kw = run_args(out=misaligned_out(BF16, 2))

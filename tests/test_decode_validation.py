@@ -751,3 +751,18 @@ def test_workspace_case_premises():
     assert ws_bytes() == ws_bytes(max_seq_len_q=3) == 256
     assert ws_bytes(max_seq_len=4096) > ws_bytes()
     assert ws_bytes(max_seq_len=4096, max_seq_len_q=3) > ws_bytes(max_seq_len=4096)
+
+
+def test_batch_beyond_the_grid_is_refused():
+    """Requests sit on the grid's z dimension: more than 65535 in one launch is an error, not a launch failure."""
+    from prims_ts.ops import _validate as V
+
+    with pytest.raises(ValueError, match="batch size 65536"):
+        V.batch_size("query", 65536)
+    assert V.batch_size("query", 65535) == 65535
+    qo = torch.zeros(65538, dtype=torch.int32)
+    args, kw = packed()
+    args = (torch.zeros(1, HQ, D, dtype=BF16),) + tuple(args[1:])
+    kw = dict(kw, qo_indptr=qo)
+    with pytest.raises(ValueError, match="qo_indptr: batch size 65537"):
+        prims_ts_batch_decode_with_kv_cache(*args, **kw)

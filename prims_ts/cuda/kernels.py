@@ -668,7 +668,7 @@ def launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_i
     rows = min(q_block_size, sq) * group
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     key = BlockSparseKey.choose(DTYPE_CODES[q.dtype], d, causal, kv_block_size, rows, _device(dev)[0])
-    row_tiles = -(-q_block_size * group // key.bm)
+    row_tiles = -(-rows // key.bm)  # rows: the tallest route row (q_block_size, or Sq if shorter)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
         bp = BlockSparseParams()

@@ -180,6 +180,16 @@ def pool_strides(name: str, t: torch.Tensor, slot_dim: int = 2) -> None:
                  f"less than 2**31 elements apart")
 
 
+GRID_Z_MAX = 65535
+
+
+def batch_size(name: str, batch: int) -> int:
+    """Kernels put requests on the grid's z dimension (at most 65535)."""
+    if batch > GRID_Z_MAX:
+        fail(f"{name}: batch size {batch} exceeds {GRID_Z_MAX} requests per launch; split the batch")
+    return batch
+
+
 def span(t: torch.Tensor) -> Tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
@@ -196,10 +206,12 @@ def out_tensor(
     dtype: torch.dtype,
     device: torch.device,
     inputs: Sequence[Tuple[str, Optional[torch.Tensor]]],
-    aligned: bool = False,
+    aligned: bool = True,
 ) -> Optional[torch.Tensor]:
-    """``out=``: shape, dtype, device, contiguous, no overlap with any of ``inputs``; with
-    ``aligned``, a 16-byte aligned start (for kernels that store rows in 16-byte vectors)."""
+    """``out=``: shape, dtype, device, contiguous, no overlap with any of ``inputs``, and a
+    16-byte aligned start (every kernel stores output elements in pairs or wider vectors:
+    a misaligned start would fault on the GPU; ``aligned=False`` only for callers that
+    never reach a kernel)."""
     if out is None:
         return None
     if not isinstance(out, torch.Tensor):

@@ -134,6 +134,7 @@ def _check_static(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, bloc
     if q.dtype != k_cache.dtype:
         V.fail(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
     batch, sq, hq, d = q.shape
+    V.batch_size("q", batch)
     if batch < 1 or sq < 1:
         V.fail(f"q: expected [B, Sq, Hq, D] with B, Sq >= 1, got shape {tuple(q.shape)}")
     num_pages, hkv, page_size, dk = k_cache.shape

@@ -249,6 +249,7 @@ def prims_ts_batch_decode_with_kv_cache(
     if query.dtype != k_cache.dtype:
         V.fail(f"query: dtype {query.dtype} differs from the cache's {k_cache.dtype}")
     batch, sq, max_sq = _query_mode(query, qo_indptr, seq_len_q, max_seq_len_q)
+    V.batch_size("qo_indptr" if qo_indptr is not None else "query", batch)
     num_pages, hkv, page_size, d = k_cache.shape
     if page_size not in PAGE_SIZES:
         V.fail(f"kv_cache: page size {page_size} is not supported; expected one of {', '.join(map(str, PAGE_SIZES))}")
@@ -266,7 +267,8 @@ def prims_ts_batch_decode_with_kv_cache(
     output_scale = V.scale("bmm2_scale", bmm2_scale)
     metadata = [("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
                 ("seq_lens", seq_lens), ("qo_indptr", qo_indptr)]
-    device = V.same_device([("query", query), ("kv_cache", k_cache), ("workspace_buffer", workspace_buffer)]
+    device = V.same_device([("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache),
+                            ("workspace_buffer", workspace_buffer)]
                            + metadata)
     V.tensor("workspace_buffer", workspace_buffer, dtypes=WORKSPACE_DTYPES, contiguous=True)
     need = get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=max_sq,

@@ -184,7 +184,7 @@ def _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q: bool) ->
                 V.fail("max_seq_len_q: required with qo_indptr (the static bound of every request's query count)")
         else:
             V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
-        return qo_indptr.shape[0] - 1, max_seq_len_q, True
+        return V.batch_size("qo_indptr", qo_indptr.shape[0] - 1), max_seq_len_q, True
     if query.dim() != 4:
         V.fail(f"query: fixed queries are [B, SQ, H, {DIM_QK}] (packed [total_q, H, {DIM_QK}] need qo_indptr), "
                f"got shape {tuple(query.shape)}")
@@ -196,7 +196,7 @@ def _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q: bool) ->
         if max_seq_len_q != sq:
             V.fail(f"max_seq_len_q: {max_seq_len_q} contradicts the fixed query's sequence extent "
                    f"query.shape[1] = {sq}")
-    return batch, sq, False
+    return V.batch_size("query", batch), sq, False
 
 
 def _query_heads(query: torch.Tensor) -> int:
