@@ -766,3 +766,18 @@ def test_batch_beyond_the_grid_is_refused():
     kw = dict(kw, qo_indptr=qo)
     with pytest.raises(ValueError, match="qo_indptr: batch size 65537"):
         prims_ts_batch_decode_with_kv_cache(*args, **kw)
+
+
+def test_row_tiles_beyond_the_grid_are_refused():
+    """(K/V head, row tile) blocks sit on the grid's y dimension: too many is an error before any launch."""
+    with pytest.raises(ValueError, match="max_seq_len_q"):
+        get_prims_ts_batch_decode_workspace_size(1, 32, 8, 128, 4096, max_seq_len_q=200000)
+    get_prims_ts_batch_decode_workspace_size(1, 32, 8, 128, 4096, max_seq_len_q=1000)
+
+
+def test_mla_row_tiles_beyond_the_grid_are_refused():
+    from prims_ts import get_prims_ts_batch_decode_mla_workspace_size
+
+    with pytest.raises(ValueError, match="max_seq_len_q"):
+        get_prims_ts_batch_decode_mla_workspace_size(1, 128, 4096, max_seq_len_q=40000)
+    get_prims_ts_batch_decode_mla_workspace_size(1, 128, 4096, max_seq_len_q=64)

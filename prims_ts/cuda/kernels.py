@@ -590,7 +590,7 @@ class BlockSparseKey:
 
     KV blocks of 64+ keys on sm_90a take the wgmma engine (BM 64 for short rows at D128,
     else 128; BN 128 when the block size allows at D128, else 64); smaller blocks (8/16/32: one short tile of BN
-    16/32 per block) and other archs the mma.sync engine with BM 64.
+    16/32 per block) and other archs the mma.sync engine with BM 64 (128 at D256).
     """
 
     dtype: str

@@ -183,6 +183,14 @@ def pool_strides(name: str, t: torch.Tensor, slot_dim: int = 2) -> None:
 GRID_Z_MAX = 65535
 
 
+def row_tiles(name: str, num_kv_heads: int, rows: int, tile_rows: int) -> None:
+    """Decode-shaped kernels put (K/V head, row tile) on the grid's y dimension (at most 65535)."""
+    tiles = num_kv_heads * -(-rows // tile_rows)
+    if tiles > GRID_Z_MAX:
+        fail(f"{name}: {rows} query rows per K/V head (heads x query tokens) in tiles of {tile_rows} make "
+             f"{tiles} (K/V head, row tile) blocks, more than {GRID_Z_MAX} per launch")
+
+
 def batch_size(name: str, batch: int) -> int:
     """Kernels put requests on the grid's z dimension (at most 65535)."""
     if batch > GRID_Z_MAX:

@@ -139,6 +139,10 @@ def get_prims_ts_batch_decode_workspace_size(
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     else:
         device = torch.device(device)
+    from ..cuda.kernels import decode_policy
+
+    pol = decode_policy(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, _sm_count(device))
+    V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
     return max(256, decode_workspace_bytes(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len,
                                            _sm_count(device)))
 

@@ -147,6 +147,10 @@ def get_prims_ts_batch_decode_mla_workspace_size(
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     else:
         device = torch.device(device)
+    from ..cuda.kernels import MLA_DIM_QK, decode_policy
+
+    pol = decode_policy(batch_size, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, _sm_count(device))
+    V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
     return max(256, int(mla_workspace_bytes(batch_size, num_heads, max_seq_len_q, max_seq_len, _sm_count(device))))
 
 

@@ -20,9 +20,10 @@
 //
 // Engines (Cfg::ARCH): the portable sm_80 one (mma.sync + ldmatrix) and the
 // Hopper one (sm_90a wgmma reading Q and K/V straight from 128-byte-swizzled
-// shared memory, P from registers). Either way each of the BM/16 warps owns 16
-// query rows with the same fragment layout, so masking, softmax and epilogue are
-// shared; K/V tiles of BN keys stream through a two-stage cp.async ring.
+// shared memory, P from registers). Either way each warp owns 16 query rows (and,
+// with WARPS_N > 1, a share of each tile's keys) with the same fragment layout, so
+// masking, softmax and epilogue are shared; K/V tiles of BN keys stream through a
+// STAGES-deep cp.async ring.
 #pragma once
 #include "pt_sm80.cuh"
 #include "pt_sm90.cuh"
