@@ -74,3 +74,37 @@ def test_mla_workspace_never_shrinks():
         assert sizes == sorted(sizes)
         assert [kernels.mla_workspace_bytes(batch, heads, q, 8192, 132) for q in range(1, 6)] == sorted(
             kernels.mla_workspace_bytes(batch, heads, q, 8192, 132) for q in range(1, 6))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_86", "sm_89"])
+def test_every_kernel_fits_its_arch_shared_memory(arch):
+    """Every key the APIs can launch on `arch` fits that arch's per-block shared memory."""
+    limit = kernels.smem_limit(arch)
+    keys = []
+    for dtype in ("bf16",):
+        for d in kernels.DECODE_HEAD_DIMS + (kernels.MLA_DIM_QK,):
+            for group, sq in itertools.product([1, 4, 16, 32, 128], [1, 4]):
+                if d != kernels.MLA_DIM_QK and group > 32:
+                    continue
+                pol = kernels.decode_policy(8, 1, group, sq, d, 4096, 132, limit)
+                keys.append(kernels.DecodeKey.of(dtype, d, True, pol, arch))
+    import torch
+
+    for d in (128, 256):
+        for mask in ("dense", "causal", "variable_window"):
+            keys.append(kernels.PrefillKey.choose(torch.bfloat16, d, mask, arch))
+        for kvb, rows in itertools.product([8, 16, 32, 64, 128], [32, 64, 512]):
+            keys.append(kernels.BlockSparseKey.choose("bf16", d, False, kvb, rows, arch))
+    too_big = [(k.name, k.smem) for k in keys if k.smem > limit]
+    assert not too_big, f"{arch} allows {limit} bytes per block: {too_big}"
+
+
+def test_smaller_shared_memory_changes_only_the_tile():
+    """The H200's choice is the preferred tile; a smaller limit picks a smaller one, same coverage."""
+    for d, group in ((128, 4), (256, 8), (kernels.MLA_DIM_QK, 128)):
+        big = kernels.decode_policy(4, 1, group, 1, d, 8192, 132)
+        small = kernels.decode_policy(4, 1, group, 1, d, 8192, 132, kernels.smem_limit("sm_86"))
+        assert small.rows_max == big.rows_max and small.row_tiles * small.bm >= small.rows_max
+        assert small.splits * small.chunk >= 8192
+        assert kernels.decode_tile_smem(d, small.bm, small.bn, small.stages, small.warps_n, small.split_o) <= \
+            kernels.smem_limit("sm_86")

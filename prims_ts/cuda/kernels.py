@@ -69,9 +69,10 @@ class PrefillKey:
             if head_dim == 128:
                 return PrefillKey(dt, 128, mask, bm=128, bn=128, q_in_regs=False, arch=90, paged=paged)
             return PrefillKey(dt, head_dim, mask, bm=128, bn=64, q_in_regs=False, arch=90, paged=paged)
+        # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
-        return PrefillKey(dt, head_dim, mask, bm=128, bn=64, q_in_regs=False, paged=paged)
+        return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)
 
     @property
     def threads(self) -> int:
@@ -145,7 +146,7 @@ class PrefillParams(ctypes.Structure):
 
 
 _LOADED: Dict[Tuple[int, object, str], runtime.LoadedKernel] = {}
-_DEVICES: Dict[int, Tuple[str, int]] = {}
+_DEVICES: Dict[int, Tuple[str, int, int]] = {}
 
 
 def _kernel(dev: int, key, which: str = "source", smem: Optional[int] = None,
@@ -160,13 +161,23 @@ def _kernel(dev: int, key, which: str = "source", smem: Optional[int] = None,
     return k
 
 
-def _device(dev: int) -> Tuple[str, int]:
-    """(arch, SM count) of a CUDA device, read once."""
+def _device(dev: int) -> Tuple[str, int, int]:
+    """(arch, SM count, per-block shared memory limit) of a CUDA device, read once."""
     info = _DEVICES.get(dev)
     if info is None:
-        info = (runtime.device_arch(dev), torch.cuda.get_device_properties(dev).multi_processor_count)
+        arch = runtime.device_arch(dev)
+        info = (arch, torch.cuda.get_device_properties(dev).multi_processor_count, smem_limit(arch))
         _DEVICES[dev] = info
     return info
+
+
+def device_limits(device: Optional[torch.device]) -> Tuple[int, int]:
+    """(SM count, per-block shared memory) that sizes the decode policies on `device`
+    (CPU or None: the nominal H200)."""
+    if device is None or device.type != "cuda":
+        return DECODE_NOMINAL_SMS, NOMINAL_SMEM_LIMIT
+    _, sms, limit = _device(device.index if device.index is not None else torch.cuda.current_device())
+    return sms, limit
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -282,12 +293,12 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
     for dtype in DTYPE_CODES:
         for d in DECODE_HEAD_DIMS:
             for group in (1, 32, 64):  # one policy per row-tile height (BM 16, 32, 64)
-                pol = decode_policy(1, 1, group, 1, d, 1, DECODE_NOMINAL_SMS)
+                pol = decode_policy(1, 1, group, 1, d, 1, DECODE_NOMINAL_SMS, smem_limit(arch))
                 for causal in (False, True):
                     yield DecodeKey.of(DTYPE_CODES[dtype], d, causal, pol).source()
     for dtype in DTYPE_CODES:
         for heads in (16, 32, 64):  # MLA: one policy per row-tile height (BM 16, 32, 64)
-            pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS)
+            pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS, smem_limit(arch))
             for causal in (False, True):
                 yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch).source()
     for d in DECODE_HEAD_DIMS + (MLA_DIM_QK,):
@@ -321,6 +332,12 @@ MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (64, 2, 2)}  # BM 64: the wgmma 
 DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
+NOMINAL_SMEM_LIMIT = 232448  # per-block opt-in shared memory of the H200 (CPU tensors size as for it)
+
+
+def smem_limit(arch: str) -> int:
+    """Per-block opt-in shared memory: 227 KB on sm_90, 163 KB on sm_80/87, 99 KB on sm_86/89."""
+    return {"sm_90a": 232448, "sm_90": 232448, "sm_80": 166912, "sm_87": 166912}.get(arch, 101376)
 
 
 @dataclass(frozen=True)
@@ -360,26 +377,51 @@ def value_dim(head_dim: int) -> int:
     return MLA_DIM_V if head_dim == MLA_DIM_QK else head_dim
 
 
-@functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch
-def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
-                  max_seq_len: int, sm_count: int) -> DecodePolicy:
-    """Tile and split-KV choice from the static arguments only (no metadata values)."""
-    rows_max = group * max_seq_len_q
-    bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
-    if head_dim == MLA_DIM_QK:
-        bn, stages, warps_n = MLA_TILE[bm]
-        split_o = True
-    else:
+def _decode_tiles(head_dim: int, bm: int):
+    """Tile shapes (bm, bn, stages, warps_n, split_o) for rows that want row tiles of `bm`,
+    the preferred (the H200's) first, then ones that fit smaller shared memories:
+    fewer stages, then shorter row tiles (more of them), then (MLA) shorter key tiles."""
+    mla = head_dim == MLA_DIM_QK
+    for b in (64, 32, 16):
+        if b > bm:
+            continue
+        if mla:
+            bn, stages, warps_n = MLA_TILE[b]
+            yield b, bn, stages, warps_n, True
+            yield b, 32, 2, 2, True
+            continue
         bn, stages, split_o = DECODE_TILE[head_dim]
         # four warps per CTA where the rows leave room: the extra ones split the keys
-        warps_n = max(1, min(4 // (bm // 16), bn // 16))
+        warps_n = max(1, min(4 // (b // 16), bn // 16))
         if split_o:
             warps_n = max(2, warps_n)
+        yield b, bn, stages, warps_n, split_o
+        yield b, bn, 2, warps_n, split_o
+
+
+def decode_tile_smem(head_dim: int, bm: int, bn: int, stages: int, warps_n: int, split_o: bool) -> int:
+    """Shared memory of a decode tile, with the wgmma engine's alignment slack where it may apply."""
+    mla = head_dim == MLA_DIM_QK
+    slack = 1024 if mla and bm == 64 else 0
+    return fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o, value_dim(head_dim), mla) + slack
+
+
+@functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch
+def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
+                  max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT) -> DecodePolicy:
+    """Tile and split-KV choice from the static arguments only (no metadata values): the
+    first tile of `_decode_tiles` whose shared memory fits the device's per-block limit."""
+    rows_max = group * max_seq_len_q
+    bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
+    for bm, bn, stages, warps_n, split_o in _decode_tiles(head_dim, bm):
+        if decode_tile_smem(head_dim, bm, bn, stages, warps_n, split_o) <= smem_limit:
+            break
+    else:
+        raise ValueError(f"head_dim {head_dim}: no decode tile fits {smem_limit} bytes of shared memory per block")
     row_tiles = (rows_max + bm - 1) // bm
     ctas = batch * num_kv_heads * row_tiles
     threads = bm // 16 * warps_n * 32
-    dv, shared_kv = value_dim(head_dim), head_dim == MLA_DIM_QK
-    smem = fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o, dv, shared_kv)
+    smem = decode_tile_smem(head_dim, bm, bn, stages, warps_n, split_o)
     per_sm = max(1, min(SM_SMEM_BYTES // (smem + 1024), 2048 // threads))
     tiles = (max_seq_len + bn - 1) // bn
     # The split count fills the SMs' resident slots (wave quantisation included) and
@@ -501,8 +543,8 @@ def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv
     group = hq // hkv
     batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
     dev = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    arch, sms = _device(dev)
-    pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms)
+    arch, sms, limit = _device(dev)
+    pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms, limit)
     key = DecodeKey.of(DTYPE_CODES[query.dtype], d, causal, pol, arch)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
@@ -545,9 +587,10 @@ def launch_mla(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indpt
                           qo_indptr, seq_len_q, max_seq_len_q, max_seq_len, causal, -1, sm_scale, output_scale)
 
 
-def mla_workspace_bytes(batch: int, num_heads: int, max_seq_len_q: int, max_seq_len: int, sm_count: int) -> int:
+def mla_workspace_bytes(batch: int, num_heads: int, max_seq_len_q: int, max_seq_len: int, sm_count: int,
+                        smem_limit: int = NOMINAL_SMEM_LIMIT) -> int:
     """Workspace bytes of MLA decode (never shrinks as max_seq_len or max_seq_len_q grows)."""
-    return decode_workspace_bytes(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sm_count)
+    return decode_workspace_bytes(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sm_count, smem_limit)
 
 
 def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head_dim: int) -> int:
@@ -560,7 +603,7 @@ def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch
 def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
-                           max_seq_len: int, sm_count: int) -> int:
+                           max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT) -> int:
     """Workspace bytes for these static arguments.
 
     Taller row tiles mean more CTAs and so fewer splits; the size is the largest over
@@ -568,12 +611,12 @@ def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_le
     enough), so that it never shrinks as max_seq_len_q or max_seq_len grows.
     """
     def need(sq: int) -> int:
-        pol = decode_policy(batch, num_kv_heads, group, sq, head_dim, max_seq_len, sm_count)
+        pol = decode_policy(batch, num_kv_heads, group, sq, head_dim, max_seq_len, sm_count, smem_limit)
         return _decode_partial_bytes(batch, num_kv_heads, pol, head_dim)
 
-    # the last sq of each (bm, row_tiles) shape: group * sq just below 16, 32 and each multiple of 64
-    edges = {max_seq_len_q} | {e // group for e in (16, 32)} | {
-        64 * k // group for k in range(1, (group * max_seq_len_q) // 64 + 1)}
+    # the last sq of each (bm, row_tiles) shape: group * sq just below each multiple of 16
+    # (row tiles are 16, 32 or 64 rows)
+    edges = {max_seq_len_q} | {16 * k // group for k in range(1, (group * max_seq_len_q) // 16 + 1)}
     return max(need(sq) for sq in edges if 1 <= sq <= max_seq_len_q)
 
 
@@ -590,7 +633,7 @@ class BlockSparseKey:
 
     KV blocks of 64+ keys on sm_90a take the wgmma engine (BM 64 for short rows at D128,
     else 128; BN 128 when the block size allows at D128, else 64); smaller blocks (8/16/32: one short tile of BN
-    16/32 per block) and other archs the mma.sync engine with BM 64 (128 at D256).
+    16/32 per block) and other archs the mma.sync engine with BM 64 (BN 32 at D256, to fit 99 KB).
     """
 
     dtype: str
@@ -608,8 +651,11 @@ class BlockSparseKey:
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90)
+        # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
+        if head_dim == 256:
+            return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
         bn = 64 if kv_block_size % 64 == 0 else max(16, kv_block_size)
-        return BlockSparseKey(dtype, head_dim, causal, 128 if head_dim == 256 else 64, bn, 80)
+        return BlockSparseKey(dtype, head_dim, causal, 64, bn, 80)
 
     @property
     def threads(self) -> int:

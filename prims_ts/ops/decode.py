@@ -103,14 +103,6 @@ def batch_decode_op(
 # ----------------------------------------------------------------------------
 
 
-def _sm_count(device: Optional[torch.device]) -> int:
-    from ..cuda.kernels import DECODE_NOMINAL_SMS
-
-    if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DECODE_NOMINAL_SMS
-
-
 def get_prims_ts_batch_decode_workspace_size(
     batch_size: int,
     num_qo_heads: int,
@@ -139,12 +131,13 @@ def get_prims_ts_batch_decode_workspace_size(
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     else:
         device = torch.device(device)
-    from ..cuda.kernels import decode_policy
+    from ..cuda.kernels import decode_policy, device_limits
 
-    pol = decode_policy(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, _sm_count(device))
+    sms, limit = device_limits(device)
+    pol = decode_policy(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
     V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
     return max(256, decode_workspace_bytes(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len,
-                                           _sm_count(device)))
+                                           sms, limit))
 
 
 def _check_max_seq_len(max_seq_len) -> int:

@@ -24,7 +24,7 @@ import torch
 from .. import reference
 from . import _dispatch
 from . import _validate as V
-from .decode import MAX_SEQ_LEN_BOUND, WORKSPACE_DTYPES, _sm_count
+from .decode import MAX_SEQ_LEN_BOUND, WORKSPACE_DTYPES
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -147,11 +147,12 @@ def get_prims_ts_batch_decode_mla_workspace_size(
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     else:
         device = torch.device(device)
-    from ..cuda.kernels import MLA_DIM_QK, decode_policy
+    from ..cuda.kernels import MLA_DIM_QK, decode_policy, device_limits
 
-    pol = decode_policy(batch_size, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, _sm_count(device))
+    sms, limit = device_limits(device)
+    pol = decode_policy(batch_size, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sms, limit)
     V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
-    return max(256, int(mla_workspace_bytes(batch_size, num_heads, max_seq_len_q, max_seq_len, _sm_count(device))))
+    return max(256, int(mla_workspace_bytes(batch_size, num_heads, max_seq_len_q, max_seq_len, sms, limit)))
 
 
 # ----------------------------------------------------------------------------
