@@ -3,8 +3,8 @@
 //
 // Work policy: blockIdx = (split, K/V head * row_tiles + row tile, request). A split
 // covers a BN-aligned chunk of keys; with more than one split, every CTA writes its
-// normalised partial O and its log-sum-exp to the workspace and decode_merge combines
-// them.
+// normalised partial O and its log-sum-exp to the workspace, and the last split CTA of
+// each row tile to finish merges them (merge_if_last: a ticket counter per row tile).
 // MLA decode is this kernel with one latent K/V head (Hkv = 1, group = H) whose V row
 // is the first DV values of the K row: the core then keeps one tile per stage. Row
 // tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
@@ -14,6 +14,49 @@
 #include "pt_decode.cuh"
 
 namespace pt {
+
+// Output columns c, c + 1 of row rr from the split partials:
+// O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max).
+__device__ __forceinline__ void merge_pair(const DecodeParams& p, int b, int hk, int q_start, int rr, int dv, int c) {
+  const i64 base = (((i64)b * p.hkv + hk) * p.splits) * p.rows_max + rr;
+  float mx = neg_inf();
+  for (int s = 0; s < p.splits; ++s) mx = max_(mx, p.ws_lse[base + (i64)s * p.rows_max]);
+  float x = 0.f, y = 0.f, wsum = 0.f;
+  if (mx != neg_inf()) {
+    for (int s = 0; s < p.splits; ++s) {
+      const i64 row = base + (i64)s * p.rows_max;
+      const float w = fast_exp2(p.ws_lse[row] - mx);
+      const float2 o = *reinterpret_cast<const float2*>(p.ws_o + row * dv + c);
+      x += w * o.x;
+      y += w * o.y;
+      wsum += w;
+    }
+  }
+  const float inv = wsum > 0.f ? p.out_scale / wsum : 0.f;
+  store_pair(decode_out_row(p, b, hk, q_start, rr) + c * out_dtype_size(p.out_dtype), p.out_dtype, x * inv, y * inv);
+}
+
+// Split-KV without a second kernel: every split CTA of a (request, K/V head, row tile)
+// publishes its partial and takes a ticket; the last one to arrive merges the tile's
+// rows and resets the counter to zero for the next launch (the workspace contract:
+// zeroed before first use, left reusable).
+__device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk, int rt, int q_start, int row0,
+                                           int q_rows, int dv) {
+  __shared__ int last;
+  __threadfence();  // this thread's partial stores, before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
+    last = atomicAdd(count, 1) == p.splits - 1;
+    if (last) *count = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every other split's partials, after the ticket
+  const int pairs = dv / 2;
+  for (int i = threadIdx.x; i < q_rows * pairs; i += blockDim.x)
+    merge_pair(p, b, hk, q_start, row0 + i / pairs, dv, 2 * (i % pairs));
+}
 
 template <class Cfg, bool CAUSAL>
 __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
@@ -50,34 +93,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   // Every split CTA runs the core, even with an empty range: it then writes a zero
   // partial with lse = -inf, which the merge weighs as nothing.
   fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
-}
-
-// Combine the split partials of one output row: O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max).
-// grid = (rows_max, Hkv, B); blockDim.x * 2 >= D.
-__device__ __forceinline__ void decode_merge(const DecodeParams& p, int head_dim) {
-  const int rr = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  int q_start, sq;
-  decode_request(p, b, q_start, sq);
-  if (rr >= p.group * sq) return;
-  const i64 base = (((i64)b * p.hkv + hk) * p.splits) * p.rows_max + rr;
-  float mx = neg_inf();
-  for (int s = 0; s < p.splits; ++s) mx = max_(mx, p.ws_lse[base + (i64)s * p.rows_max]);
-  const int c = 2 * threadIdx.x;
-  if (c >= head_dim) return;
-  float x = 0.f, y = 0.f, wsum = 0.f;
-  if (mx != neg_inf()) {
-    for (int s = 0; s < p.splits; ++s) {
-      const i64 row = base + (i64)s * p.rows_max;
-      const float w = fast_exp2(p.ws_lse[row] - mx);
-      const float2 o = *reinterpret_cast<const float2*>(p.ws_o + row * head_dim + c);
-      x += w * o.x;
-      y += w * o.y;
-      wsum += w;
-    }
-  }
-  const float inv = wsum > 0.f ? p.out_scale / wsum : 0.f;
-  store_pair(decode_out_row(p, b, hk, q_start, rr) + c * out_dtype_size(p.out_dtype), p.out_dtype, x * inv,
-             y * inv);
+  if (p.splits > 1) merge_if_last(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows, Cfg::DV);
 }
 
 }  // namespace pt

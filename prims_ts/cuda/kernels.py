@@ -301,8 +301,6 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
             pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS, smem_limit(arch))
             for causal in (False, True):
                 yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch).source()
-    for d in DECODE_HEAD_DIMS + (MLA_DIM_QK,):
-        yield DecodeKey("bf16", d, False, 16, 64).merge_source()
     for key in block_sparse_keys(arch):
         yield key.source()
 
@@ -473,10 +471,6 @@ class DecodeKey:
                 f"_wn{self.warps_n}_s{self.stages}" + ("_so" if self.split_o else "") +
                 ("_sm90" if self.arch == 90 else ""))
 
-    @property
-    def merge_name(self) -> str:
-        return f"pt_decode_merge_d{self.dv}"
-
     def source(self) -> runtime.KernelSource:
         q_regs = "true" if self.head_dim <= 128 else "false"
         q_regs = "false" if self.arch == 90 else q_regs
@@ -490,20 +484,12 @@ class DecodeKey:
         )
         return runtime.KernelSource(key=self.name, name=self.name, source=_read("fmha_decode.cu") + entry)
 
-    def merge_source(self) -> runtime.KernelSource:
-        entry = (
-            f'\nextern "C" __global__ void {self.merge_name}(const __grid_constant__ pt::DecodeParams p) {{\n'
-            f"  pt::decode_merge(p, {self.dv});\n}}\n"
-        )
-        return runtime.KernelSource(key=self.merge_name, name=self.merge_name,
-                                    source=_read("fmha_decode.cu") + entry)
-
 
 class DecodeParams(ctypes.Structure):
     """Mirror of pt::DecodeParams (prims_ts/cuda/fmha_decode.cu)."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in (
-        "q", "k", "v", "o", "ws_o", "ws_lse", "qo_indptr", "kv_indptr", "kv_indices", "seq_lens")] + [
+        "q", "k", "v", "o", "ws_o", "ws_lse", "ws_count", "qo_indptr", "kv_indptr", "kv_indices", "seq_lens")] + [
         (n, ctypes.c_int64) for n in (
             "q_sb", "q_st", "q_sh", "o_sb", "o_st", "o_sh", "k_sp", "k_sh", "k_ss", "v_sp", "v_sh", "v_ss",
             "bt_stride")] + [
@@ -548,14 +534,11 @@ def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv
     key = DecodeKey.of(DTYPE_CODES[query.dtype], d, causal, pol, arch)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
-        merge = _kernel(dev, key, "merge_source", 0, max(32, key.dv // 2)) if pol.splits > 1 else None
         p = DecodeParams()
         p.q, p.k, p.v, p.o = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
         if pol.splits > 1:
-            ws = workspace.data_ptr()  # the _decode_partial_bytes layout
-            rows = batch * hkv * pol.splits * pol.rows_max
-            p.ws_lse = ws
-            p.ws_o = ws + ((rows * 4 + 255) // 256) * 256
+            ws = workspace.data_ptr()
+            p.ws_lse, p.ws_o, p.ws_count = (ws + off for off in _decode_partial_layout(batch, hkv, pol, key.dv))
         p.qo_indptr = _ptr(qo_indptr)
         p.kv_indptr, p.kv_indices, p.seq_lens = _ptr(kv_indptr), kv_indices.data_ptr(), seq_lens.data_ptr()
         p.bt_stride = bt_stride
@@ -573,8 +556,6 @@ def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv
         p.out_scale = output_scale
         stream = torch.cuda.current_stream(dev).cuda_stream
         runtime.launch(dev, kern, key.name, (pol.splits, hkv * pol.row_tiles, batch), p, stream)
-        if merge is not None:
-            runtime.launch(dev, merge, key.merge_name, (pol.rows_max, hkv, batch), p, stream)
 
 
 def launch_mla(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, seq_len_q: int,
@@ -593,12 +574,19 @@ def mla_workspace_bytes(batch: int, num_heads: int, max_seq_len_q: int, max_seq_
     return decode_workspace_bytes(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sm_count, smem_limit)
 
 
-def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head_dim: int) -> int:
-    """Workspace layout of one launch: lse rows (256-byte aligned section), then partial outputs."""
-    if pol.splits == 1:
-        return 0
+def _decode_partial_layout(batch: int, num_kv_heads: int, pol: DecodePolicy, dv: int) -> Tuple[int, int, int, int]:
+    """Workspace layout of a split launch, byte offsets of: lse rows, partial outputs, the
+    per-row-tile arrival counters (sections 256-byte aligned), and the end."""
     rows = batch * num_kv_heads * pol.splits * pol.rows_max
-    return ((rows * 4 + 255) // 256) * 256 + rows * value_dim(head_dim) * 4
+    align = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    o = align(rows * 4)
+    count = o + align(rows * dv * 4)
+    return 0, o, count, count + batch * num_kv_heads * pol.row_tiles * 4
+
+
+def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head_dim: int) -> int:
+    """Workspace bytes of one launch (0 without split-KV)."""
+    return 0 if pol.splits == 1 else _decode_partial_layout(batch, num_kv_heads, pol, value_dim(head_dim))[3]
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch

@@ -22,6 +22,7 @@ struct DecodeParams {
   void* o;
   float* ws_o;    // [B, Hkv, splits, rows_max, D] partial outputs (splits > 1)
   float* ws_lse;  // [B, Hkv, splits, rows_max]
+  int* ws_count;  // [B, Hkv, row_tiles] split arrivals (zero between launches)
   const int* qo_indptr;  // packed queries: [B+1]; null: fixed
   const int* kv_indptr;  // CSR pages: [B+1]; null: kv_indices is a block table
   const int* kv_indices;
