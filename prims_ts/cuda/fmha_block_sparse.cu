@@ -81,21 +81,9 @@ __device__ __forceinline__ void block_sparse_kernel(const BlockSparseParams& bp)
   const int r = blockIdx.x / bp.row_tiles, rt = blockIdx.x % bp.row_tiles;
   const int hk = blockIdx.y, b = blockIdx.z;
   BlockSparseProblem<T, Cfg::DV, BM, BN, CAUSAL> pb;
-  pb.p = &p;
-  pb.b = b;
-  pb.hk = hk;
-  pb.split = 0;
-  pb.sq = p.sq;
   pb.t0 = r * bp.q_block;
-  pb.q_start = pb.t0;  // output rows: token t0 + rr / group
-  pb.row0 = rt * BM;
-  pb.q_rows = min_(BM, p.group * min_(bp.q_block, p.sq - pb.t0) - pb.row0);
-  if (pb.q_rows <= 0) return;
-  pb.sk = p.seq_lens[b];
-  pb.q = static_cast<const T*>(p.q) + b * p.q_sb + (i64)pb.t0 * p.q_st + (i64)hk * p.group * p.q_sh;
-  pb.k = static_cast<const T*>(p.k) + hk * p.k_sh;
-  pb.v = static_cast<const T*>(p.v) + hk * p.v_sh;
-  pb.pages = p.kv_indices + p.kv_indptr[b];
+  // the route row's query rows start at token t0 (also where its output rows go)
+  if (!pb.init(p, b, hk, pb.t0, p.sq, rt * BM, p.group * min_(bp.q_block, p.sq - pb.t0))) return;
   pb.bits = bp.valid_bits != nullptr ? bp.valid_bits + (i64)b * bp.valid_words : nullptr;
 
   const int* row_ptr = bp.block_indptr + ((i64)b * p.hkv + hk) * (bp.rows_r + 1) + r;

@@ -68,19 +68,11 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   const int split = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y / p.row_tiles, rt = blockIdx.y % p.row_tiles;
   DecodeProblem<T, Cfg::DV, BM, BN, CAUSAL> pb;
-  pb.p = &p;
-  pb.b = b;
-  pb.hk = hk;
+  int q_start, sq;
+  decode_request(p, b, q_start, sq);
+  // rows beyond this request's queries: nothing to write or merge
+  if (!pb.init(p, b, hk, q_start, sq, rt * BM, p.group * sq)) return;
   pb.split = split;
-  decode_request(p, b, pb.q_start, pb.sq);
-  pb.row0 = rt * BM;
-  pb.q_rows = min_(BM, p.group * pb.sq - pb.row0);
-  if (pb.q_rows <= 0) return;  // rows beyond this request's queries: nothing to write or merge
-  pb.sk = p.seq_lens[b];
-  pb.q = static_cast<const T*>(p.q) + b * p.q_sb + (i64)pb.q_start * p.q_st + (i64)hk * p.group * p.q_sh;
-  pb.k = static_cast<const T*>(p.k) + hk * p.k_sh;
-  pb.v = static_cast<const T*>(p.v) + hk * p.v_sh;
-  pb.pages = p.kv_indptr != nullptr ? p.kv_indices + p.kv_indptr[b] : p.kv_indices + b * p.bt_stride;
 
   // range: this split's keys, narrowed by the causal band of the tile's tokens
   int begin = split * p.chunk, end = min_(pb.sk, begin + p.chunk);

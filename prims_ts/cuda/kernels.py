@@ -171,12 +171,21 @@ def _device(dev: int) -> Tuple[str, int, int]:
     return info
 
 
-def device_limits(device: Optional[torch.device]) -> Tuple[int, int]:
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_limits(device) -> Tuple[int, int]:
     """(SM count, per-block shared memory) that sizes the decode policies on `device`
-    (CPU or None: the nominal H200)."""
+    (a torch.device or its name; None: the current CUDA device if there is one; the CPU,
+    or no GPU at all: the nominal H200)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    else:
+        device = torch.device(device)
     if device is None or device.type != "cuda":
         return DECODE_NOMINAL_SMS, NOMINAL_SMEM_LIMIT
-    _, sms, limit = _device(device.index if device.index is not None else torch.cuda.current_device())
+    _, sms, limit = _device(_device_index(device))
     return sms, limit
 
 
@@ -255,7 +264,7 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
     """Fill the fields every prefill launch shares, pick the kernel, launch it."""
     packed = qo_indptr is not None
     hq, hkv = q.shape[-2], k.shape[1] if paged else k.shape[-2]
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dev = _device_index(q.device)
     key = PrefillKey.choose(q.dtype, q.shape[-1], mask, _device(dev)[0], paged=paged)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
@@ -315,7 +324,6 @@ def keys_list(arch: str = "sm_90a") -> List[runtime.KernelSource]:
 
 DECODE_HEAD_DIMS = (64, 128, 256)
 DECODE_NOMINAL_SMS = 132  # CPU tensors: sizes are computed as for an H200
-MAX_SEQ_LEN_BOUND = 2_147_483_520  # the padded 128-token tile end must fit in int32
 
 
 # Per head dim: K/V tile keys, pipeline depth (32 KB of K+V per stage, three stages) and
@@ -397,11 +405,16 @@ def _decode_tiles(head_dim: int, bm: int):
         yield b, bn, 2, warps_n, split_o
 
 
+def _decode_wgmma(head_dim: int, bm: int) -> bool:
+    """Decode tiles the wgmma engine takes on sm_90a: MLA row tiles of 64."""
+    return head_dim == MLA_DIM_QK and bm == 64
+
+
 def decode_tile_smem(head_dim: int, bm: int, bn: int, stages: int, warps_n: int, split_o: bool) -> int:
     """Shared memory of a decode tile, with the wgmma engine's alignment slack where it may apply."""
-    mla = head_dim == MLA_DIM_QK
-    slack = 1024 if mla and bm == 64 else 0
-    return fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o, value_dim(head_dim), mla) + slack
+    slack = 1024 if _decode_wgmma(head_dim, bm) else 0
+    return fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o, value_dim(head_dim),
+                           head_dim == MLA_DIM_QK) + slack
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch
@@ -445,7 +458,7 @@ class DecodeKey:
 
     @staticmethod
     def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str = "sm_80") -> "DecodeKey":
-        engine = 90 if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64 else 80
+        engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine)
 
     @property
@@ -519,41 +532,48 @@ def launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices
                           output_scale)
 
 
+def _fill_gqa_rows(p: "DecodeParams", query, k_cache, v_cache, out, packed: bool, group: int, window_left: int,
+                   sm_scale: float, output_scale: float) -> None:
+    """The DecodeParams fields every decode-shaped launch (decode, MLA, block-sparse) sets the
+    same way: tensors, strides, the GQA row mapping, pages, mask window, output and scales."""
+    p.q, p.k, p.v, p.o = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+    p.q_sb, p.q_st, p.q_sh = _decode_q_strides(query, packed)
+    p.o_sb, p.o_st, p.o_sh = _decode_q_strides(out, packed)
+    p.k_sp, p.k_sh, p.k_ss = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    p.v_sp, p.v_sh, p.v_ss = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+    p.group, p.hkv = group, k_cache.shape[1]
+    p.page_shift = k_cache.shape[2].bit_length() - 1
+    p.window_left = window_left
+    p.out_dtype = OUT_DTYPE_CODES[out.dtype]
+    p.scale_log2 = sm_scale * LOG2E
+    p.out_scale = output_scale
+
+
 def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, bt_stride: int, seq_lens,
                           qo_indptr, seq_len_q: int, max_seq_len_q: int, max_seq_len: int, causal: bool,
                           window_left: int, sm_scale: float, output_scale: float) -> None:
-    """The decode kernel (+ split merge) on pools [P, Hkv, ps, D]; pages from CSR
+    """The decode kernel (split-KV merged in-kernel) on pools [P, Hkv, ps, D]; pages from CSR
     (kv_indptr, kv_indices) or, with kv_indptr None, a block table of row stride bt_stride."""
     packed = qo_indptr is not None
     hq, hkv, d = query.shape[-2], k_cache.shape[1], query.shape[-1]
     group = hq // hkv
     batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
-    dev = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    dev = _device_index(query.device)
     arch, sms, limit = _device(dev)
     pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms, limit)
     key = DecodeKey.of(DTYPE_CODES[query.dtype], d, causal, pol, arch)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
         p = DecodeParams()
-        p.q, p.k, p.v, p.o = query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        _fill_gqa_rows(p, query, k_cache, v_cache, out, packed, group, window_left, sm_scale, output_scale)
         if pol.splits > 1:
             ws = workspace.data_ptr()
             p.ws_lse, p.ws_o, p.ws_count = (ws + off for off in _decode_partial_layout(batch, hkv, pol, key.dv))
         p.qo_indptr = _ptr(qo_indptr)
         p.kv_indptr, p.kv_indices, p.seq_lens = _ptr(kv_indptr), kv_indices.data_ptr(), seq_lens.data_ptr()
         p.bt_stride = bt_stride
-        p.q_sb, p.q_st, p.q_sh = _decode_q_strides(query, packed)
-        p.o_sb, p.o_st, p.o_sh = _decode_q_strides(out, packed)
-        p.k_sp, p.k_sh, p.k_ss = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
-        p.v_sp, p.v_sh, p.v_ss = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
         p.sq = seq_len_q
         p.rows_max, p.row_tiles, p.splits, p.chunk = pol.rows_max, pol.row_tiles, pol.splits, pol.chunk
-        p.group, p.hkv = group, hkv
-        p.page_shift = k_cache.shape[2].bit_length() - 1
-        p.window_left = window_left
-        p.out_dtype = OUT_DTYPE_CODES[out.dtype]
-        p.scale_log2 = sm_scale * LOG2E
-        p.out_scale = output_scale
         stream = torch.cuda.current_stream(dev).cuda_stream
         runtime.launch(dev, kern, key.name, (pol.splits, hkv * pol.row_tiles, batch), p, stream)
 
@@ -700,26 +720,16 @@ def launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_i
     group = hq // hkv
     rows_r = -(-sq // q_block_size)
     rows = min(q_block_size, sq) * group
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dev = _device_index(q.device)
     key = BlockSparseKey.choose(DTYPE_CODES[q.dtype], d, causal, kv_block_size, rows, _device(dev)[0])
     row_tiles = -(-rows // key.bm)  # rows: the tallest route row (q_block_size, or Sq if shorter)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
         bp = BlockSparseParams()
         p = bp.d
-        p.q, p.k, p.v, p.o = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        _fill_gqa_rows(p, q, k_cache, v_cache, out, False, group, -1, sm_scale, 1.0)
         p.kv_indptr, p.kv_indices, p.seq_lens = kv_indptr.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr()
-        p.q_sb, p.q_st, p.q_sh = q.stride(0), q.stride(1), q.stride(2)
-        p.o_sb, p.o_st, p.o_sh = out.stride(0), out.stride(1), out.stride(2)
-        p.k_sp, p.k_sh, p.k_ss = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
-        p.v_sp, p.v_sh, p.v_ss = v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
         p.sq, p.rows_max, p.row_tiles, p.splits, p.chunk = sq, rows, row_tiles, 1, 0
-        p.group, p.hkv = group, hkv
-        p.page_shift = k_cache.shape[2].bit_length() - 1
-        p.window_left = -1
-        p.out_dtype = OUT_DTYPE_CODES[out.dtype]
-        p.scale_log2 = sm_scale * LOG2E
-        p.out_scale = 1.0
         bp.block_indptr, bp.block_indices = block_indptr.data_ptr(), block_indices.data_ptr()
         bp.valid_bits = _ptr(valid_bits)
         bp.rows_r, bp.q_block, bp.kv_block, bp.row_tiles = rows_r, q_block_size, kv_block_size, row_tiles

@@ -181,6 +181,15 @@ def pool_strides(name: str, t: torch.Tensor, slot_dim: int = 2) -> None:
 
 
 GRID_Z_MAX = 65535
+MAX_SEQ_LEN_BOUND = 2_147_483_520  # the padded 128-key tile end of the longest key must fit in int32
+
+
+def key_length_bound(name: str, value) -> int:
+    """A static K/V length bound (max_seq_len, max_kv_len, ...): an int in [1, MAX_SEQ_LEN_BOUND]."""
+    integer(name, value, minimum=1)
+    if value > MAX_SEQ_LEN_BOUND:
+        fail(f"{name}: {value} exceeds {MAX_SEQ_LEN_BOUND} (the padded K/V tile end must fit in int32)")
+    return value
 
 
 def row_tiles(name: str, num_kv_heads: int, rows: int, tile_rows: int) -> None:

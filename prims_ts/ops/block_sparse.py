@@ -19,7 +19,7 @@ import torch
 from .. import reference
 from . import _dispatch
 from . import _validate as V
-from .decode import MAX_SEQ_LEN_BOUND, _check_layout, split_cache
+from .decode import _check_layout, split_cache
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -121,13 +121,6 @@ def check_block_sizes(q_block_size, kv_block_size, group: int) -> None:
         V.fail(f"kv_block_size: must be 8, 16, 32 or a positive multiple of 64, got {kv_block_size}")
 
 
-def _check_max_seq_len_kv(max_seq_len_kv) -> int:
-    V.integer("max_seq_len_kv", max_seq_len_kv, minimum=1)
-    if max_seq_len_kv > MAX_SEQ_LEN_BOUND:
-        V.fail(f"max_seq_len_kv: {max_seq_len_kv} exceeds {MAX_SEQ_LEN_BOUND} (tile ends must fit in int32)")
-    return max_seq_len_kv
-
-
 def _check_static(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, block_indices, q_block_size,
                   kv_block_size, max_seq_len_kv, seq_lens, valid_bits) -> _Geometry:
     V.tensor("q", q, dtypes=V.INPUT_DTYPES, ndim=4, inner_contiguous=True, vector_aligned=True)
@@ -146,7 +139,7 @@ def _check_static(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, bloc
         V.fail(f"paged_kv_cache: head dim {dk} differs from q's {d}")
     group = V.heads(hq, hkv, ("q", "paged_kv_cache"))
     check_block_sizes(q_block_size, kv_block_size, group)
-    _check_max_seq_len_kv(max_seq_len_kv)
+    V.key_length_bound("max_seq_len_kv", max_seq_len_kv)
     rows_r = -(-sq // q_block_size)
     V.int32_vector("paged_kv_indptr", kv_indptr, length=batch + 1)
     V.int32_vector("paged_kv_indices", kv_indices)
@@ -294,7 +287,7 @@ class BlockSparsePagedTSWrapper:
         if page_size not in PAGE_SIZES:
             V.fail(f"page_size: {page_size} is not supported; expected one of {', '.join(map(str, PAGE_SIZES))}")
         check_block_sizes(q_block_size, kv_block_size, group)
-        _check_max_seq_len_kv(max_seq_len_kv)
+        V.key_length_bound("max_seq_len_kv", max_seq_len_kv)
         if not isinstance(use_valid_bits, bool):
             raise TypeError(f"use_valid_bits: expected a bool, got {type(use_valid_bits).__name__}")
         V.input_dtype("q_data_type", q_data_type)

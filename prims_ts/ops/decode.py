@@ -22,7 +22,6 @@ from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
 HEAD_DIMS = (64, 128, 256)
-MAX_SEQ_LEN_BOUND = 2_147_483_520
 WORKSPACE_DTYPES = (torch.uint8, torch.int8)
 
 KVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -119,32 +118,19 @@ def get_prims_ts_batch_decode_workspace_size(
     The size depends only on static arguments (and the device's SM count): the
     split-KV policy is chosen from them, never from metadata values.
     """
-    from ..cuda.kernels import decode_workspace_bytes
+    from ..cuda.kernels import decode_policy, decode_workspace_bytes, device_limits
 
     for name, val in (("batch_size", batch_size), ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                       ("max_seq_len_q", max_seq_len_q)):
         V.integer(name, val, minimum=1)
     group = V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
     V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
-    _check_max_seq_len(max_seq_len)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    else:
-        device = torch.device(device)
-    from ..cuda.kernels import decode_policy, device_limits
-
+    V.key_length_bound("max_seq_len", max_seq_len)
     sms, limit = device_limits(device)
     pol = decode_policy(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
     V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
     return max(256, decode_workspace_bytes(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len,
                                            sms, limit))
-
-
-def _check_max_seq_len(max_seq_len) -> int:
-    V.integer("max_seq_len", max_seq_len, minimum=1)
-    if max_seq_len > MAX_SEQ_LEN_BOUND:
-        V.fail(f"max_seq_len: {max_seq_len} exceeds {MAX_SEQ_LEN_BOUND} (the padded K/V tile end must fit in int32)")
-    return max_seq_len
 
 
 # ----------------------------------------------------------------------------
@@ -258,7 +244,7 @@ def prims_ts_batch_decode_with_kv_cache(
     V.int32_vector("paged_kv_indptr", paged_kv_indptr, length=batch + 1)
     V.int32_vector("paged_kv_indices", paged_kv_indices)
     V.int32_vector("seq_lens", seq_lens, length=batch)
-    _check_max_seq_len(max_seq_len)
+    V.key_length_bound("max_seq_len", max_seq_len)
     mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
     sm_scale = V.scale("bmm1_scale", bmm1_scale, default=1.0 / math.sqrt(d))
     output_scale = V.scale("bmm2_scale", bmm2_scale)
@@ -359,7 +345,7 @@ class BatchDecodePagedTSWrapper:
         longest = max(lens)
         if max_seq_len is None:
             max_seq_len = longest
-        _check_max_seq_len(max_seq_len)
+        V.key_length_bound("max_seq_len", max_seq_len)
         if max_seq_len < longest:
             V.fail(f"max_seq_len: {max_seq_len} is below the longest planned request ({longest})")
         dev = self.device or device

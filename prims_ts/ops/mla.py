@@ -24,7 +24,7 @@ import torch
 from .. import reference
 from . import _dispatch
 from . import _validate as V
-from .decode import MAX_SEQ_LEN_BOUND, WORKSPACE_DTYPES
+from .decode import WORKSPACE_DTYPES
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -110,13 +110,6 @@ def batch_mla_decode_op(
 # ----------------------------------------------------------------------------
 
 
-def _check_len_bound(name: str, value) -> int:
-    V.integer(name, value, minimum=1)
-    if value > MAX_SEQ_LEN_BOUND:
-        V.fail(f"{name}: {value} exceeds {MAX_SEQ_LEN_BOUND} (the padded K/V tile end must fit in int32)")
-    return value
-
-
 def _check_num_heads(name: str, h) -> int:
     if h not in NUM_HEADS:
         V.fail(f"{name}: {h} heads are not supported; expected one of {', '.join(map(str, NUM_HEADS))}")
@@ -137,20 +130,14 @@ def get_prims_ts_batch_decode_mla_workspace_size(
     chosen from them, never from metadata values); never shrinks as ``max_seq_len`` or
     ``max_seq_len_q`` grows. At least 256.
     """
-    from ..cuda.kernels import mla_workspace_bytes
+    from ..cuda.kernels import decode_policy, device_limits, mla_workspace_bytes
 
     V.integer("batch_size", batch_size, minimum=1)
     _check_num_heads("num_heads", V.integer("num_heads", num_heads))
-    _check_len_bound("max_seq_len", max_seq_len)
+    V.key_length_bound("max_seq_len", max_seq_len)
     V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    else:
-        device = torch.device(device)
-    from ..cuda.kernels import MLA_DIM_QK, decode_policy, device_limits
-
     sms, limit = device_limits(device)
-    pol = decode_policy(batch_size, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sms, limit)
+    pol = decode_policy(batch_size, 1, num_heads, max_seq_len_q, DIM_QK, max_seq_len, sms, limit)
     V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
     return max(256, int(mla_workspace_bytes(batch_size, num_heads, max_seq_len_q, max_seq_len, sms, limit)))
 
@@ -282,7 +269,7 @@ def _prepare(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_
         V.fail(f"query: dtype {query.dtype} differs from the kv_cache's {cache.dtype}")
     V.block_table("block_tables", block_tables, batch)
     V.int32_vector("seq_lens", seq_lens, length=batch)
-    _check_len_bound("max_seq_len", max_seq_len)
+    V.key_length_bound("max_seq_len", max_seq_len)
     mask_type = V.choice("mask_type", mask_type, MASKS)
     sm_scale = V.scale("bmm1_scale", bmm1_scale)
     output_scale = V.scale("bmm2_scale", bmm2_scale)
@@ -472,13 +459,13 @@ class BatchMLADecodePagedTSWrapper:
         V.input_dtype("q_data_type", q_data_type)
         odt = _resolve_out_dtype(out_dtype, None)
         if max_kv_len is not None:
-            _check_len_bound("max_kv_len", max_kv_len)
+            V.key_length_bound("max_kv_len", max_kv_len)
         if max_seq_len_q is not None:
             V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
         # metadata values: read once
         lens = seq_lens.tolist()
         if max_kv_len is None:
-            _values_lens(lens, MAX_SEQ_LEN_BOUND, "the supported bound")
+            _values_lens(lens, V.MAX_SEQ_LEN_BOUND, "the supported bound")
             max_kv_len = max(lens)
         else:
             _values_lens(lens, max_kv_len, "max_kv_len")

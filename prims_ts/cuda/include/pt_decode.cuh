@@ -76,6 +76,30 @@ struct DecodeProblem {
   int q_rows, sk, sq, kv_begin, kv_end;
   __device__ __forceinline__ BandRange<BN> range() const { return BandRange<BN>(kv_begin, kv_end, sk); }
 
+  // The CTA's rows: request b, K/V head hk, row tile at group row row0_ of the request's
+  // query tokens from q_start_ (sq_ of them). Returns false when the tile holds no row
+  // (nothing to compute, write or merge); otherwise also sets the K/V length and pointers.
+  __device__ __forceinline__ bool init(const DecodeParams& params, int b_, int hk_, int q_start_, int sq_, int row0_,
+                                       int max_rows) {
+    p = &params;
+    b = b_;
+    hk = hk_;
+    split = 0;
+    q_start = q_start_;
+    sq = sq_;
+    row0 = row0_;
+    q_rows = min_(BM, max_rows - row0);
+    if (q_rows <= 0) return false;
+    sk = params.seq_lens[b];
+    q = static_cast<const T*>(params.q) + b * params.q_sb + (i64)q_start * params.q_st +
+        (i64)hk * params.group * params.q_sh;
+    k = static_cast<const T*>(params.k) + hk * params.k_sh;
+    v = static_cast<const T*>(params.v) + hk * params.v_sh;
+    pages = params.kv_indptr != nullptr ? params.kv_indices + params.kv_indptr[b]
+                                        : params.kv_indices + b * params.bt_stride;
+    return true;
+  }
+
   __device__ __forceinline__ const T* q_row(int r) const {
     const int rr = row0 + r;
     return q + (rr / p->group) * p->q_st + (rr % p->group) * p->q_sh;
