@@ -55,3 +55,10 @@ def assert_opcheck_passed(result, names=OPCHECK_TESTS) -> None:
     assert set(result) == set(names), result
     bad = {k: v for k, v in result.items() if v != "SUCCESS"}
     assert not bad, bad
+
+
+def huge_page_stride(pool: torch.Tensor) -> torch.Tensor:
+    """A one-page view of a paged pool whose page stride is 2**31 elements (nothing past
+    page 0 is touched, so no storage is needed for it): the validation tests' pool whose
+    page addresses would overflow int32."""
+    return pool.as_strided((1,) + tuple(pool.shape[1:]), (2**31,) + pool.stride()[1:])

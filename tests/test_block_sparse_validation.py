@@ -29,6 +29,7 @@ import torch
 import prims_ts
 from prims_ts.ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
 import prims_ts.meta.block_sparse  # noqa: F401,E402  (registers the fakes; after the ops they describe)
+from prims_ts.testing import huge_page_stride
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, U32 = torch.int32, torch.uint32
@@ -108,12 +109,6 @@ def base(**mods):
         (args if key in args else kwargs)[key] = val
     kwargs = {key: val for key, val in kwargs.items() if val is not DROP}
     return tuple(args.values()), kwargs
-
-
-def _huge_page_stride(t):
-    """A one-page view of the pool whose page stride is 2**31 elements (nothing past page 0
-    is touched, so no storage is needed for it): checked before any shape comparison."""
-    return t.as_strided((1,) + tuple(t.shape[1:]), (2**31,) + t.stride()[1:])
 
 
 def _noncontig_inner(t):
@@ -428,7 +423,7 @@ case("page_size_256", ValueError, "page size|paged_kv_cache", lambda: base(paged
 case("combined_page_stride_beyond_int32", ValueError, "paged_kv_cache: page stride",
      lambda: base(paged_kv_cache=_kv.as_strided((1,) + tuple(_kv.shape[1:]), (2**31,) + _kv.stride()[1:])))
 case("tuple_k_page_stride_beyond_int32", ValueError, r"paged_kv_cache\[0\]: page stride",
-     lambda: base(paged_kv_cache=(_huge_page_stride(_k), _huge_page_stride(_v))))
+     lambda: base(paged_kv_cache=(huge_page_stride(_k), huge_page_stride(_v))))
 # --- out: overlap with any input, shape, dtype, device, layout
 case("out_is_q", ValueError, r"\bout\b", lambda: base(out=_q))
 _q3 = make_q(b=B + 1)

@@ -31,6 +31,7 @@ from prims_ts import (
     get_prims_ts_batch_decode_workspace_size,
     prims_ts_batch_decode_with_kv_cache,
 )
+from prims_ts.testing import huge_page_stride
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, U8 = torch.int32, torch.uint8
@@ -129,12 +130,6 @@ def fixed(sq=3, **mods):
     kw = dict(query=make_q(sq=sq), seq_len_q=sq, workspace_buffer=make_ws(ws_bytes(max_seq_len_q=sq)))
     kw.update(mods)
     return base(**kw)
-
-
-def _huge_page_stride(t):
-    """A one-page view of the pool whose page stride is 2**31 elements (nothing past page 0
-    is touched, so no storage is needed for it): checked before any shape comparison."""
-    return t.as_strided((1,) + tuple(t.shape[1:]), (2**31,) + t.stride()[1:])
 
 
 def _noncontig_inner(t):
@@ -388,7 +383,7 @@ case("cache_meta", ValueError, "kv_cache", lambda: base(kv_cache=_kv.to("meta"))
 case("combined_page_stride_beyond_int32", ValueError, "kv_cache: page stride",
      lambda: base(kv_cache=_kv.as_strided((1,) + tuple(_kv.shape[1:]), (2**31,) + _kv.stride()[1:])))
 case("tuple_k_page_stride_beyond_int32", ValueError, r"kv_cache\[0\]: page stride",
-     lambda: base(kv_cache=(_huge_page_stride(_k), _huge_page_stride(_v))))
+     lambda: base(kv_cache=(huge_page_stride(_k), huge_page_stride(_v))))
 # --- scales
 case("bmm1_scale_zero", ValueError, "bmm1_scale", lambda: base(bmm1_scale=0.0))
 case("bmm1_scale_nan", ValueError, "bmm1_scale", lambda: base(bmm1_scale=math.nan))

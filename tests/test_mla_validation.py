@@ -34,6 +34,7 @@ from prims_ts import (
     get_prims_ts_batch_decode_mla_workspace_size,
     prims_ts_batch_decode_with_kv_cache_mla,
 )
+from prims_ts.testing import huge_page_stride
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, U8 = torch.int32, torch.uint8
@@ -199,11 +200,6 @@ def _ws_sharing(name):
     return base(**{name: meta, "workspace_buffer": ws})
 
 
-def _huge_page_stride(t):
-    """A one-page view of the pool whose page stride is 2**31 elements (nothing past page 0 is touched)."""
-    return t.as_strided((1,) + tuple(t.shape[1:]), (2**31,) + t.stride()[1:])
-
-
 def _overlapping_rows():
     """block_tables whose rows overlap (row stride 2 < 3 columns)."""
     flat = ip([3, 1, 5, 0, 2, 6])
@@ -286,9 +282,9 @@ case("cache_no_pages", ValueError, "kv_cache", lambda: base(kv_cache=_kv[:0]))
 case("cache_inner_noncontig", ValueError, "kv_cache", lambda: base(kv_cache=_noncontig_inner(_kv)))
 case("cache_misaligned", ValueError, "kv_cache", lambda: base(kv_cache=_misaligned(_kv)))
 case("cache_page_stride_beyond_int32", ValueError, "kv_cache: page stride",
-     lambda: base(kv_cache=_huge_page_stride(_kv)))
+     lambda: base(kv_cache=huge_page_stride(_kv)))
 case("cache4d_page_stride_beyond_int32", ValueError, "kv_cache: page stride",
-     lambda: base(kv_cache=_huge_page_stride(_kv4)))
+     lambda: base(kv_cache=huge_page_stride(_kv4)))
 # --- dtype mixes and unsupported dtypes
 case("query_fp16_cache_bf16", ValueError, "query|kv_cache", lambda: base(query=_q.half()))
 case("query_bf16_cache_fp16", ValueError, "query|kv_cache", lambda: base(kv_cache=_kv.half()))

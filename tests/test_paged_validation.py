@@ -19,6 +19,7 @@ import torch
 
 import prims_ts
 from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
+from prims_ts.testing import huge_page_stride
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
@@ -79,12 +80,6 @@ def base(**mods):
         (args if key in args else kwargs)[key] = val
     kwargs = {key: val for key, val in kwargs.items() if val is not DROP}
     return tuple(args.values()), kwargs
-
-
-def _huge_page_stride(t):
-    """A one-page view of the pool whose page stride is 2**31 elements (nothing past page 0
-    is touched, so no storage is needed for it): checked before any shape comparison."""
-    return t.as_strided((1,) + tuple(t.shape[1:]), (2**31,) + t.stride()[1:])
 
 
 def _noncontig_inner(t):
@@ -204,8 +199,8 @@ ONESHOT_CASES = [
     ("v_inner_noncontig", ValueError, "v_cache", lambda: base(v_cache=_noncontig_inner(_v))),
     ("pools_empty", ValueError, "k_cache", lambda: base(k_cache=make_pool(p=0), v_cache=make_pool(p=0))),
     ("k_not_tensor", TypeError, "k_cache", lambda: base(k_cache=_k.tolist())),
-    ("k_page_stride_beyond_int32", ValueError, "k_cache: page stride", lambda: base(k_cache=_huge_page_stride(_k))),
-    ("v_page_stride_beyond_int32", ValueError, "v_cache: page stride", lambda: base(v_cache=_huge_page_stride(_v))),
+    ("k_page_stride_beyond_int32", ValueError, "k_cache: page stride", lambda: base(k_cache=huge_page_stride(_k))),
+    ("v_page_stride_beyond_int32", ValueError, "v_cache: page stride", lambda: base(v_cache=huge_page_stride(_v))),
     ("v_none", TypeError, "v_cache", lambda: base(v_cache=None)),
     # block_tables: dtype, rank, strides, rows
     ("bt_int64", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE, torch.int64))),
