@@ -568,7 +568,8 @@ def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv
         _fill_gqa_rows(p, query, k_cache, v_cache, out, packed, group, window_left, sm_scale, output_scale)
         if pol.splits > 1:
             ws = workspace.data_ptr()
-            p.ws_lse, p.ws_o, p.ws_count = (ws + off for off in _decode_partial_layout(batch, hkv, pol, key.dv))
+            lse_off, o_off, count_off, _ = _decode_partial_layout(batch, hkv, pol, key.dv)
+            p.ws_lse, p.ws_o, p.ws_count = ws + lse_off, ws + o_off, ws + count_off
         p.qo_indptr = _ptr(qo_indptr)
         p.kv_indptr, p.kv_indices, p.seq_lens = _ptr(kv_indptr), kv_indices.data_ptr(), seq_lens.data_ptr()
         p.bt_stride = bt_stride
