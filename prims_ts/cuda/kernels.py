@@ -29,20 +29,49 @@ def _read(name: str) -> str:
 
 
 def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: int = 1,
-                    split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False) -> int:
+                    split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
+                    producer: bool = False) -> int:
     """Dynamic shared memory of one FMHA core CTA: pt::FmhaConfig<...>::SMEM_BYTES (pt_fmha.cuh).
 
     The Q tile and `stages` K/V tile pairs (one tile per stage when V is a prefix of the
     K row); split_o adds its exchange area (a float per warp row, P as A fragments);
     otherwise, with warps_n > 1, the key-split merge reuses the pipeline's bytes for
-    (m, l) per warp row and the O fragments (dv wide) of warps_n - 1 warps.
+    (m, l) per warp row and the O fragments (dv wide) of warps_n - 1 warps. A producer
+    warpgroup adds the ring's mbarriers (full and empty per stage).
     """
     dv = head_dim if dv is None else dv
     warps_m = bm // 16
     xchg = warps_m * warps_n * 16 * 4 + warps_m * (bn // 16) * 32 * 16 if split_o else 0
     pipe = bm * head_dim * 2 + (1 if shared_kv else 2) * stages * bn * head_dim * 2 + xchg
+    pipe += 2 * stages * 8 if producer else 0
     merge = (warps_m * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * dv * 4) if warps_n > 1 and not split_o else 0
     return max(pipe, merge)
+
+
+SM90_SMEM_LIMIT = 232448  # per-block opt-in shared memory on sm_90
+WGMMA_ALIGN_SLACK = 1024  # the wgmma tiles are 1024-byte aligned inside the dynamic buffer
+# the alignment slack plus a kernel's static shared memory (a few words)
+SMEM_MARGIN = WGMMA_ALIGN_SLACK + 1024
+PRODUCER_THREADS = 128  # the copy warpgroup of the producer pipeline (pt_fmha.cuh)
+MAX_PRODUCER_STAGES = 4
+
+
+def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
+    """K/V stages of a producer-pipeline tile (wgmma engine): as many as fit the sm_90
+    per-block limit, 2 to 4 (more in flight hides the copies' latency)."""
+    for stages in range(MAX_PRODUCER_STAGES, 2, -1):
+        if fmha_smem_bytes(bm, bn, head_dim, stages, producer=True) + extra + SMEM_MARGIN <= SM90_SMEM_LIMIT:
+            return stages
+    return 2
+
+
+def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
+                stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
+                producer: bool = False) -> str:
+    """The pt::FmhaConfig<...> type of a kernel key (pt_fmha.cuh), every parameter spelled out."""
+    b = lambda x: str(bool(x)).lower()  # noqa: E731
+    return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
+            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}>")
 
 
 # ----------------------------------------------------------------------------
@@ -61,40 +90,48 @@ class PrefillKey:
     min_blocks: int = 1
     arch: int = 80  # tile engine: 80 = mma.sync (any sm_80+), 90 = wgmma (sm_90a)
     paged: bool = False  # K/V address policy: contiguous rows, or HND page pools + block tables
+    stages: int = 2  # K/V tiles in flight
 
     @staticmethod
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str = "sm_80", paged: bool = False) -> "PrefillKey":
         dt = DTYPE_CODES[dtype]
         if arch == "sm_90a":
-            if head_dim == 128:
-                return PrefillKey(dt, 128, mask, bm=128, bn=128, q_in_regs=False, arch=90, paged=paged)
-            return PrefillKey(dt, head_dim, mask, bm=128, bn=64, q_in_regs=False, arch=90, paged=paged)
+            # the wgmma engine with a producer warpgroup: BN 128 at D128, 64 at D256
+            bn = 128 if head_dim == 128 else 64
+            extra = 2 * 128 * 4 if mask == "variable_window" else 0
+            return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
+                              stages=producer_stages(128, bn, head_dim, extra))
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
         return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)
 
     @property
+    def producer(self) -> bool:
+        return self.arch == 90
+
+    @property
     def threads(self) -> int:
-        return self.bm // 16 * 32
+        return self.bm // 16 * 32 + (PRODUCER_THREADS if self.producer else 0)
 
     @property
     def smem(self) -> int:
         extra = 2 * self.bm * 4 if self.mask == "variable_window" else 0
-        align = 1024 if self.arch == 90 else 0  # slack to 1024-align the wgmma tiles
-        return fmha_smem_bytes(self.bm, self.bn, self.head_dim) + extra + align
+        align = WGMMA_ALIGN_SLACK if self.arch == 90 else 0
+        return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, producer=self.producer) + extra + align
 
     @property
     def name(self) -> str:
         return (
             f"pt_prefill_{self.dtype}_d{self.head_dim}_m{MASK_CODES[self.mask]}"
             f"_bm{self.bm}_bn{self.bn}_q{int(self.q_in_regs)}_mb{self.min_blocks}_sm{self.arch}"
+            + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
             + ("_paged" if self.paged else "")
         )
 
     def source(self) -> runtime.KernelSource:
-        cfg = (f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, "
-               f"{str(self.q_in_regs).lower()}, {self.arch}>")
+        cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
+                          producer=self.producer)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, {self.min_blocks})\n'
             f"{self.name}(const pt::PrefillParams p) {{\n"
@@ -485,11 +522,9 @@ class DecodeKey:
                 ("_sm90" if self.arch == 90 else ""))
 
     def source(self) -> runtime.KernelSource:
-        q_regs = "true" if self.head_dim <= 128 else "false"
-        q_regs = "false" if self.arch == 90 else q_regs
-        cfg = (f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, {self.arch}, "
-               f"{self.warps_n}, {self.stages}, {str(self.split_o).lower()}, {self.dv}, "
-               f"{str(self.shared_kv).lower()}>")
+        q_regs = self.head_dim <= 128 and self.arch != 90
+        cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
+                          self.stages, self.split_o, self.dv, self.shared_kv)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads})\n'
             f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"
@@ -651,6 +686,7 @@ class BlockSparseKey:
     bm: int
     bn: int
     arch: int
+    stages: int = 2
 
     @staticmethod
     def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int,
@@ -659,7 +695,7 @@ class BlockSparseKey:
         if arch == "sm_90a" and kv_block_size % 64 == 0:
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
-            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90)
+            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim))
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
@@ -667,22 +703,28 @@ class BlockSparseKey:
         return BlockSparseKey(dtype, head_dim, causal, 64, bn, 80)
 
     @property
+    def producer(self) -> bool:
+        return self.arch == 90
+
+    @property
     def threads(self) -> int:
-        return self.bm // 16 * 32
+        return self.bm // 16 * 32 + (PRODUCER_THREADS if self.producer else 0)
 
     @property
     def smem(self) -> int:
-        return fmha_smem_bytes(self.bm, self.bn, self.head_dim) + (1024 if self.arch == 90 else 0)
+        return (fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, producer=self.producer) +
+                (WGMMA_ALIGN_SLACK if self.arch == 90 else 0))
 
     @property
     def name(self) -> str:
-        return f"pt_bsr_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}_sm{self.arch}"
+        return (f"pt_bsr_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}_sm{self.arch}"
+                + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else ""))
 
     def source(self) -> runtime.KernelSource:
-        q_regs = "true" if self.arch == 80 and self.head_dim <= 128 else "false"
-        cfg = f"pt::FmhaConfig<pt::{self.dtype}, {self.head_dim}, {self.bm}, {self.bn}, {q_regs}, {self.arch}>"
+        cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
+                          self.arch, stages=self.stages, producer=self.producer)
         entry = (
-            f'\nextern "C" __global__ void __launch_bounds__({self.threads})\n'
+            f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::BlockSparseParams p) {{\n"
             f"  pt::block_sparse_kernel<{cfg}, {str(self.causal).lower()}>(p);\n}}\n"
         )

@@ -41,7 +41,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 }
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
-          int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false>
+          int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false>
 struct FmhaConfig {
   using T = T_;
   static constexpr int ARCH = ARCH_;
@@ -65,8 +65,21 @@ struct FmhaConfig {
   static constexpr int BNW = BN / WARPS_N;  // keys of a tile per warp
   static constexpr int DTW = SPLIT_O ? DV / 8 / WARPS_N : DV / 8;  // O n-tiles (8 columns) per warp
   static constexpr int WARPS = WARPS_M * WARPS_N;
-  static constexpr int THREADS = WARPS * 32;
+  static constexpr int THREADS = WARPS * 32;  // the MMA (consumer) threads
   static constexpr int STAGES = STAGES_;
+  // PRODUCER (wgmma engine): one more warpgroup issues every K/V copy; the ring's stages
+  // are handed over through mbarriers (full: copies landed; empty: every MMA warp is done
+  // with it) instead of CTA-wide barriers, so the MMA warpgroups never wait for each
+  // other and spend no issue slots on addresses.
+  static constexpr bool PRODUCER = PRODUCER_;
+  static constexpr int PRODUCER_THREADS = PRODUCER ? 128 : 0;
+  static constexpr int LAUNCH_THREADS = THREADS + PRODUCER_THREADS;
+  // Register shares: at 384 threads the launch gives each thread 168 registers; the
+  // producer gives back down to 40 and the two MMA warpgroups take 232. At 256 threads
+  // every thread already has plenty, and the shares stay as launched.
+  static constexpr bool REBALANCE_REGS = PRODUCER && LAUNCH_THREADS == 384;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;
   using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
   using KVTile = typename Select<ARCH_ == 90, SmemTileW<BN, D>, SmemTile<BN, D>>::type;
   static constexpr int SMEM_Q = QTile::BYTES;
@@ -77,7 +90,8 @@ struct FmhaConfig {
   // sums), then P of the tile as A fragments [WARPS_M][BN / 16][32 lanes] x 16 bytes
   static constexpr int SMEM_XCHG_RED = WARPS * 16 * 4;
   static constexpr int SMEM_XCHG = SPLIT_O ? SMEM_XCHG_RED + WARPS_M * (BN / 16) * 32 * 16 : 0;
-  static constexpr int SMEM_PIPE = SMEM_Q + SMEM_RING + SMEM_XCHG;
+  static constexpr int SMEM_BARS = PRODUCER ? 2 * STAGES * 8 : 0;  // full[STAGES], empty[STAGES]
+  static constexpr int SMEM_PIPE = SMEM_Q + SMEM_RING + SMEM_XCHG + SMEM_BARS;
   // key-split merge (reuses the pipeline's bytes): (m, l) per warp and row, then
   // the O fragments of the WARPS_N - 1 warps that hand theirs over
   static constexpr int SMEM_MERGE = WARPS_N > 1 && !SPLIT_O ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * DV * 4 : 0;
@@ -87,17 +101,20 @@ struct FmhaConfig {
   static_assert(BN % (16 * WARPS_N) == 0 && D % 64 == 0 && STAGES >= 2, "tile shape");
   static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0 && (ARCH_ == 80 || (DTW * 8) % 64 == 0)),
                 "SPLIT_O: column pairs per warp (whole 64-column panels per warpgroup on wgmma)");
+  static_assert(!PRODUCER || (ARCH_ == 90 && WARPS_N_ == 1 && !SPLIT_O_ && BM % 64 == 0),
+                "producer warpgroup: the wgmma engine with whole-row warpgroups");
   static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
 };
 
 // Copy `rows` valid rows (of at most ROWS) into a swizzled tile; zero-fill the rest.
+// `tid`: this thread's index among the THREADS copying threads.
 template <class Tile, int THREADS, class RowFn>
-__device__ __forceinline__ void load_tile(u32 smem_base, int rows, RowFn row_ptr) {
+__device__ __forceinline__ void load_tile(u32 smem_base, int rows, RowFn row_ptr, int tid) {
   constexpr int TOTAL = Tile::BYTES / 16;
   static_assert(TOTAL % THREADS == 0, "tile not divisible among threads");
 #pragma unroll
   for (int i = 0; i < TOTAL / THREADS; ++i) {
-    int idx = threadIdx.x + i * THREADS;
+    int idx = tid + i * THREADS;
     int r = idx / Tile::CHUNKS;
     int c = idx % Tile::CHUNKS;
     bool valid = r < rows;
@@ -130,29 +147,55 @@ template <int BN> struct BandRange {
 };
 
 // Copy K/V rows k0 .. k0 + rows - 1 into two tiles (same layout); zero-fill the rest.
-// K first, then V, each pass keeping only its pointers live; the page of each row is
-// looked up once, in the K pass, and kept (an int per copied chunk) for the V pass.
-template <class Tile, int THREADS, class Problem>
-__device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows) {
+// PAIRED (the producer warpgroup, short on registers): 4 threads per row, each looks
+// the row's page up once and copies every 4th 16-byte chunk of its K and V rows (64
+// contiguous bytes per 4 threads and copy). Otherwise K first, then V, each pass
+// keeping only its pointers live; the page of each row is looked up once, in the K
+// pass, and kept (an int per copied chunk) for the V pass.
+template <class Tile, int THREADS, bool PAIRED, class Problem>
+__device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows, int tid) {
   constexpr int N = Tile::BYTES / 16 / THREADS;
   static_assert((Tile::BYTES / 16) % THREADS == 0, "tile not divisible among threads");
-  int page[N];
+  if constexpr (PAIRED) {
+    constexpr int TPR = 4, ROWS = Tile::BYTES / (Tile::CHUNKS * 16);
+    constexpr int RSTEP = THREADS / TPR;
+    static_assert(ROWS % RSTEP == 0 && Tile::CHUNKS % TPR == 0, "paired copy shape");
+    const int c0 = tid % TPR;
+#pragma unroll 1
+    for (int i = 0; i < ROWS / RSTEP; ++i) {
+      const int r = tid / TPR + i * RSTEP;
+      const bool valid = r < rows;
+      const int j = k0 + (valid ? r : 0);
+      const int page = pb.kv_page(j);
+      const char* kr = reinterpret_cast<const char*>(pb.k_row(page, j));
+      const char* vr = reinterpret_cast<const char*>(pb.v_row(page, j));
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int idx = threadIdx.x + i * THREADS;
-    const int r = idx / Tile::CHUNKS, c = idx % Tile::CHUNKS;
-    const bool valid = r < rows;
-    const int j = k0 + (valid ? r : 0);
-    page[i] = pb.kv_page(j);
-    cp_async_16(sk + Tile::offset(r, c), reinterpret_cast<const char*>(pb.k_row(page[i], j)) + c * 16, valid);
-  }
+      for (int k = 0; k < Tile::CHUNKS / TPR; ++k) {
+        const int c = c0 + k * TPR;
+        const u32 off = Tile::offset(r, c);
+        cp_async_16(sk + off, kr + c * 16, valid);
+        cp_async_16(sv + off, vr + c * 16, valid);
+      }
+    }
+  } else {
+    int page[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int idx = threadIdx.x + i * THREADS;
-    const int r = idx / Tile::CHUNKS, c = idx % Tile::CHUNKS;
-    const bool valid = r < rows;
-    const int j = k0 + (valid ? r : 0);
-    cp_async_16(sv + Tile::offset(r, c), reinterpret_cast<const char*>(pb.v_row(page[i], j)) + c * 16, valid);
+    for (int i = 0; i < N; ++i) {
+      const int idx = tid + i * THREADS;
+      const int r = idx / Tile::CHUNKS, c = idx % Tile::CHUNKS;
+      const bool valid = r < rows;
+      const int j = k0 + (valid ? r : 0);
+      page[i] = pb.kv_page(j);
+      cp_async_16(sk + Tile::offset(r, c), reinterpret_cast<const char*>(pb.k_row(page[i], j)) + c * 16, valid);
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int idx = tid + i * THREADS;
+      const int r = idx / Tile::CHUNKS, c = idx % Tile::CHUNKS;
+      const bool valid = r < rows;
+      const int j = k0 + (valid ? r : 0);
+      cp_async_16(sv + Tile::offset(r, c), reinterpret_cast<const char*>(pb.v_row(page[i], j)) + c * 16, valid);
+    }
   }
 }
 
@@ -188,18 +231,60 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     const KeyTile kt = range.tile(it);
     const int k0 = kt.k0, rows = kt.rows;
     if constexpr (Cfg::SHARED_KV) {
-      load_tile<KVTile, THREADS>(sK(stage), rows, [&](int r) { return pb.k_row(pb.kv_page(k0 + r), k0 + r); });
+      load_tile<KVTile, THREADS>(sK(stage), rows, [&](int r) { return pb.k_row(pb.kv_page(k0 + r), k0 + r); },
+                                 threadIdx.x);
     } else {
-      load_kv_tiles<KVTile, THREADS>(sK(stage), sV(stage), pb, k0, rows);
+      load_kv_tiles<KVTile, THREADS, false>(sK(stage), sV(stage), pb, k0, rows, threadIdx.x);
     }
   };
 
-  // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
-  load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); });
+  // full[s] / empty[s] of the producer pipeline (after the exchange area)
+  const u32 bars = sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG;
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
+  if constexpr (Cfg::PRODUCER) {
+    if (threadIdx.x == 0) {
 #pragma unroll
-  for (int s = 0; s < STAGES; ++s) {
-    if (s < n_tiles) issue_kv(s, s);
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full(s), Cfg::PRODUCER_THREADS);
+        mbar_init(empty(s), Cfg::WARPS);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x >= THREADS) {
+      // The producer warpgroup: tile it goes into stage it % STAGES once every MMA warp
+      // has released that stage's previous tile; each thread's copies arrive on full[s].
+      if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+      const int tid = threadIdx.x - THREADS;
+      int stage = 0;
+      u32 phase = 0;
+      for (int it = 0; it < n_tiles; ++it) {
+        if (it >= STAGES) mbar_wait(empty(stage), phase ^ 1u);
+        const KeyTile kt = range.tile(it);
+        load_kv_tiles<KVTile, Cfg::PRODUCER_THREADS, true>(sK(stage), sV(stage), pb, kt.k0, kt.rows, tid);
+        cp_async_mbar_arrive(full(stage));
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1u;
+        }
+      }
+      cp_async_wait<0>();
+      return;
+    }
+    if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
     cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    named_bar_sync(1, THREADS);
+  } else {
+    // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
+    load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      if (s < n_tiles) issue_kv(s, s);
+      cp_async_commit();
+    }
   }
 
   float o[DT][4];
@@ -219,12 +304,18 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   };
 
   int stage = 0;
+  u32 phase = 0;  // parity of the current pass over the ring (producer pipeline)
   for (int it = 0; it < n_tiles; ++it) {
     const KeyTile kt = range.tile(it);
     const int k0 = kt.k0;
-    cp_async_wait<STAGES - 1>();
-    if constexpr (Cfg::ARCH == 90) fence_proxy_async();
-    __syncthreads();
+    if constexpr (Cfg::PRODUCER) {
+      mbar_wait(full(stage), phase);
+      fence_proxy_async();
+    } else {
+      cp_async_wait<STAGES - 1>();
+      if constexpr (Cfg::ARCH == 90) fence_proxy_async();
+      __syncthreads();
+    }
     if constexpr (Cfg::Q_IN_REGS) {
       if (it == 0) {
 #pragma unroll
@@ -426,10 +517,19 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
     }
 
-    __syncthreads();  // every warp is done with this stage
-    if (it + STAGES < n_tiles) issue_kv(it + STAGES, stage);
-    cp_async_commit();
-    stage = stage + 1 == STAGES ? 0 : stage + 1;
+    if constexpr (Cfg::PRODUCER) {
+      __syncwarp();  // this warp's wgmmas reading the stage have completed (waited above)
+      if (lane == 0) mbar_arrive(empty(stage));
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    } else {
+      __syncthreads();  // every warp is done with this stage
+      if (it + STAGES < n_tiles) issue_kv(it + STAGES, stage);
+      cp_async_commit();
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
   }
   cp_async_wait<0>();
 
