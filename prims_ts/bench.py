@@ -589,11 +589,12 @@ def _compiled_flex():
 
 
 def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-               block_mask: Any = None) -> Callable[[], Any]:
+               block_mask: Any = None, kernel_options: Optional[dict] = None) -> Callable[[], Any]:
     """The FlexAttention peer of every family: a zero-argument call of the compiled
     ``flex_attention`` (one compile per shape) on contiguous ``[B, H, S, D]`` tensors,
     GQA through ``enable_gqa=True``, causal (bottom-right aligned) through a block mask
-    built here, once, or the caller's ``block_mask`` (block-sparse). Its output is
+    built here, once, or the caller's ``block_mask`` (block-sparse; ``kernel_options``
+    then fits Flex's tiles to blocks smaller than its defaults). Its output is
     ``[B, Hq, Sq, D]``. A failure raises, and the driver shows the cell as ``n/a`` with
     the reason."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -611,7 +612,7 @@ def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
         block_mask = create_block_mask(causal_mod, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=q.device)
 
     def fn():
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=kernel_options)
 
     return fn
 
@@ -1082,7 +1083,10 @@ def _setup_ours_bsr(prob: Problem, x: BlockSparseInputs):
 
 
 def _setup_flex_bsr(prob: Problem, x: BlockSparseInputs):
-    call = _flex_call(*x.bhsd(), block_mask=x.flex_block_mask())
+    bs = x.block_size
+    # Flex's tiles must divide the mask's blocks: its defaults (BLOCK_M 128) do not divide 64
+    opts = {"BLOCK_M": bs, "BLOCK_N": bs} if bs < 128 else None
+    call = _flex_call(*x.bhsd(), block_mask=x.flex_block_mask(), kernel_options=opts)
 
     def fn():
         return _to_bshd(call())

@@ -449,9 +449,9 @@ def _decode_wgmma(head_dim: int, bm: int) -> bool:
 
 def decode_tile_smem(head_dim: int, bm: int, bn: int, stages: int, warps_n: int, split_o: bool) -> int:
     """Shared memory of a decode tile, with the wgmma engine's alignment slack where it may apply."""
-    slack = 1024 if _decode_wgmma(head_dim, bm) else 0
+    wgmma = _decode_wgmma(head_dim, bm)  # then also the producer's barriers
     return fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o, value_dim(head_dim),
-                           head_dim == MLA_DIM_QK) + slack
+                           head_dim == MLA_DIM_QK, wgmma) + (WGMMA_ALIGN_SLACK if wgmma else 0)
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, called on every launch
@@ -499,8 +499,12 @@ class DecodeKey:
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine)
 
     @property
+    def producer(self) -> bool:  # the wgmma engine takes a producer warpgroup
+        return self.arch == 90
+
+    @property
     def threads(self) -> int:
-        return self.bm // 16 * self.warps_n * 32
+        return self.bm // 16 * self.warps_n * 32 + (PRODUCER_THREADS if self.producer else 0)
 
     @property
     def dv(self) -> int:
@@ -513,20 +517,20 @@ class DecodeKey:
     @property
     def smem(self) -> int:
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
-                               self.shared_kv) + (1024 if self.arch == 90 else 0)  # 1024-alignment slack
+                               self.shared_kv, self.producer) + (WGMMA_ALIGN_SLACK if self.arch == 90 else 0)
 
     @property
     def name(self) -> str:
         return (f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
                 f"_wn{self.warps_n}_s{self.stages}" + ("_so" if self.split_o else "") +
-                ("_sm90" if self.arch == 90 else ""))
+                ("_sm90_ws" if self.arch == 90 else ""))
 
     def source(self) -> runtime.KernelSource:
         q_regs = self.head_dim <= 128 and self.arch != 90
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
-                          self.stages, self.split_o, self.dv, self.shared_kv)
+                          self.stages, self.split_o, self.dv, self.shared_kv, self.producer)
         entry = (
-            f'\nextern "C" __global__ void __launch_bounds__({self.threads})\n'
+            f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"
             f"  pt::decode_kernel<{cfg}, {str(self.causal).lower()}>(p);\n}}\n"
         )

@@ -101,8 +101,7 @@ struct FmhaConfig {
   static_assert(BN % (16 * WARPS_N) == 0 && D % 64 == 0 && STAGES >= 2, "tile shape");
   static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0 && (ARCH_ == 80 || (DTW * 8) % 64 == 0)),
                 "SPLIT_O: column pairs per warp (whole 64-column panels per warpgroup on wgmma)");
-  static_assert(!PRODUCER || (ARCH_ == 90 && WARPS_N_ == 1 && !SPLIT_O_ && BM % 64 == 0),
-                "producer warpgroup: the wgmma engine with whole-row warpgroups");
+  static_assert(!PRODUCER || (ARCH_ == 90 && BM % 64 == 0), "producer warpgroup: the wgmma engine");
   static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
 };
 
@@ -152,7 +151,8 @@ template <int BN> struct BandRange {
 // contiguous bytes per 4 threads and copy). Otherwise K first, then V, each pass
 // keeping only its pointers live; the page of each row is looked up once, in the K
 // pass, and kept (an int per copied chunk) for the V pass.
-template <class Tile, int THREADS, bool PAIRED, class Problem>
+// SHARED_KV (PAIRED only): V is a prefix of the K row, and only the K tile is copied.
+template <class Tile, int THREADS, bool PAIRED, bool SHARED_KV = false, class Problem>
 __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows, int tid) {
   constexpr int N = Tile::BYTES / 16 / THREADS;
   static_assert((Tile::BYTES / 16) % THREADS == 0, "tile not divisible among threads");
@@ -168,13 +168,18 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb,
       const int j = k0 + (valid ? r : 0);
       const int page = pb.kv_page(j);
       const char* kr = reinterpret_cast<const char*>(pb.k_row(page, j));
-      const char* vr = reinterpret_cast<const char*>(pb.v_row(page, j));
 #pragma unroll
       for (int k = 0; k < Tile::CHUNKS / TPR; ++k) {
         const int c = c0 + k * TPR;
-        const u32 off = Tile::offset(r, c);
-        cp_async_16(sk + off, kr + c * 16, valid);
-        cp_async_16(sv + off, vr + c * 16, valid);
+        cp_async_16(sk + Tile::offset(r, c), kr + c * 16, valid);
+      }
+      if constexpr (!SHARED_KV) {
+        const char* vr = reinterpret_cast<const char*>(pb.v_row(page, j));
+#pragma unroll
+        for (int k = 0; k < Tile::CHUNKS / TPR; ++k) {
+          const int c = c0 + k * TPR;
+          cp_async_16(sv + Tile::offset(r, c), vr + c * 16, valid);
+        }
       }
     }
   } else {
@@ -226,6 +231,14 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
 
   const auto range = pb.range();
   const int n_tiles = range.n_tiles();
+  // a barrier among the MMA warps only (the producer warpgroup, if any, never joins)
+  auto mma_sync = [&]() {
+    if constexpr (Cfg::PRODUCER) {
+      named_bar_sync(1, THREADS);
+    } else {
+      __syncthreads();
+    }
+  };
 
   auto issue_kv = [&](int it, int stage) {
     const KeyTile kt = range.tile(it);
@@ -261,7 +274,8 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       for (int it = 0; it < n_tiles; ++it) {
         if (it >= STAGES) mbar_wait(empty(stage), phase ^ 1u);
         const KeyTile kt = range.tile(it);
-        load_kv_tiles<KVTile, Cfg::PRODUCER_THREADS, true>(sK(stage), sV(stage), pb, kt.k0, kt.rows, tid);
+        load_kv_tiles<KVTile, Cfg::PRODUCER_THREADS, true, Cfg::SHARED_KV>(sK(stage), sV(stage), pb, kt.k0,
+                                                                           kt.rows, tid);
         cp_async_mbar_arrive(full(stage));
         if (++stage == STAGES) {
           stage = 0;
@@ -276,7 +290,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     cp_async_commit();
     cp_async_wait<0>();
     fence_proxy_async();
-    named_bar_sync(1, THREADS);
+    mma_sync();
   } else {
     // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
     load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
@@ -395,7 +409,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
         xred[warp * 16 + g] = mx[0];
         xred[warp * 16 + g + 8] = mx[1];
       }
-      __syncthreads();
+      mma_sync();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -436,7 +450,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
         xp[(warp_m * (BN / 16) + warp_n * (BNW / 16) + kk) * 32 + lane] =
             make_uint4(pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
                        pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]));
-      __syncthreads();
+      mma_sync();
       u32 pf[BN / 16][4];
 #pragma unroll
       for (int kb = 0; kb < BN / 16; ++kb) {
@@ -480,7 +494,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
         xp[(warp_m * (BN / 16) + warp_n * (BNW / 16) + kk) * 32 + lane] =
             make_uint4(pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
                        pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]));
-      __syncthreads();
+      mma_sync();
 #pragma unroll
       for (int kb = 0; kb < BN / 16; ++kb) {
         const uint4 pa = xp[(warp_m * (BN / 16) + kb) * 32 + lane];
@@ -541,12 +555,12 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   }
   if constexpr (SPLIT_O) {
     // one running max per band already; the sums add up over the band's warps
-    __syncthreads();
+    mma_sync();
     if (t == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) xred[warp * 16 + g + 8 * h] = l_row[h];
     }
-    __syncthreads();
+    mma_sync();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = 0.f;
