@@ -437,7 +437,8 @@ def test_cuda_graph_wrapper_replay(mask, bits, q_block, kv_block):
              ("pages", pb.rewrite_pages),
              ("lengths", lambda: pb.rewrite_lens([1024, 1 if mask == "dense" else sq, 600, 700]))]
     if bits is not None:
-        steps.append(("bits", lambda: pb.bits.copy_(pb.bits.roll(1, 0))))
+        # roll through an int32 view (CUDA has no uint32 roll)
+        steps.append(("bits", lambda: pb.bits.view(torch.int32).copy_(pb.bits.view(torch.int32).roll(1, 0))))
     steps.append(("data", lambda: pb.q.copy_(randn(pb.q.shape, BF16, gen(device, 5), device))))
     for what, step in steps:
         step()
