@@ -39,22 +39,23 @@ __device__ __forceinline__ void merge_pair(const DecodeParams& p, int b, int hk,
 // Split-KV without a second kernel: every split CTA of a (request, K/V head, row tile)
 // publishes its partial and takes a ticket; the last one to arrive merges the tile's
 // rows and resets the counter to zero for the next launch (the workspace contract:
-// zeroed before first use, left reusable).
+// zeroed before first use, left reusable). `threads`: the MMA threads (0 .. threads - 1),
+// which meet at named barrier 2; a producer warpgroup has left already.
 __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk, int rt, int q_start, int row0,
-                                           int q_rows, int dv) {
+                                           int q_rows, int dv, int threads) {
   __shared__ int last;
   __threadfence();  // this thread's partial stores, before the ticket
-  __syncthreads();
+  named_bar_sync(2, threads);
   if (threadIdx.x == 0) {
     int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
     last = atomicAdd(count, 1) == p.splits - 1;
     if (last) *count = 0;
   }
-  __syncthreads();
+  named_bar_sync(2, threads);
   if (!last) return;
   __threadfence();  // every other split's partials, after the ticket
   const int pairs = dv / 2;
-  for (int i = threadIdx.x; i < q_rows * pairs; i += blockDim.x)
+  for (int i = threadIdx.x; i < q_rows * pairs; i += threads)
     merge_pair(p, b, hk, q_start, row0 + i / pairs, dv, 2 * (i % pairs));
 }
 
@@ -85,7 +86,8 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   // Every split CTA runs the core, even with an empty range: it then writes a zero
   // partial with lse = -inf, which the merge weighs as nothing.
   fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
-  if (p.splits > 1) merge_if_last(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows, Cfg::DV);
+  if (threadIdx.x >= Cfg::THREADS) return;  // the producer warpgroup: done
+  if (p.splits > 1) merge_if_last(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows, Cfg::DV, Cfg::THREADS);
 }
 
 }  // namespace pt
