@@ -1,10 +1,11 @@
 """Time MLA decode under forced tile policies (a tuning aid, not part of the bench):
 
-    python benchmarks/mla_sweep.py B L H [bm,bn,stages,warps_n,splits ...]
+    python benchmarks/mla_sweep.py B L H [SPEC ...]
 
-Each policy spec overrides `decode_policy` for one launch shape; its output is compared
-with the default policy's, and its time (CUDA events, median of 20 x 10 calls) printed
-with the latent-cache bandwidth and the TFLOP/s. Without specs, a built-in list is swept.
+A SPEC is `bm,bn,stages,warps_n,splits` (overrides `decode_policy`), `swap` (the default
+policy on the swapped-operand tile, sm_90a) or `swap:bm,bn,stages,warps_n,splits`. Each
+one's output is compared with the default policy's, and its time (CUDA events, median of
+20 x 10 calls) printed with the latent-cache bandwidth and the TFLOP/s.
 """
 import sys
 
@@ -17,7 +18,11 @@ def main() -> None:
     from prims_ts.cuda import kernels as K
 
     b, n, h = (int(x) for x in sys.argv[1:4])
-    specs = [tuple(int(v) for v in s.split(",")) for s in sys.argv[4:]]
+    specs = []
+    for arg in sys.argv[4:]:
+        swap = arg.startswith("swap")
+        shape = arg[4:].lstrip(":") if swap else arg
+        specs.append((swap, tuple(int(v) for v in shape.split(",")) if shape else None))
     ps, dev, dt = 64, torch.device("cuda"), torch.bfloat16
     per = (n + ps - 1) // ps
     q = torch.randn(b, 1, h, MLA_DQK, device=dev, dtype=dt)
@@ -37,7 +42,7 @@ def main() -> None:
     nbytes = b * n * MLA_DQK * 2
     flops = 2.0 * b * h * n * (MLA_DQK + MLA_DV)
     print(f"B{b} L{n} H{h}: default {default(b, 1, h, 1, MLA_DQK, n, 132, K.smem_limit('sm_90a'))}")
-    for spec in [None] + specs:
+    for swap, spec in [(False, None)] + specs:
         if spec is not None:
             bm, bn, stages, wn, splits = spec
             tiles = (n + bn - 1) // bn
@@ -46,7 +51,10 @@ def main() -> None:
             K.decode_policy = lambda *a, _p=pol: _p
         else:
             K.decode_policy = default
+        K.MLA_SWAPPED_TILE = swap
+        label = ("swap " if swap else "") + str(spec or "default")
         try:
+            ws.zero_()  # each policy's split counters live at its own offsets
             out.fill_(float("nan"))
             run()
             torch.cuda.synchronize()
@@ -61,12 +69,13 @@ def main() -> None:
                 torch.cuda.synchronize()
                 times.append(e0.elapsed_time(e1) / 10)
             ms = sorted(times)[len(times) // 2]
-            print(f"  {str(spec or 'default'):28s} {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:5.2f} TB/s  "
+            print(f"  {label:28s} {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:5.2f} TB/s  "
                   f"{flops / ms / 1e9:6.1f} TFLOP/s  maxdiff {err:.1e}")
         except Exception as e:  # a spec that does not fit: say so and go on
-            print(f"  {spec}: {type(e).__name__}: {str(e)[:200]}")
+            print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
         finally:
             K.decode_policy = default
+            K.MLA_SWAPPED_TILE = False
 
 
 if __name__ == "__main__":

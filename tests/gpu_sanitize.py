@@ -164,9 +164,25 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split) 
     assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
 
 
+# the swapped-operand tile (sm_90a, rows of 16/32), selected explicitly until it is the default
+MLA_SWAP_CASES = [
+    ("swap fixed sq1 h16 causal", "fixed", 1, "causal", 16, 16, 3, [1, 37, 60], 60, False),
+    ("swap split packed h8 dense", "packed", [4, 1], "dense", 8, 64, 4, [3000, 2], 3000, True),
+]
+
+
 def mla_cases(dev) -> None:
+    from prims_ts.cuda import kernels
+
     for case in MLA_CASES:
         mla_case(dev, *case)
+    if torch.cuda.get_device_capability(dev) == (9, 0):
+        kernels.MLA_SWAPPED_TILE = True
+        try:
+            for case in MLA_SWAP_CASES:
+                mla_case(dev, *case)
+        finally:
+            kernels.MLA_SWAPPED_TILE = False
 
 
 # (name, entry, mask, D, Hq, Hkv, q_block, kv_block, page size, cache form, valid bits, Sq, K/V lengths,

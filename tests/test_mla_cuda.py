@@ -204,6 +204,54 @@ def test_mla_grid(qmode, mask, h, sq):
     check(pb, mask)
 
 
+# ----------------------------------------------------------------------------
+# The swapped-operand tile (sm_90a, rows of 16/32): selected explicitly until it is the default
+# ----------------------------------------------------------------------------
+
+SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
+
+
+@pytest.fixture
+def swapped_tile(monkeypatch):
+    from prims_ts.cuda import kernels
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the swapped-operand tile is sm_90a only")
+    monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", True)
+    return kernels
+
+
+@pytest.mark.parametrize("hsq", SWAP_CELLS, ids=[f"h{h}_sq{q}" for h, q in SWAP_CELLS])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_swapped_tile_grid(swapped_tile, qmode, mask, hsq):
+    """The grid's rotation (page size, rank, dtype, page IDs, split or one split) on the
+    swapped tile; the policy's key must be the swapped one."""
+    h, sq = hsq
+    i = SWAP_CELLS.index(hsq) + 6 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
+    lengths = ("long", "short")[i % 2]
+    lens = list(LONG if lengths == "long" else SHORT)
+    B = len(lens)
+    q_lens = [1 + (b + sq) % sq for b in range(B)]
+    if mask == "causal":
+        lens[0] = sq if qmode == "fixed" else q_lens[0]
+    pb = Problem(lens, h, PAGE_SIZES[i % 4], (BF16, FP16)[(i // 2) % 2], stable_seed("swap", qmode, mask, h, sq),
+                 qmode=qmode, sq=sq, q_lens=q_lens, max_seq_len_q=sq, rank=RANKS[(i // 4) % 2],
+                 kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
+    pol = pb.policy()
+    assert (pol.splits > 1) == (lengths == "long"), pol
+    key = swapped_tile.DecodeKey.of("bf16", DQK, mask == "causal", pol, "sm_90a")
+    assert key.swap and key.bm == pol.bm, key
+    check(pb, mask)
+
+
+@pytest.mark.parametrize("out_dtype", [FP32, BF16])
+def test_swapped_tile_long_request_and_out_dtype(swapped_tile, out_dtype):
+    """One 131072-token request beside a 4-token one (H 16, SQ 2), bmm scales, output dtypes."""
+    pb = Problem([131072, 4], 16, 64, BF16, stable_seed("swap-long", str(out_dtype)), sq=2, slack=0)
+    check(pb, "causal", out_dtype=out_dtype, bmm1_scale=0.7 * SCALE, bmm2_scale=1.5)
+
+
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 @pytest.mark.parametrize("qmode", QMODES)

@@ -68,6 +68,21 @@ def test_mla_policy_is_the_decode_policy_of_one_latent_head(batch, heads, sq, le
         assert ws >= batch * pol.splits * pol.rows_max * (kernels.MLA_DIM_V + 1) * 4
 
 
+@pytest.mark.parametrize("heads,sq", [(8, 1), (8, 4), (16, 1), (16, 2), (32, 1)])
+def test_mla_swapped_tile_key(monkeypatch, heads, sq):
+    """Rows of 16/32 on sm_90a: the swapped-operand key (one MMA warpgroup + the producer, BN 64
+    so the policy's split chunks stay whole tiles) once selected; never on other archs."""
+    pol = kernels.decode_policy(64, 1, heads, sq, kernels.MLA_DIM_QK, 8192, sm_count=132)
+    assert pol.bm in (16, 32) and pol.bn == kernels.SWAP_BN and pol.chunk % kernels.SWAP_BN == 0
+    monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", True)
+    key = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a")
+    assert key.swap and key.bm == pol.bm and key.threads == 256 and key.smem <= kernels.smem_limit("sm_90a")
+    assert "SwapConfig" in key.source().source and key.name.endswith("_swap")
+    assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_80").swap
+    monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", False)
+    assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a").swap
+
+
 def test_mla_workspace_never_shrinks():
     for batch, heads in ((1, 16), (64, 16), (2, 128)):
         sizes = [kernels.mla_workspace_bytes(batch, heads, 1, n, 132) for n in range(1, 20000, 97)]

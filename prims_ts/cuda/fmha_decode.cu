@@ -8,10 +8,13 @@
 // MLA decode is this kernel with one latent K/V head (Hkv = 1, group = H) whose V row
 // is the first DV values of the K row: the core then keeps one tile per stage. Row
 // tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
-// tile's keys for S and O's columns for PV, P exchanged through shared memory.
+// tile's keys for S and O's columns for PV, P exchanged through shared memory. Row
+// tiles of 16/32 may take the swapped-operand tile (pt_fmha_swap.cuh: the keys as
+// wgmma's M) on sm_90a.
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/kernels.py).
 #include "pt_decode.cuh"
+#include "pt_fmha_swap.cuh"
 
 namespace pt {
 
@@ -85,7 +88,11 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   pb.kv_end = max_(begin, end);
   // Every split CTA runs the core, even with an empty range: it then writes a zero
   // partial with lse = -inf, which the merge weighs as nothing.
-  fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
+  if constexpr (Cfg::SWAP) {
+    fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
+  } else {
+    fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
+  }
   if (threadIdx.x >= Cfg::THREADS) return;  // the producer warpgroup: done
   if (p.splits > 1) merge_if_last(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows, Cfg::DV, Cfg::THREADS);
 }

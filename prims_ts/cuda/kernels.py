@@ -347,6 +347,8 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
             pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS, smem_limit(arch))
             for causal in (False, True):
                 yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch).source()
+                if arch == "sm_90a" and pol.bm < 64:  # the swapped tile, chosen or not
+                    yield DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol).source()
     for key in block_sparse_keys(arch):
         yield key.source()
 
@@ -442,6 +444,20 @@ def _decode_tiles(head_dim: int, bm: int):
         yield b, bn, 2, warps_n, split_o
 
 
+# The swapped-operand MLA tile (pt_fmha_swap.cuh) for rows of 16/32 on sm_90a: built and
+# compiled, chosen once its GPU grid has passed (benchmarks/NOTES.md, "Plan: MLA rows of
+# 16 and 32"); tests and benchmarks/mla_sweep.py select it explicitly meanwhile.
+MLA_SWAPPED_TILE = False
+SWAP_BN = 64  # keys per tile = wgmma's M
+SWAP_THREADS = 256  # one MMA warpgroup + the producer warpgroup
+
+
+def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int) -> int:
+    """pt::SwapConfig<...>::SMEM_BYTES: Q, the ring (one shared K/V tile per stage), Pᵀ,
+    the per-warp row reductions and the ring's mbarriers."""
+    return bm * head_dim * 2 + stages * bn * head_dim * 2 + bm * bn * 2 + 4 * bm * 4 + 2 * stages * 8
+
+
 def _decode_wgmma(head_dim: int, bm: int) -> bool:
     """Decode tiles the wgmma engine takes on sm_90a: MLA row tiles of 64."""
     return head_dim == MLA_DIM_QK and bm == 64
@@ -492,18 +508,30 @@ class DecodeKey:
     stages: int = 2
     split_o: bool = False
     arch: int = 80  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
+    swap: bool = False  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a): keys as M
 
     @staticmethod
     def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str = "sm_80") -> "DecodeKey":
+        if arch == "sm_90a" and MLA_SWAPPED_TILE and head_dim == MLA_DIM_QK and pol.bm < 64:
+            return DecodeKey.swapped(dtype, causal, pol)
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine)
 
+    @staticmethod
+    def swapped(dtype: str, causal: bool, pol: DecodePolicy) -> "DecodeKey":
+        """The swapped-operand MLA tile for the policy's row tile of 16 or 32 (BN 64: the
+        policy's split chunks stay whole tiles; two stages of 72 KB)."""
+        assert pol.bm in (16, 32) and pol.bn == SWAP_BN, pol
+        return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, 2, False, 90, True)
+
     @property
-    def producer(self) -> bool:  # the wgmma engine takes a producer warpgroup
+    def producer(self) -> bool:  # the wgmma engines take a producer warpgroup
         return self.arch == 90
 
     @property
     def threads(self) -> int:
+        if self.swap:
+            return SWAP_THREADS
         return self.bm // 16 * self.warps_n * 32 + (PRODUCER_THREADS if self.producer else 0)
 
     @property
@@ -516,6 +544,8 @@ class DecodeKey:
 
     @property
     def smem(self) -> int:
+        if self.swap:
+            return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
                                self.shared_kv, self.producer) + (WGMMA_ALIGN_SLACK if self.arch == 90 else 0)
 
@@ -523,12 +553,14 @@ class DecodeKey:
     def name(self) -> str:
         return (f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
                 f"_wn{self.warps_n}_s{self.stages}" + ("_so" if self.split_o else "") +
-                ("_sm90_ws" if self.arch == 90 else ""))
+                ("_sm90_ws" if self.arch == 90 else "") + ("_swap" if self.swap else ""))
 
     def source(self) -> runtime.KernelSource:
         q_regs = self.head_dim <= 128 and self.arch != 90
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
                           self.stages, self.split_o, self.dv, self.shared_kv, self.producer)
+        if self.swap:
+            cfg = f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}>"
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"

@@ -44,6 +44,7 @@ template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, i
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false>
 struct FmhaConfig {
   using T = T_;
+  static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
   static constexpr int ARCH = ARCH_;
   static constexpr int D = D_;    // Q/K width (the QK^T reduction)
   static constexpr int DV = DV_;  // V/O width
@@ -204,6 +205,48 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb,
   }
 }
 
+// The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, and
+// full[s] / empty[s] mbarriers at `bars`. The producer warpgroup (NTHREADS threads, `tid`
+// its index) copies tile it into stage it % STAGES once the MMA warps released the
+// stage's previous tile (all `consumer_warps` arrived on empty[s]); each thread's copies
+// arrive on full[s] when they land.
+template <class KVTile, int STAGES, int KV_TILES, bool SHARED_KV>
+struct KvRing {
+  u32 base, bars;
+  __device__ __forceinline__ u32 k(int s) const { return base + (u32)(KV_TILES * s) * KVTile::BYTES; }
+  __device__ __forceinline__ u32 v(int s) const { return base + (u32)(KV_TILES * s + KV_TILES - 1) * KVTile::BYTES; }
+  __device__ __forceinline__ u32 full(int s) const { return bars + 8u * s; }
+  __device__ __forceinline__ u32 empty(int s) const { return bars + 8u * (STAGES + s); }
+  static constexpr int BAR_BYTES = 2 * STAGES * 8;
+
+  // one thread, before the CTA-wide barrier that precedes any use
+  template <int NTHREADS>
+  __device__ __forceinline__ void init(int consumer_warps) const {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full(s), NTHREADS);
+      mbar_init(empty(s), consumer_warps);
+    }
+  }
+
+  template <int NTHREADS, class Problem, class Range>
+  __device__ __forceinline__ void produce(const Problem& pb, const Range& range, int n_tiles, int tid) const {
+    int stage = 0;
+    u32 phase = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+      if (it >= STAGES) mbar_wait(empty(stage), phase ^ 1u);
+      const KeyTile kt = range.tile(it);
+      load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV>(k(stage), v(stage), pb, kt.k0, kt.rows, tid);
+      cp_async_mbar_arrive(full(stage));
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    cp_async_wait<0>();
+  }
+};
+
 template <class Cfg, class Problem>
 __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float scale_log2, float out_scale) {
   using T = typename Cfg::T;
@@ -251,38 +294,14 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
   };
 
-  // full[s] / empty[s] of the producer pipeline (after the exchange area)
-  const u32 bars = sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG;
-  auto full = [&](int s) { return bars + 8u * s; };
-  auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
+  // the producer pipeline's ring and mbarriers (after the exchange area)
+  const KvRing<KVTile, STAGES, Cfg::KV_TILES, Cfg::SHARED_KV> ring{sKV, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};
   if constexpr (Cfg::PRODUCER) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(full(s), Cfg::PRODUCER_THREADS);
-        mbar_init(empty(s), Cfg::WARPS);
-      }
-    }
+    if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
     __syncthreads();
-    if (threadIdx.x >= THREADS) {
-      // The producer warpgroup: tile it goes into stage it % STAGES once every MMA warp
-      // has released that stage's previous tile; each thread's copies arrive on full[s].
+    if (threadIdx.x >= THREADS) {  // the producer warpgroup
       if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      const int tid = threadIdx.x - THREADS;
-      int stage = 0;
-      u32 phase = 0;
-      for (int it = 0; it < n_tiles; ++it) {
-        if (it >= STAGES) mbar_wait(empty(stage), phase ^ 1u);
-        const KeyTile kt = range.tile(it);
-        load_kv_tiles<KVTile, Cfg::PRODUCER_THREADS, true, Cfg::SHARED_KV>(sK(stage), sV(stage), pb, kt.k0,
-                                                                           kt.rows, tid);
-        cp_async_mbar_arrive(full(stage));
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1u;
-        }
-      }
-      cp_async_wait<0>();
+      ring.template produce<Cfg::PRODUCER_THREADS>(pb, range, n_tiles, threadIdx.x - THREADS);
       return;
     }
     if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_inc<Cfg::CONSUMER_REGS>();
@@ -323,7 +342,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     const KeyTile kt = range.tile(it);
     const int k0 = kt.k0;
     if constexpr (Cfg::PRODUCER) {
-      mbar_wait(full(stage), phase);
+      mbar_wait(ring.full(stage), phase);
       fence_proxy_async();
     } else {
       cp_async_wait<STAGES - 1>();
@@ -533,7 +552,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
 
     if constexpr (Cfg::PRODUCER) {
       __syncwarp();  // this warp's wgmmas reading the stage have completed (waited above)
-      if (lane == 0) mbar_arrive(empty(stage));
+      if (lane == 0) mbar_arrive(ring.empty(stage));
       if (++stage == STAGES) {
         stage = 0;
         phase ^= 1u;

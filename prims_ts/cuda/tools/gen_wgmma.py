@@ -5,8 +5,9 @@ to write by hand. Run `python -m prims_ts.cuda.tools.gen_wgmma` after editing.
 """
 from pathlib import Path
 
-SHAPES_SS = (32, 64, 128)  # QK^T: n = BN keys, A and B from shared memory
+SHAPES_SS = (16, 32, 64, 128)  # QK^T: n = BN keys (or query rows, swapped), A and B from shared memory
 SHAPES_RS = (64, 128, 256)  # PV: n = head dim, A (P) from registers, B (V) N-major
+SHAPES_SS_TA = (16, 32)  # swapped PV (O^T += V^T P^T): n = query rows, A (V) M-major, B (P^T) K-major
 TYPES = {"bf16": "bf16", "f16": "f16"}
 
 
@@ -29,7 +30,7 @@ def emit() -> str:
         "template <class T, int N> struct Wgmma;",
     ]
     for t, ptx in TYPES.items():
-        for n in sorted(set(SHAPES_SS) | set(SHAPES_RS)):
+        for n in sorted(set(SHAPES_SS) | set(SHAPES_RS) | set(SHAPES_SS_TA)):
             nacc = n // 2
             out.append(f"template <> struct Wgmma<{t}, {n}> {{")
             if n in SHAPES_SS:
@@ -39,6 +40,16 @@ def emit() -> str:
                 out.append(f'        "setp.ne.b32 p, %{nacc + 2}, 0;\\n"')
                 out.append(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "')
                 out.append(f'        "{{{_regs(n)}}}, %{nacc}, %{nacc + 1}, p, 1, 1, 0, 0;\\n}}\\n"')
+                out.append(f"        : {', '.join(_acc(n))}")
+                out.append('        : "l"(da), "l"(db), "r"(acc));')
+                out.append("  }")
+            if n in SHAPES_SS_TA:
+                out.append(f"  __device__ static __forceinline__ void ss_ta(float (&d)[{n // 8}][4], u64 da, u64 db, int acc) {{")
+                out.append("    asm volatile(")
+                out.append('        "{\\n.reg .pred p;\\n"')
+                out.append(f'        "setp.ne.b32 p, %{nacc + 2}, 0;\\n"')
+                out.append(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "')
+                out.append(f'        "{{{_regs(n)}}}, %{nacc}, %{nacc + 1}, p, 1, 1, 1, 0;\\n}}\\n"')
                 out.append(f"        : {', '.join(_acc(n))}")
                 out.append('        : "l"(da), "l"(db), "r"(acc));')
                 out.append("  }")

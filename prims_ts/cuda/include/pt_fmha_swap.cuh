@@ -1,0 +1,242 @@
+// The swapped-operand wgmma tile (sm_90a) for decode-shaped problems with few M rows
+// (16 or 32 query rows: MLA with H x SQ <= 32), where a 64-row wgmma tile would waste
+// most of its work and the mma.sync tile is issue-bound. The keys become wgmma's M:
+//
+//   S^T = K Q^T      m64 x BM, k = D: A = the K tile (K-major), B = Q (K-major)
+//   softmax over M   per query column: a shuffle over the warp's row groups, one
+//                    shared-memory exchange over the 4 warps
+//   O^T += V^T P^T   m64 x BM per 64-column panel of V, k = 16 keys: A = the V panel read
+//                    M-major (transposed), B = P^T written to shared memory (K-major)
+//
+// One MMA warpgroup (128 threads, O^T in DV / 64 x BM / 8 x 4 registers a thread) and the
+// producer warpgroup of the core's ring (pt_fmha.cuh: KvRing). V is the first DV columns
+// of the K row (SHARED_KV): one tile per stage. The problem policies are the core's
+// (range, q_row/k_row/kv_page, tile_needs_mask/visible, store2/store_lse).
+#pragma once
+#include "pt_fmha.cuh"
+
+namespace pt {
+
+template <class T_, int D_, int DV_, int BM_, int STAGES_>
+struct SwapConfig {
+  using T = T_;
+  static constexpr bool SWAP = true;
+  static constexpr int ARCH = 90;
+  static constexpr int D = D_, DV = DV_, BM = BM_, BN = 64, STAGES = STAGES_;
+  static constexpr int THREADS = 128;  // the MMA warpgroup
+  static constexpr int WARPS = 4;
+  static constexpr int PRODUCER_THREADS = 128;
+  static constexpr int LAUNCH_THREADS = THREADS + PRODUCER_THREADS;
+  using QTile = SmemTileW<BM, D>;
+  using KVTile = SmemTileW<BN, D>;
+  using PTile = SmemTileW<BM, BN>;  // P^T: [query row][key]
+  static constexpr int SMEM_Q = QTile::BYTES;
+  static constexpr int SMEM_RING = STAGES * KVTile::BYTES;
+  static constexpr int SMEM_P = PTile::BYTES;
+  static constexpr int SMEM_RED = WARPS * BM * 4;  // per warp and query row: maxima, then sums
+  static constexpr int SMEM_BARS = 2 * STAGES * 8;
+  static constexpr int SMEM_BYTES = SMEM_Q + SMEM_RING + SMEM_P + SMEM_RED + SMEM_BARS;
+  // the epilogue stages O (float, rows padded by 4 against bank conflicts) in the ring
+  static constexpr int O_STRIDE = DV + 4;
+  static_assert(BM == 16 || BM == 32, "swapped tile: 16 or 32 query rows");
+  static_assert(D % 64 == 0 && DV % 64 == 0 && DV <= D, "panels of 64 columns; V a prefix of the K row");
+  static_assert(BM * O_STRIDE * 4 <= SMEM_RING && STAGES >= 2, "ring");
+};
+
+template <class Cfg, class Problem>
+__device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, float scale_log2, float out_scale) {
+  using T = typename Cfg::T;
+  using QTile = typename Cfg::QTile;
+  using KVTile = typename Cfg::KVTile;
+  using PTile = typename Cfg::PTile;
+  constexpr int D = Cfg::D, DV = Cfg::DV, BM = Cfg::BM, BN = Cfg::BN, STAGES = Cfg::STAGES;
+  constexpr int THREADS = Cfg::THREADS;
+  constexpr int KD = D / 16;   // k-steps of S^T
+  constexpr int NJ = BM / 8;   // 8-column groups of an accumulator (query rows)
+  constexpr int MP = DV / 64;  // 64-column panels of V: the M blocks of O^T
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const u32 sQ = smem_addr(smem);
+  const u32 sKV = sQ + Cfg::SMEM_Q;
+  const u32 sP = sKV + Cfg::SMEM_RING;
+  char* pP = smem + Cfg::SMEM_Q + Cfg::SMEM_RING;
+  float* red = reinterpret_cast<float*>(pP + Cfg::SMEM_P);
+  const KvRing<KVTile, STAGES, 1, true> ring{sKV, sP + Cfg::SMEM_P + Cfg::SMEM_RED};
+  const auto range = pb.range();
+  const int n_tiles = range.n_tiles();
+
+  if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+  __syncthreads();
+  if (threadIdx.x >= THREADS) {  // the producer warpgroup
+    ring.template produce<Cfg::PRODUCER_THREADS>(pb, range, n_tiles, threadIdx.x - THREADS);
+    return;
+  }
+  load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  named_bar_sync(1, THREADS);
+
+  // Accumulator element [j][e] of this thread: key (M row) 16 * warp + g + 8 * (e >> 1),
+  // query row (N column) 8 * j + 2 * t + (e & 1).
+  float o[MP][NJ][4];
+#pragma unroll
+  for (int mp = 0; mp < MP; ++mp)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) o[mp][j][0] = o[mp][j][1] = o[mp][j][2] = o[mp][j][3] = 0.f;
+  float m_q[NJ][2], l_q[NJ][2];  // per query column: running max (raw), this thread's share of the sum
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    m_q[j][0] = m_q[j][1] = neg_inf();
+    l_q[j][0] = l_q[j][1] = 0.f;
+  }
+  const int key_r0 = warp * 16 + g;  // this thread's keys of a tile: key_r0, key_r0 + 8
+
+  int stage = 0;
+  u32 phase = 0;
+  for (int it = 0; it < n_tiles; ++it) {
+    const KeyTile kt = range.tile(it);
+    const int k0 = kt.k0;
+    mbar_wait(ring.full(stage), phase);
+    fence_proxy_async();
+    const u32 sk = ring.k(stage);
+
+    // ---- S^T = K Q^T ------------------------------------------------------------
+    float s[NJ][4];
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KD; ++ks) {
+      const u32 koff = (u32)(ks & 3) * 32;
+      Wgmma<T, BM>::ss(s, desc_kmajor(sk + (ks >> 2) * KVTile::PANEL + koff),
+                       desc_kmajor(sQ + (ks >> 2) * QTile::PANEL + koff), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    // ---- mask ---------------------------------------------------------------------
+    if ((Problem::SHORT_TILES && kt.rows < BN) || pb.tile_needs_mask(k0)) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kr = key_r0 + 8 * (e >> 1), q = 8 * j + 2 * t + (e & 1);
+          if ((Problem::SHORT_TILES && kr >= kt.rows) || !pb.visible(q, k0 + kr)) s[j][e] = neg_inf();
+        }
+    }
+
+    // ---- online softmax over the keys (M) -----------------------------------------
+    float mx[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float v = max_(s[j][c], s[j][c + 2]);
+        v = max_(v, __shfl_xor_sync(0xffffffffu, v, 4));
+        v = max_(v, __shfl_xor_sync(0xffffffffu, v, 8));
+        v = max_(v, __shfl_xor_sync(0xffffffffu, v, 16));
+        mx[j][c] = v;
+        if (g == 0) red[warp * BM + 8 * j + 2 * t + c] = v;
+      }
+    named_bar_sync(1, THREADS);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float v = m_q[j][c];
+#pragma unroll
+        for (int w = 0; w < Cfg::WARPS; ++w) v = max_(v, red[w * BM + 8 * j + 2 * t + c]);
+        // a column that has seen no key keeps m = -inf; subtract 0 then (never NaN)
+        const float base = v == neg_inf() ? 0.f : v * scale_log2;
+        const float corr = fast_exp2(m_q[j][c] * scale_log2 - base);
+        m_q[j][c] = v;
+        s[j][c] = fast_exp2(s[j][c] * scale_log2 - base);
+        s[j][c + 2] = fast_exp2(s[j][c + 2] * scale_log2 - base);
+        l_q[j][c] = l_q[j][c] * corr + s[j][c] + s[j][c + 2];
+        mx[j][c] = corr;
+      }
+#pragma unroll
+    for (int mp = 0; mp < MP; ++mp)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mp][j][e] *= mx[j][e & 1];
+
+    // ---- P^T to shared memory (B of the second product, [query row][key]) ----------
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kr = key_r0 + 8 * (e >> 1), q = 8 * j + 2 * t + (e & 1);
+        *reinterpret_cast<u16*>(pP + PTile::offset(q, kr >> 3) + (kr & 7) * 2) =
+            (u16)(pack2<T>(s[j][e], 0.f) & 0xffffu);
+      }
+    fence_proxy_async();
+    named_bar_sync(1, THREADS);
+
+    // ---- O^T += V^T P^T ---------------------------------------------------------------
+#pragma unroll
+    for (int mp = 0; mp < MP; ++mp) fence_regs(o[mp]);
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < BN / 16; ++kb)
+#pragma unroll
+      for (int mp = 0; mp < MP; ++mp)
+        Wgmma<T, BM>::ss_ta(o[mp], desc_nmajor(sk + mp * KVTile::PANEL + kb * 16 * 128, KVTile::PANEL),
+                            desc_kmajor(sP + kb * 32), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mp = 0; mp < MP; ++mp) fence_regs(o[mp]);
+
+    __syncwarp();  // this warp's reads of the stage are done (waited above)
+    if (lane == 0) mbar_arrive(ring.empty(stage));
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+
+  // ---- epilogue: sums over the keys, O through shared memory to store2 -----------------
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float v = l_q[j][c];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (g == 0) red[warp * BM + 8 * j + 2 * t + c] = v;
+    }
+  named_bar_sync(1, THREADS);  // the ring is drained too: every copied tile was consumed
+  float* obuf = reinterpret_cast<float*>(smem + Cfg::SMEM_Q);
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int q = 8 * j + 2 * t + c;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < Cfg::WARPS; ++w) l += red[w * BM + q];
+      if constexpr (Problem::WANTS_LSE) {
+        if (warp == 0 && g == 0 && q < pb.q_rows)
+          pb.store_lse(q, l > 0.f ? m_q[j][c] * scale_log2 + fast_log2(l) : neg_inf());
+      }
+      const float inv = l > 0.f ? out_scale / l : 0.f;
+#pragma unroll
+      for (int mp = 0; mp < MP; ++mp)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          obuf[q * Cfg::O_STRIDE + mp * 64 + key_r0 + 8 * h] = o[mp][j][c + 2 * h] * inv;
+    }
+  named_bar_sync(1, THREADS);
+  constexpr int PAIRS = DV / 2;
+  for (int i = threadIdx.x; i < pb.q_rows * PAIRS; i += THREADS) {
+    const int r = i / PAIRS, c = 2 * (i % PAIRS);
+    pb.store2(r, c, obuf[r * Cfg::O_STRIDE + c], obuf[r * Cfg::O_STRIDE + c + 1]);
+  }
+}
+
+}  // namespace pt
