@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|compile|sanitize|check|bench|quick|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|compile|sanitize|check|bench|quick|ab|all]...
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
 # limited to 10 minutes: `tests` alone can take most of that; `sanitize` runs the small
@@ -55,6 +55,16 @@ for s in "${stages[@]}"; do
         echo "== bench $([ "$s" = quick ] && echo --quick)"
         timeout 420 "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
+    ab)
+        # the switched variants (kernels.FMHA_OVERLAP, kernels.MLA_SWAPPED_TILE) off, then on,
+        # on the families they touch: before/after figures for benchmarks/NOTES.md
+        for on in 0 1; do
+            echo "== bench, switched variants $([ $on = 1 ] && echo on || echo off)"
+            timeout 280 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; \
+K.FMHA_OVERLAP = K.MLA_SWAPPED_TILE = sys.argv[1] == '1'; from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
+                $on bench --family prefill --family paged_prefill --family block_sparse --family mla \
+                --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$on.json" 2>&1 | tee "$OUT/ab$on.log" | grep -v '^\[' | tail -40
+        done ;;
     all) "$0" tests compile sanitize check quick ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
     esac

@@ -269,9 +269,8 @@ def block_sparse_cases(dev) -> None:
         block_sparse_case(dev, *case)
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    dev = "cuda"
+def prefill_cases(dev) -> None:
+    """Contiguous (fixed and packed) and paged prefill, every mask, D 128 and 256."""
     for d in (128, 256):
         for mask, window in (("dense", -1), ("causal", -1), ("causal", 5), ("variable_window", -1)):
             q = torch.randn(2, 70, 4, d, device=dev, dtype=torch.bfloat16)
@@ -312,12 +311,29 @@ def main() -> None:
         err = ((out.double() - ref).norm() / ref.norm()).item()
         print(f"paged ps={ps}: rel err {err:.2e}")
         assert err < 2e-2
+
+
+def main() -> None:
+    from prims_ts.cuda import kernels
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    prefill_cases(dev)
     # paged decode: [B,Hq,D], [B,SQ,Hq,D] causal + window, packed; with and without split-KV
     decode_cases(dev)
     # MLA decode: fixed and packed, both cache ranks, with and without split-KV
     mla_cases(dev)
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
+    # the software-pipelined consumer loop (sm_90a), selected explicitly until it is the default
+    if torch.cuda.get_device_capability() == (9, 0):
+        kernels.FMHA_OVERLAP = True
+        try:
+            print("overlapped consumer loop:")
+            prefill_cases(dev)
+            block_sparse_cases(dev)
+        finally:
+            kernels.FMHA_OVERLAP = False
     torch.cuda.synchronize()
     print("sanitize cases done")
 

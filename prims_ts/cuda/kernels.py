@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -67,11 +67,18 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
-                producer: bool = False) -> str:
+                producer: bool = False, overlap: bool = False) -> str:
     """The pt::FmhaConfig<...> type of a kernel key (pt_fmha.cuh), every parameter spelled out."""
     b = lambda x: str(bool(x)).lower()  # noqa: E731
     return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
-            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}>")
+            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {b(overlap)}>")
+
+
+# The software-pipelined consumer loop of the producer ring (pt_fmha.cuh, FmhaConfig::
+# OVERLAP: QK^T of tile j+1 and PV of tile j in flight under the softmax): built and
+# compiled, chosen for prefill and block-sparse once its GPU grid and bench have passed
+# (benchmarks/NOTES.md, prefill-v2 "Next"); tests select it explicitly meanwhile.
+FMHA_OVERLAP = False
 
 
 # ----------------------------------------------------------------------------
@@ -91,6 +98,7 @@ class PrefillKey:
     arch: int = 80  # tile engine: 80 = mma.sync (any sm_80+), 90 = wgmma (sm_90a)
     paged: bool = False  # K/V address policy: contiguous rows, or HND page pools + block tables
     stages: int = 2  # K/V tiles in flight
+    overlap: bool = False  # the software-pipelined consumer loop (FMHA_OVERLAP)
 
     @staticmethod
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str = "sm_80", paged: bool = False) -> "PrefillKey":
@@ -100,7 +108,7 @@ class PrefillKey:
             bn = 128 if head_dim == 128 else 64
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
-                              stages=producer_stages(128, bn, head_dim, extra))
+                              stages=producer_stages(128, bn, head_dim, extra), overlap=FMHA_OVERLAP)
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
@@ -126,12 +134,12 @@ class PrefillKey:
             f"pt_prefill_{self.dtype}_d{self.head_dim}_m{MASK_CODES[self.mask]}"
             f"_bm{self.bm}_bn{self.bn}_q{int(self.q_in_regs)}_mb{self.min_blocks}_sm{self.arch}"
             + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
-            + ("_paged" if self.paged else "")
+            + ("_ov" if self.overlap else "") + ("_paged" if self.paged else "")
         )
 
     def source(self) -> runtime.KernelSource:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
-                          producer=self.producer)
+                          producer=self.producer, overlap=self.overlap)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, {self.min_blocks})\n'
             f"{self.name}(const pt::PrefillParams p) {{\n"
@@ -328,14 +336,24 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optiona
     return PrefillKey.choose(dtype, head_dim, mask, arch).bm
 
 
+def _both_loops(key):
+    """A producer-ring key with each consumer loop (FMHA_OVERLAP chosen or not)."""
+    yield key
+    if key.producer:
+        yield replace(key, overlap=not key.overlap)
+
+
 def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
-    """Every kernel the public APIs can launch on a device of `arch`."""
+    """Every kernel the public APIs can launch on a device of `arch` (and the variants a
+    switch in this module selects)."""
     for dtype in DTYPE_CODES:
         for d in (128, 256):
             for mask in MASK_CODES:
-                yield PrefillKey.choose(dtype, d, mask, arch).source()
+                for key in _both_loops(PrefillKey.choose(dtype, d, mask, arch)):
+                    yield key.source()
             for mask in ("dense", "causal"):
-                yield PrefillKey.choose(dtype, d, mask, arch, paged=True).source()
+                for key in _both_loops(PrefillKey.choose(dtype, d, mask, arch, paged=True)):
+                    yield key.source()
     for dtype in DTYPE_CODES:
         for d in DECODE_HEAD_DIMS:
             for group in (1, 32, 64):  # one policy per row-tile height (BM 16, 32, 64)
@@ -350,7 +368,8 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
                 if arch == "sm_90a" and pol.bm < 64:  # the swapped tile, chosen or not
                     yield DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol).source()
     for key in block_sparse_keys(arch):
-        yield key.source()
+        for k in _both_loops(key):
+            yield k.source()
 
 
 def keys_list(arch: str = "sm_90a") -> List[runtime.KernelSource]:
@@ -723,6 +742,7 @@ class BlockSparseKey:
     bn: int
     arch: int
     stages: int = 2
+    overlap: bool = False  # the software-pipelined consumer loop (FMHA_OVERLAP)
 
     @staticmethod
     def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int,
@@ -731,7 +751,7 @@ class BlockSparseKey:
         if arch == "sm_90a" and kv_block_size % 64 == 0:
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
-            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim))
+            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim), FMHA_OVERLAP)
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
@@ -754,11 +774,12 @@ class BlockSparseKey:
     @property
     def name(self) -> str:
         return (f"pt_bsr_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}_sm{self.arch}"
-                + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else ""))
+                + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
+                + ("_ov" if self.overlap else ""))
 
     def source(self) -> runtime.KernelSource:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
-                          self.arch, stages=self.stages, producer=self.producer)
+                          self.arch, stages=self.stages, producer=self.producer, overlap=self.overlap)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::BlockSparseParams p) {{\n"

@@ -41,7 +41,8 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 }
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
-          int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false>
+          int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
+          bool OVERLAP_ = false>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -79,6 +80,9 @@ struct FmhaConfig {
   // producer gives back down to 40 and the two MMA warpgroups take 232. At 256 threads
   // every thread already has plenty, and the shares stay as launched.
   static constexpr bool REBALANCE_REGS = PRODUCER && LAUNCH_THREADS == 384;
+  // OVERLAP: QK^T of tile it and PV of tile it - 1 in flight together, the softmax of
+  // tile it under the PV (the producer ring's whole-row warpgroups only)
+  static constexpr bool OVERLAP = OVERLAP_;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
@@ -103,6 +107,7 @@ struct FmhaConfig {
   static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0 && (ARCH_ == 80 || (DTW * 8) % 64 == 0)),
                 "SPLIT_O: column pairs per warp (whole 64-column panels per warpgroup on wgmma)");
   static_assert(!PRODUCER || (ARCH_ == 90 && BM % 64 == 0), "producer warpgroup: the wgmma engine");
+  static_assert(!OVERLAP || (PRODUCER && WARPS_N_ == 1 && !SPLIT_O_), "overlap: the producer ring, whole rows");
   static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
 };
 
@@ -336,11 +341,151 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     ldmatrix_x4(a, sQ + QTile::offset(r, c));
   };
 
+  // ---- the steps of one key tile, shared by the loops below ------------------------
+  // S = Q K^T on the wgmma engine, issued (not waited): one warpgroup = 64 rows; A = its
+  // Q rows, B = its BNW keys of the K tile (rows key0.., 8-row swizzle atoms of 1024
+  // bytes), both K-major.
+  auto issue_s_wgmma = [&](float (&s)[NT][4], int stage) {
+    if constexpr (Cfg::ARCH == 90) {
+      const u32 q_wg = sQ + (u32)(warp_m >> 2) * 64 * 128;
+      const u32 k_wg = sK(stage) + (u32)key0 * 128;
+      fence_regs(s);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KD; ++ks) {
+        const u32 koff = (u32)(ks & 3) * 32;  // 16 columns = 32 bytes into the panel
+        Wgmma<T, BNW>::ss(s, desc_kmajor(q_wg + (ks >> 2) * QTile::PANEL + koff),
+                          desc_kmajor(k_wg + (ks >> 2) * KVTile::PANEL + koff), ks > 0);
+      }
+      wgmma_commit();
+    }
+  };
+  // Problems with SHORT_TILES may end a tile before the key bound (a block-sparse
+  // block smaller than BN): its rows past kt.rows are masked here, not by visible().
+  auto mask_tile = [&](float (&s)[NT][4], const KeyTile& kt) {
+    if ((Problem::SHORT_TILES && kt.rows < BN) || pb.tile_needs_mask(kt.k0)) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int r = row0 + g + (e >> 1) * 8;
+          int l = key0 + nt * 8 + 2 * t + (e & 1);
+          if ((Problem::SHORT_TILES && l >= kt.rows) || !pb.visible(r, kt.k0 + l)) s[nt][e] = neg_inf();
+        }
+      }
+    }
+  };
+  // this warp's row maxima over its keys of the tile and the running max
+  auto tile_max = [&](const float (&s)[NT][4], float (&mx)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = m_row[h];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx[h] = max_(mx[h], max_(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    }
+  };
+  // P = exp2(S - max) in place; the running max and sums move on; corr rescales O
+  auto exp_tile = [&](float (&s)[NT][4], const float (&mx)[2], float (&corr)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // A row that has seen no key yet keeps m = -inf; subtract 0 then so that
+      // exp2(-inf - base) is 0 and never NaN.
+      const float base = mx[h] == neg_inf() ? 0.f : mx[h] * scale_log2;
+      corr[h] = fast_exp2(m_row[h] * scale_log2 - base);
+      m_row[h] = mx[h];
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * h] = fast_exp2(s[nt][2 * h] * scale_log2 - base);
+        s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] * scale_log2 - base);
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+      l_row[h] = l_row[h] * corr[h] + sum;
+    }
+  };
+  auto rescale_o = [&](const float (&corr)[2]) {
+#pragma unroll
+    for (int i = 0; i < DT; ++i) {
+      o[i][0] *= corr[0];
+      o[i][1] *= corr[0];
+      o[i][2] *= corr[1];
+      o[i][3] *= corr[1];
+    }
+  };
+  // P as the A fragments of the PV product (the mma.sync C layout is the A layout)
+  auto pack_p = [&](const float (&s)[NT][4], u32 (&pf)[BNW / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BNW / 16; ++kk) {
+      pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      pf[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  };
+  // O += P V on the wgmma engine, issued (not waited): A = P from registers, B = V N-major
+  auto issue_pv_wgmma = [&](const u32 (&pf)[BNW / 16][4], int stage) {
+    if constexpr (Cfg::ARCH == 90 && !SPLIT_O) {
+      fence_regs(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + kk * 16 * 128, KVTile::PANEL), 1);
+      wgmma_commit();
+    }
+  };
+
   int stage = 0;
   u32 phase = 0;  // parity of the current pass over the ring (producer pipeline)
-  for (int it = 0; it < n_tiles; ++it) {
+  if constexpr (Cfg::OVERLAP) {
+    // One warpgroup's tiles in software pipeline (the producer ring, no key split): QK^T
+    // of tile it is issued together with PV of tile it - 1, and the softmax of tile it
+    // runs while that PV is in flight; O is rescaled once the PV has landed. Invariant:
+    // before PV(it - 1) lands, O holds the tiles < it - 1 scaled to max m_(it-1).
+    float s[NT][4];
+    u32 pf[BNW / 16][4];
+    int prev = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+      const KeyTile kt = range.tile(it);
+      mbar_wait(ring.full(stage), phase);
+      fence_proxy_async();
+      issue_s_wgmma(s, stage);
+      if (it > 0) issue_pv_wgmma(pf, prev);
+      float mx[2], corr[2];
+      if (it > 0) {
+        wgmma_wait<1>();  // S(it) has landed; PV(it - 1) may still run
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_regs(s);
+      mask_tile(s, kt);
+      tile_max(s, mx);
+      exp_tile(s, mx, corr);
+      if (it > 0) {
+        wgmma_wait<0>();
+        fence_regs(o);
+        __syncwarp();  // this warp is done with tile it - 1's stage
+        if (lane == 0) mbar_arrive(ring.empty(prev));
+      }
+      rescale_o(corr);
+      pack_p(s, pf);
+      prev = stage;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    if (n_tiles > 0) {
+      issue_pv_wgmma(pf, prev);
+      wgmma_wait<0>();
+      fence_regs(o);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(ring.empty(prev));
+    }
+  }
+  for (int it = 0; !Cfg::OVERLAP && it < n_tiles; ++it) {
     const KeyTile kt = range.tile(it);
-    const int k0 = kt.k0;
     if constexpr (Cfg::PRODUCER) {
       mbar_wait(ring.full(stage), phase);
       fence_proxy_async();
@@ -359,19 +504,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     // ---- S = Q K^T --------------------------------------------------------
     float s[NT][4];
     if constexpr (Cfg::ARCH == 90) {
-      // One warpgroup = 64 rows; A = its Q rows, B = its BNW keys of the K tile (rows
-      // key0.., 8-row swizzle atoms of 1024 bytes), both K-major.
-      const u32 q_wg = sQ + (u32)(warp_m >> 2) * 64 * 128;
-      const u32 k_wg = sK(stage) + (u32)key0 * 128;
-      fence_regs(s);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < KD; ++ks) {
-        const u32 koff = (u32)(ks & 3) * 32;  // 16 columns = 32 bytes into the panel
-        Wgmma<T, BNW>::ss(s, desc_kmajor(q_wg + (ks >> 2) * QTile::PANEL + koff),
-                          desc_kmajor(k_wg + (ks >> 2) * KVTile::PANEL + koff), ks > 0);
-      }
-      wgmma_commit();
+      issue_s_wgmma(s, stage);
       wgmma_wait<0>();
       fence_regs(s);
     } else {
@@ -398,31 +531,11 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
     }
 
-    // ---- mask ---------------------------------------------------------------
-    // Problems with SHORT_TILES may end a tile before the key bound (a block-sparse
-    // block smaller than BN): its rows past kt.rows are masked here, not by visible().
-    if ((Problem::SHORT_TILES && kt.rows < BN) || pb.tile_needs_mask(k0)) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int r = row0 + g + (e >> 1) * 8;
-          int l = key0 + nt * 8 + 2 * t + (e & 1);
-          if ((Problem::SHORT_TILES && l >= kt.rows) || !pb.visible(r, k0 + l)) s[nt][e] = neg_inf();
-        }
-      }
-    }
+    mask_tile(s, kt);
 
     // ---- online softmax -----------------------------------------------------
     float mx[2], corr[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = m_row[h];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx[h] = max_(mx[h], max_(s[nt][2 * h], s[nt][2 * h + 1]));
-      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    }
+    tile_max(s, mx);
     if constexpr (SPLIT_O) {  // the band's max over all its warps' keys
       if (t == 0) {
         xred[warp * 16 + g] = mx[0];
@@ -436,29 +549,8 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
           mx[h] = max_(mx[h], xred[(wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h]);
       }
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // A row that has seen no key yet keeps m = -inf; subtract 0 then so that
-      // exp2(-inf - base) is 0 and never NaN.
-      const float base = mx[h] == neg_inf() ? 0.f : mx[h] * scale_log2;
-      corr[h] = fast_exp2(m_row[h] * scale_log2 - base);
-      m_row[h] = mx[h];
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        s[nt][2 * h] = fast_exp2(s[nt][2 * h] * scale_log2 - base);
-        s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] * scale_log2 - base);
-        sum += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-      l_row[h] = l_row[h] * corr[h] + sum;
-    }
-#pragma unroll
-    for (int i = 0; i < DT; ++i) {
-      o[i][0] *= corr[0];
-      o[i][1] *= corr[0];
-      o[i][2] *= corr[1];
-      o[i][3] *= corr[1];
-    }
+    exp_tile(s, mx, corr);
+    rescale_o(corr);
 
     // ---- O += P V -------------------------------------------------------------
     if constexpr (Cfg::ARCH == 90 && SPLIT_O) {
@@ -489,20 +581,9 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       wgmma_wait<0>();
       fence_regs(o);
     } else if constexpr (Cfg::ARCH == 90) {
-      u32 pf[BN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-        pf[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-        pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      }
-      fence_regs(o);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + kk * 16 * 128, KVTile::PANEL), 1);
-      wgmma_commit();
+      u32 pf[BNW / 16][4];
+      pack_p(s, pf);
+      issue_pv_wgmma(pf, stage);
       wgmma_wait<0>();
       fence_regs(o);
     } else if constexpr (SPLIT_O) {
