@@ -83,6 +83,15 @@ def test_mla_swapped_tile_key(monkeypatch, heads, sq):
     assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a").swap
 
 
+def test_device_split_bound_matches_the_host():
+    """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
+    import re
+    from pathlib import Path
+
+    header = (Path(kernels.__file__).parent / "include" / "pt_decode.cuh").read_text()
+    assert int(re.search(r"constexpr int DECODE_MAX_SPLITS = (\d+);", header).group(1)) == kernels.DECODE_MAX_SPLITS
+
+
 def test_mla_workspace_never_shrinks():
     for batch, heads in ((1, 16), (64, 16), (2, 128)):
         sizes = [kernels.mla_workspace_bytes(batch, heads, 1, n, 132) for n in range(1, 20000, 97)]

@@ -18,48 +18,87 @@
 
 namespace pt {
 
-// Output columns c, c + 1 of row rr from the split partials:
-// O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max).
-__device__ __forceinline__ void merge_pair(const DecodeParams& p, int b, int hk, int q_start, int rr, int dv, int c) {
-  const i64 base = (((i64)b * p.hkv + hk) * p.splits) * p.rows_max + rr;
-  float mx = neg_inf();
-  for (int s = 0; s < p.splits; ++s) mx = max_(mx, p.ws_lse[base + (i64)s * p.rows_max]);
-  float x = 0.f, y = 0.f, wsum = 0.f;
-  if (mx != neg_inf()) {
-    for (int s = 0; s < p.splits; ++s) {
-      const i64 row = base + (i64)s * p.rows_max;
-      const float w = fast_exp2(p.ws_lse[row] - mx);
-      const float2 o = *reinterpret_cast<const float2*>(p.ws_o + row * dv + c);
-      x += w * o.x;
-      y += w * o.y;
-      wsum += w;
-    }
-  }
-  const float inv = wsum > 0.f ? p.out_scale / wsum : 0.f;
-  store_pair(decode_out_row(p, b, hk, q_start, rr) + c * out_dtype_size(p.out_dtype), p.out_dtype, x * inv, y * inv);
-}
-
 // Split-KV without a second kernel: every split CTA of a (request, K/V head, row tile)
 // publishes its partial and takes a ticket; the last one to arrive merges the tile's
 // rows and resets the counter to zero for the next launch (the workspace contract:
-// zeroed before first use, left reusable). `threads`: the MMA threads (0 .. threads - 1),
-// which meet at named barrier 2; a producer warpgroup has left already.
+// zeroed before first use, left reusable). The MMA threads (0 .. Cfg::THREADS - 1) meet
+// at named barrier 2; a producer warpgroup has left already.
+//
+// The merge: O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max). Each row's
+// split weights (normalised, out_scale folded in) go to shared memory first (the core is
+// done with it); then every thread accumulates its column pairs split by split, all of
+// its pairs' loads of one split in flight together.
+template <class Cfg>
 __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk, int rt, int q_start, int row0,
-                                           int q_rows, int dv, int threads) {
+                                           int q_rows) {
+  extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
+  constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, PAIRS = DV / 2;
+  constexpr int ITEMS = (Cfg::BM * PAIRS + THREADS - 1) / THREADS;  // column pairs per thread
+  // pairs accumulated per pass: kernels that re-divide registers among warpgroups
+  // (setmaxnreg, 384 threads) compile this out-of-line function at the smallest share
+  constexpr int CHUNK_MAX = Cfg::LAUNCH_THREADS >= 384 ? 4 : 16;
+  constexpr int CHUNK = ITEMS < CHUNK_MAX ? ITEMS : CHUNK_MAX;
+  static_assert(Cfg::BM * DECODE_MAX_SPLITS * 4 <= Cfg::SMEM_BYTES, "split weights fit the tile's shared memory");
   __shared__ int last;
   __threadfence();  // this thread's partial stores, before the ticket
-  named_bar_sync(2, threads);
+  named_bar_sync(2, THREADS);
   if (threadIdx.x == 0) {
     int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
     last = atomicAdd(count, 1) == p.splits - 1;
     if (last) *count = 0;
   }
-  named_bar_sync(2, threads);
+  named_bar_sync(2, THREADS);
   if (!last) return;
   __threadfence();  // every other split's partials, after the ticket
-  const int pairs = dv / 2;
-  for (int i = threadIdx.x; i < q_rows * pairs; i += threads)
-    merge_pair(p, b, hk, q_start, row0 + i / pairs, dv, 2 * (i % pairs));
+
+  const int S = p.splits;
+  const i64 base = ((i64)b * p.hkv + hk) * S * p.rows_max + row0;  // partial row (split 0, row0)
+  float* w = reinterpret_cast<float*>(smem);                         // [q_rows][S]
+  for (int r = threadIdx.x; r < q_rows; r += THREADS) {
+    float mx = neg_inf();
+    for (int s = 0; s < S; ++s) mx = max_(mx, p.ws_lse[base + (i64)s * p.rows_max + r]);
+    float sum = 0.f;
+    for (int s = 0; s < S; ++s) {
+      // an all-empty row (every lse -inf) weighs nothing and writes zeros
+      const float e = mx == neg_inf() ? 0.f : fast_exp2(p.ws_lse[base + (i64)s * p.rows_max + r] - mx);
+      w[r * S + s] = e;
+      sum += e;
+    }
+    const float scale = sum > 0.f ? p.out_scale / sum : 0.f;
+    for (int s = 0; s < S; ++s) w[r * S + s] *= scale;
+  }
+  named_bar_sync(2, THREADS);
+
+  const int n = q_rows * PAIRS;
+#pragma unroll 1
+  for (int k0 = 0; k0 < ITEMS; k0 += CHUNK) {
+    float acc[CHUNK][2];
+#pragma unroll
+    for (int k = 0; k < CHUNK; ++k) acc[k][0] = acc[k][1] = 0.f;
+    // pair i of the tile's rows is the float2 at 2 i of the split's partial rows (DV = 2 PAIRS)
+    const float* os = p.ws_o + base * DV + 2 * (threadIdx.x + k0 * THREADS);
+    for (int s = 0; s < S; ++s, os += (i64)p.rows_max * DV) {
+#pragma unroll
+      for (int k = 0; k < CHUNK; ++k) {
+        const int i = threadIdx.x + (k0 + k) * THREADS;
+        if (i < n) {
+          const float ws = w[(i / PAIRS) * S + s];
+          const float2 o = *reinterpret_cast<const float2*>(os + 2 * k * THREADS);
+          acc[k][0] += ws * o.x;
+          acc[k][1] += ws * o.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < CHUNK; ++k) {
+      const int i = threadIdx.x + (k0 + k) * THREADS;
+      if (i < n) {
+        const int r = i / PAIRS, c = 2 * (i % PAIRS);
+        store_pair(decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype), p.out_dtype,
+                   acc[k][0], acc[k][1]);
+      }
+    }
+  }
 }
 
 template <class Cfg, bool CAUSAL>
@@ -94,7 +133,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   }
   if (threadIdx.x >= Cfg::THREADS) return;  // the producer warpgroup: done
-  if (p.splits > 1) merge_if_last(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows, Cfg::DV, Cfg::THREADS);
+  if (p.splits > 1) merge_if_last<Cfg>(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
 }
 
 }  // namespace pt

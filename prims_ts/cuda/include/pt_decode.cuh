@@ -15,6 +15,9 @@
 
 namespace pt {
 
+// The most split-KV chunks per (request, K/V head): kernels.DECODE_MAX_SPLITS.
+constexpr int DECODE_MAX_SPLITS = 128;
+
 struct DecodeParams {
   const void* q;
   const void* k;
