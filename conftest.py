@@ -16,15 +16,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["loop", "overlap"])
+@pytest.fixture(params=[0, 1, 2], ids=["loop0", "loop1", "loop2"])
 def fmha_loop(request, monkeypatch):
-    """The wgmma consumer loops of the prefill-family kernels: the plain one and, on sm_90a,
-    the software-pipelined one (kernels.FMHA_OVERLAP), selected explicitly until it is the
-    default. Modules opt in with ``pytest.mark.usefixtures("fmha_loop")``."""
-    if request.param == "overlap":
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the overlapped consumer loop is an sm_90a kernel")
-        from prims_ts.cuda import kernels
+    """The consumer loops of the prefill-family kernels' producer ring (kernels.FMHA_LOOP):
+    the default one and, on sm_90a, the overlapped (1) and pingpong (2) ones, selected
+    explicitly until one is the default. Modules opt in with
+    ``pytest.mark.usefixtures("fmha_loop")``."""
+    from prims_ts.cuda import kernels
 
-        monkeypatch.setattr(kernels, "FMHA_OVERLAP", True)
+    if request.param != kernels.FMHA_LOOP:
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the producer ring's other consumer loops are sm_90a kernels")
+        monkeypatch.setattr(kernels, "FMHA_LOOP", request.param)
     return request.param

@@ -6,7 +6,7 @@
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
 # limited to 10 minutes: `tests` alone can take most of that; `sanitize` runs the small
-# cases under memcheck and then racecheck (up to 150 s each, sanitize_memcheck.log and
+# cases under memcheck and then racecheck (up to 240 s each, sanitize_memcheck.log and
 # sanitize_racecheck.log); run `sanitize check` and `quick` (or `bench`) in further calls
 # if needed. Each test file gets its own summary line.
 set -u
@@ -29,7 +29,7 @@ run_tests() {  # the cuda-marked tests of each file that exists, one summary lin
     for f in "$@"; do
         [ -f "$f" ] || continue
         echo "== $f"
-        timeout 200 "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider >"$OUT/$(basename "$f" .py).log" 2>&1
+        timeout 280 "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider >"$OUT/$(basename "$f" .py).log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
     done
 }
@@ -43,7 +43,7 @@ for s in "${stages[@]}"; do
         # accesses past a tensor's end instead of landing inside a pooled block.
         for tool in memcheck racecheck; do
             echo "== compute-sanitizer $tool (small cases)"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py >"$OUT/sanitize_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
         done ;;
@@ -56,14 +56,14 @@ for s in "${stages[@]}"; do
         timeout 420 "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
     ab)
-        # the switched variants (kernels.FMHA_OVERLAP, kernels.MLA_SWAPPED_TILE) off, then on,
-        # on the families they touch: before/after figures for benchmarks/NOTES.md
-        for on in 0 1; do
-            echo "== bench, switched variants $([ $on = 1 ] && echo on || echo off)"
-            timeout 280 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; \
-K.FMHA_OVERLAP = K.MLA_SWAPPED_TILE = sys.argv[1] == '1'; from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
-                $on bench --family prefill --family paged_prefill --family block_sparse --family mla \
-                --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$on.json" 2>&1 | tee "$OUT/ab$on.log" | grep -v '^\[' | tail -40
+        # the switched variants in one call, for before/after figures in benchmarks/NOTES.md:
+        # kernels.FMHA_LOOP 0, 1, 2 (MLA_SWAPPED_TILE off, on, on) on the families they touch
+        for v in 0 1 2; do
+            echo "== bench, FMHA_LOOP=$v MLA_SWAPPED_TILE=$([ $v = 0 ] && echo off || echo on)"
+            timeout 190 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; K.FMHA_LOOP = int(sys.argv[1]); \
+K.MLA_SWAPPED_TILE = K.FMHA_LOOP > 0; from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
+                $v bench --family prefill --family paged_prefill --family block_sparse --family mla \
+                --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -40
         done ;;
     all) "$0" tests compile sanitize check quick ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;

@@ -325,15 +325,19 @@ def main() -> None:
     mla_cases(dev)
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
-    # the software-pipelined consumer loop (sm_90a), selected explicitly until it is the default
+    # the producer ring's other consumer loops (sm_90a), selected explicitly until one is the default
     if torch.cuda.get_device_capability() == (9, 0):
-        kernels.FMHA_OVERLAP = True
-        try:
-            print("overlapped consumer loop:")
-            prefill_cases(dev)
-            block_sparse_cases(dev)
-        finally:
-            kernels.FMHA_OVERLAP = False
+        default = kernels.FMHA_LOOP
+        for loop in kernels.FMHA_LOOPS:
+            if loop == default:
+                continue
+            kernels.FMHA_LOOP = loop
+            try:
+                print(f"consumer loop {loop}:")
+                prefill_cases(dev)
+                block_sparse_cases(dev)
+            finally:
+                kernels.FMHA_LOOP = default
     torch.cuda.synchronize()
     print("sanitize cases done")
 

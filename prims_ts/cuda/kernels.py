@@ -67,18 +67,20 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
-                producer: bool = False, overlap: bool = False) -> str:
+                producer: bool = False, loop: int = 0) -> str:
     """The pt::FmhaConfig<...> type of a kernel key (pt_fmha.cuh), every parameter spelled out."""
     b = lambda x: str(bool(x)).lower()  # noqa: E731
     return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
-            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {b(overlap)}>")
+            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}>")
 
 
-# The software-pipelined consumer loop of the producer ring (pt_fmha.cuh, FmhaConfig::
-# OVERLAP: QK^T of tile j+1 and PV of tile j in flight under the softmax): built and
-# compiled, chosen for prefill and block-sparse once its GPU grid and bench have passed
-# (benchmarks/NOTES.md, prefill-v2 "Next"); tests select it explicitly meanwhile.
-FMHA_OVERLAP = False
+# The consumer loop of the producer ring for prefill, paged prefill and block-sparse
+# (pt_fmha.cuh, FmhaConfig LOOP): 0 plain; 1 overlapped (QK^T of tile j+1 and PV of tile
+# j in flight under the softmax); 2 overlapped with the two MMA warpgroups taking turns
+# (pingpong). 1 and 2 are built and compiled and chosen once their GPU grid and bench
+# have passed (benchmarks/NOTES.md); tests select them explicitly meanwhile.
+FMHA_LOOP = 0
+FMHA_LOOPS = (0, 1, 2)
 
 
 # ----------------------------------------------------------------------------
@@ -98,7 +100,7 @@ class PrefillKey:
     arch: int = 80  # tile engine: 80 = mma.sync (any sm_80+), 90 = wgmma (sm_90a)
     paged: bool = False  # K/V address policy: contiguous rows, or HND page pools + block tables
     stages: int = 2  # K/V tiles in flight
-    overlap: bool = False  # the software-pipelined consumer loop (FMHA_OVERLAP)
+    loop: int = 0  # the producer ring's consumer loop (FMHA_LOOP)
 
     @staticmethod
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str = "sm_80", paged: bool = False) -> "PrefillKey":
@@ -108,7 +110,7 @@ class PrefillKey:
             bn = 128 if head_dim == 128 else 64
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
-                              stages=producer_stages(128, bn, head_dim, extra), overlap=FMHA_OVERLAP)
+                              stages=producer_stages(128, bn, head_dim, extra), loop=FMHA_LOOP)
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
@@ -134,12 +136,12 @@ class PrefillKey:
             f"pt_prefill_{self.dtype}_d{self.head_dim}_m{MASK_CODES[self.mask]}"
             f"_bm{self.bm}_bn{self.bn}_q{int(self.q_in_regs)}_mb{self.min_blocks}_sm{self.arch}"
             + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
-            + ("_ov" if self.overlap else "") + ("_paged" if self.paged else "")
+            + (f"_l{self.loop}" if self.loop else "") + ("_paged" if self.paged else "")
         )
 
     def source(self) -> runtime.KernelSource:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
-                          producer=self.producer, overlap=self.overlap)
+                          producer=self.producer, loop=self.loop)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, {self.min_blocks})\n'
             f"{self.name}(const pt::PrefillParams p) {{\n"
@@ -337,10 +339,10 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optiona
 
 
 def _both_loops(key):
-    """A producer-ring key with each consumer loop (FMHA_OVERLAP chosen or not)."""
-    yield key
-    if key.producer:
-        yield replace(key, overlap=not key.overlap)
+    """A producer-ring key with each consumer loop (whichever FMHA_LOOP chooses)."""
+    for loop in FMHA_LOOPS if key.producer else (key.loop,):
+        if loop < 2 or key.bm == 128:  # pingpong takes two MMA warpgroups
+            yield replace(key, loop=loop)
 
 
 def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
@@ -742,7 +744,7 @@ class BlockSparseKey:
     bn: int
     arch: int
     stages: int = 2
-    overlap: bool = False  # the software-pipelined consumer loop (FMHA_OVERLAP)
+    loop: int = 0  # the producer ring's consumer loop (FMHA_LOOP)
 
     @staticmethod
     def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int,
@@ -751,7 +753,8 @@ class BlockSparseKey:
         if arch == "sm_90a" and kv_block_size % 64 == 0:
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
-            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim), FMHA_OVERLAP)
+            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
+                                  FMHA_LOOP if bm == 128 else min(FMHA_LOOP, 1))  # pingpong: two warpgroups
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
@@ -775,11 +778,11 @@ class BlockSparseKey:
     def name(self) -> str:
         return (f"pt_bsr_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}_sm{self.arch}"
                 + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
-                + ("_ov" if self.overlap else ""))
+                + (f"_l{self.loop}" if self.loop else ""))
 
     def source(self) -> runtime.KernelSource:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
-                          self.arch, stages=self.stages, producer=self.producer, overlap=self.overlap)
+                          self.arch, stages=self.stages, producer=self.producer, loop=self.loop)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::BlockSparseParams p) {{\n"

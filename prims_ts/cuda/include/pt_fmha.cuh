@@ -42,7 +42,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
-          bool OVERLAP_ = false>
+          int LOOP_ = 0>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -80,9 +80,12 @@ struct FmhaConfig {
   // producer gives back down to 40 and the two MMA warpgroups take 232. At 256 threads
   // every thread already has plenty, and the shares stay as launched.
   static constexpr bool REBALANCE_REGS = PRODUCER && LAUNCH_THREADS == 384;
-  // OVERLAP: QK^T of tile it and PV of tile it - 1 in flight together, the softmax of
-  // tile it under the PV (the producer ring's whole-row warpgroups only)
-  static constexpr bool OVERLAP = OVERLAP_;
+  // The consumer loop of the producer ring (whole-row warpgroups only). LOOP 1 (OVERLAP):
+  // QK^T of tile it and PV of tile it - 1 in flight together, the softmax of tile it under
+  // the PV. LOOP 2 adds PINGPONG (two MMA warpgroups): they take turns issuing their
+  // GEMMs (named barriers 3 and 4), so that one's softmax runs under the other's GEMMs.
+  static constexpr bool OVERLAP = LOOP_ >= 1;
+  static constexpr bool PINGPONG = LOOP_ == 2 && THREADS == 256;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
@@ -107,7 +110,8 @@ struct FmhaConfig {
   static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0 && (ARCH_ == 80 || (DTW * 8) % 64 == 0)),
                 "SPLIT_O: column pairs per warp (whole 64-column panels per warpgroup on wgmma)");
   static_assert(!PRODUCER || (ARCH_ == 90 && BM % 64 == 0), "producer warpgroup: the wgmma engine");
-  static_assert(!OVERLAP || (PRODUCER && WARPS_N_ == 1 && !SPLIT_O_), "overlap: the producer ring, whole rows");
+  static_assert(LOOP_ == 0 || (PRODUCER && WARPS_N_ == 1 && !SPLIT_O_ && LOOP_ <= 2),
+                "overlapped loops: the producer ring, whole rows");
   static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
 };
 
@@ -446,12 +450,21 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     float s[NT][4];
     u32 pf[BNW / 16][4];
     int prev = 0;
+    // PINGPONG turns: warpgroup w issues after waiting on barrier 3 + w and then hands the
+    // turn over on 4 - w; warpgroup 0 grants itself the first turn and takes back the last
+    // hand-over after the loop, so every barrier phase completes.
+    const int wg = warp >> 2;
+    if constexpr (Cfg::PINGPONG) {
+      if (wg == 0 && n_tiles > 0) named_bar_arrive(3, THREADS);
+    }
     for (int it = 0; it < n_tiles; ++it) {
       const KeyTile kt = range.tile(it);
       mbar_wait(ring.full(stage), phase);
       fence_proxy_async();
+      if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
       issue_s_wgmma(s, stage);
       if (it > 0) issue_pv_wgmma(pf, prev);
+      if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
       float mx[2], corr[2];
       if (it > 0) {
         wgmma_wait<1>();  // S(it) has landed; PV(it - 1) may still run
@@ -477,6 +490,9 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       }
     }
     if (n_tiles > 0) {
+      if constexpr (Cfg::PINGPONG) {
+        if (wg == 0) named_bar_sync(3, THREADS);  // warpgroup 1's last hand-over
+      }
       issue_pv_wgmma(pf, prev);
       wgmma_wait<0>();
       fence_regs(o);
