@@ -24,10 +24,11 @@ namespace pt {
 // zeroed before first use, left reusable). The MMA threads (0 .. Cfg::THREADS - 1) meet
 // at named barrier 2; a producer warpgroup has left already.
 //
-// The merge: O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max). Each row's
-// split weights (normalised, out_scale folded in) go to shared memory first (the core is
-// done with it); then every thread accumulates its column pairs split by split, all of
-// its pairs' loads of one split in flight together.
+// The merge: O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max). The splits'
+// log-sum-exps go to shared memory (the core is done with it) in one parallel pass, a
+// warp per row turns them into normalised weights (out_scale folded in), then every
+// thread accumulates its column pairs split by split, all of its pairs' loads of one
+// split in flight together.
 template <class Cfg>
 __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk, int rt, int q_start, int row0,
                                            int q_rows) {
@@ -54,18 +55,31 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   const int S = p.splits;
   const i64 base = ((i64)b * p.hkv + hk) * S * p.rows_max + row0;  // partial row (split 0, row0)
   float* w = reinterpret_cast<float*>(smem);                         // [q_rows][S]
-  for (int r = threadIdx.x; r < q_rows; r += THREADS) {
+  // every (row, split) log-sum-exp into shared memory, the loads all in flight together
+  for (int i = threadIdx.x; i < q_rows * S; i += THREADS) {
+    const int r = i / S;
+    w[i] = p.ws_lse[base + (i64)(i - r * S) * p.rows_max + r];
+  }
+  named_bar_sync(2, THREADS);
+  // a warp per row: the max and the sum over the splits, then the weights in place
+  const int lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < q_rows; r += THREADS / 32) {
+    float* wr = w + r * S;
     float mx = neg_inf();
-    for (int s = 0; s < S; ++s) mx = max_(mx, p.ws_lse[base + (i64)s * p.rows_max + r]);
+    for (int s = lane; s < S; s += 32) mx = max_(mx, wr[s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = max_(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
-    for (int s = 0; s < S; ++s) {
+    for (int s = lane; s < S; s += 32) {
       // an all-empty row (every lse -inf) weighs nothing and writes zeros
-      const float e = mx == neg_inf() ? 0.f : fast_exp2(p.ws_lse[base + (i64)s * p.rows_max + r] - mx);
-      w[r * S + s] = e;
+      const float e = mx == neg_inf() ? 0.f : fast_exp2(wr[s] - mx);
+      wr[s] = e;
       sum += e;
     }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float scale = sum > 0.f ? p.out_scale / sum : 0.f;
-    for (int s = 0; s < S; ++s) w[r * S + s] *= scale;
+    for (int s = lane; s < S; s += 32) wr[s] *= scale;
   }
   named_bar_sync(2, THREADS);
 
