@@ -83,6 +83,29 @@ def test_mla_swapped_tile_key(monkeypatch, heads, sq):
     assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a").swap
 
 
+@pytest.mark.parametrize("loop", [0, 1, 2])
+def test_consumer_loop_switch(monkeypatch, loop):
+    """FMHA_LOOP picks the producer ring's consumer loop of the sm_90a prefill-family keys
+    (pingpong needs two MMA warpgroups: BM 64 block-sparse tiles stay at loop 1); the
+    portable keys have no ring and keep loop 0; every loop is compiled by warmup/CI."""
+    import dataclasses
+
+    import torch
+
+    monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
+    for d in (128, 256):
+        key = kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a")
+        assert key.loop == loop and ("_l%d" % loop in key.name) == (loop > 0)
+        assert f", {loop}>" in key.source().source
+        assert kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80").loop == 0
+    assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a").loop == loop
+    assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a").loop == min(loop, 1)
+    names = {ks.name for ks in kernels.all_keys("sm_90a")}
+    for lp in kernels.FMHA_LOOPS:
+        base = kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a")
+        assert dataclasses.replace(base, loop=lp).name in names
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     import re
