@@ -177,39 +177,37 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb,
       const bool valid = r < rows;
       const int j = k0 + (valid ? r : 0);
       const int page = pb.kv_page(j);
-      const char* kr = reinterpret_cast<const char*>(pb.k_row(page, j));
-#pragma unroll
-      for (int k = 0; k < Tile::CHUNKS / TPR; ++k) {
-        const int c = c0 + k * TPR;
-        cp_async_16(sk + Tile::offset(r, c), kr + c * 16, valid);
-      }
-      if constexpr (!SHARED_KV) {
-        const char* vr = reinterpret_cast<const char*>(pb.v_row(page, j));
+      auto copy_row = [&](u32 dst, const void* src) {  // every TPR-th chunk of row r
 #pragma unroll
         for (int k = 0; k < Tile::CHUNKS / TPR; ++k) {
           const int c = c0 + k * TPR;
-          cp_async_16(sv + Tile::offset(r, c), vr + c * 16, valid);
+          cp_async_16(dst + Tile::offset(r, c), reinterpret_cast<const char*>(src) + c * 16, valid);
         }
-      }
+      };
+      copy_row(sk, pb.k_row(page, j));
+      if constexpr (!SHARED_KV) copy_row(sv, pb.v_row(page, j));
     }
   } else {
+    // chunk i of this thread: row r, 16-byte chunk c, key j (row 0's key past `rows`)
+    auto chunk = [&](int i, int& r, int& c, int& j) {
+      const int idx = tid + i * THREADS;
+      r = idx / Tile::CHUNKS;
+      c = idx % Tile::CHUNKS;
+      j = k0 + (r < rows ? r : 0);
+    };
     int page[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const int idx = tid + i * THREADS;
-      const int r = idx / Tile::CHUNKS, c = idx % Tile::CHUNKS;
-      const bool valid = r < rows;
-      const int j = k0 + (valid ? r : 0);
+      int r, c, j;
+      chunk(i, r, c, j);
       page[i] = pb.kv_page(j);
-      cp_async_16(sk + Tile::offset(r, c), reinterpret_cast<const char*>(pb.k_row(page[i], j)) + c * 16, valid);
+      cp_async_16(sk + Tile::offset(r, c), reinterpret_cast<const char*>(pb.k_row(page[i], j)) + c * 16, r < rows);
     }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      const int idx = tid + i * THREADS;
-      const int r = idx / Tile::CHUNKS, c = idx % Tile::CHUNKS;
-      const bool valid = r < rows;
-      const int j = k0 + (valid ? r : 0);
-      cp_async_16(sv + Tile::offset(r, c), reinterpret_cast<const char*>(pb.v_row(page[i], j)) + c * 16, valid);
+      int r, c, j;
+      chunk(i, r, c, j);
+      cp_async_16(sv + Tile::offset(r, c), reinterpret_cast<const char*>(pb.v_row(page[i], j)) + c * 16, r < rows);
     }
   }
 }
