@@ -5,8 +5,10 @@ The project's accuracy rule: ‖out − ref‖ / ‖ref‖ against a float64 ref
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
-from typing import List, Sequence
+from typing import Iterator, List, Optional, Sequence
+from unittest import mock
 
 import torch
 
@@ -62,3 +64,70 @@ def huge_page_stride(pool: torch.Tensor) -> torch.Tensor:
     page 0 is touched, so no storage is needed for it): the validation tests' pool whose
     page addresses would overflow int32."""
     return pool.as_strided((1,) + tuple(pool.shape[1:]), (2**31,) + pool.stride()[1:])
+
+
+# ----------------------------------------------------------------------------
+# "No host reads": what the capturable (trusted-metadata) paths must never do
+# ----------------------------------------------------------------------------
+
+HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "__iter__")
+
+
+def _host_read(*args, **kwargs):
+    raise AssertionError("a tensor value was read on the host")
+
+
+def _kernel_must_not_run(*args, **kwargs):
+    raise AssertionError("the CPU kernel (reference) ran although validation should have failed first")
+
+
+@contextlib.contextmanager
+def reference_must_not_run(*names: str) -> Iterator[None]:
+    """Within the block, the named ``prims_ts.reference`` functions (the CPU kernels) fail if called."""
+    import prims_ts.reference as reference
+
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(reference, name, _kernel_must_not_run))
+        yield
+
+
+class OpRecorder:
+    """Stands in for ``torch.ops.prims_ts.<op>`` and ``<op>_out``: records each call's name
+    and arguments, launches nothing (the functional form returns an empty output shaped
+    like the first argument, its last dimension ``out_dim`` when given, of the last
+    argument's dtype)."""
+
+    def __init__(self, op: str, out_dim: Optional[int] = None):
+        self.op = op
+        self.out_dim = out_dim
+        self.calls: list = []
+
+    def functional(self, *args):
+        self.calls.append((self.op, args))
+        shape = tuple(args[0].shape) if self.out_dim is None else tuple(args[0].shape[:-1]) + (self.out_dim,)
+        return torch.empty(shape, dtype=args[-1])
+
+    def out(self, *args):
+        self.calls.append((self.op + "_out", args))
+
+
+@contextlib.contextmanager
+def recording_no_host_reads(op: str, reference: str, out_dim: Optional[int] = None) -> Iterator[OpRecorder]:
+    """Within the block: the op pair ``prims_ts::<op>`` / ``<op>_out`` is an :class:`OpRecorder`
+    (yielded), the CPU kernel ``prims_ts.reference.<reference>`` fails if called, and any host
+    read of a tensor's values (``tolist``, ``item``, ``int()``, ``bool()``, ...) raises."""
+    rec = OpRecorder(op, out_dim)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.ops.prims_ts, op, rec.functional))
+        stack.enter_context(mock.patch.object(torch.ops.prims_ts, op + "_out", rec.out))
+        stack.enter_context(reference_must_not_run(reference))
+        for name in HOST_READS:
+            stack.enter_context(mock.patch.object(torch.Tensor, name, _host_read))
+        try:
+            torch.zeros(2).tolist()
+        except AssertionError:
+            pass
+        else:
+            raise AssertionError("the host-read patches are not live")
+        yield rec

@@ -19,9 +19,7 @@ Devices: this file runs on a CPU-only machine, so "another device" is 'meta'.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from unittest import mock
 
 import pytest
 import torch
@@ -29,7 +27,8 @@ import torch
 import prims_ts
 from prims_ts.ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
 import prims_ts.meta.block_sparse  # noqa: F401,E402  (registers the fakes; after the ops they describe)
-from prims_ts.testing import huge_page_stride
+from prims_ts.testing import huge_page_stride, reference_must_not_run
+from prims_ts.testing import recording_no_host_reads as _recording
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, U32 = torch.int32, torch.uint32
@@ -79,13 +78,9 @@ def make_pool(p=P, hkv=HKV, ps=PS, d=D, dtype=BF16, seed=3):
     return _rand(p, hkv, ps, d, dtype=dtype, seed=seed)
 
 
-def _kernel_must_not_run(*args, **kwargs):
-    raise AssertionError("the CPU kernel (reference) ran although validation should have failed first")
-
-
 def expect(exc, match, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` raises ``exc`` matching ``match`` and never reaches the kernel."""
-    with mock.patch.object(prims_ts.reference, "block_sparse_attention", _kernel_must_not_run):
+    with reference_must_not_run("block_sparse_attention"):
         with pytest.raises(exc, match=match):
             fn(*args, **kwargs)
 
@@ -206,7 +201,7 @@ def test_edge_values_are_accepted(mods):
 def test_kernel_patch_is_effective():
     """The error cases' guard does catch a launch: a valid call under it fails."""
     args, kw = base()
-    with mock.patch.object(prims_ts.reference, "block_sparse_attention", _kernel_must_not_run):
+    with reference_must_not_run("block_sparse_attention"):
         with pytest.raises(AssertionError, match="CPU kernel"):
             block_sparse_attention_with_paged_kv_cache(*args, **kw)
 
@@ -717,42 +712,8 @@ def test_wrapper_run_tuple_v_on_another_device():
 # ----------------------------------------------------------------------------
 
 
-class _Recorder:
-    """Stands in for torch.ops.prims_ts.block_sparse_attention(_out): records its arguments, launches nothing."""
-
-    def __init__(self):
-        self.calls = []
-
-    def functional(self, *args):
-        self.calls.append(("block_sparse_attention", args))
-        return torch.empty(args[0].shape, dtype=args[-1])
-
-    def out(self, *args):
-        self.calls.append(("block_sparse_attention_out", args))
-
-
-def _no_host_reads():
-    """Patches that make any host read of a tensor's values fail (tolist, item, int(), bool(), ...)."""
-
-    def boom(*a, **k):
-        raise AssertionError("a tensor value was read on the host")
-
-    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "__iter__")
-    return [mock.patch.object(torch.Tensor, n, boom) for n in names]
-
-
-@contextlib.contextmanager
 def recording_no_host_reads():
-    rec = _Recorder()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(torch.ops.prims_ts, "block_sparse_attention", rec.functional))
-        stack.enter_context(mock.patch.object(torch.ops.prims_ts, "block_sparse_attention_out", rec.out))
-        stack.enter_context(mock.patch.object(prims_ts.reference, "block_sparse_attention", _kernel_must_not_run))
-        for p in _no_host_reads():
-            stack.enter_context(p)
-        with pytest.raises(AssertionError, match="host"):
-            torch.zeros(2).tolist()  # the patches are live
-        yield rec
+    return _recording("block_sparse_attention", "block_sparse_attention")
 
 
 INVALID_VALUES = [

@@ -17,21 +17,18 @@ Devices: this file runs on a CPU-only machine, so "another device" is 'meta'.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from unittest import mock
 
 import pytest
 import torch
 
-import prims_ts
 from prims_ts import (
     BatchDecodePagedTSWrapper,
     batch_decode_with_paged_kv_cache,
     get_prims_ts_batch_decode_workspace_size,
     prims_ts_batch_decode_with_kv_cache,
 )
-from prims_ts.testing import huge_page_stride
+from prims_ts.testing import huge_page_stride, recording_no_host_reads, reference_must_not_run
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, U8 = torch.int32, torch.uint8
@@ -82,13 +79,9 @@ def make_ws(nbytes=None, dtype=U8):
     return torch.zeros(n, dtype=U8).view(dtype) if dtype != U8 else torch.zeros(n, dtype=U8)
 
 
-def _kernel_must_not_run(*args, **kwargs):
-    raise AssertionError("the CPU kernel (reference) ran although validation should have failed first")
-
-
 def expect(exc, match, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` raises ``exc`` matching ``match`` and never reaches the kernel."""
-    with mock.patch.object(prims_ts.reference, "batch_decode", _kernel_must_not_run):
+    with reference_must_not_run("batch_decode"):
         with pytest.raises(exc, match=match):
             fn(*args, **kwargs)
 
@@ -429,30 +422,6 @@ def test_error_leaves_out_and_workspace_untouched():
 # ----------------------------------------------------------------------------
 
 
-class _Recorder:
-    """Stands in for torch.ops.prims_ts.batch_decode(_out): records its arguments, launches nothing."""
-
-    def __init__(self):
-        self.calls = []
-
-    def functional(self, *args):
-        self.calls.append(("batch_decode", args))
-        return torch.empty(args[0].shape, dtype=args[-1])
-
-    def out(self, *args):
-        self.calls.append(("batch_decode_out", args))
-
-
-def _no_host_reads():
-    """Patches that make any host read of a tensor's values fail (tolist, item, int(), bool(), ...)."""
-
-    def boom(*a, **k):
-        raise AssertionError("a tensor value was read on the host")
-
-    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "__iter__")
-    return [mock.patch.object(torch.Tensor, n, boom) for n in names]
-
-
 INVALID_VALUES = [
     # seq_lens of 0 and beyond max_seq_len, indptr not monotone / not starting at 0 / past indices.numel(),
     # page IDs outside the cache, negative page IDs
@@ -474,16 +443,8 @@ def test_standalone_trusts_metadata_values(mode, which):
         args, kw = fixed(sq=3, mask_type="causal", **mods)
     else:
         args, kw = base(mask_type="causal", window_left=1, **mods)
-    rec = _Recorder()
     out = torch.empty(args[0].shape, dtype=FP32)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(torch.ops.prims_ts, "batch_decode", rec.functional))
-        stack.enter_context(mock.patch.object(torch.ops.prims_ts, "batch_decode_out", rec.out))
-        stack.enter_context(mock.patch.object(prims_ts.reference, "batch_decode", _kernel_must_not_run))
-        for p in _no_host_reads():
-            stack.enter_context(p)
-        with pytest.raises(AssertionError, match="host"):
-            args[5].tolist()  # the patches are live
+    with recording_no_host_reads("batch_decode", "batch_decode") as rec:
         res = prims_ts_batch_decode_with_kv_cache(*args, **kw)
         res_out = prims_ts_batch_decode_with_kv_cache(*args, out=out, **kw)
     assert res.shape == args[0].shape

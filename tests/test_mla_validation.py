@@ -20,21 +20,19 @@ Devices: this file runs on a CPU-only machine, so "another device" is 'meta'.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from unittest import mock
 
 import pytest
 import torch
 
-import prims_ts
 from prims_ts import (
     BatchMLADecodePagedTSWrapper,
     batch_mla_decode_with_paged_kv_cache,
     get_prims_ts_batch_decode_mla_workspace_size,
     prims_ts_batch_decode_with_kv_cache_mla,
 )
-from prims_ts.testing import huge_page_stride
+from prims_ts.testing import huge_page_stride, reference_must_not_run
+from prims_ts.testing import recording_no_host_reads as _recording
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, U8 = torch.int32, torch.uint8
@@ -89,13 +87,9 @@ def make_ws(nbytes=None, dtype=U8):
     return torch.zeros(n, dtype=U8).view(dtype) if dtype != U8 else torch.zeros(n, dtype=U8)
 
 
-def _kernel_must_not_run(*args, **kwargs):
-    raise AssertionError("the CPU kernel (reference) ran although validation should have failed first")
-
-
 def expect(exc, match, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` raises ``exc`` matching ``match`` and never reaches the kernel."""
-    with mock.patch.object(prims_ts.reference, "batch_mla_decode", _kernel_must_not_run):
+    with reference_must_not_run("batch_mla_decode"):
         with pytest.raises(exc, match=match):
             fn(*args, **kwargs)
 
@@ -470,42 +464,8 @@ def test_error_leaves_out_and_workspace_untouched():
 # ----------------------------------------------------------------------------
 
 
-class _Recorder:
-    """Stands in for torch.ops.prims_ts.batch_mla_decode(_out): records its arguments, launches nothing."""
-
-    def __init__(self):
-        self.calls = []
-
-    def functional(self, *args):
-        self.calls.append(("batch_mla_decode", args))
-        return torch.empty(tuple(args[0].shape[:-1]) + (DV,), dtype=args[-1])
-
-    def out(self, *args):
-        self.calls.append(("batch_mla_decode_out", args))
-
-
-def _no_host_reads():
-    """Patches that make any host read of a tensor's values fail (tolist, item, int(), bool(), ...)."""
-
-    def boom(*a, **k):
-        raise AssertionError("a tensor value was read on the host")
-
-    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "__iter__")
-    return [mock.patch.object(torch.Tensor, n, boom) for n in names]
-
-
-@contextlib.contextmanager
 def recording_no_host_reads():
-    rec = _Recorder()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(torch.ops.prims_ts, "batch_mla_decode", rec.functional))
-        stack.enter_context(mock.patch.object(torch.ops.prims_ts, "batch_mla_decode_out", rec.out))
-        stack.enter_context(mock.patch.object(prims_ts.reference, "batch_mla_decode", _kernel_must_not_run))
-        for p in _no_host_reads():
-            stack.enter_context(p)
-        with pytest.raises(AssertionError, match="host"):
-            torch.zeros(2).tolist()  # the patches are live
-        yield rec
+    return _recording("batch_mla_decode", "batch_mla_decode", out_dim=DV)
 
 
 INVALID_VALUES = [

@@ -12,14 +12,12 @@ Devices: this file runs on a CPU-only machine, so "another device" is 'meta'.
 from __future__ import annotations
 
 import math
-from unittest import mock
 
 import pytest
 import torch
 
-import prims_ts
 from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
-from prims_ts.testing import huge_page_stride
+from prims_ts.testing import huge_page_stride, reference_must_not_run
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
@@ -53,14 +51,9 @@ def make_pool(p=P, hkv=HKV, ps=PS, d=D, dtype=BF16, seed=2):
     return _rand(p, hkv, ps, d, dtype=dtype, seed=seed)
 
 
-def _kernel_must_not_run(*args, **kwargs):
-    raise AssertionError("the CPU kernel (reference) ran although validation should have failed first")
-
-
 def expect(exc, match, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` raises ``exc`` matching ``match`` and never reaches the kernel."""
-    with mock.patch.object(prims_ts.reference, "batch_prefill_paged", _kernel_must_not_run), \
-            mock.patch.object(prims_ts.reference, "batch_prefill", _kernel_must_not_run):
+    with reference_must_not_run("batch_prefill_paged", "batch_prefill"):
         with pytest.raises(exc, match=match):
             fn(*args, **kwargs)
 
