@@ -66,6 +66,28 @@ def huge_page_stride(pool: torch.Tensor) -> torch.Tensor:
     return pool.as_strided((1,) + tuple(pool.shape[1:]), (2**31,) + pool.stride()[1:])
 
 
+def assign_pages(n_live: Sequence[int], kind: str, extra_pages: int,
+                 generator: torch.Generator) -> "tuple[int, List[List[int]]]":
+    """Page IDs for requests of ``n_live`` pages each, and the pool size: ``"perm"`` gives every
+    request its own pages of a non-identity permutation of the pool; ``"repeated"`` draws IDs
+    from a small shared set (repeated within and across requests, at least one ID shared by
+    two requests). ``extra_pages`` pool pages are left unused."""
+    if kind == "repeated":
+        shared = max(2, max(n_live) // 2 + 1)
+        live = [torch.randint(0, shared, (n,), generator=generator).tolist() for n in n_live]
+        live[-1][0] = live[0][0]  # at least one ID shared by two requests
+        return shared + extra_pages, live
+    pool = sum(n_live) + extra_pages
+    perm = torch.randperm(pool, generator=generator).tolist()
+    if perm == sorted(perm):
+        perm = perm[::-1]
+    live, at = [], 0
+    for n in n_live:
+        live.append(perm[at:at + n])
+        at += n
+    return pool, live
+
+
 # ----------------------------------------------------------------------------
 # "No host reads": what the capturable (trusted-metadata) paths must never do
 # ----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 
 from prims_ts import reference as R
 from prims_ts.ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
-from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fmha_loop")]  # both consumer loops
 
@@ -115,20 +115,7 @@ class Problem:
         self.q_block, self.kv_block, self.dtype = q_block, kv_block, dtype
         self.max_seq_len_kv = max_seq_len_kv or max(seq_lens)
         n_live = [(sk + ps - 1) // ps for sk in seq_lens]
-        if kind == "repeated":
-            shared = max(2, max(n_live) // 2 + 1)
-            P = shared + extra_pages
-            live = [torch.randint(0, shared, (n,), generator=g).tolist() for n in n_live]
-            live[-1][0] = live[0][0]
-        else:
-            P = sum(n_live) + extra_pages
-            perm = torch.randperm(P, generator=g).tolist()
-            if perm == sorted(perm):
-                perm = perm[::-1]
-            live, at = [], 0
-            for n in n_live:
-                live.append(perm[at:at + n])
-                at += n
+        P, live = assign_pages(n_live, kind, extra_pages, g)
         slack_of = [(slack + b) % 3 if slack else 0 for b in range(B)]
         indices = []
         for b in range(B):

@@ -29,7 +29,7 @@ import torch
 
 from prims_ts import reference as R
 from prims_ts.ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
-from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
 
 F64 = torch.float64
 I32 = torch.int32
@@ -142,20 +142,7 @@ class Sparse:
         self.max_seq_len_kv = max_seq_len_kv or max(seq_lens)
         n_live = [(sk + ps - 1) // ps for sk in seq_lens]
         slack = list(slack) if slack is not None else [b % 2 for b in range(B)]
-        if kind == "repeated":
-            shared = max(2, max(n_live) // 2 + 1)
-            P = shared + extra_pages
-            live = [torch.randint(0, shared, (n,), generator=g).tolist() for n in n_live]
-            live[-1][0] = live[0][0]  # at least one ID shared by two requests
-        else:
-            P = sum(n_live) + extra_pages
-            perm = torch.randperm(P, generator=g).tolist()
-            if perm == sorted(perm):
-                perm = perm[::-1]
-            live, at = [], 0
-            for n in n_live:
-                live.append(perm[at:at + n])
-                at += n
+        P, live = assign_pages(n_live, kind, extra_pages, g)
         indices = []
         for b in range(B):
             indices += live[b] + [GARBAGE[(b + i) % len(GARBAGE)] for i in range(slack[b])]

@@ -29,7 +29,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
 
 pytestmark = pytest.mark.cuda
 
@@ -67,20 +67,7 @@ class Problem:
         self.seq_lens_list, self.B = list(seq_lens), B
         self.hq, self.hkv, self.d, self.ps, self.dtype, self.qmode = hq, hkv, d, ps, dtype, qmode
         n_live = [(sk + ps - 1) // ps for sk in seq_lens]
-        if kind == "repeated":
-            shared = max(2, max(n_live) // 2 + 1)
-            P = shared + extra_pages
-            live = [torch.randint(0, shared, (n,), generator=g).tolist() for n in n_live]
-            live[-1][0] = live[0][0]
-        else:
-            P = sum(n_live) + extra_pages
-            perm = torch.randperm(P, generator=g).tolist()
-            if perm == sorted(perm):
-                perm = perm[::-1]
-            live, at = [], 0
-            for n in n_live:
-                live.append(perm[at:at + n])
-                at += n
+        P, live = assign_pages(n_live, kind, extra_pages, g)
         slack_of = [(slack + b) % 3 if slack else 0 for b in range(B)]
         indices = []
         for b in range(B):

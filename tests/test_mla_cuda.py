@@ -31,7 +31,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
 
 pytestmark = pytest.mark.cuda
 
@@ -69,20 +69,7 @@ class Problem:
         self.h, self.ps, self.dtype, self.qmode = h, ps, dtype, qmode
         n_live = [(sk + ps - 1) // ps for sk in seq_lens]
         cols = max(n_live) + slack
-        if kind == "repeated":
-            shared = max(2, max(n_live) // 2 + 1)
-            P = shared + extra_pages
-            live = [torch.randint(0, shared, (n,), generator=g).tolist() for n in n_live]
-            live[-1][0] = live[0][0]
-        else:
-            P = sum(n_live) + extra_pages
-            perm = torch.randperm(P, generator=g).tolist()
-            if perm == sorted(perm):
-                perm = perm[::-1]
-            live, at = [], 0
-            for n in n_live:
-                live.append(perm[at:at + n])
-                at += n
+        P, live = assign_pages(n_live, kind, extra_pages, g)
         wide = torch.full((B, cols + pad), -1, dtype=I32)
         for b in range(B):
             wide[b, :cols] = torch.tensor(live[b] + [GARBAGE[(b + i) % len(GARBAGE)] for i in range(cols - n_live[b])],

@@ -33,7 +33,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
 
 F64 = torch.float64
 I32 = torch.int32
@@ -72,20 +72,7 @@ class MLA:
         self.seq_lens_list = list(seq_lens)
         n_live = [(sk + ps - 1) // ps for sk in seq_lens]
         cols = cols or max(n_live) + 1
-        if kind == "repeated":
-            shared = max(2, max(n_live) // 2 + 1)
-            P = shared + extra_pages
-            live = [torch.randint(0, shared, (n,), generator=g).tolist() for n in n_live]
-            live[-1][0] = live[0][0]  # at least one ID shared by two requests
-        else:
-            P = sum(n_live) + extra_pages
-            perm = torch.randperm(P, generator=g).tolist()
-            if perm == sorted(perm):
-                perm = perm[::-1]
-            live, at = [], 0
-            for n in n_live:
-                live.append(perm[at:at + n])
-                at += n
+        P, live = assign_pages(n_live, kind, extra_pages, g)
         self.num_pages, self.live_pages = P, live
         wide = torch.full((B, cols + pad), -77, dtype=I32)
         for b in range(B):
