@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|compile|sanitize|check|bench|quick|ab|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|compile|sanitize|check|bench|quick|ab|all]...
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
 # limited to 10 minutes: `tests` alone can take most of that; `sanitize` runs the small
@@ -37,6 +37,10 @@ run_tests() {  # the cuda-marked tests of each file that exists, one summary lin
 for s in "${stages[@]}"; do
     case "$s" in
     tests) run_tests "${KERNEL_TESTS[@]}" ;;
+    # the same in two device calls when one would pass 10 minutes (three consumer loops of the
+    # prefill family, a fresh machine compiling every kernel on first use)
+    tests1) run_tests tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_block_sparse_cuda.py ;;
+    tests2) run_tests tests/test_decode_cuda.py tests/test_mla_cuda.py ;;
     compile) run_tests "${COMPILE_TESTS[@]}" ;;  # torch.compile / export / graphs: ~2 min a file
     sanitize)
         # No caching allocator: every tensor is its own allocation, so memcheck sees
