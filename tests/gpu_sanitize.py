@@ -39,12 +39,10 @@ def _sm_count(dev) -> int:
     return DECODE_NOMINAL_SMS
 
 
-def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, max_seq_len, split) -> None:
-    """One decode launch over shuffled pages (unused slots NaN, garbage CSR entries past the live
-    pages) into a NaN-poisoned out, against the float64 reference."""
-    from prims_ts.cuda.kernels import decode_policy
-
-    B, dt = len(lens), torch.bfloat16
+def poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt):
+    """K/V pools for requests of `lens` keys over shuffled pages: CSR entries past a request's
+    live pages hold garbage IDs, two pages no request uses, and every unused slot NaN.
+    Returns (indptr, indices, seq_lens, cache, k, v); `cache` is the combined pool or (k, v)."""
     n_live = [(n + ps - 1) // ps for n in lens]
     num_pages = sum(n_live) + 2  # two pages no request uses
     perm = torch.randperm(num_pages).tolist()
@@ -72,6 +70,16 @@ def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, 
     unused = (~used).to(dev)[:, None, :, None].expand_as(k)
     k.masked_fill_(unused, float("nan"))
     v.masked_fill_(unused, float("nan"))
+    return indptr, indices, seq_lens, cache, k, v
+
+
+def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, max_seq_len, split) -> None:
+    """One decode launch over shuffled pages (unused slots NaN, garbage CSR entries past the live
+    pages) into a NaN-poisoned out, against the float64 reference."""
+    from prims_ts.cuda.kernels import decode_policy
+
+    B, dt = len(lens), torch.bfloat16
+    indptr, indices, seq_lens, cache, k, v = poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt)
     kw, qo_indptr, max_sq = {}, None, 1
     if qmode == "single":
         q = torch.randn(B, hq, d, device=dev, dtype=dt)
@@ -208,33 +216,7 @@ def block_sparse_case(dev, name, entry, mask, d, hq, hkv, q_block, kv_block, ps,
 
     B, dt = len(lens), torch.bfloat16
     g = torch.Generator().manual_seed(stable_seed("bsr", name))
-    n_live = [(n + ps - 1) // ps for n in lens]
-    num_pages = sum(n_live) + 2  # two pages no request uses
-    perm = torch.randperm(num_pages).tolist()
-    indices, entries, live, at = [], [], [], 0
-    for b, n in enumerate(n_live):
-        live.append(perm[at:at + n])
-        at += n
-        slack = [GARBAGE[b % 2]] * (b % 2 + 1)
-        indices += live[b] + slack
-        entries.append(n + len(slack))
-    indptr = torch.tensor(cumsum0(entries), dtype=torch.int32, device=dev)
-    indices = torch.tensor(indices, dtype=torch.int32, device=dev)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    if form == "combined":
-        cache = torch.randn(num_pages, 2, hkv, ps, d, device=dev, dtype=dt)
-        k, v = cache[:, 0], cache[:, 1]
-    else:
-        k = torch.randn(num_pages, hkv, ps, d, device=dev, dtype=dt)
-        v = torch.randn_like(k)
-        cache = (k, v)
-    used = torch.zeros(num_pages, ps, dtype=torch.bool)
-    for b, n in enumerate(lens):
-        j = torch.arange(n)
-        used[torch.tensor(live[b])[j // ps], j % ps] = True
-    unused = (~used).to(dev)[:, None, :, None].expand_as(k)
-    k.masked_fill_(unused, float("nan"))
-    v.masked_fill_(unused, float("nan"))
+    indptr, indices, seq_lens, cache, k, v = poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt)
     block_indptr, block_indices = bsr_tensors(bsr_routes(lens, sq, hkv, q_block, kv_block, g, empty=empty), dev)
     max_len = max(lens) + 40  # spare valid-bit words
     bits = None
