@@ -226,6 +226,24 @@ struct KvRing {
   __device__ __forceinline__ u32 empty(int s) const { return bars + 8u * (STAGES + s); }
   static constexpr int BAR_BYTES = 2 * STAGES * 8;
 
+  // the next tile's stage; the pass parity flips when the ring wraps
+  __device__ __forceinline__ static void advance(int& stage, u32& phase) {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+  // an MMA thread: the tile in `stage` has landed and is visible to wgmma
+  __device__ __forceinline__ void acquire(int stage, u32 phase) const {
+    mbar_wait(full(stage), phase);
+    fence_proxy_async();
+  }
+  // an MMA warp is done with `stage` (its reads of it, wgmma included, have completed)
+  __device__ __forceinline__ void release(int stage) const {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(empty(stage));
+  }
+
   // one thread, before the CTA-wide barrier that precedes any use
   template <int NTHREADS>
   __device__ __forceinline__ void init(int consumer_warps) const {
@@ -245,14 +263,22 @@ struct KvRing {
       const KeyTile kt = range.tile(it);
       load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV>(k(stage), v(stage), pb, kt.k0, kt.rows, tid);
       cp_async_mbar_arrive(full(stage));
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      advance(stage, phase);
     }
     cp_async_wait<0>();
   }
 };
+
+// The MMA threads of a producer-ring CTA copy the Q tile themselves and wait for it
+// (named barrier 1: the producer warpgroup never joins).
+template <class QTile, int THREADS, class Problem>
+__device__ __forceinline__ void load_q_for_mma(u32 sQ, const Problem& pb) {
+  load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  named_bar_sync(1, THREADS);
+}
 
 template <class Cfg, class Problem>
 __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float scale_log2, float out_scale) {
@@ -312,11 +338,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       return;
     }
     if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    mma_sync();
+    load_q_for_mma<QTile, THREADS>(sQ, pb);
   } else {
     // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
     load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
@@ -457,8 +479,7 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
     for (int it = 0; it < n_tiles; ++it) {
       const KeyTile kt = range.tile(it);
-      mbar_wait(ring.full(stage), phase);
-      fence_proxy_async();
+      ring.acquire(stage, phase);
       if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
       issue_s_wgmma(s, stage);
       if (it > 0) issue_pv_wgmma(pf, prev);
@@ -476,16 +497,12 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       if (it > 0) {
         wgmma_wait<0>();
         fence_regs(o);
-        __syncwarp();  // this warp is done with tile it - 1's stage
-        if (lane == 0) mbar_arrive(ring.empty(prev));
+        ring.release(prev);  // PV(it - 1) has landed: this warp is done with tile it - 1
       }
       rescale_o(corr);
       pack_p(s, pf);
       prev = stage;
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      ring.advance(stage, phase);
     }
     if (n_tiles > 0) {
       if constexpr (Cfg::PINGPONG) {
@@ -494,15 +511,13 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       issue_pv_wgmma(pf, prev);
       wgmma_wait<0>();
       fence_regs(o);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(ring.empty(prev));
+      ring.release(prev);
     }
   }
   for (int it = 0; !Cfg::OVERLAP && it < n_tiles; ++it) {
     const KeyTile kt = range.tile(it);
     if constexpr (Cfg::PRODUCER) {
-      mbar_wait(ring.full(stage), phase);
-      fence_proxy_async();
+      ring.acquire(stage, phase);
     } else {
       cp_async_wait<STAGES - 1>();
       if constexpr (Cfg::ARCH == 90) fence_proxy_async();
@@ -646,12 +661,8 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
 
     if constexpr (Cfg::PRODUCER) {
-      __syncwarp();  // this warp's wgmmas reading the stage have completed (waited above)
-      if (lane == 0) mbar_arrive(ring.empty(stage));
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      ring.release(stage);  // this warp's reads of the stage have completed (waited above)
+      ring.advance(stage, phase);
     } else {
       __syncthreads();  // every warp is done with this stage
       if (it + STAGES < n_tiles) issue_kv(it + STAGES, stage);

@@ -72,11 +72,7 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
     ring.template produce<Cfg::PRODUCER_THREADS>(pb, range, n_tiles, threadIdx.x - THREADS);
     return;
   }
-  load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
-  cp_async_commit();
-  cp_async_wait<0>();
-  fence_proxy_async();
-  named_bar_sync(1, THREADS);
+  load_q_for_mma<QTile, THREADS>(sQ, pb);
 
   // Accumulator element [j][e] of this thread: key (M row) 16 * warp + g + 8 * (e >> 1),
   // query row (N column) 8 * j + 2 * t + (e & 1).
@@ -98,8 +94,7 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
   for (int it = 0; it < n_tiles; ++it) {
     const KeyTile kt = range.tile(it);
     const int k0 = kt.k0;
-    mbar_wait(ring.full(stage), phase);
-    fence_proxy_async();
+    ring.acquire(stage, phase);
     const u32 sk = ring.k(stage);
 
     // ---- S^T = K Q^T ------------------------------------------------------------
@@ -191,12 +186,8 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) fence_regs(o[mp]);
 
-    __syncwarp();  // this warp's reads of the stage are done (waited above)
-    if (lane == 0) mbar_arrive(ring.empty(stage));
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1u;
-    }
+    ring.release(stage);  // this warp's reads of the stage are done (waited above)
+    ring.advance(stage, phase);
   }
 
   // ---- epilogue: sums over the keys, O through shared memory to store2 -----------------
