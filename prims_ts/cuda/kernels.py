@@ -398,12 +398,12 @@ MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (64, 2, 2)}  # BM 64: the wgmma 
 DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
-NOMINAL_SMEM_LIMIT = 232448  # per-block opt-in shared memory of the H200 (CPU tensors size as for it)
+NOMINAL_SMEM_LIMIT = SM90_SMEM_LIMIT  # per-block shared memory of the H200 (CPU tensors size as for it)
 
 
 def smem_limit(arch: str) -> int:
     """Per-block opt-in shared memory: 227 KB on sm_90, 163 KB on sm_80/87, 99 KB on sm_86/89."""
-    return {"sm_90a": 232448, "sm_90": 232448, "sm_80": 166912, "sm_87": 166912}.get(arch, 101376)
+    return {"sm_90a": SM90_SMEM_LIMIT, "sm_90": SM90_SMEM_LIMIT, "sm_80": 166912, "sm_87": 166912}.get(arch, 101376)
 
 
 @dataclass(frozen=True)
@@ -419,10 +419,6 @@ class DecodePolicy:
     rows_max: int  # group * max query tokens
     splits: int  # K/V chunks per (request, K/V head), merged through the workspace
     chunk: int  # keys per split (multiple of bn)
-
-    @property
-    def threads(self) -> int:
-        return self.bm // 16 * self.warps_n * 32
 
 
 def _split_target(ctas: int, slots: int) -> int:
