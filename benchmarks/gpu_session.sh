@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|compile|sanitize|check|bench|quick|ab|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|mla|graphs|compile|sanitize|check|bench|quick|ab|all]...
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
 # limited to 10 minutes: `tests` alone can take most of that; `sanitize` runs the small
@@ -41,6 +41,8 @@ for s in "${stages[@]}"; do
     # prefill family, a fresh machine compiling every kernel on first use)
     tests1) run_tests tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_block_sparse_cuda.py ;;
     tests2) run_tests tests/test_decode_cuda.py tests/test_mla_cuda.py ;;
+    mla) run_tests tests/test_mla_cuda.py ;;
+    graphs) run_tests compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py compile_tests/test_paged_compile.py ;;
     compile) run_tests "${COMPILE_TESTS[@]}" ;;  # torch.compile / export / graphs: ~2 min a file
     sanitize)
         # No caching allocator: every tensor is its own allocation, so memcheck sees

@@ -261,6 +261,8 @@ case("ws_noncontig", ValueError, "workspace_buffer",
      lambda: base(workspace_buffer=torch.zeros(2 * ws_bytes(), dtype=U8)[::2]))
 case("ws_noncontig_2d", ValueError, "workspace_buffer",
      lambda: base(workspace_buffer=torch.zeros(ws_bytes(), 2, dtype=U8).t()))
+case("ws_misaligned", ValueError, "workspace_buffer.*16-byte",
+     lambda: base(workspace_buffer=torch.zeros(ws_bytes() + 64, dtype=U8)[8:]))  # partials are read in 16-byte vectors
 case("ws_meta", ValueError, "workspace_buffer",
      lambda: base(workspace_buffer=torch.zeros(ws_bytes(), dtype=U8, device="meta")))
 case("ws_one_byte_short", ValueError, "workspace_buffer", lambda: base(workspace_buffer=make_ws(ws_bytes() - 1)))

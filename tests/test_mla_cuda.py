@@ -192,28 +192,31 @@ def test_mla_grid(qmode, mask, h, sq):
 
 
 # ----------------------------------------------------------------------------
-# The swapped-operand tile (sm_90a, rows of 16/32): selected explicitly until it is the default
+# Rows of 16/32 on sm_90a: the swapped-operand tile (the default there) and the mma.sync
+# tile (sm_80/sm_89's engine, selected with MLA_SWAPPED_TILE = False) on the same grid
 # ----------------------------------------------------------------------------
 
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
 
 
-@pytest.fixture
-def swapped_tile(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["swapped", "mma_sync"])
+def row_tile(request, monkeypatch):
+    """The sm_90a engine of 16/32-row tiles: True = swapped-operand, False = mma.sync."""
     from prims_ts.cuda import kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the swapped-operand tile is sm_90a only")
-    monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", True)
-    return kernels
+        pytest.skip("the engine choice exists on sm_90a only")
+    monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", request.param)
+    return kernels, request.param
 
 
 @pytest.mark.parametrize("hsq", SWAP_CELLS, ids=[f"h{h}_sq{q}" for h, q in SWAP_CELLS])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("qmode", QMODES)
-def test_swapped_tile_grid(swapped_tile, qmode, mask, hsq):
-    """The grid's rotation (page size, rank, dtype, page IDs, split or one split) on the
-    swapped tile; the policy's key must be the swapped one."""
+def test_row_tile_engines_grid(row_tile, qmode, mask, hsq):
+    """The grid's rotation (page size, rank, dtype, page IDs, split or one split) on each
+    engine; the policy's key must be the chosen engine's."""
+    kernels, swapped = row_tile
     h, sq = hsq
     i = SWAP_CELLS.index(hsq) + 6 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
     lengths = ("long", "short")[i % 2]
@@ -227,13 +230,13 @@ def test_swapped_tile_grid(swapped_tile, qmode, mask, hsq):
                  kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
     pol = pb.policy()
     assert (pol.splits > 1) == (lengths == "long"), pol
-    key = swapped_tile.DecodeKey.of("bf16", DQK, mask == "causal", pol, "sm_90a")
-    assert key.swap and key.bm == pol.bm, key
+    key = kernels.DecodeKey.of("bf16", DQK, mask == "causal", pol, "sm_90a")
+    assert key.swap == swapped and key.bm == pol.bm, key
     check(pb, mask)
 
 
 @pytest.mark.parametrize("out_dtype", [FP32, BF16])
-def test_swapped_tile_long_request_and_out_dtype(swapped_tile, out_dtype):
+def test_row_tile_engines_long_request_and_out_dtype(row_tile, out_dtype):
     """One 131072-token request beside a 4-token one (H 16, SQ 2), bmm scales, output dtypes."""
     pb = Problem([131072, 4], 16, 64, BF16, stable_seed("swap-long", str(out_dtype)), sq=2, slack=0)
     check(pb, "causal", out_dtype=out_dtype, bmm1_scale=0.7 * SCALE, bmm2_scale=1.5)

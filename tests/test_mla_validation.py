@@ -386,6 +386,8 @@ case("ws_noncontig", ValueError, "workspace_buffer",
      lambda: base(workspace_buffer=torch.zeros(2 * ws_bytes(), dtype=U8)[::2]))
 case("ws_noncontig_2d", ValueError, "workspace_buffer",
      lambda: base(workspace_buffer=torch.zeros(ws_bytes(), 2, dtype=U8).t()))
+case("ws_misaligned", ValueError, "workspace_buffer.*16-byte",
+     lambda: base(workspace_buffer=torch.zeros(ws_bytes() + 64, dtype=U8)[8:]))  # partials are read in 16-byte vectors
 case("ws_meta", ValueError, "workspace_buffer",
      lambda: base(workspace_buffer=torch.zeros(ws_bytes(), dtype=U8, device="meta")))
 case("ws_one_byte_short", ValueError, "workspace_buffer", lambda: base(workspace_buffer=make_ws(ws_bytes() - 1)))
@@ -770,6 +772,8 @@ def test_wrapper_init_and_workspace_errors():
         BatchMLADecodePagedTSWrapper(torch.zeros(64, dtype=FP32))
     with pytest.raises(ValueError, match="workspace_buffer"):
         BatchMLADecodePagedTSWrapper(torch.zeros(512, dtype=U8)[::2])
+    with pytest.raises(ValueError, match="workspace_buffer.*16-byte"):
+        BatchMLADecodePagedTSWrapper(torch.zeros(512, dtype=U8)[4:])
     with pytest.raises(TypeError, match="workspace_buffer"):
         BatchMLADecodePagedTSWrapper(bytearray(256))
     with pytest.raises(ValueError, match="device"):

@@ -62,7 +62,8 @@ def test_mla_policy_is_the_decode_policy_of_one_latent_head(batch, heads, sq, le
     for arch in ("sm_80", "sm_90a"):
         key = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, True, pol, arch)
         assert key.dv == kernels.MLA_DIM_V and key.shared_kv and key.smem <= 227 * 1024
-        assert key.arch == (90 if arch == "sm_90a" and pol.bm == 64 else 80)
+        assert key.arch == (90 if arch == "sm_90a" else 80)  # rows of 16/32: the swapped tile
+        assert key.swap == (arch == "sm_90a" and pol.bm < 64)
     ws = kernels.mla_workspace_bytes(batch, heads, sq, length, 132)
     if pol.splits > 1:
         assert ws >= batch * pol.splits * pol.rows_max * (kernels.MLA_DIM_V + 1) * 4

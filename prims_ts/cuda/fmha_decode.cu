@@ -26,20 +26,26 @@ namespace pt {
 //
 // The merge: O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max). The splits'
 // log-sum-exps go to shared memory (the core is done with it) in one parallel pass, a
-// warp per row turns them into normalised weights (out_scale folded in), then every
-// thread accumulates its column pairs split by split, all of its pairs' loads of one
-// split in flight together.
+// warp per row turns them into normalised weights (out_scale folded in). The weighted
+// sum is latency-bound (one merging CTA reads every split's rows), so its work units
+// are (4-column group, split lane): a unit sums its group over the splits s = lane
+// (mod lanes), UNITS of them a thread with two splits each in flight. There are as many
+// lanes as fill one pass, so few rows over many splits (long-context decode: 4 rows x
+// 128 splits) still keep every thread's loads in flight; the lanes' sums then meet in
+// shared memory. Many rows (MLA's 64) take one lane and several passes.
 template <class Cfg>
 __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk, int rt, int q_start, int row0,
                                            int q_rows) {
   extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
-  constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, PAIRS = DV / 2;
-  constexpr int ITEMS = (Cfg::BM * PAIRS + THREADS - 1) / THREADS;  // column pairs per thread
-  // pairs accumulated per pass: kernels that re-divide registers among warpgroups
-  // (setmaxnreg, 384 threads) compile this out-of-line function at the smallest share
-  constexpr int CHUNK_MAX = Cfg::LAUNCH_THREADS >= 384 ? 4 : 16;
-  constexpr int CHUNK = ITEMS < CHUNK_MAX ? ITEMS : CHUNK_MAX;
-  static_assert(Cfg::BM * DECODE_MAX_SPLITS * 4 <= Cfg::SMEM_BYTES, "split weights fit the tile's shared memory");
+  constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, QUADS = DV / 4;
+  // units a thread (6: within every mma.sync decode kernel's own register count); kernels
+  // that re-divide registers among warpgroups (setmaxnreg, 384 threads) compile this
+  // out-of-line function at the smallest share
+  constexpr int UNITS = Cfg::LAUNCH_THREADS >= 384 ? 4 : 6;
+  constexpr int W_BYTES = (Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16;
+  constexpr int SLOTS = (Cfg::SMEM_BYTES - W_BYTES) / 16;  // float4 lane sums after the weights
+  static_assert(DV % 4 == 0, "4-column groups");
+  static_assert(W_BYTES <= Cfg::SMEM_BYTES, "split weights fit the tile's shared memory");
   __shared__ int last;
   __threadfence();  // this thread's partial stores, before the ticket
   named_bar_sync(2, THREADS);
@@ -55,6 +61,7 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   const int S = p.splits;
   const i64 base = ((i64)b * p.hkv + hk) * S * p.rows_max + row0;  // partial row (split 0, row0)
   float* w = reinterpret_cast<float*>(smem);                         // [q_rows][S]
+  float4* sums = reinterpret_cast<float4*>(smem + W_BYTES);          // [lane][group]
   // every (row, split) log-sum-exp into shared memory, the loads all in flight together
   for (int i = threadIdx.x; i < q_rows * S; i += THREADS) {
     const int r = i / S;
@@ -83,34 +90,70 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   }
   named_bar_sync(2, THREADS);
 
-  const int n = q_rows * PAIRS;
+  // group g of the tile's rows: row g / QUADS, columns 4 (g % QUADS) .. + 3 (the float4
+  // at 4 g of a split's partial rows, DV = 4 QUADS; the workspace is 16-byte aligned)
+  const int n = q_rows * QUADS;
+  // lanes: as many as fill one pass and the shared memory after the weights (CTA-uniform)
+  const int lanes = max_(1, min_(S, min_(THREADS * UNITS, SLOTS) / n));
+  const int units = lanes * n;
+  const float4* part = reinterpret_cast<const float4*>(p.ws_o + base * DV);  // group 0 of split 0
+  const i64 stride = (i64)p.rows_max * QUADS;  // float4s from one split's partial rows to the next
 #pragma unroll 1
-  for (int k0 = 0; k0 < ITEMS; k0 += CHUNK) {
-    float acc[CHUNK][2];
+  for (int u0 = 0; u0 < units; u0 += THREADS * UNITS) {
+    float4 acc[UNITS];
+    int grp[UNITS], first[UNITS], wrow[UNITS];  // the unit's group, first split (S or more: none), weights
 #pragma unroll
-    for (int k = 0; k < CHUNK; ++k) acc[k][0] = acc[k][1] = 0.f;
-    // pair i of the tile's rows is the float2 at 2 i of the split's partial rows (DV = 2 PAIRS)
-    const float* os = p.ws_o + base * DV + 2 * (threadIdx.x + k0 * THREADS);
-    for (int s = 0; s < S; ++s, os += (i64)p.rows_max * DV) {
+    for (int k = 0; k < UNITS; ++k) {
+      acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      const int u = u0 + threadIdx.x + k * THREADS;
+      grp[k] = u % n;
+      first[k] = u < units ? u / n : S;
+      wrow[k] = grp[k] / QUADS * S;
+    }
+#pragma unroll 1
+    for (int s = 0; s < S; s += 2 * lanes) {
 #pragma unroll
-      for (int k = 0; k < CHUNK; ++k) {
-        const int i = threadIdx.x + (k0 + k) * THREADS;
-        if (i < n) {
-          const float ws = w[(i / PAIRS) * S + s];
-          const float2 o = *reinterpret_cast<const float2*>(os + 2 * k * THREADS);
-          acc[k][0] += ws * o.x;
-          acc[k][1] += ws * o.y;
-        }
+      for (int k = 0; k < UNITS; ++k) {
+        const int sa = s + first[k], sb = sa + lanes;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f), c = a;
+        if (sa < S) a = part[sa * stride + grp[k]];
+        if (sb < S) c = part[sb * stride + grp[k]];
+        const float wa = sa < S ? w[wrow[k] + sa] : 0.f, wb = sb < S ? w[wrow[k] + sb] : 0.f;
+        acc[k].x += wa * a.x + wb * c.x;
+        acc[k].y += wa * a.y + wb * c.y;
+        acc[k].z += wa * a.z + wb * c.z;
+        acc[k].w += wa * a.w + wb * c.w;
       }
     }
 #pragma unroll
-    for (int k = 0; k < CHUNK; ++k) {
-      const int i = threadIdx.x + (k0 + k) * THREADS;
-      if (i < n) {
-        const int r = i / PAIRS, c = 2 * (i % PAIRS);
-        store_pair(decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype), p.out_dtype,
-                   acc[k][0], acc[k][1]);
+    for (int k = 0; k < UNITS; ++k) {
+      const int u = u0 + threadIdx.x + k * THREADS;
+      if (u >= units) continue;
+      if (lanes > 1) {
+        sums[u] = acc[k];  // [lane][group]: u = lane * n + group
+      } else {
+        const int r = u / QUADS, c = 4 * (u % QUADS);
+        char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
+        store_pair(dst, p.out_dtype, acc[k].x, acc[k].y);
+        store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, acc[k].z, acc[k].w);
       }
+    }
+  }
+  if (lanes > 1) {  // one pass (units <= THREADS * UNITS): the lanes' sums per group
+    named_bar_sync(2, THREADS);
+    for (int g = threadIdx.x; g < n; g += THREADS) {
+      float4 t = sums[g];
+      for (int l = 1; l < lanes; ++l) {
+        const float4 x = sums[l * n + g];
+        t.x += x.x;
+        t.y += x.y;
+        t.z += x.z;
+        t.w += x.w;
+      }
+      const int r = g / QUADS, c = 4 * (g % QUADS);
+      char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
+      store_pair(dst, p.out_dtype, t.x, t.y);
+      store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, t.z, t.w);
     }
   }
 }

@@ -461,10 +461,10 @@ def _decode_tiles(head_dim: int, bm: int):
         yield b, bn, 2, warps_n, split_o
 
 
-# The swapped-operand MLA tile (pt_fmha_swap.cuh) for rows of 16/32 on sm_90a: built and
-# compiled, chosen once its GPU grid has passed (benchmarks/NOTES.md, "Plan: MLA rows of
-# 16 and 32"); tests and benchmarks/mla_sweep.py select it explicitly meanwhile.
-MLA_SWAPPED_TILE = False
+# The swapped-operand MLA tile (pt_fmha_swap.cuh) for rows of 16/32 on sm_90a (keys as
+# wgmma's M): B64 L8192 H16 1.94 -> 3.32 TB/s over the mma.sync tile (benchmarks/NOTES.md,
+# mla-v1). False selects the mma.sync tile (sm_80's) on sm_90a too.
+MLA_SWAPPED_TILE = True
 SWAP_BN = 64  # keys per tile = wgmma's M
 SWAP_THREADS = 256  # one MMA warpgroup + the producer warpgroup
 

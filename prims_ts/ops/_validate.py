@@ -59,10 +59,18 @@ def tensor(
     if vector_aligned and t.dim() > 0 and t.numel() > 0 and not tracing():
         # kernels read rows with 16-byte vectors: row starts must stay 16-byte aligned
         esz = t.element_size()
-        if any((st * esz) % 16 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1) or t.data_ptr() % 16:
+        start_aligned(name, t)
+        if any((st * esz) % 16 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1):
             fail(f"{name}: rows must be 16-byte aligned (strides {tuple(t.stride())}, "
                  f"element size {esz})")
     return t
+
+
+def start_aligned(name: str, t: torch.Tensor, nbytes: int = 16) -> None:
+    """``t`` starts at an ``nbytes``-aligned address (a workspace's partials are read in
+    16-byte vectors; a slice at an odd offset would fault); not checked while tracing."""
+    if t.numel() > 0 and not tracing() and t.data_ptr() % nbytes:
+        fail(f"{name}: must start at a {nbytes}-byte aligned address (data_ptr {t.data_ptr():#x})")
 
 
 def same_device(pairs: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> torch.device:

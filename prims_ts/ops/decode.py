@@ -254,6 +254,7 @@ def prims_ts_batch_decode_with_kv_cache(
                             ("workspace_buffer", workspace_buffer)]
                            + metadata)
     V.tensor("workspace_buffer", workspace_buffer, dtypes=WORKSPACE_DTYPES, contiguous=True)
+    V.start_aligned("workspace_buffer", workspace_buffer)
     need = get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=max_sq,
                                                     device=device)
     have = workspace_buffer.numel() * workspace_buffer.element_size()

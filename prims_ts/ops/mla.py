@@ -277,6 +277,7 @@ def _prepare(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_
     device = V.same_device([("query", query), ("kv_cache", cache), ("workspace_buffer", workspace_buffer)]
                            + metadata)
     V.tensor("workspace_buffer", workspace_buffer, dtypes=WORKSPACE_DTYPES, contiguous=True)
+    V.start_aligned("workspace_buffer", workspace_buffer)
     need = get_prims_ts_batch_decode_mla_workspace_size(batch, h, max_seq_len, max_sq, device=device)
     have = workspace_buffer.numel() * workspace_buffer.element_size()
     if have < need:
@@ -404,6 +405,7 @@ class BatchMLADecodePagedTSWrapper:
                  device: Optional[Union[torch.device, str]] = None):
         if workspace_buffer is not None:
             V.tensor("workspace_buffer", workspace_buffer, dtypes=WORKSPACE_DTYPES, contiguous=True)
+            V.start_aligned("workspace_buffer", workspace_buffer)
             if device is not None and torch.device(device) != workspace_buffer.device:
                 V.fail(f"device: {device} differs from workspace_buffer's device {workspace_buffer.device}")
             device = workspace_buffer.device
