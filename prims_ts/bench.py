@@ -7,7 +7,8 @@ A runner's ``setup(problem, inputs)`` returns a zero-argument callable that
 launches the work once and returns the output; if setup or timing raises, the
 cell shows ``n/a`` and the run goes on.
 
-Each row reports ms (median), the achieved rate (TFLOP/s for compute-bound
+Each row reports ms (the median of ``TIMING_ROUNDS`` rounds over the row's runners in
+alternating order, each round's figure a median of repetitions), the achieved rate (TFLOP/s for compute-bound
 families, TB/s for memory-bound ones) and that rate as a fraction of the card's
 ceiling measured in the same run (an 8192³ bf16 GEMM; a large device copy).
 Our output is compared with the reference runner's (relative error) so that a
@@ -77,6 +78,10 @@ def register_family(family: Family) -> None:
 # ----------------------------------------------------------------------------
 
 
+TIMING_ROUNDS = 3  # per row: rounds over its runners, alternating order
+TIMING_REP_MS = 40  # repetitions per runner and round (milliseconds)
+
+
 def _triton_do_bench():
     try:
         from triton.testing import do_bench  # type: ignore
@@ -90,11 +95,12 @@ def timer_name() -> str:
     return "triton.testing.do_bench (median)" if _triton_do_bench() is not None else "CUDA events (median)"
 
 
-def time_ms(fn: Callable[[], Any]) -> float:
-    """Median milliseconds of one call of ``fn`` on the current CUDA stream."""
+def time_ms(fn: Callable[[], Any], rep_ms: int = 100) -> float:
+    """Median milliseconds of one call of ``fn`` on the current CUDA stream (about
+    ``rep_ms`` of repetitions after a warm-up)."""
     do_bench = _triton_do_bench()
     if do_bench is not None:
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -103,7 +109,7 @@ def time_ms(fn: Callable[[], Any]) -> float:
         fn()
     torch.cuda.synchronize()
     est_ms = max((time.perf_counter() - t0) * 1e3 / 3, 1e-3)
-    n = int(min(1000, max(10, 100.0 / est_ms)))
+    n = int(min(1000, max(10, rep_ms / est_ms)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for i in range(n):
@@ -244,9 +250,19 @@ def _run_problem(fam: Family, prob: Problem, device: torch.device, ceilings: Dic
         return row
     ceiling = ceilings.get(CEILING_FOR_UNIT.get(prob.unit, ""), None)
     refs = [r.strip() for r in (fam.reference or "").split(",") if r.strip()]
-    # Peers first, ours last: a fault in our kernel cannot spoil a peer's number of the same row.
+    # Peers first, ours last: a fault in our kernel cannot spoil a peer's output of the same row.
     order = sorted(fam.runners, key=lambda r: r.name == fam.ours)
     outputs: Dict[str, Any] = {}
+    fns: Dict[str, Callable[[], Any]] = {}
+
+    def failed(name: str, e: BaseException) -> None:
+        row.cells[name].error = _short(e)
+        fns.pop(name, None)
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:
+            pass
+
     for r in order:
         cell = Cell()
         row.cells[r.name] = cell
@@ -260,18 +276,28 @@ def _run_problem(fam: Family, prob: Problem, device: torch.device, ceilings: Dic
             torch.cuda.synchronize(device)
             outputs[r.name] = res
             del res
-            cell.ms = time_ms(fn)
+            fns[r.name] = fn
+        except Exception as e:
+            failed(r.name, e)
+        fn = None
+    # Timing in rounds, the runners' order reversed each round, each cell the median of its
+    # rounds: a clock or power drift during the row then reaches every runner alike (the
+    # ratios between runners of one row are what the tables are read for).
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for rnd in range(TIMING_ROUNDS):
+        for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+            try:
+                times[name].append(time_ms(fns[name], rep_ms=TIMING_REP_MS))
+            except Exception as e:
+                failed(name, e)
+    for name, ts in times.items():
+        cell = row.cells[name]
+        if name in fns and ts:
+            cell.ms = statistics.median(ts)
             cell.rate = prob.work / (cell.ms * 1e-3) / 1e12
             if ceiling:
                 cell.frac = cell.rate / ceiling
-        except Exception as e:
-            cell.error = _short(e)
-            try:
-                torch.cuda.synchronize(device)
-            except Exception:
-                pass
-        finally:
-            fn = None
+    fns.clear()
     ref_name = next((n for n in refs if n in outputs), None)
     if ref_name is not None:
         for name, out in outputs.items():
