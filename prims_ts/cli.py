@@ -5,7 +5,8 @@
                (GPU if available, else CPU with small sizes); exit 1 on any failure.
 * ``bench``  — our ops beside torch SDPA (cuDNN, FLASH) and FlexAttention on the GPU.
 * ``warmup`` — NVRTC-compiles every kernel specialisation into the disk cache
-               (no GPU needed); exit 1 on a compile error.
+               (no GPU needed); exit 1 on a compile error (with ``--strict``, also
+               when ptxas serialised a kernel's wgmma pipeline).
 
 The case and problem lists live in ``prims_ts/check.py`` and ``prims_ts/bench.py``
 (one registry entry per API); this module only parses arguments and reports.
@@ -16,6 +17,7 @@ import argparse
 import platform
 import sys
 import time
+import warnings
 from typing import List, Optional
 
 
@@ -163,6 +165,7 @@ def cmd_warmup(args) -> int:
     print(f"warmup: {total} kernels for {', '.join(archs)} with NVRTC {nvrtc} -> {runtime.cache_dir()}")
     failures = []
     t_all = time.perf_counter()
+    warnings.simplefilter("ignore", runtime.KernelPerformanceWarning)  # reported per kernel below
     for i, (arch, ks) in enumerate(plan, 1):
         adir = runtime.cache_dir() / arch
         before = set(adir.glob("*.cubin")) if adir.is_dir() else set()
@@ -176,13 +179,21 @@ def cmd_warmup(args) -> int:
             continue
         after = set(adir.glob("*.cubin")) if adir.is_dir() else set()
         how = "compiled" if after - before else "cached"
-        print(f"[{i:>{width}}/{total}] {arch} {ks.key} {time.perf_counter() - t0:.1f}s {how}", flush=True)
+        notes = runtime.perf_notes.get((arch, ks.name), [])
+        print(f"[{i:>{width}}/{total}] {arch} {ks.key} {time.perf_counter() - t0:.1f}s {how}"
+              + (" SERIALISED WGMMA" if notes else ""), flush=True)
+        for n in notes:
+            print(f"    {n}", flush=True)
     print(f"warmup: {total - len(failures)}/{total} ok in {time.perf_counter() - t_all:.1f}s")
+    slow = sorted({name for (a, name) in runtime.perf_notes if a in archs})
+    if slow:
+        print(f"warmup: ptxas serialised the wgmma pipeline of {len(slow)} kernel(s): {', '.join(slow)}",
+              file=sys.stderr)
     if failures:
         print(f"warmup: {len(failures)} kernel(s) failed to compile: "
               + ", ".join(f"{k} ({a})" for a, k, _ in failures), file=sys.stderr)
         return 1
-    return 0
+    return 1 if slow and args.strict else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warmup", help="NVRTC-compile every kernel into the disk cache (no GPU needed)")
     p.add_argument("--arch", action="append",
                    help="target, e.g. sm_90a or sm_80 (repeatable; default: this GPU's, else sm_90a)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when ptxas serialised a kernel's wgmma pipeline (CI; needs a cold cache)")
     p.set_defaults(func=cmd_warmup)
     return ap
 

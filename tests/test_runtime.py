@@ -60,3 +60,53 @@ def test_every_key_names_a_distinct_kernel():
     for arch in ("sm_90a", "sm_80"):
         keys = kernels.keys_list(arch)
         assert len({k.name for k in keys}) == len(keys)
+
+
+SERIALISED_SRC = r'''
+#include "pt_sm90.cuh"
+using namespace pt;
+extern "C" __global__ void pt_serialised(float* out, int n) {
+  float d[2][4] = {};
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) {
+    wgmma_fence();
+    Wgmma<bf16, 16>::ss(d, desc_kmajor(0), desc_kmajor(4096), 1);
+    wgmma_commit();
+    sum += d[0][0];  // an accumulator read while its wgmma is in flight
+    wgmma_wait<0>();
+  }
+  out[threadIdx.x] = sum + d[1][3];
+}
+'''
+
+
+def test_serialised_wgmma_pipeline_is_reported(cache, monkeypatch):
+    """ptxas's C75xx notes (a wgmma pipeline serialised) become a KernelPerformanceWarning and
+    runtime.perf_notes; warmup --strict fails on them; our own kernels compile without."""
+    monkeypatch.setattr(runtime, "perf_notes", {})
+    ks = runtime.KernelSource("serialised:test", "pt_serialised", SERIALISED_SRC)
+    with pytest.warns(runtime.KernelPerformanceWarning, match="serialised:test.*C751"):
+        runtime.compile_cubin(ks, "sm_90a")
+    notes = runtime.perf_notes[("sm_90a", "pt_serialised")]
+    assert any("C7514" in n for n in notes), notes
+
+    from prims_ts import cli
+
+    monkeypatch.setattr(cli, "_kernel_keys", lambda arch: [ks])
+    monkeypatch.setattr(runtime, "perf_notes", {})
+    assert cli.main(["warmup", "--arch", "sm_90a"]) == 0  # reported, not fatal
+    monkeypatch.setattr(runtime, "perf_notes", {})
+    monkeypatch.setenv("PRIMS_TS_CACHE_DIR", str(cache / "cold"))  # a cold cache: compiled again
+    assert cli.main(["warmup", "--arch", "sm_90a", "--strict"]) == 1
+
+
+def test_overlapped_consumer_loops_keep_the_wgmma_pipeline(cache, monkeypatch):
+    """The software-pipelined consumer loops (FMHA_LOOP 1, 2) read no accumulator in flight:
+    ptxas serialised every wgmma of them while the first tile's waits sat under `if (it > 0)`."""
+    monkeypatch.setattr(runtime, "perf_notes", {})
+    for loop in (1, 2):
+        monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
+        key = kernels.PrefillKey.choose(kernels.torch.bfloat16, 128, "causal", "sm_90a")
+        assert key.loop == loop, key
+        runtime.compile_cubin(key.source(), "sm_90a")
+    assert not runtime.perf_notes, runtime.perf_notes

@@ -366,9 +366,11 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
         for heads in (16, 32, 64):  # MLA: one policy per row-tile height (BM 16, 32, 64)
             pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS, smem_limit(arch))
             for causal in (False, True):
-                yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch).source()
-                if arch == "sm_90a" and pol.bm < 64:  # the swapped tile, chosen or not
+                if arch == "sm_90a" and pol.bm < 64:  # both engines of rows of 16/32, whichever is chosen
                     yield DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol).source()
+                    yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, "sm_80").source()
+                else:
+                    yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch).source()
     for key in block_sparse_keys(arch):
         for k in _both_loops(key):
             yield k.source()

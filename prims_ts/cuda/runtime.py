@@ -18,11 +18,13 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 INCLUDE_DIR = HERE / "include"
@@ -31,6 +33,18 @@ _CUBIN_MAGIC = b"\x7fELF"
 
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel; the message carries the key and the compiler log."""
+
+
+class KernelPerformanceWarning(UserWarning):
+    """ptxas serialised a kernel's wgmma pipeline (it runs correctly, and slower)."""
+
+
+# ptxas's wgmma-pipeline notes (C75xx: "Potential Performance Loss: wgmma.mma_async
+# instructions are serialized ...", "warpgroup.wait is injected ..."): each one means that
+# a kernel lost its asynchronous MMA overlap. Kept per (arch, kernel name) as compiled in
+# this process (a cached cubin is not recompiled); `warmup --strict` fails on any.
+_PERF_NOTE = re.compile(r"^.*\(C75\d\d\).*$", re.MULTILINE)
+perf_notes: Dict[Tuple[str, str], List[str]] = {}
 
 
 class KernelLaunchError(RuntimeError):
@@ -131,10 +145,18 @@ def compile_cubin(ks: KernelSource, arch: str, use_cache: bool = True) -> bytes:
                     log = "(no log)"
                 raise KernelCompileError(f"NVRTC failed to compile kernel {ks.key!r} for {arch}: {e}\n{log}") from None
             data = nvrtc.getCUBIN(prog)
+            try:
+                log = nvrtc.getProgramLog(prog)
+            except Exception:
+                log = ""
         finally:
             nvrtc.destroyProgram(prog)
     if isinstance(data, str):  # older CuPy returns str
         data = data.encode("latin-1")
+    notes = [n.strip() for n in _PERF_NOTE.findall((log or "").replace("\0", ""))]
+    if notes:
+        perf_notes[(arch, ks.name)] = notes
+        warnings.warn(f"kernel {ks.key!r} ({arch}): " + "; ".join(notes), KernelPerformanceWarning, stacklevel=2)
     _atomic_write(path, data)
     return data
 

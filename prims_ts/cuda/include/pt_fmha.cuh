@@ -477,34 +477,43 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     if constexpr (Cfg::PINGPONG) {
       if (wg == 0 && n_tiles > 0) named_bar_arrive(3, THREADS);
     }
-    for (int it = 0; it < n_tiles; ++it) {
-      const KeyTile kt = range.tile(it);
-      ring.acquire(stage, phase);
-      if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
-      issue_s_wgmma(s, stage);
-      if (it > 0) issue_pv_wgmma(pf, prev);
-      if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
-      float mx[2], corr[2];
-      if (it > 0) {
-        wgmma_wait<1>();  // S(it) has landed; PV(it - 1) may still run
-      } else {
-        wgmma_wait<0>();
-      }
+    // The first tile is peeled off so that every wait is unconditional: ptxas tracks the
+    // wgmma groups in flight per path, and a wait under `if (it > 0)` left it a path on
+    // which O is read while PV is in flight; it then serialised every wgmma (C7514).
+    auto softmax_tile = [&](const KeyTile& kt, float (&corr)[2]) {
+      float mx[2];
       fence_regs(s);
       mask_tile(s, kt);
       tile_max(s, mx);
       exp_tile(s, mx, corr);
-      if (it > 0) {
-        wgmma_wait<0>();
-        fence_regs(o);
-        ring.release(prev);  // PV(it - 1) has landed: this warp is done with tile it - 1
-      }
-      rescale_o(corr);
+    };
+    if (n_tiles > 0) {
+      float corr[2];
+      ring.acquire(stage, phase);
+      if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
+      issue_s_wgmma(s, stage);
+      if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
+      wgmma_wait<0>();
+      softmax_tile(range.tile(0), corr);  // O is still zero: nothing to rescale
       pack_p(s, pf);
       prev = stage;
       ring.advance(stage, phase);
-    }
-    if (n_tiles > 0) {
+      for (int it = 1; it < n_tiles; ++it) {
+        ring.acquire(stage, phase);
+        if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
+        issue_s_wgmma(s, stage);
+        issue_pv_wgmma(pf, prev);
+        if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
+        wgmma_wait<1>();  // S(it) has landed; PV(it - 1) may still run
+        softmax_tile(range.tile(it), corr);
+        wgmma_wait<0>();
+        fence_regs(o);
+        ring.release(prev);  // PV(it - 1) has landed: this warp is done with tile it - 1
+        rescale_o(corr);
+        pack_p(s, pf);
+        prev = stage;
+        ring.advance(stage, phase);
+      }
       if constexpr (Cfg::PINGPONG) {
         if (wg == 0) named_bar_sync(3, THREADS);  // warpgroup 1's last hand-over
       }
