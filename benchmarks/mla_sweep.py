@@ -2,10 +2,11 @@
 
     python benchmarks/mla_sweep.py B L H [SPEC ...]
 
-A SPEC is `bm,bn,stages,warps_n,splits` (overrides `decode_policy`), `swap` (the default
-policy on the swapped-operand tile, sm_90a) or `swap:bm,bn,stages,warps_n,splits`. Each
-one's output is compared with the default policy's, and its time (CUDA events, median of
-20 x 10 calls) printed with the latent-cache bandwidth and the TFLOP/s.
+A SPEC is `bm,bn,stages,warps_n,splits` (overrides `decode_policy`; the mma.sync tile for
+rows of 16/32), `swap` (the default policy on the swapped-operand tile, sm_90a, tile ring),
+`swappr` (the same on its panel ring) or `swap:...` / `swappr:...` with a policy. Each
+one's output is compared with the first (the library's default) run's, and its time (CUDA
+events, median of 20 x 10 calls) printed with the latent-cache bandwidth and the TFLOP/s.
 """
 import sys
 
@@ -20,9 +21,9 @@ def main() -> None:
     b, n, h = (int(x) for x in sys.argv[1:4])
     specs = []
     for arg in sys.argv[4:]:
-        swap = arg.startswith("swap")
-        shape = arg[4:].lstrip(":") if swap else arg
-        specs.append((swap, tuple(int(v) for v in shape.split(",")) if shape else None))
+        kind = "swappr" if arg.startswith("swappr") else ("swap" if arg.startswith("swap") else "")
+        shape = arg[len(kind):].lstrip(":")
+        specs.append((kind, tuple(int(v) for v in shape.split(",")) if shape else None))
     ps, dev, dt = 64, torch.device("cuda"), torch.bfloat16
     per = (n + ps - 1) // ps
     q = torch.randn(b, 1, h, MLA_DQK, device=dev, dtype=dt)
@@ -42,7 +43,8 @@ def main() -> None:
     nbytes = b * n * MLA_DQK * 2
     flops = 2.0 * b * h * n * (MLA_DQK + MLA_DV)
     print(f"B{b} L{n} H{h}: default {default(b, 1, h, 1, MLA_DQK, n, 132, K.smem_limit('sm_90a'))}")
-    for swap, spec in [(False, None)] + specs:
+    defaults = (K.MLA_SWAPPED_TILE, K.MLA_SWAP_PANEL_RING)
+    for kind, spec in [(None, None)] + specs:
         if spec is not None:
             bm, bn, stages, wn, splits = spec
             tiles = (n + bn - 1) // bn
@@ -51,8 +53,9 @@ def main() -> None:
             K.decode_policy = lambda *a, _p=pol: _p
         else:
             K.decode_policy = default
-        K.MLA_SWAPPED_TILE = swap
-        label = ("swap " if swap else "") + str(spec or "default")
+        if kind is not None:
+            K.MLA_SWAPPED_TILE, K.MLA_SWAP_PANEL_RING = kind != "", kind == "swappr"
+        label = (kind + " " if kind else ("mma.sync " if kind == "" else "library ")) + str(spec or "default")
         try:
             ws.zero_()  # each policy's split counters live at its own offsets
             out.fill_(float("nan"))
@@ -75,7 +78,7 @@ def main() -> None:
             print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
         finally:
             K.decode_policy = default
-            K.MLA_SWAPPED_TILE = False
+            K.MLA_SWAPPED_TILE, K.MLA_SWAP_PANEL_RING = defaults
 
 
 if __name__ == "__main__":

@@ -80,6 +80,13 @@ def test_mla_swapped_tile_key(monkeypatch, heads, sq):
     assert key.swap and key.bm == pol.bm and key.threads == 256 and key.smem <= kernels.smem_limit("sm_90a")
     assert "SwapConfig" in key.source().source and key.name.endswith("_swap")
     assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_80").swap
+    monkeypatch.setattr(kernels, "MLA_SWAP_PANEL_RING", True)  # as many 8 KB panel slots as fit
+    pk = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a")
+    assert pk.swap and pk.panel_ring and pk.stages > kernels.MLA_DIM_QK // 64 and pk.name.endswith("_swap_pr")
+    room = kernels.SM90_SMEM_LIMIT - kernels.SMEM_MARGIN  # the dynamic bytes beside static ones
+    body = pk.smem - kernels.WGMMA_ALIGN_SLACK
+    assert body <= room < body + 64 * 128 + 16  # one more slot (and its two barriers) would not fit
+    assert "SwapConfig" in pk.source().source and ", true>" in pk.source().source
     monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", False)
     assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a").swap
 

@@ -8,21 +8,140 @@
 //   O^T += V^T P^T   m64 x BM per 64-column panel of V, k = 16 keys: A = the V panel read
 //                    M-major (transposed), B = P^T written to shared memory (K-major)
 //
-// One MMA warpgroup (128 threads, O^T in DV / 64 x BM / 8 x 4 registers a thread) and the
-// producer warpgroup of the core's ring (pt_fmha.cuh: KvRing). V is the first DV columns
-// of the K row (SHARED_KV): one tile per stage. The problem policies are the core's
-// (range, q_row/k_row/kv_page, tile_needs_mask/visible, store2/store_lse).
+// One MMA warpgroup (128 threads, O^T in DV / 64 x BM / 8 x 4 registers a thread) and a
+// producer warpgroup. V is the first DV columns of the K row (SHARED_KV). Two rings feed
+// it (SwapConfig::PANEL_RING):
+//   the core's tile ring (pt_fmha.cuh: KvRing): STAGES whole 64 x D tiles (72 KB at
+//     D 576, so two fit beside Q), acquired and released a tile at a time;
+//   the panel ring (PanelRing): SLOTS slots of one 64-column panel (8 KB) of a tile each,
+//     acquired panel by panel as S^T's k-steps reach them and released as soon as the
+//     last product reading them lands (the rope panels after S^T, the V panels one by
+//     one after O^T), so the producer stays ~SLOTS - D / 64 panels ahead instead of one
+//     tile: the memory-bound rows are limited by the bytes a CTA keeps in flight.
+// The problem policies are the core's (range, q_row/k_row/kv_page, tile_needs_mask/
+// visible, store2/store_lse).
 #pragma once
 #include "pt_fmha.cuh"
 
 namespace pt {
 
-template <class T_, int D_, int DV_, int BM_, int STAGES_>
+// Where the current tile lives in a ring: its (first) slot and that slot's pass parity.
+struct RingCursor {
+  int slot;
+  u32 pass;
+};
+
+// The tile ring as the swapped tile sees it: panel p of a tile lives in the tile's stage.
+template <class KVTile, int STAGES>
+struct SwapTileRing {
+  KvRing<KVTile, STAGES, 1, true> ring;
+  static constexpr int BYTES = STAGES * KVTile::BYTES;
+  static constexpr int BAR_BYTES = KvRing<KVTile, STAGES, 1, true>::BAR_BYTES;
+  static constexpr bool PER_PANEL = false;  // acquired and released a tile at a time
+  __device__ __forceinline__ SwapTileRing(u32 base, u32 bars) : ring{base, bars} {}
+  __device__ __forceinline__ u32 panel(const RingCursor& c, int p) const {
+    return ring.k(c.slot) + (u32)p * KVTile::PANEL;
+  }
+  __device__ __forceinline__ void acquire(const RingCursor& c, int p) const {
+    if (p == 0) ring.acquire(c.slot, c.pass);
+  }
+  __device__ __forceinline__ void release_panel(const RingCursor&, int) const {}
+  __device__ __forceinline__ void release_tile(const RingCursor& c) const { ring.release(c.slot); }
+  __device__ __forceinline__ static void next(RingCursor& c) { KvRing<KVTile, STAGES, 1, true>::advance(c.slot, c.pass); }
+  template <int NTHREADS> __device__ __forceinline__ void init(int consumer_warps) const {
+    ring.template init<NTHREADS>(consumer_warps);
+  }
+  template <int NTHREADS, class Problem, class Range>
+  __device__ __forceinline__ void produce(const Problem& pb, const Range& range, int n_tiles, int tid) const {
+    ring.template produce<NTHREADS>(pb, range, n_tiles, tid);
+  }
+};
+
+// The panel ring: SLOTS slots of one 64-column panel of a BN-key tile (BN x 128 bytes,
+// the tile's own swizzled panel layout), a full and an empty mbarrier per slot. The
+// panels of consecutive tiles take consecutive slots, wrapping (a tile's first slot is
+// its cursor). The producer warpgroup copies them in that order, each thread one key
+// row's share (its page looked up once per tile), each slot once the MMA warps released
+// its previous panel; every thread's copies of a panel arrive on the slot's full barrier.
+template <int BN, int PANELS, int SLOTS>
+struct PanelRing {
+  using Slot = SmemTileW<BN, 64>;
+  static constexpr int BYTES = SLOTS * Slot::BYTES;
+  static constexpr int BAR_BYTES = 2 * SLOTS * 8;
+  static constexpr bool PER_PANEL = true;
+  static_assert(SLOTS > PANELS, "a whole tile in the ring and room to copy ahead");
+  u32 base, bars;
+  __device__ __forceinline__ PanelRing(u32 base_, u32 bars_) : base(base_), bars(bars_) {}
+  // panel p of the cursor's tile: its slot and pass (p < SLOTS: at most one wrap)
+  __device__ __forceinline__ static RingCursor at(const RingCursor& c, int p) {
+    const int s = c.slot + p;
+    return s >= SLOTS ? RingCursor{s - SLOTS, c.pass ^ 1u} : RingCursor{s, c.pass};
+  }
+  __device__ __forceinline__ u32 full(int slot) const { return bars + 8u * slot; }
+  __device__ __forceinline__ u32 empty(int slot) const { return bars + 8u * (SLOTS + slot); }
+  __device__ __forceinline__ u32 panel(const RingCursor& c, int p) const {
+    return base + (u32)at(c, p).slot * Slot::BYTES;
+  }
+  // an MMA thread: panel p of the cursor's tile has landed and is visible to wgmma
+  __device__ __forceinline__ void acquire(const RingCursor& c, int p) const {
+    const RingCursor x = at(c, p);
+    mbar_wait(full(x.slot), x.pass);
+    fence_proxy_async();
+  }
+  // an MMA warp is done with panel p of the cursor's tile (its wgmma reads have completed)
+  __device__ __forceinline__ void release_panel(const RingCursor& c, int p) const {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(empty(at(c, p).slot));
+  }
+  __device__ __forceinline__ void release_tile(const RingCursor&) const {}
+  __device__ __forceinline__ static void next(RingCursor& c) { c = at(c, PANELS); }
+  template <int NTHREADS> __device__ __forceinline__ void init(int consumer_warps) const {
+#pragma unroll 1
+    for (int s = 0; s < SLOTS; ++s) {
+      mbar_init(full(s), NTHREADS);
+      mbar_init(empty(s), consumer_warps);
+    }
+  }
+  template <int NTHREADS, class Problem, class Range>
+  __device__ __forceinline__ void produce(const Problem& pb, const Range& range, int n_tiles, int tid) const {
+    constexpr int TPR = NTHREADS / BN;  // threads per key row
+    constexpr int CPT = 8 / TPR;        // 16-byte chunks of a panel row per thread
+    static_assert(NTHREADS % BN == 0 && 8 % TPR == 0, "producer threads cover a panel's rows");
+    const int r = tid / TPR, c0 = (tid % TPR) * CPT;
+    RingCursor x{0, 0u};
+    bool wrapped = false;  // every slot used once: from now on wait for its release
+#pragma unroll 1
+    for (int it = 0; it < n_tiles; ++it) {
+      const KeyTile kt = range.tile(it);
+      const bool valid = r < kt.rows;  // rows past a short tile: zero-filled from row 0's key
+      const int j = kt.k0 + (valid ? r : 0);
+      const char* src = reinterpret_cast<const char*>(pb.k_row(pb.kv_page(j), j));
+#pragma unroll 1
+      for (int p = 0; p < PANELS; ++p) {
+        if (wrapped) mbar_wait(empty(x.slot), x.pass ^ 1u);
+        const u32 dst = base + (u32)x.slot * Slot::BYTES;
+#pragma unroll
+        for (int k = 0; k < CPT; ++k) {
+          const int c = c0 + k;
+          cp_async_16(dst + Slot::offset(r, c), src + (p * 64 + c * 8) * 2, valid);
+        }
+        cp_async_mbar_arrive(full(x.slot));
+        x = at(x, 1);
+        wrapped = wrapped || x.slot == 0;
+      }
+    }
+    cp_async_wait<0>();
+  }
+};
+
+// STAGES: whole tiles (the tile ring) or panel slots (PANEL_RING).
+template <class T_, int D_, int DV_, int BM_, int STAGES_, bool PANEL_RING_ = false>
 struct SwapConfig {
   using T = T_;
   static constexpr bool SWAP = true;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = BM_, BN = 64, STAGES = STAGES_;
+  static constexpr bool PANEL_RING = PANEL_RING_;
   static constexpr int THREADS = 128;  // the MMA warpgroup
   static constexpr int WARPS = 4;
   static constexpr int PRODUCER_THREADS = 128;
@@ -30,11 +149,12 @@ struct SwapConfig {
   using QTile = SmemTileW<BM, D>;
   using KVTile = SmemTileW<BN, D>;
   using PTile = SmemTileW<BM, BN>;  // P^T: [query row][key]
+  using Ring = typename Select<PANEL_RING, PanelRing<BN, D / 64, STAGES>, SwapTileRing<KVTile, STAGES>>::type;
   static constexpr int SMEM_Q = QTile::BYTES;
-  static constexpr int SMEM_RING = STAGES * KVTile::BYTES;
+  static constexpr int SMEM_RING = Ring::BYTES;
   static constexpr int SMEM_P = PTile::BYTES;
   static constexpr int SMEM_RED = WARPS * BM * 4;  // per warp and query row: maxima, then sums
-  static constexpr int SMEM_BARS = 2 * STAGES * 8;
+  static constexpr int SMEM_BARS = Ring::BAR_BYTES;
   static constexpr int SMEM_BYTES = SMEM_Q + SMEM_RING + SMEM_P + SMEM_RED + SMEM_BARS;
   // the epilogue stages O (float, rows padded by 4 against bank conflicts) in the ring
   static constexpr int O_STRIDE = DV + 4;
@@ -49,11 +169,13 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
   using PTile = typename Cfg::PTile;
-  constexpr int D = Cfg::D, DV = Cfg::DV, BM = Cfg::BM, BN = Cfg::BN, STAGES = Cfg::STAGES;
+  constexpr int D = Cfg::D, DV = Cfg::DV, BM = Cfg::BM, BN = Cfg::BN;
   constexpr int THREADS = Cfg::THREADS;
   constexpr int KD = D / 16;   // k-steps of S^T
   constexpr int NJ = BM / 8;   // 8-column groups of an accumulator (query rows)
   constexpr int MP = DV / 64;  // 64-column panels of V: the M blocks of O^T
+  constexpr int PV_GROUPS = MP % 4 == 0 ? 4 : (MP % 2 == 0 ? 2 : 1);  // O^T's commit groups
+  constexpr int PER_GROUP = MP / PV_GROUPS;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -62,7 +184,7 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
   const u32 sP = sKV + Cfg::SMEM_RING;
   char* pP = smem + Cfg::SMEM_Q + Cfg::SMEM_RING;
   float* red = reinterpret_cast<float*>(pP + Cfg::SMEM_P);
-  const KvRing<KVTile, STAGES, 1, true> ring{sKV, sP + Cfg::SMEM_P + Cfg::SMEM_RED};
+  const typename Cfg::Ring ring(sKV, sP + Cfg::SMEM_P + Cfg::SMEM_RED);
   const auto range = pb.range();
   const int n_tiles = range.n_tiles();
 
@@ -89,27 +211,33 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
   }
   const int key_r0 = warp * 16 + g;  // this thread's keys of a tile: key_r0, key_r0 + 8
 
-  int stage = 0;
-  u32 phase = 0;
-  for (int it = 0; it < n_tiles; ++it) {
+  RingCursor cur{0, 0u};  // the current tile in the ring
+  for (int it = 0; it < n_tiles; ++it, Cfg::Ring::next(cur)) {
     const KeyTile kt = range.tile(it);
     const int k0 = kt.k0;
-    ring.acquire(stage, phase);
-    const u32 sk = ring.k(stage);
 
-    // ---- S^T = K Q^T ------------------------------------------------------------
+    // ---- S^T = K Q^T, each panel's k-steps issued once it has landed ---------------
     float s[NJ][4];
+    ring.acquire(cur, 0);
     fence_regs(s);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KD; ++ks) {
       const u32 koff = (u32)(ks & 3) * 32;
-      Wgmma<T, BM>::ss(s, desc_kmajor(sk + (ks >> 2) * KVTile::PANEL + koff),
+      if constexpr (Cfg::Ring::PER_PANEL) {
+        if (ks > 0 && (ks & 3) == 0) {  // the next panel (the fence spares ptxas injecting one)
+          ring.acquire(cur, ks >> 2);
+          wgmma_fence();
+        }
+      }
+      Wgmma<T, BM>::ss(s, desc_kmajor(ring.panel(cur, ks >> 2) + koff),
                        desc_kmajor(sQ + (ks >> 2) * QTile::PANEL + koff), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
+#pragma unroll
+    for (int p = MP; p < D / 64; ++p) ring.release_panel(cur, p);  // the rope panels: S^T only
 
     // ---- mask ---------------------------------------------------------------------
     if ((Problem::SHORT_TILES && kt.rows < BN) || pb.tile_needs_mask(k0)) {
@@ -171,23 +299,28 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
     fence_proxy_async();
     named_bar_sync(1, THREADS);
 
-    // ---- O^T += V^T P^T ---------------------------------------------------------------
+    // ---- O^T += V^T P^T: PV_GROUPS commit groups of V panels, released as each lands ----
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) fence_regs(o[mp]);
     wgmma_fence();
 #pragma unroll
-    for (int kb = 0; kb < BN / 16; ++kb)
+    for (int mp = 0; mp < MP; ++mp) {
 #pragma unroll
-      for (int mp = 0; mp < MP; ++mp)
-        Wgmma<T, BM>::ss_ta(o[mp], desc_nmajor(sk + mp * KVTile::PANEL + kb * 16 * 128, KVTile::PANEL),
+      for (int kb = 0; kb < BN / 16; ++kb)
+        Wgmma<T, BM>::ss_ta(o[mp], desc_nmajor(ring.panel(cur, mp) + kb * 16 * 128, KVTile::PANEL),
                             desc_kmajor(sP + kb * 32), 1);
-    wgmma_commit();
-    wgmma_wait<0>();
+      if ((mp + 1) % PER_GROUP == 0) wgmma_commit();
+    }
 #pragma unroll
-    for (int mp = 0; mp < MP; ++mp) fence_regs(o[mp]);
-
-    ring.release(stage);  // this warp's reads of the stage are done (waited above)
-    ring.advance(stage, phase);
+    for (int grp = 0; grp < PV_GROUPS; ++grp) {
+      wgmma_wait_dyn<PV_GROUPS - 1>(PV_GROUPS - 1 - grp);  // group grp has landed
+#pragma unroll
+      for (int mp = grp * PER_GROUP; mp < (grp + 1) * PER_GROUP; ++mp) {
+        fence_regs(o[mp]);
+        ring.release_panel(cur, mp);
+      }
+    }
+    ring.release_tile(cur);  // this warp's reads of the tile are done (waited above)
   }
 
   // ---- epilogue: sums over the keys, O through shared memory to store2 -----------------

@@ -34,6 +34,18 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
+// wgmma_wait<n> with n a constant only after unrolling (0 <= n <= MAX): the branches fold.
+template <int MAX> __device__ __forceinline__ void wgmma_wait_dyn(int n) {
+  if constexpr (MAX > 0) {
+    if (n >= MAX) {
+      wgmma_wait<MAX>();
+      return;
+    }
+    wgmma_wait_dyn<MAX - 1>(n);
+  } else {
+    wgmma_wait<0>();
+  }
+}
 // Keeps the compiler from moving accumulator reads/writes across the async MMA.
 template <int R> __device__ __forceinline__ void fence_regs(float (&d)[R][4]) {
 #pragma unroll
