@@ -16,16 +16,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=[0, 1, 2], ids=["loop0", "loop1", "loop2"])
-def fmha_loop(request, monkeypatch):
-    """The consumer loops of the prefill-family kernels' producer ring (kernels.FMHA_LOOP):
-    the default one and, on sm_90a, the overlapped (1) and pingpong (2) ones, selected
-    explicitly until one is the default. Modules opt in with
-    ``pytest.mark.usefixtures("fmha_loop")``."""
+RING_VARIANTS = {"loop0": (0, False), "loop1": (1, False), "loop2": (2, False), "loop0_persistent": (0, True)}
+
+
+@pytest.fixture(params=list(RING_VARIANTS))
+def ring_variant(request, monkeypatch):
+    """The producer-ring variants of the prefill-family kernels (prefill, paged prefill,
+    block-sparse): the default consumer loop and, on sm_90a, the overlapped (1) and pingpong
+    (2) ones (kernels.FMHA_LOOP), and persistent CTAs walking several work items
+    (kernels.PERSISTENT), each selected explicitly until it is the default. Modules opt in
+    with ``pytest.mark.usefixtures("ring_variant")``."""
     from prims_ts.cuda import kernels
 
-    if request.param != kernels.FMHA_LOOP:
+    loop, persistent = RING_VARIANTS[request.param]
+    if (loop, persistent) != (kernels.FMHA_LOOP, kernels.PERSISTENT):
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the producer ring's other consumer loops are sm_90a kernels")
-        monkeypatch.setattr(kernels, "FMHA_LOOP", request.param)
-    return request.param
+            pytest.skip("the producer ring's variants are sm_90a kernels")
+        monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
+        monkeypatch.setattr(kernels, "PERSISTENT", persistent)
+        if persistent:  # three CTAs: every one walks many items, whatever the problem's size
+            monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
+    return loop, persistent

@@ -63,10 +63,11 @@ for s in "${stages[@]}"; do
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
     ab)
         # the switched variants in one call, for before/after figures in benchmarks/NOTES.md:
-        # kernels.FMHA_LOOP 0, 1, 2 on the families whose kernels they change
-        for v in 0 1 2; do
-            echo "== bench, FMHA_LOOP=$v"
-            timeout 190 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; K.FMHA_LOOP = int(sys.argv[1]); \
+        # kernels.FMHA_LOOP 0, 1, 2 and PERSISTENT (with loop 0) on the families they change
+        for v in 0 1 2 p; do
+            echo "== bench, variant $v (FMHA_LOOP 0/1/2, p = PERSISTENT)"
+            timeout 140 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; v = sys.argv[1]; \
+K.FMHA_LOOP = 0 if v == 'p' else int(v); K.PERSISTENT = v == 'p'; \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
                 $v bench --family prefill --family paged_prefill --family block_sparse \
                 --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -40

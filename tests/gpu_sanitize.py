@@ -312,19 +312,23 @@ def main() -> None:
     mla_cases(dev)
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
-    # the producer ring's other consumer loops (sm_90a), selected explicitly until one is the default
+    # the producer ring's other variants (sm_90a): consumer loops and persistent CTAs,
+    # selected explicitly until one is the default
     if torch.cuda.get_device_capability() == (9, 0):
-        default = kernels.FMHA_LOOP
-        for loop in kernels.FMHA_LOOPS:
-            if loop == default:
+        default = (kernels.FMHA_LOOP, kernels.PERSISTENT)
+        variants = [(loop, default[1]) for loop in kernels.FMHA_LOOPS] + [(default[0], not default[1])]
+        for loop, persistent in variants:
+            if (loop, persistent) == default:
                 continue
-            kernels.FMHA_LOOP = loop
+            kernels.FMHA_LOOP, kernels.PERSISTENT = loop, persistent
+            kernels.PERSISTENT_CTAS = 3 if persistent else None  # a few CTAs walk many items
             try:
-                print(f"consumer loop {loop}:")
+                print(f"consumer loop {loop}, persistent {persistent}:")
                 prefill_cases(dev)
                 block_sparse_cases(dev)
             finally:
-                kernels.FMHA_LOOP = default
+                kernels.FMHA_LOOP, kernels.PERSISTENT = default
+                kernels.PERSISTENT_CTAS = None
     torch.cuda.synchronize()
     print("sanitize cases done")
 

@@ -33,7 +33,7 @@ from prims_ts import reference as R
 from prims_ts.ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
 from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fmha_loop")]  # both consumer loops
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ring_variant")]  # every producer-ring variant
 
 DEVICE = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -23,7 +23,7 @@ from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cac
 from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fmha_loop")]  # both consumer loops
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ring_variant")]  # every producer-ring variant
 
 DEVICE = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -114,6 +114,38 @@ def test_consumer_loop_switch(monkeypatch, loop):
         assert dataclasses.replace(base, loop=lp).name in names
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_persistent_switch_and_grid(monkeypatch, persistent):
+    """PERSISTENT picks the persistent kernels of the sm_90a producer-ring keys (prefill,
+    paged prefill, block-sparse; never the variable window, never the portable engine),
+    and work_grid then caps the launch at the SMs (or PERSISTENT_CTAS); one CTA per item
+    otherwise; both kinds are compiled by warmup/CI."""
+    import dataclasses
+
+    import torch
+
+    monkeypatch.setattr(kernels, "PERSISTENT", persistent)
+    for d in (128, 256):
+        for paged in (False, True):
+            key = kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=paged)
+            assert key.persistent == persistent and key.name.endswith("_pk_paged" if paged else "_pk") == persistent
+            assert key.source().source.rstrip().endswith(f", {str(persistent).lower()}>(p);\n}}")
+        assert not kernels.PrefillKey.choose(torch.bfloat16, d, "variable_window", "sm_90a").persistent
+        assert not kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80").persistent
+    bsr = kernels.BlockSparseKey.choose("bf16", 128, True, 128, 512, "sm_90a")
+    assert bsr.persistent == persistent and bsr.name.endswith("_pk") == persistent
+    assert not kernels.BlockSparseKey.choose("bf16", 128, True, 32, 512, "sm_90a").persistent  # mma.sync engine
+    names = {ks.name for ks in kernels.all_keys("sm_90a")}
+    base = kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a")
+    assert {dataclasses.replace(base, persistent=p, loop=0).name for p in (False, True)} <= names
+    assert not any("_pk" in n for n in {ks.name for ks in kernels.all_keys("sm_80")})
+
+    assert kernels.work_grid(5000, True, 132) == 132 and kernels.work_grid(40, True, 132) == 40
+    assert kernels.work_grid(5000, False, 132) == 5000 and kernels.work_grid(0, True, 132) == 0
+    monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
+    assert kernels.work_grid(5000, True, 132) == 3 and kernels.work_grid(5000, False, 132) == 5000
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     import re

@@ -9,7 +9,7 @@ import prims_ts
 from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, rel_err
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fmha_loop")]  # both consumer loops
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ring_variant")]  # every producer-ring variant
 
 MASKS = [("dense", -1), ("causal", -1), ("causal", 0), ("causal", 100), ("variable_window", -1)]
 FIXED_LENGTHS = [(1, 1), (7, 7), (127, 129), (129, 1000), (1000, 1033)]

@@ -110,3 +110,39 @@ def test_overlapped_consumer_loops_keep_the_wgmma_pipeline(cache, monkeypatch):
         assert key.loop == loop, key
         runtime.compile_cubin(key.source(), "sm_90a")
     assert not runtime.perf_notes, runtime.perf_notes
+
+
+@pytest.mark.parametrize("mirror,source,cname", [
+    ("PrefillParams", "fmha_prefill.cu", "pt::PrefillParams"),
+    ("DecodeParams", "fmha_decode.cu", "pt::DecodeParams"),
+    ("BlockSparseParams", "fmha_block_sparse.cu", "pt::BlockSparseParams"),
+])
+def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
+    """Every field of a kernel's parameter struct sits where its ctypes mirror puts it: a
+    probe kernel stores each field's offset and the struct's size (constants once compiled;
+    NVRTC has no constant offsetof) through a volatile pointer, read back from the PTX."""
+    import ctypes
+    import re
+
+    cls = getattr(kernels, mirror)
+    names = [n for n, _ in cls._fields_]
+    body = "".join(f"  out[{i}] = (int)((const char*)&p.{n} - (const char*)&p);\n" for i, n in enumerate(names))
+    body += f"  out[{len(names)}] = (int)sizeof({cname});\n"
+    src = (kernels._read(source) + f'\nextern "C" __global__ void pt_layout_probe(const __grid_constant__ {cname} p, '
+           f"volatile int* out) {{\n{body}}}\n")
+    nv = runtime._nvrtc()
+    headers = runtime.include_sources()
+    prog = nv.createProgram(src, "probe.cu", [v.encode() for v in headers.values()], [h.encode() for h in headers])
+    try:
+        nv.compileProgram(prog, runtime._options("sm_80"))
+        ptx = nv.getPTX(prog)
+    finally:
+        nv.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    consts = dict(re.findall(r"mov\.[ub]32\s+(%r\d+),\s*(\d+);", ptx))
+    stored = {}
+    for reg, off, val in re.findall(r"st\.volatile\.global\.[ub]32\s+\[(%rd\d+)(?:\+(\d+))?\],\s*(%r\d+|\d+);", ptx):
+        stored[int(off or 0) // 4] = int(consts.get(val, val))
+    want = [getattr(cls, n).offset for n in names] + [ctypes.sizeof(cls)]
+    got = [stored.get(i) for i in range(len(want))]
+    assert got == want, [(n, g, w) for n, g, w in zip(names + ["sizeof"], got, want) if g != w]

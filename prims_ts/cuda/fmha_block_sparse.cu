@@ -2,7 +2,9 @@
 // [B, Sq, Hq, D] over CSR-paged K/V, each (request, K/V head, query-block row) walking
 // only the KV blocks its BSR route selects.
 //
-// Work policy: blockIdx = (route row * row_tiles + row tile, K/V head, request). The M
+// Work policy: work item w = ((request * Hkv + K/V head) * R + route row) * row_tiles +
+// row tile; one CTA per item, or (PERSIST: the producer-ring engine, kernels.PERSISTENT)
+// at most one per SM, CTA c taking items c, c + gridDim.x, ... (pt_fmha.cuh: fmha_items). The M
 // rows of a route row are its q_block_size query tokens x the GQA group (the decode
 // problem's row mapping, pt_decode.cuh, offset to the row's first token), cut into
 // row tiles of BM; the seed's q_block_size * group % 8 == 0 keeps tiles inside a row.
@@ -28,6 +30,7 @@ struct BlockSparseParams {
   int kv_block;
   int row_tiles;             // ceil(q_block * group / BM)
   int valid_words;
+  int batch;
 };
 
 // The route's blocks as key tiles: block c covers keys [c * kv_block, (c + 1) * kv_block).
@@ -70,30 +73,44 @@ struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
   }
 };
 
-template <class Cfg, bool CAUSAL>
+// PERSIST: CTA c walks items c, c + gridDim.x, ...; otherwise item blockIdx.x alone.
+template <class Cfg, bool CAUSAL, bool PERSIST_>
+struct BlockSparseItems {
+  using Problem = BlockSparseProblem<typename Cfg::T, Cfg::DV, Cfg::BM, Cfg::BN, CAUSAL>;
+  static constexpr bool PERSIST = PERSIST_;
+  const BlockSparseParams* bp;
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int stride() const { return gridDim.x; }
+  __device__ __forceinline__ int count() const { return bp->batch * bp->d.hkv * bp->rows_r * bp->row_tiles; }
+  // item w's problem; false: its row tile holds no row
+  __device__ __forceinline__ bool get(int w, Problem& pb) const {
+    const DecodeParams& p = bp->d;
+    const int rt = w % bp->row_tiles;
+    int rest = w / bp->row_tiles;
+    const int r = rest % bp->rows_r;
+    rest /= bp->rows_r;
+    const int hk = rest % p.hkv, b = rest / p.hkv;
+    pb.t0 = r * bp->q_block;
+    // the route row's query rows start at token t0 (also where its output rows go)
+    if (!pb.init(p, b, hk, pb.t0, p.sq, rt * Cfg::BM, p.group * min_(bp->q_block, p.sq - pb.t0))) return false;
+    pb.bits = bp->valid_bits != nullptr ? bp->valid_bits + (i64)b * bp->valid_words : nullptr;
+    const int* row_ptr = bp->block_indptr + ((i64)b * p.hkv + hk) * (bp->rows_r + 1) + r;
+    const int first_block = row_ptr[0];
+    pb.routes.blocks = bp->block_indices + first_block;
+    pb.routes.nblk = row_ptr[1] - first_block;
+    pb.routes.tpb = bp->kv_block >= Cfg::BN ? bp->kv_block / Cfg::BN : 1;
+    pb.routes.kv_block = bp->kv_block;
+    pb.routes.sk = pb.sk;
+    return true;
+  }
+};
+
+template <class Cfg, bool CAUSAL, bool PERSIST = false>
 __device__ __forceinline__ void block_sparse_kernel(const BlockSparseParams& bp) {
-  using T = typename Cfg::T;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN;
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
-  const DecodeParams& p = bp.d;
-
-  const int r = blockIdx.x / bp.row_tiles, rt = blockIdx.x % bp.row_tiles;
-  const int hk = blockIdx.y, b = blockIdx.z;
-  BlockSparseProblem<T, Cfg::DV, BM, BN, CAUSAL> pb;
-  pb.t0 = r * bp.q_block;
-  // the route row's query rows start at token t0 (also where its output rows go)
-  if (!pb.init(p, b, hk, pb.t0, p.sq, rt * BM, p.group * min_(bp.q_block, p.sq - pb.t0))) return;
-  pb.bits = bp.valid_bits != nullptr ? bp.valid_bits + (i64)b * bp.valid_words : nullptr;
-
-  const int* row_ptr = bp.block_indptr + ((i64)b * p.hkv + hk) * (bp.rows_r + 1) + r;
-  const int first = row_ptr[0];
-  pb.routes.blocks = bp.block_indices + first;
-  pb.routes.nblk = row_ptr[1] - first;
-  pb.routes.tpb = bp.kv_block >= BN ? bp.kv_block / BN : 1;
-  pb.routes.kv_block = bp.kv_block;
-  pb.routes.sk = pb.sk;
-  fmha_tile<Cfg>(pb, smem, p.scale_log2, p.out_scale);
+  static_assert(!PERSIST || Cfg::PRODUCER, "persistent: the producer ring");
+  fmha_items<Cfg>(BlockSparseItems<Cfg, CAUSAL, PERSIST>{&bp}, smem, bp.d.scale_log2, bp.d.out_scale);
 }
 
 }  // namespace pt

@@ -1,9 +1,13 @@
 // Prefill over contiguous K/V (batch_prefill: fixed or packed-ragged) or over
 // paged K/V pools (batch_prefill_with_paged_kv_cache: packed Q, block tables).
 //
-// Work policy: blockIdx.y is the query head; blockIdx.x is a work item, either
-// read from the plan's list (request, q tile) or, without one, decoded so that
-// the highest q tiles (the heaviest under a causal mask) come first.
+// Work policy: work item w = (q tile item w / heads, query head w % heads), the q tile
+// item either read from the plan's list (request, q tile) or, without one, decoded so
+// that the highest q tiles (the heaviest under a causal mask) come first; the heads of a
+// q tile are neighbours (a GQA group shares its K/V tiles in L2). The host launches one
+// CTA per item, or (PERSIST: the producer-ring engine, kernels.PERSISTENT) at most one per
+// SM, CTA c taking items c, c + gridDim.x, ...; its producer then copies the next item's
+// first tiles while the MMA warps finish the current one.
 // Address policy: rows of q/k/v/o are strided; packed storage offsets requests
 // by the live indptr values, so a replay with changed offsets needs no re-plan.
 // PAGED: K/V row j of request b lives in page block_tables[b][j / page_size],
@@ -44,12 +48,17 @@ struct PrefillParams {
   int group;  // Hq / Hkv
   int window_left;
   int out_dtype;
+  int n_items;  // q tile items per head (the plan's list length, or batch * num_q_tiles)
+  int heads;    // query heads
   float scale_log2;
   float out_scale;
 };
 
 template <class T, int BN, int MASK, bool PAGED>
 struct PrefillProblem {
+  using Elem = T;
+  static constexpr int MASK_KIND = MASK;
+  static constexpr bool IS_PAGED = PAGED;
   static constexpr bool WANTS_LSE = false;
   static constexpr bool SHORT_TILES = false;
   const T* q;
@@ -68,6 +77,7 @@ struct PrefillProblem {
   int window;
   const int* lo;  // variable window bounds per tile row (shared memory)
   const int* hi;
+  int b, q0;      // request, first query row of the tile
 
   __device__ __forceinline__ const T* q_row(int r) const { return q + r * q_st; }
   __device__ __forceinline__ int kv_page(int j) const { return PAGED ? bt[j >> page_shift] : 0; }
@@ -103,15 +113,15 @@ struct PrefillProblem {
   }
 };
 
-template <class Cfg, int MASK, bool PAGED>
-__device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
-  using T = typename Cfg::T;
-  constexpr int BM = Cfg::BM;
-  extern __shared__ __align__(1024) char smem_raw[];
-  char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
-
+// Work item w's problem (false: its q tile is past its request's queries). The variable
+// window's per-row ranges are set by the kernel (they need the CTA's shared memory).
+template <int BM, class Problem>
+__device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, Problem& pb) {
+  using T = typename Problem::Elem;
+  constexpr int MASK = Problem::MASK_KIND;
+  constexpr bool PAGED = Problem::IS_PAGED;
   // ---- work policy ----------------------------------------------------------
-  const int item = blockIdx.x, h = blockIdx.y;
+  const int item = w / p.heads, h = w - item * p.heads;
   int b, qt;
   if (p.work != nullptr) {
     b = p.work[2 * item];
@@ -132,10 +142,9 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
     }
   }
   const int q0 = qt * BM;
-  if (q0 >= sq) return;
+  if (q0 >= sq) return false;
 
   // ---- address policy ---------------------------------------------------------
-  PrefillProblem<T, Cfg::BN, MASK, PAGED> pb;
   const int hk = h / p.group;
   pb.q = static_cast<const T*>(p.q) + b * p.q_sb + (i64)(q_start + q0) * p.q_st + h * p.q_sh;
   if (PAGED) {
@@ -162,12 +171,45 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
   pb.sk = sk;
   pb.window = p.window_left;
   pb.diag0 = sk - sq + q0;
+  pb.b = b;
+  pb.q0 = q0;
 
-  // ---- range policy -----------------------------------------------------------
+  // ---- range policy (the variable window's: prefill_kernel) --------------------
   if (MASK == MASK_CAUSAL) {
     pb.kv_begin = p.window_left >= 0 ? max_(0, pb.diag0 - p.window_left) : 0;
     pb.kv_end = min_(sk, pb.diag0 + pb.q_rows);
-  } else if (MASK == MASK_VARWIN) {
+  } else {
+    pb.kv_begin = 0;
+    pb.kv_end = sk;
+  }
+  return true;
+}
+
+// PERSIST: CTA c walks items c, c + gridDim.x, ...; otherwise item blockIdx.x alone.
+template <class Cfg, int MASK, bool PAGED, bool PERSIST_>
+struct PrefillItems {
+  using Problem = PrefillProblem<typename Cfg::T, Cfg::BN, MASK, PAGED>;
+  static constexpr bool PERSIST = PERSIST_;
+  const PrefillParams* p;
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int stride() const { return gridDim.x; }
+  __device__ __forceinline__ int count() const { return p->n_items * p->heads; }
+  __device__ __forceinline__ bool get(int w, Problem& pb) const { return prefill_problem<Cfg::BM>(*p, w, pb); }
+};
+
+template <class Cfg, int MASK, bool PAGED, bool PERSIST = false>
+__device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
+  constexpr int BM = Cfg::BM;
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
+  static_assert(!PERSIST || (Cfg::PRODUCER && MASK != MASK_VARWIN), "persistent: the producer ring, no variable window");
+  using Items = PrefillItems<Cfg, MASK, PAGED, PERSIST>;
+  if constexpr (MASK != MASK_VARWIN) {
+    fmha_items<Cfg>(Items{&p}, smem, p.scale_log2, p.out_scale);
+  } else {
+    // one item per CTA: its rows' windows go to shared memory first (the whole CTA)
+    typename Items::Problem pb;
+    if (!prefill_problem<BM>(p, blockIdx.x, pb)) return;
     int* lo = reinterpret_cast<int*>(smem + Cfg::SMEM_BYTES);
     int* hi = lo + BM;
     __shared__ int range[2];
@@ -179,9 +221,9 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
     for (int r = threadIdx.x; r < BM; r += Cfg::THREADS) {
       int s = 0, e = -1;  // padding rows see nothing
       if (r < pb.q_rows) {
-        const i64 off = b * p.win_stride + q0 + r;
+        const i64 off = pb.b * p.win_stride + pb.q0 + r;
         s = max_(0, p.win_starts[off]);
-        e = min_(sk - 1, p.win_ends[off]);
+        e = min_(pb.sk - 1, p.win_ends[off]);
         atomicMin(&range[0], s);
         atomicMax(&range[1], e);
       }
@@ -193,11 +235,8 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
     pb.hi = hi;
     pb.kv_begin = range[0] == 0x7fffffff ? 0 : range[0];
     pb.kv_end = range[1] + 1;
-  } else {
-    pb.kv_begin = 0;
-    pb.kv_end = sk;
+    fmha_tile<Cfg>(pb, smem, p.scale_log2, p.out_scale);
   }
-  fmha_tile<Cfg>(pb, smem, p.scale_log2, p.out_scale);
 }
 
 }  // namespace pt

@@ -101,6 +101,7 @@ class PrefillKey:
     paged: bool = False  # K/V address policy: contiguous rows, or HND page pools + block tables
     stages: int = 2  # K/V tiles in flight
     loop: int = 0  # the producer ring's consumer loop (FMHA_LOOP)
+    persistent: bool = False  # CTAs walk several work items (PERSISTENT)
 
     @staticmethod
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str = "sm_80", paged: bool = False) -> "PrefillKey":
@@ -110,7 +111,8 @@ class PrefillKey:
             bn = 128 if head_dim == 128 else 64
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
-                              stages=producer_stages(128, bn, head_dim, extra), loop=FMHA_LOOP)
+                              stages=producer_stages(128, bn, head_dim, extra), loop=FMHA_LOOP,
+                              persistent=PERSISTENT and mask != "variable_window")
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
@@ -136,7 +138,8 @@ class PrefillKey:
             f"pt_prefill_{self.dtype}_d{self.head_dim}_m{MASK_CODES[self.mask]}"
             f"_bm{self.bm}_bn{self.bn}_q{int(self.q_in_regs)}_mb{self.min_blocks}_sm{self.arch}"
             + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
-            + (f"_l{self.loop}" if self.loop else "") + ("_paged" if self.paged else "")
+            + (f"_l{self.loop}" if self.loop else "") + ("_pk" if self.persistent else "")
+            + ("_paged" if self.paged else "")
         )
 
     def source(self) -> runtime.KernelSource:
@@ -144,8 +147,9 @@ class PrefillKey:
                           producer=self.producer, loop=self.loop)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, {self.min_blocks})\n'
-            f"{self.name}(const pt::PrefillParams p) {{\n"
-            f"  pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {str(self.paged).lower()}>(p);\n}}\n"
+            f"{self.name}(const __grid_constant__ pt::PrefillParams p) {{\n"
+            f"  pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {str(self.paged).lower()}, "
+            f"{str(self.persistent).lower()}>(p);\n}}\n"
         )
         return runtime.KernelSource(key=self.name, name=self.name, source=_read("fmha_prefill.cu") + entry)
 
@@ -187,6 +191,8 @@ class PrefillParams(ctypes.Structure):
         ("group", ctypes.c_int32),
         ("window_left", ctypes.c_int32),
         ("out_dtype", ctypes.c_int32),
+        ("n_items", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
     ]
@@ -328,9 +334,30 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
         p.out_dtype = OUT_DTYPE_CODES[out.dtype]
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
-        n_items = work.shape[0] if work is not None else batch * p.num_q_tiles
+        p.n_items = work.shape[0] if work is not None else batch * p.num_q_tiles
+        p.heads = hq
+        ctas = work_grid(p.n_items * hq, key.persistent, _device(dev)[1])
+        if ctas == 0:  # no q tile to compute (an empty plan)
+            return
         stream = torch.cuda.current_stream(dev).cuda_stream
-        runtime.launch(dev, kern, key.name, (n_items, hq, 1), p, stream)
+        runtime.launch(dev, kern, key.name, (ctas, 1, 1), p, stream)
+
+
+# Persistent CTAs for the producer-ring kernels (prefill, paged prefill, block-sparse on
+# sm_90a): at most one CTA per SM, each walking work items c, c + grid, ... with one ring,
+# so the producer copies the next item's first tiles while the MMA warps finish the
+# current one (the short rows: B8 S1024, block-sparse at 10%). The kernels take either
+# grid; False launches one CTA per item (measured). Built, not yet run on a GPU.
+PERSISTENT = False
+PERSISTENT_CTAS: Optional[int] = None  # the persistent grid's cap (None: the SM count); tests use a few
+
+
+def work_grid(items: int, persistent: bool, sm_count: int) -> int:
+    """CTAs for `items` work items: one each, or (a persistent key) no more than the SMs,
+    which then walk the items in launch order (one CTA fits an SM)."""
+    if persistent:
+        return min(items, PERSISTENT_CTAS or sm_count)
+    return items
 
 
 def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optional[torch.device] = None) -> int:
@@ -339,10 +366,13 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optiona
 
 
 def _both_loops(key):
-    """A producer-ring key with each consumer loop (whichever FMHA_LOOP chooses)."""
+    """A producer-ring key with each consumer loop (whichever FMHA_LOOP chooses), and
+    persistent with the plain loop (whichever PERSISTENT chooses)."""
     for loop in FMHA_LOOPS if key.producer else (key.loop,):
         if loop < 2 or key.bm == 128:  # pingpong takes two MMA warpgroups
-            yield replace(key, loop=loop)
+            yield replace(key, loop=loop, persistent=False)
+    if key.producer and getattr(key, "mask", "") != "variable_window":
+        yield replace(key, loop=0, persistent=True)
 
 
 def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
@@ -761,6 +791,7 @@ class BlockSparseKey:
     arch: int
     stages: int = 2
     loop: int = 0  # the producer ring's consumer loop (FMHA_LOOP)
+    persistent: bool = False  # CTAs walk several work items (PERSISTENT)
 
     @staticmethod
     def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int,
@@ -770,7 +801,8 @@ class BlockSparseKey:
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
-                                  FMHA_LOOP if bm == 128 else min(FMHA_LOOP, 1))  # pingpong: two warpgroups
+                                  FMHA_LOOP if bm == 128 else min(FMHA_LOOP, 1),  # pingpong: two warpgroups
+                                  PERSISTENT)
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
@@ -794,7 +826,7 @@ class BlockSparseKey:
     def name(self) -> str:
         return (f"pt_bsr_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}_sm{self.arch}"
                 + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
-                + (f"_l{self.loop}" if self.loop else ""))
+                + (f"_l{self.loop}" if self.loop else "") + ("_pk" if self.persistent else ""))
 
     def source(self) -> runtime.KernelSource:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
@@ -802,7 +834,7 @@ class BlockSparseKey:
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::BlockSparseParams p) {{\n"
-            f"  pt::block_sparse_kernel<{cfg}, {str(self.causal).lower()}>(p);\n}}\n"
+            f"  pt::block_sparse_kernel<{cfg}, {str(self.causal).lower()}, {str(self.persistent).lower()}>(p);\n}}\n"
         )
         return runtime.KernelSource(key=self.name, name=self.name, source=_read("fmha_block_sparse.cu") + entry)
 
@@ -825,7 +857,7 @@ class BlockSparseParams(ctypes.Structure):
         ("block_indptr", ctypes.c_void_p),
         ("block_indices", ctypes.c_void_p),
         ("valid_bits", ctypes.c_void_p),
-    ] + [(n, ctypes.c_int32) for n in ("rows_r", "q_block", "kv_block", "row_tiles", "valid_words")]
+    ] + [(n, ctypes.c_int32) for n in ("rows_r", "q_block", "kv_block", "row_tiles", "valid_words", "batch")]
 
 
 def launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices,
@@ -853,5 +885,7 @@ def launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_i
         bp.valid_bits = _ptr(valid_bits)
         bp.rows_r, bp.q_block, bp.kv_block, bp.row_tiles = rows_r, q_block_size, kv_block_size, row_tiles
         bp.valid_words = valid_bits.shape[1] if valid_bits is not None else 0
+        bp.batch = batch
+        ctas = work_grid(batch * hkv * rows_r * row_tiles, key.persistent, _device(dev)[1])
         stream = torch.cuda.current_stream(dev).cuda_stream
-        runtime.launch(dev, kern, key.name, (rows_r * row_tiles, hkv, batch), bp, stream)
+        runtime.launch(dev, kern, key.name, (ctas, 1, 1), bp, stream)

@@ -212,6 +212,15 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb,
   }
 }
 
+// Where a role stands in the producer ring: the next stage, its pass parity and (the
+// producer) how many tiles it has filled. A persistent CTA keeps one per role across its
+// work items: the ring is initialised once and its passes run on from item to item.
+struct RingPos {
+  int stage = 0;
+  u32 phase = 0;
+  int filled = 0;
+};
+
 // The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, and
 // full[s] / empty[s] mbarriers at `bars`. The producer warpgroup (NTHREADS threads, `tid`
 // its index) copies tile it into stage it % STAGES once the MMA warps released the
@@ -254,20 +263,34 @@ struct KvRing {
     }
   }
 
+  // one work item's tiles, from where `pos` stands (the caller waits its copies at the end)
+  template <int NTHREADS, class Problem, class Range>
+  __device__ __forceinline__ void produce_item(const Problem& pb, const Range& range, int n_tiles, int tid,
+                                               RingPos& pos) const {
+    for (int it = 0; it < n_tiles; ++it) {
+      if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
+      const KeyTile kt = range.tile(it);
+      load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows, tid);
+      cp_async_mbar_arrive(full(pos.stage));
+      advance(pos.stage, pos.phase);
+      ++pos.filled;
+    }
+  }
   template <int NTHREADS, class Problem, class Range>
   __device__ __forceinline__ void produce(const Problem& pb, const Range& range, int n_tiles, int tid) const {
-    int stage = 0;
-    u32 phase = 0;
-    for (int it = 0; it < n_tiles; ++it) {
-      if (it >= STAGES) mbar_wait(empty(stage), phase ^ 1u);
-      const KeyTile kt = range.tile(it);
-      load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV>(k(stage), v(stage), pb, kt.k0, kt.rows, tid);
-      cp_async_mbar_arrive(full(stage));
-      advance(stage, phase);
-    }
+    RingPos pos;
+    produce_item<NTHREADS>(pb, range, n_tiles, tid, pos);
     cp_async_wait<0>();
   }
 };
+
+// The ring of a producer-ring FmhaConfig: stages after Q, mbarriers after the exchange area.
+template <class Cfg>
+__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::SHARED_KV> fmha_ring(
+    char* smem) {
+  const u32 sQ = smem_addr(smem);
+  return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};
+}
 
 // The MMA threads of a producer-ring CTA copy the Q tile themselves and wait for it
 // (named barrier 1: the producer warpgroup never joins).
@@ -280,8 +303,12 @@ __device__ __forceinline__ void load_q_for_mma(u32 sQ, const Problem& pb) {
   named_bar_sync(1, THREADS);
 }
 
+// One work item (a BM-row tile over its key range). Producer-ring configs: the MMA
+// threads only (the ring is set up and fed by fmha_items), from where `pos` stands.
+// Portable configs: the whole CTA, `pos` unused.
 template <class Cfg, class Problem>
-__device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float scale_log2, float out_scale) {
+__device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, float scale_log2, float out_scale,
+                                               RingPos& pos) {
   using T = typename Cfg::T;
   constexpr int D = Cfg::D, BN = Cfg::BN, THREADS = Cfg::THREADS, STAGES = Cfg::STAGES;
   constexpr int BNW = Cfg::BNW;  // keys of a tile this warp scores
@@ -328,16 +355,8 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
   };
 
   // the producer pipeline's ring and mbarriers (after the exchange area)
-  const KvRing<KVTile, STAGES, Cfg::KV_TILES, Cfg::SHARED_KV> ring{sKV, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};
+  const auto ring = fmha_ring<Cfg>(smem);
   if constexpr (Cfg::PRODUCER) {
-    if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
-    __syncthreads();
-    if (threadIdx.x >= THREADS) {  // the producer warpgroup
-      if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-      ring.template produce<Cfg::PRODUCER_THREADS>(pb, range, n_tiles, threadIdx.x - THREADS);
-      return;
-    }
-    if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_inc<Cfg::CONSUMER_REGS>();
     load_q_for_mma<QTile, THREADS>(sQ, pb);
   } else {
     // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
@@ -460,8 +479,8 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
   };
 
-  int stage = 0;
-  u32 phase = 0;  // parity of the current pass over the ring (producer pipeline)
+  int stage = Cfg::PRODUCER ? pos.stage : 0;
+  u32 phase = pos.phase;  // parity of the current pass over the ring (producer pipeline)
   if constexpr (Cfg::OVERLAP) {
     // One warpgroup's tiles in software pipeline (the producer ring, no key split): QK^T
     // of tile it is issued together with PV of tile it - 1, and the softmax of tile it
@@ -680,6 +699,8 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
     }
   }
   cp_async_wait<0>();
+  pos.stage = stage;
+  pos.phase = phase;
 
   // ---- epilogue ---------------------------------------------------------------
 #pragma unroll
@@ -773,6 +794,80 @@ __device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float s
       for (int n = 0; n < DT; ++n) pb.store2(r, (col0 + n) * 8 + 2 * t, o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
     }
   }
+}
+
+// The work items of a CTA: items.get(w, pb) builds item w's problem (false: nothing to
+// do). Items::PERSIST: the CTA walks w = first, first + stride, ... < count (a persistent
+// grid: at most one CTA per SM); otherwise it takes item first() alone (one CTA per item).
+template <class Problem_>
+struct OneItem {
+  using Problem = Problem_;
+  static constexpr bool PERSIST = false;
+  Problem pb;
+  __device__ __forceinline__ int first() const { return 0; }
+  __device__ __forceinline__ bool get(int, Problem& out) const {
+    out = pb;
+    return true;
+  }
+};
+
+// A CTA over its work items. One item: its problem is built once by every thread, then
+// the producer warpgroup (if any) copies its tiles and the MMA warps compute them. A
+// persistent CTA (producer ring only): the ring is initialised once; the producer copies
+// the tiles of item after item (the next item's first tiles land while the MMA warps
+// finish the current one and store it) and the MMA warps compute them in the same order,
+// meeting once per item (named barrier 1) before the next Q replaces the current one.
+template <class Cfg, class Items>
+__device__ __forceinline__ void fmha_items(const Items& items, char* smem, float scale_log2, float out_scale) {
+  using Problem = typename Items::Problem;
+  constexpr int THREADS = Cfg::THREADS;
+  RingPos pos;
+  if constexpr (!Items::PERSIST) {
+    Problem pb;
+    if (!items.get(items.first(), pb)) return;  // the whole CTA: nothing to do
+    if constexpr (Cfg::PRODUCER) {
+      const auto ring = fmha_ring<Cfg>(smem);
+      if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+      __syncthreads();
+      if (threadIdx.x >= THREADS) {  // the producer warpgroup
+        if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+        ring.template produce<Cfg::PRODUCER_THREADS>(pb, pb.range(), pb.range().n_tiles(), threadIdx.x - THREADS);
+        return;
+      }
+      if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    }
+    fmha_tile_body<Cfg>(pb, smem, scale_log2, out_scale, pos);
+  } else {
+    static_assert(Cfg::PRODUCER, "persistent CTAs: the producer ring");
+    const auto ring = fmha_ring<Cfg>(smem);
+    if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+    __syncthreads();
+    if (threadIdx.x >= THREADS) {  // the producer warpgroup
+      if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+      for (int w = items.first(); w < items.count(); w += items.stride()) {
+        Problem pb;
+        if (!items.get(w, pb)) continue;
+        const auto range = pb.range();
+        ring.template produce_item<Cfg::PRODUCER_THREADS>(pb, range, range.n_tiles(), threadIdx.x - THREADS, pos);
+      }
+      cp_async_wait<0>();
+      return;
+    }
+    if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    for (int w = items.first(); w < items.count(); w += items.stride()) {
+      Problem pb;
+      if (!items.get(w, pb)) continue;
+      named_bar_sync(1, THREADS);  // every MMA warp is done with the last item's Q
+      fmha_tile_body<Cfg>(pb, smem, scale_log2, out_scale, pos);
+    }
+  }
+}
+
+// One work item on the whole CTA (the producer warpgroup, if any, returns when it has
+// issued every copy).
+template <class Cfg, class Problem>
+__device__ __forceinline__ void fmha_tile(const Problem& pb, char* smem, float scale_log2, float out_scale) {
+  fmha_items<Cfg>(OneItem<Problem>{pb}, smem, scale_log2, out_scale);
 }
 
 }  // namespace pt
