@@ -140,6 +140,11 @@ def test_persistent_switch_and_grid(monkeypatch, persistent):
     assert {dataclasses.replace(base, persistent=p, loop=0).name for p in (False, True)} <= names
     assert not any("_pk" in n for n in {ks.name for ks in kernels.all_keys("sm_80")})
 
+    monkeypatch.setattr(kernels, "FMHA_LOOP", 1)  # persistent kernels take the plain loop only (for now)
+    assert not kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a").persistent
+    assert not kernels.BlockSparseKey.choose("bf16", 128, True, 128, 512, "sm_90a").persistent
+    monkeypatch.setattr(kernels, "FMHA_LOOP", 0)
+
     assert kernels.work_grid(5000, True, 132) == 132 and kernels.work_grid(40, True, 132) == 40
     assert kernels.work_grid(5000, False, 132) == 5000 and kernels.work_grid(0, True, 132) == 0
     monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)

@@ -40,8 +40,8 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, QUADS = DV / 4;
   // units a thread (6: within every mma.sync decode kernel's own register count); kernels
   // that re-divide registers among warpgroups (setmaxnreg, 384 threads) compile this
-  // out-of-line function at the smallest share
-  constexpr int UNITS = Cfg::LAUNCH_THREADS >= 384 ? 4 : 6;
+  // out-of-line function at the smallest share: 2 (its spills grow with the units, 176 B)
+  constexpr int UNITS = Cfg::LAUNCH_THREADS >= 384 ? 2 : 6;
   constexpr int W_BYTES = (Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16;
   constexpr int SLOTS = (Cfg::SMEM_BYTES - W_BYTES) / 16;  // float4 lane sums after the weights
   static_assert(DV % 4 == 0, "4-column groups");

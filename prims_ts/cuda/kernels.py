@@ -112,7 +112,7 @@ class PrefillKey:
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=FMHA_LOOP,
-                              persistent=PERSISTENT and mask != "variable_window")
+                              persistent=_persistent(FMHA_LOOP) and mask != "variable_window")
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
@@ -350,6 +350,12 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
 # grid; False launches one CTA per item (measured). Built, not yet run on a GPU.
 PERSISTENT = False
 PERSISTENT_CTAS: Optional[int] = None  # the persistent grid's cap (None: the SM count); tests use a few
+
+
+def _persistent(loop: int) -> bool:
+    """PERSISTENT takes the plain consumer loop only for now: the persistent kernels with
+    loops 1/2 compile, but neither warmup nor the tests build them until a loop wins."""
+    return PERSISTENT and loop == 0
 
 
 def work_grid(items: int, persistent: bool, sm_count: int) -> int:
@@ -802,7 +808,7 @@ class BlockSparseKey:
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   FMHA_LOOP if bm == 128 else min(FMHA_LOOP, 1),  # pingpong: two warpgroups
-                                  PERSISTENT)
+                                  _persistent(FMHA_LOOP))
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)

@@ -14,10 +14,11 @@
 //   the core's tile ring (pt_fmha.cuh: KvRing): STAGES whole 64 x D tiles (72 KB at
 //     D 576, so two fit beside Q), acquired and released a tile at a time;
 //   the panel ring (PanelRing): SLOTS slots of one 64-column panel (8 KB) of a tile each,
-//     acquired panel by panel as S^T's k-steps reach them and released as soon as the
-//     last product reading them lands (the rope panels after S^T, the V panels one by
-//     one after O^T), so the producer stays ~SLOTS - D / 64 panels ahead instead of one
-//     tile: the memory-bound rows are limited by the bytes a CTA keeps in flight.
+//     acquired panel by panel as S^T's k-steps reach them and released once the last
+//     product reading them lands (the rope panels after S^T, the V panels in groups after
+//     O^T). The producer refills slots in order, so what counts is the depth: it stays up
+//     to SLOTS - D / 64 panels ahead of the tile being read instead of one whole tile (the
+//     memory-bound rows are limited by the bytes a CTA keeps in flight).
 // The problem policies are the core's (range, q_row/k_row/kv_page, tile_needs_mask/
 // visible, store2/store_lse).
 #pragma once
