@@ -2,7 +2,9 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|mla|graphs|compile|sanitize|check|bench|quick|ab|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|mla|graphs|second|compile|sanitize|check|bench|quick|ab|all]...
+#
+#   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
 # limited to 10 minutes: `tests` alone can take most of that; `sanitize` runs the small
@@ -17,6 +19,19 @@ OUT="${OUT:-/tmp/prims_ts_gpu}"
 mkdir -p "$OUT"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
+
+# `par "STAGES A" "STAGES B"`: two stage lists at once, one per GPU (an nvidia-h200-x2
+# machine), each with its own $OUT/gpu0 or gpu1; then the lists' summaries.
+if [ "${stages[0]}" = par ]; then
+    [ ${#stages[@]} -eq 3 ] || { echo "usage: par \"STAGES\" \"STAGES\"" >&2; exit 2; }
+    for g in 0 1; do
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES=$g OUT="$OUT/gpu$g" bash "$0" ${stages[$((g + 1))]} >"$OUT/gpu$g.log" 2>&1 &
+    done
+    wait
+    for g in 0 1; do echo "== GPU $g: ${stages[$((g + 1))]}"; cat "$OUT/gpu$g.log"; done
+    exit 0
+fi
 
 KERNEL_TESTS=(tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_decode_cuda.py
               tests/test_mla_cuda.py tests/test_block_sparse_cuda.py)
@@ -42,6 +57,11 @@ for s in "${stages[@]}"; do
     tests1) run_tests tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_block_sparse_cuda.py ;;
     tests2) run_tests tests/test_decode_cuda.py tests/test_mla_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
+    second)  # the tests that need two GPUs (tensors on cuda:1), every kernel file
+        echo "== tests on cuda:1"
+        timeout 280 "$PY" -m pytest "${KERNEL_TESTS[@]}" -q -m cuda -rs -k second_device -p no:cacheprovider \
+            >"$OUT/second_device.log" 2>&1
+        echo "   rc=$? $(tail -1 "$OUT/second_device.log")" ;;
     graphs) run_tests compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py compile_tests/test_paged_compile.py ;;
     compile) run_tests "${COMPILE_TESTS[@]}" ;;  # torch.compile / export / graphs: ~2 min a file
     sanitize)
