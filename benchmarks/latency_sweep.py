@@ -1,0 +1,106 @@
+"""Time the small-batch latency rows under forced split-KV counts (a tuning aid, not part
+of the bench): paged decode B1 L1024 H32/8 D128 (page 32) and MLA B1 L1024 H16 (page 64),
+each as CUDA-graph replays of 20 calls, per split count.
+
+    python benchmarks/latency_sweep.py [SPLITS ...]      (default: 1 2 4 8 16)
+
+The first line of each problem is the library's own policy. With few CTAs the in-kernel
+merge (the last split CTA reads every split's partial rows) is on the critical path,
+so fewer, longer splits may win here where the bandwidth rows want many.
+"""
+import dataclasses
+import sys
+
+import torch
+
+
+def graph_us(fn, calls: int = 20, reps: int = 30) -> float:
+    """Median microseconds of one call, from replays of a graph of `calls` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def forced(K, splits):
+    """decode_policy with `splits` (None: the library's), chunk re-derived to cover the keys."""
+    base = K.decode_policy.__wrapped__ if hasattr(K.decode_policy, "__wrapped__") else K.decode_policy
+
+    def policy(batch, hkv, group, sq, d, max_seq_len, *rest):
+        pol = base(batch, hkv, group, sq, d, max_seq_len, *rest)
+        if splits is None:
+            return pol
+        tiles = -(-max_seq_len // pol.bn)
+        s = max(1, min(splits, tiles))
+        return dataclasses.replace(pol, splits=s, chunk=-(-tiles // s) * pol.bn)
+    return policy
+
+
+def main() -> None:
+    import prims_ts
+    from prims_ts.cuda import kernels as K
+
+    counts = [int(a) for a in sys.argv[1:]] or [1, 2, 4, 8, 16]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    default = K.decode_policy
+
+    # paged decode B1 L1024 H32/8 D128, page 32
+    n, hq, hkv, d, ps = 1024, 32, 8, 128, 32
+    q = torch.randn(1, hq, d, device=dev, dtype=dt)
+    cache = torch.randn(n // ps, 2, hkv, ps, d, device=dev, dtype=dt)
+    indptr = torch.tensor([0, n // ps], device=dev, dtype=torch.int32)
+    indices = torch.randperm(n // ps, device=dev).to(torch.int32)
+    lens = torch.tensor([n], device=dev, dtype=torch.int32)
+    out = torch.empty_like(q)
+
+    def dec():
+        prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, ws, indptr, indices, lens, n, out=out)
+
+    # MLA B1 L1024 H16, page 64
+    h, mps = 16, 64
+    mq = torch.randn(1, 1, h, 576, device=dev, dtype=dt)
+    mcache = torch.randn(n // mps, mps, 576, device=dev, dtype=dt)
+    bt = torch.randperm(n // mps, device=dev).to(torch.int32).view(1, -1)
+    mout = torch.empty(1, 1, h, 512, device=dev, dtype=dt)
+
+    def mla():
+        K.launch_mla(mq, mcache, ws, mout, bt, lens, None, 1, 1, n, False, 576 ** -0.5, 1.0)
+
+    for name, fn in (("decode B1 L1024 H32/8 D128", dec), ("MLA B1 L1024 H16", mla)):
+        ref = None
+        for splits in [None] + counts:
+            K.decode_policy = forced(K, splits)
+            try:
+                ws.zero_()  # the split counters of each policy start at zero
+                fn()
+                res = (out if fn is dec else mout).clone()
+                ref = res if ref is None else ref
+                err = (res.float() - ref.float()).abs().max().item()
+                us = graph_us(fn)
+                print(f"{name}: splits {'policy' if splits is None else splits:>6}  {us:7.2f} us  maxdiff {err:.1e}")
+            except Exception as e:
+                print(f"{name}: splits {splits}: {type(e).__name__}: {str(e)[:160]}")
+            finally:
+                K.decode_policy = default
+
+
+if __name__ == "__main__":
+    main()
