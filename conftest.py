@@ -37,3 +37,15 @@ def ring_variant(request, monkeypatch):
         if persistent:  # three CTAs: every one walks many items, whatever the problem's size
             monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
     return loop, persistent
+
+
+@pytest.fixture(params=["lanes", "staged"])
+def split_merge(request, monkeypatch):
+    """The decode-shaped kernels' split-KV merge (kernels.DECODE_MERGE_STAGED): register
+    work units over split lanes, or the partials staged through shared memory; both are in
+    every decode kernel. Modules opt in with ``pytest.mark.usefixtures("split_merge")``."""
+    from prims_ts.cuda import kernels
+
+    monkeypatch.setattr(kernels, "DECODE_MERGE_STAGED", request.param == "staged")
+    return request.param
+

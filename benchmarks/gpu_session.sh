@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|mla|graphs|second|compile|sanitize|check|bench|quick|ab|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|mla|graphs|second|sweeps|compile|sanitize|check|bench|quick|ab|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -91,6 +91,11 @@ K.FMHA_LOOP = 0 if v == 'p' else int(v); K.PERSISTENT = v == 'p'; \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
                 $v bench --family prefill --family paged_prefill --family block_sparse \
                 --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -40
+        done ;;
+    sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and rings
+        echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
+        for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
+            echo "== mla_sweep $a"; timeout 60 "$PY" benchmarks/mla_sweep.py $a swap swappr mma 2>&1 | tee -a "$OUT/mla_sweep.log"
         done ;;
     all) "$0" tests compile sanitize check quick ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;

@@ -1,6 +1,6 @@
-"""Time the small-batch latency rows under forced split-KV counts (a tuning aid, not part
-of the bench): paged decode B1 L1024 H32/8 D128 (page 32) and MLA B1 L1024 H16 (page 64),
-each as CUDA-graph replays of 20 calls, per split count.
+"""Time the small-batch latency rows under forced split-KV counts and both split merges (a
+tuning aid, not part of the bench): paged decode B1 L1024 H32/8 D128 (page 32) and MLA B1
+L1024 H16 (page 64), each as CUDA-graph replays of 20 calls.
 
     python benchmarks/latency_sweep.py [SPLITS ...]      (default: 1 2 4 8 16)
 
@@ -84,22 +84,27 @@ def main() -> None:
     def mla():
         K.launch_mla(mq, mcache, ws, mout, bt, lens, None, 1, 1, n, False, 576 ** -0.5, 1.0)
 
+    staged_default = K.DECODE_MERGE_STAGED
     for name, fn in (("decode B1 L1024 H32/8 D128", dec), ("MLA B1 L1024 H16", mla)):
         ref = None
         for splits in [None] + counts:
-            K.decode_policy = forced(K, splits)
-            try:
-                ws.zero_()  # the split counters of each policy start at zero
-                fn()
-                res = (out if fn is dec else mout).clone()
-                ref = res if ref is None else ref
-                err = (res.float() - ref.float()).abs().max().item()
-                us = graph_us(fn)
-                print(f"{name}: splits {'policy' if splits is None else splits:>6}  {us:7.2f} us  maxdiff {err:.1e}")
-            except Exception as e:
-                print(f"{name}: splits {splits}: {type(e).__name__}: {str(e)[:160]}")
-            finally:
-                K.decode_policy = default
+            for staged in (False, True):
+                K.decode_policy = forced(K, splits)
+                K.DECODE_MERGE_STAGED = staged
+                label = f"splits {'policy' if splits is None else splits:>6} merge {'staged' if staged else 'lanes':6}"
+                try:
+                    ws.zero_()  # the split counters of each policy start at zero
+                    fn()
+                    res = (out if fn is dec else mout).clone()
+                    ref = res if ref is None else ref
+                    err = (res.float() - ref.float()).abs().max().item()
+                    us = graph_us(fn)
+                    print(f"{name}: {label}  {us:7.2f} us  maxdiff {err:.1e}")
+                except Exception as e:
+                    print(f"{name}: {label}: {type(e).__name__}: {str(e)[:160]}")
+                finally:
+                    K.decode_policy = default
+                    K.DECODE_MERGE_STAGED = staged_default
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     python benchmarks/mla_sweep.py B L H [SPEC ...]
 
 A SPEC is `bm,bn,stages,warps_n,splits` (overrides `decode_policy`; the mma.sync tile for
-rows of 16/32), `swap` (the default policy on the swapped-operand tile, sm_90a, tile ring),
+rows of 16/32; `mma` alone: on the library's policy), `swap` (the default policy on the
+swapped-operand tile, sm_90a, tile ring),
 `swappr` (the same on its panel ring) or `swap:...` / `swappr:...` with a policy. Each
 one's output is compared with the first (the library's default) run's, and its time (CUDA
 events, median of 20 x 10 calls) printed with the latent-cache bandwidth and the TFLOP/s.
@@ -21,6 +22,9 @@ def main() -> None:
     b, n, h = (int(x) for x in sys.argv[1:4])
     specs = []
     for arg in sys.argv[4:]:
+        if arg == "mma":  # the mma.sync tile on the library's policy
+            specs.append(("", None))
+            continue
         kind = "swappr" if arg.startswith("swappr") else ("swap" if arg.startswith("swap") else "")
         shape = arg[len(kind):].lstrip(":")
         specs.append((kind, tuple(int(v) for v in shape.split(",")) if shape else None))

@@ -310,6 +310,14 @@ def main() -> None:
     decode_cases(dev)
     # MLA decode: fixed and packed, both cache ranks, with and without split-KV
     mla_cases(dev)
+    # both again with the other split merge (register units / partials staged in shared memory)
+    kernels.DECODE_MERGE_STAGED = not kernels.DECODE_MERGE_STAGED
+    try:
+        print(f"split merge staged={kernels.DECODE_MERGE_STAGED}:")
+        decode_cases(dev)
+        mla_cases(dev)
+    finally:
+        kernels.DECODE_MERGE_STAGED = not kernels.DECODE_MERGE_STAGED
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
     # the producer ring's other variants (sm_90a): consumer loops and persistent CTAs,

@@ -33,7 +33,7 @@ from prims_ts import (
 from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("split_merge")]  # both split merges
 
 DEVICE = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -45,6 +45,10 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   constexpr int W_BYTES = (Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16;
   constexpr int SLOTS = (Cfg::SMEM_BYTES - W_BYTES) / 16;  // float4 lane sums after the weights
   static_assert(DV % 4 == 0, "4-column groups");
+  // the staged merge: groups a thread per pass, such that one split's pass fits the stage
+  constexpr int STAGED_QPT_MAX = Cfg::LAUNCH_THREADS >= 384 ? 2 : 8;  // as UNITS: the smallest register share
+  constexpr int STAGED_QPT = SLOTS / THREADS >= STAGED_QPT_MAX ? STAGED_QPT_MAX : SLOTS / THREADS;
+  static_assert(STAGED_QPT >= 1, "the staged merge: one split's pass of groups fits shared memory");
   static_assert(W_BYTES <= Cfg::SMEM_BYTES, "split weights fit the tile's shared memory");
   __shared__ int last;
   __threadfence();  // this thread's partial stores, before the ticket
@@ -93,11 +97,62 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   // group g of the tile's rows: row g / QUADS, columns 4 (g % QUADS) .. + 3 (the float4
   // at 4 g of a split's partial rows, DV = 4 QUADS; the workspace is 16-byte aligned)
   const int n = q_rows * QUADS;
+  const float4* part = reinterpret_cast<const float4*>(p.ws_o + base * DV);  // group 0 of split 0
+  const i64 stride = (i64)p.rows_max * QUADS;  // float4s from one split's partial rows to the next
+  if (p.merge_staged) {
+    // Staged: a pass covers STAGED_QPT groups a thread; its groups of as many splits as fit
+    // the shared memory after the weights are copied in with cp.async, every copy of the
+    // chunk in flight at once (one round trip a chunk instead of one per split pair), then
+    // summed from shared memory.
+    constexpr int QPT = STAGED_QPT;
+    float4* stage = reinterpret_cast<float4*>(smem + W_BYTES);
+    for (int q0 = 0; q0 < n; q0 += THREADS * QPT) {
+      const int nq = min_(THREADS * QPT, n - q0);  // groups of this pass
+      const int per = SLOTS / nq;                  // splits a chunk (>= 1: static_assert below)
+      float4 acc[QPT];
+#pragma unroll
+      for (int k = 0; k < QPT; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int s0 = 0; s0 < S; s0 += per) {
+        const int ns = min_(per, S - s0);
+        for (int i = 0; i < ns; ++i)
+          for (int j = threadIdx.x; j < nq; j += THREADS)
+            cp_async_16(smem_addr(stage + i * nq + j), part + (s0 + i) * stride + q0 + j, true);
+        cp_async_commit();
+        cp_async_wait<0>();
+        named_bar_sync(2, THREADS);
+#pragma unroll
+        for (int k = 0; k < QPT; ++k) {
+          const int j = threadIdx.x + k * THREADS;
+          if (j < nq) {
+            const float* wr = w + ((q0 + j) / QUADS) * S + s0;
+            for (int i = 0; i < ns; ++i) {
+              const float4 x = stage[i * nq + j];
+              const float wt = wr[i];
+              acc[k].x += wt * x.x;
+              acc[k].y += wt * x.y;
+              acc[k].z += wt * x.z;
+              acc[k].w += wt * x.w;
+            }
+          }
+        }
+        named_bar_sync(2, THREADS);  // every thread is done with the chunk before the next lands
+      }
+#pragma unroll
+      for (int k = 0; k < QPT; ++k) {
+        const int j = threadIdx.x + k * THREADS;
+        if (j < nq) {
+          const int g = q0 + j, r = g / QUADS, c = 4 * (g % QUADS);
+          char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
+          store_pair(dst, p.out_dtype, acc[k].x, acc[k].y);
+          store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, acc[k].z, acc[k].w);
+        }
+      }
+    }
+    return;
+  }
   // lanes: as many as fill one pass and the shared memory after the weights (CTA-uniform)
   const int lanes = max_(1, min_(S, min_(THREADS * UNITS, SLOTS) / n));
   const int units = lanes * n;
-  const float4* part = reinterpret_cast<const float4*>(p.ws_o + base * DV);  // group 0 of split 0
-  const i64 stride = (i64)p.rows_max * QUADS;  // float4s from one split's partial rows to the next
 #pragma unroll 1
   for (int u0 = 0; u0 < units; u0 += THREADS * UNITS) {
     float4 acc[UNITS];

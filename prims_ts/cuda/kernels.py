@@ -436,6 +436,11 @@ MLA_DIM_V = 512
 MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (64, 2, 2)}  # BM 64: the wgmma engine on sm_90a
 DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
+# The split merge (fmha_decode.cu, merge_if_last): False = register work units over split
+# lanes (measured: B1 L131072 3.71 TB/s); True = the splits' partial rows staged through
+# shared memory with cp.async, a chunk of splits per round trip (built, not yet run: the
+# latency rows, benchmarks/NOTES.md). Both are in every decode kernel; the launch picks.
+DECODE_MERGE_STAGED = False
 SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
 NOMINAL_SMEM_LIMIT = SM90_SMEM_LIMIT  # per-block shared memory of the H200 (CPU tensors size as for it)
 
@@ -652,7 +657,7 @@ class DecodeParams(ctypes.Structure):
             "bt_stride")] + [
         (n, ctypes.c_int32) for n in (
             "sq", "rows_max", "row_tiles", "splits", "chunk", "group", "hkv", "page_shift", "window_left",
-            "out_dtype")] + [
+            "out_dtype", "merge_staged")] + [
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
     ]
@@ -689,6 +694,7 @@ def _fill_gqa_rows(p: "DecodeParams", query, k_cache, v_cache, out, packed: bool
     p.page_shift = k_cache.shape[2].bit_length() - 1
     p.window_left = window_left
     p.out_dtype = OUT_DTYPE_CODES[out.dtype]
+    p.merge_staged = int(DECODE_MERGE_STAGED)
     p.scale_log2 = sm_scale * LOG2E
     p.out_scale = output_scale
 

@@ -45,6 +45,7 @@ struct DecodeParams {
   int page_shift;
   int window_left;
   int out_dtype;
+  int merge_staged;  // split merge: 0 = register units (lanes), 1 = staged through shared memory
   float scale_log2;
   float out_scale;
 };
