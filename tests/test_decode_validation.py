@@ -349,6 +349,7 @@ case("query_not_tensor", TypeError, "query", lambda: base(query=_q.tolist()))
 case("query_rank2", ValueError, "query", lambda: base(query=_q[:, 0]))
 case("query_rank5", ValueError, "query", lambda: base(query=_q4.unsqueeze(0), seq_len_q=3))
 case("query_inner_noncontig", ValueError, "query", lambda: base(query=_noncontig_inner(_q)))
+case("query_empty_batch", ValueError, "query", lambda: base(query=_q[:0], paged_kv_indptr=ip([0])))
 case("query_misaligned", ValueError, "query",
      lambda: base(query=torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape)))
 case("query_batch_vs_indptr", ValueError, "paged_kv_indptr|query", lambda: base(query=make_q(b=3)))
@@ -672,6 +673,10 @@ ONESHOT_WRAPPER_CASES = [
     ("page_id_vs_tuple_cache", ValueError, "paged_kv_indices",
      lambda: oneshot_args(paged_kv_cache=(_k[:4], _v[:4]))),
     ("page_id_negative", ValueError, "indices", lambda: oneshot_args(paged_kv_indices=[3, -1, 5])),
+    ("indices_a_list", TypeError, "paged_kv_indices",
+     lambda: (oneshot_args()[0][:3] + ([3, 1, 5],) + oneshot_args()[0][4:], {})),
+    ("indptr_a_list", TypeError, "paged_kv_indptr",
+     lambda: (oneshot_args()[0][:2] + ([0, 1, 3],) + oneshot_args()[0][3:], {})),
     ("indptr_not_start_0", ValueError, "indptr", lambda: oneshot_args(paged_kv_indptr=[1, 2, 3])),
     ("indptr_not_increasing", ValueError, "indptr", lambda: oneshot_args(paged_kv_indptr=[0, 2, 2])),
     ("indptr_end", ValueError, "indptr", lambda: oneshot_args(paged_kv_indptr=[0, 1, 2])),

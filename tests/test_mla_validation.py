@@ -259,6 +259,7 @@ case("query_last_dim_640", ValueError, "query", lambda: base(query=make_q(d=640)
 case("query_last_dim_128", ValueError, "query", lambda: base(query=make_q(d=128), kv_cache=make_cache(d=128)))
 case("cache_last_dim_512", ValueError, "kv_cache", lambda: base(kv_cache=make_cache(d=512)))
 case("cache_last_dim_640", ValueError, "kv_cache", lambda: base(kv_cache=make_cache(d=640)))
+case("cache_last_dim_577", ValueError, "kv_cache.*576", lambda: base(kv_cache=make_cache(d=577)))  # not "aligned"
 case("cache4d_last_dim_512", ValueError, "kv_cache", lambda: base(kv_cache=make_cache(d=512, four=True)))
 # --- a cache of the wrong rank
 case("cache_rank2", ValueError, "kv_cache", lambda: base(kv_cache=_kv[0]))

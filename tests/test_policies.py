@@ -200,3 +200,17 @@ def test_smaller_shared_memory_changes_only_the_tile():
         assert small.splits * small.chunk >= 8192
         assert kernels.decode_tile_smem(d, small.bm, small.bn, small.stages, small.warps_n, small.split_o) <= \
             kernels.smem_limit("sm_86")
+
+
+def test_prefill_tile_m_follows_the_device_arch(monkeypatch):
+    """Work lists count the q tiles of the kernel that will run: on sm_90a 128 rows at D256
+    too (the portable engine's 64 only elsewhere; a CPU plan counts sm_80's)."""
+    import torch
+
+    monkeypatch.setattr(kernels, "_device", lambda dev: ("sm_90a", 132, kernels.SM90_SMEM_LIMIT))
+    cuda = torch.device("cuda", 0)
+    assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal", cuda) == 128
+    assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal", torch.device("cpu")) == 64
+    assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal") == 64
+    monkeypatch.setattr(kernels, "_device", lambda dev: ("sm_86", 84, 101376))
+    assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal", cuda) == 64

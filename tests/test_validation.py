@@ -140,6 +140,8 @@ FIXED_CASES = [
     # indptr: only one of the two
     ("only_qo_indptr", ValueError, r"kv_indptr", lambda: _f(qo_indptr=ip([0, 4, 8]))),
     ("only_kv_indptr", ValueError, r"qo_indptr", lambda: _f(kv_indptr=ip([0, 6, 12]))),
+    # no keys (packed storage refuses empty requests too)
+    ("fixed_sk_0", ValueError, r"\bk\b", lambda: _f(k=fixed(sk=0)[1], v=fixed(sk=0)[2])),
     # causal needs Sq <= Sk
     ("causal_sq_gt_sk", ValueError, r"\bq\b|Sq",
      lambda: _f(q=fixed(sq=SK + 1)[0], mask_type="causal")),

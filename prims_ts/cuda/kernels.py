@@ -367,7 +367,9 @@ def work_grid(items: int, persistent: bool, sm_count: int) -> int:
 
 
 def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optional[torch.device] = None) -> int:
-    arch = runtime.device_arch(device.index or 0) if device is not None and device.type == "cuda" else "sm_80"
+    """The q tile height of the prefill kernel for `device` (its arch's key; CPU: sm_80's)."""
+    device = torch.device(device) if device is not None else None
+    arch = _device(_device_index(device))[0] if device is not None and device.type == "cuda" else "sm_80"
     return PrefillKey.choose(dtype, head_dim, mask, arch).bm
 
 

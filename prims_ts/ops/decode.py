@@ -194,6 +194,8 @@ def _query_mode(query: torch.Tensor, qo_indptr, seq_len_q, max_seq_len_q) -> Tup
         V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
         if max_seq_len_q != seq_len_q:
             V.fail(f"max_seq_len_q: {max_seq_len_q} contradicts the fixed query length seq_len_q={seq_len_q}")
+    if query.shape[0] < 1:
+        V.fail(f"query: needs at least one request, got shape {tuple(query.shape)}")
     return query.shape[0], seq_len_q, seq_len_q
 
 
@@ -411,13 +413,17 @@ def batch_decode_with_paged_kv_cache(
     Not CUDA-graph capturable; plan a :class:`BatchDecodePagedTSWrapper` for that."""
     k_cache, _ = split_cache(paged_kv_cache, "paged_kv_cache")
     V.tensor("q", q, dtypes=V.INPUT_DTYPES, ndim=3)
-    if paged_kv_indices.numel() and not V.tracing():
-        hi = int(paged_kv_indices.max())
-        if hi >= k_cache.shape[0]:
-            V.fail(f"paged_kv_indices: page ID {hi} is outside [0, {k_cache.shape[0]})")
+    for name, t in (("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
+                    ("paged_kv_last_page_len", paged_kv_last_page_len)):
+        V.tensor(name, t)  # named as this function's arguments (plan checks dtypes and shapes)
     w = BatchDecodePagedTSWrapper(q.device)
     w.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, q.shape[1], k_cache.shape[1], q.shape[2],
            k_cache.shape[2], mask_type=mask_type, window_left=window_left, sm_scale=sm_scale,
            output_scale=output_scale, q_data_type=q.dtype, out_dtype=out_dtype if out_dtype is not None else (
                out.dtype if isinstance(out, torch.Tensor) else None))
+    # the metadata are int32 tensors now (plan checked them); their page IDs against this cache
+    if paged_kv_indices.numel() and not V.tracing():
+        hi = int(paged_kv_indices.max())
+        if hi >= k_cache.shape[0]:
+            V.fail(f"paged_kv_indices: page ID {hi} is outside [0, {k_cache.shape[0]})")
     return w.run(q, paged_kv_cache, out=out)

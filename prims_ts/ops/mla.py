@@ -201,7 +201,7 @@ def _query_heads(query: torch.Tensor) -> int:
 def latent_cache(kv_cache, name: str = "kv_cache") -> torch.Tensor:
     """The 3-D pool ``[P, page_size, 576]`` of a ``[P, page_size, 576]`` or ``[P, 1, page_size, 576]``
     cache (a view, never a copy)."""
-    V.tensor(name, kv_cache, dtypes=V.INPUT_DTYPES, ndim=(3, 4), inner_contiguous=True, vector_aligned=True)
+    V.tensor(name, kv_cache, dtypes=V.INPUT_DTYPES, ndim=(3, 4), inner_contiguous=True)
     cache = kv_cache
     if kv_cache.dim() == 4:
         if kv_cache.shape[1] != 1:
@@ -214,6 +214,7 @@ def latent_cache(kv_cache, name: str = "kv_cache") -> torch.Tensor:
     if cache.shape[1] not in PAGE_SIZES:
         V.fail(f"{name}: page size {cache.shape[1]} is not supported; expected one of "
                f"{', '.join(map(str, PAGE_SIZES))}")
+    V.tensor(name, kv_cache, vector_aligned=True)  # after the shape checks: their message comes first
     if cache.shape[0] < 1:
         V.fail(f"{name}: the cache holds no page")
     V.pool_strides(name, cache, slot_dim=1)

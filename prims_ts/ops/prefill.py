@@ -136,10 +136,11 @@ def _work_tensor(items: List[Tuple[int, int]], device: torch.device) -> torch.Te
     return torch.tensor(items, dtype=torch.int32).to(device)
 
 
-def _tile_m(dtype: torch.dtype, head_dim: int, mask_type: str) -> int:
+def _tile_m(dtype: torch.dtype, head_dim: int, mask_type: str, device: torch.device) -> int:
+    """The q tile height of the kernel that will run on `device` (work lists count its tiles)."""
     from ..cuda.kernels import prefill_tile_m
 
-    return prefill_tile_m(dtype, head_dim, mask_type)
+    return prefill_tile_m(dtype, head_dim, mask_type, device)
 
 
 def _check_qkv(q, k, v, packed: bool) -> Tuple[int, int, int]:
@@ -244,11 +245,13 @@ def plan_prefill(
             max_q_len = max(q_lens)
             if q.is_cuda:
                 work = _work_tensor(work_list(q_lens, kv_lens, mask_type, window_left,
-                                              _tile_m(q.dtype, d, mask_type)), device)
+                                              _tile_m(q.dtype, d, mask_type, device)), device)
         else:
             max_q_len = q.shape[0]  # traced: a safe bound, implicit tile order
     else:
         batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        if sk < 1:  # as packed storage (strictly increasing kv_indptr) and the wrapper's kv_len
+            V.fail(f"k: needs at least one key per request, got shape {tuple(k.shape)}")
         if mask_type == "causal" and sq > sk:
             V.fail(f"q: causal masking needs Sq <= Sk, got Sq={sq} > Sk={sk}")
         if mask_type == "variable_window":
@@ -345,7 +348,6 @@ class BatchPrefillTSWrapper:
         sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(d))
         output_scale = V.scale("output_scale", output_scale)
         odt = V.out_dtype(out_dtype, None, q_data_type)
-        tile_m = _tile_m(q_data_type, d, mask_type)
         if packed:
             if mask_type == "variable_window":
                 V.fail("mask_type: 'variable_window' is supported only for fixed storage, not packed")
@@ -370,7 +372,8 @@ class BatchPrefillTSWrapper:
                 bound_q = [max_q_len] * batch
             else:
                 bound_q = q_lens
-            work = _work_tensor(work_list(bound_q, kv_lens, mask_type, window_left, tile_m), device)
+            work = _work_tensor(work_list(bound_q, kv_lens, mask_type, window_left,
+                                          _tile_m(q_data_type, d, mask_type, device)), device)
             self._totals = (qo[-1], kvo[-1])
             self._indptr = (qo_indptr, kv_indptr)
             max_len = max(bound_q)

@@ -226,8 +226,8 @@ def batch_prefill_with_paged_kv_cache(
         q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
         max_q_len = max(q_lens)
         if q.is_cuda:
-            work = _work_tensor(work_list(q_lens, lens, mask_type, window_left, _tile_m(q.dtype, d, mask_type)),
-                                device)
+            work = _work_tensor(work_list(q_lens, lens, mask_type, window_left,
+                                          _tile_m(q.dtype, d, mask_type, device)), device)
     plan = PrefillPlan(True, batch, hq, hkv, d, mask_type, window_left, sm_scale, output_scale, odt, max_q_len, work)
     return _call(plan, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, out)
 
@@ -288,8 +288,9 @@ class BatchPrefillPagedTSWrapper:
             bounds = [max_q_len] * batch
         else:
             bounds = q_lens
-        work = _work_tensor(work_list(bounds, lens, mask_type, window_left, _tile_m(q_data_type, d, mask_type)),
-                            self.device or device)
+        dev = self.device or device
+        work = _work_tensor(work_list(bounds, lens, mask_type, window_left, _tile_m(q_data_type, d, mask_type, dev)),
+                            dev)
         self._plan = PrefillPlan(True, batch, num_qo_heads, num_kv_heads, d, mask_type, window_left, sm_scale,
                                  output_scale, odt, max(bounds), work)
         self._meta = (qo_indptr, block_tables, seq_lens_kv)
