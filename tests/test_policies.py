@@ -214,3 +214,43 @@ def test_prefill_tile_m_follows_the_device_arch(monkeypatch):
     assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal") == 64
     monkeypatch.setattr(kernels, "_device", lambda dev: ("sm_86", 84, 101376))
     assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal", cuda) == 64
+
+
+def test_wrapper_plans_load_the_kernel_their_runs_launch(monkeypatch):
+    """SPEC: plan chooses and compiles the kernels. Each wrapper's plan loads (through
+    kernels.preload) the very key its runs pick from the same static arguments; here the
+    plan's device is made to look like an H200 and preload records instead of loading."""
+    import torch
+
+    import prims_ts
+
+    loaded = []
+    monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
+    monkeypatch.setattr(kernels, "_device", lambda dev: ("sm_90a", 132, kernels.SM90_SMEM_LIMIT))
+    monkeypatch.setattr(kernels, "preload", lambda device, keys: loaded.extend(keys))
+    i32 = dict(dtype=torch.int32)
+
+    w = prims_ts.BatchDecodePagedTSWrapper()
+    w.plan(torch.tensor([0, 2, 5], **i32), torch.arange(5, **i32), torch.tensor([3, 16], **i32), 32, 8, 128, 16,
+           mask_type="causal", q_data_type=torch.float16)
+    assert loaded.pop() == kernels.decode_key(torch.float16, 128, True, 2, 8, 4, 1, 48, 0)[1]
+
+    w = prims_ts.BatchMLADecodePagedTSWrapper(device="cpu")
+    w.plan(torch.tensor([100, 3000], **i32), 16, 64, max_seq_len_q=2)
+    assert loaded.pop() == kernels.decode_key(torch.bfloat16, 576, True, 2, 1, 16, 2, 3000, 0)[1]
+
+    w = prims_ts.BatchPrefillPagedTSWrapper()
+    w.plan(torch.tensor([0, 3, 7], **i32), torch.arange(8, **i32).view(2, 4), torch.tensor([40, 60], **i32),
+           num_qo_heads=8, num_kv_heads=2, head_dim=256, page_size=16, mask_type="causal")
+    key = loaded.pop()
+    assert key == kernels.prefill_key(torch.bfloat16, 256, "causal", 0, paged=True) and key.bm == 128
+
+    w = prims_ts.BatchPrefillTSWrapper(device="cpu")
+    w.plan(torch.tensor([0, 3, 7], **i32), torch.tensor([0, 5, 9], **i32), num_qo_heads=8, num_kv_heads=8,
+           head_dim=128, mask_type="dense")
+    assert loaded.pop() == kernels.prefill_key(torch.bfloat16, 128, "dense", 0)
+
+    w = prims_ts.BlockSparsePagedTSWrapper(device="cpu")
+    w.plan(2, 300, 32, 8, 128, 64, 64, 128, 4096, mask_type="causal")
+    assert loaded.pop() == kernels.block_sparse_key(torch.bfloat16, 128, True, 128, 64 * 4, 0)
+    assert not loaded

@@ -312,13 +312,59 @@ def launch_prefill_paged(
             max_q_len)
 
 
+def prefill_key(dtype: torch.dtype, head_dim: int, mask: str, dev: int, paged: bool = False) -> "PrefillKey":
+    """The prefill kernel (contiguous or paged) on CUDA device `dev`."""
+    return PrefillKey.choose(dtype, head_dim, mask, _device(dev)[0], paged=paged)
+
+
+def preload(device, keys) -> None:
+    """Load these kernels on `device` now (compiled by NVRTC first unless the disk cache has
+    them): what a wrapper's plan does, so that its runs (and a CUDA graph captured around
+    them) find every module loaded. Nothing to do off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    dev = _device_index(device)
+    with torch.cuda.device(dev):
+        for key in keys:
+            _kernel(dev, key)
+
+
+def _cuda_index(device) -> Optional[int]:
+    device = torch.device(device) if device is not None else None
+    return _device_index(device) if device is not None and device.type == "cuda" else None
+
+
+def warm_prefill(device, dtype: torch.dtype, head_dim: int, mask: str, paged: bool = False) -> None:
+    """Plan-time: load the prefill kernel the runs on `device` will launch (no-op off CUDA)."""
+    dev = _cuda_index(device)
+    if dev is not None:
+        preload(device, [prefill_key(dtype, head_dim, mask, dev, paged)])
+
+
+def warm_decode(device, dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_kv_heads: int, group: int,
+                max_seq_len_q: int, max_seq_len: int) -> None:
+    """Plan-time: load the decode-shaped kernel (paged decode, MLA) of these static arguments."""
+    dev = _cuda_index(device)
+    if dev is not None:
+        preload(device, [decode_key(dtype, head_dim, causal, batch, num_kv_heads, group, max_seq_len_q, max_seq_len,
+                                    dev)[1]])
+
+
+def warm_block_sparse(device, dtype: torch.dtype, head_dim: int, causal: bool, kv_block_size: int, rows: int) -> None:
+    """Plan-time: load the block-sparse kernel for route rows of `rows` M rows."""
+    dev = _cuda_index(device)
+    if dev is not None:
+        preload(device, [block_sparse_key(dtype, head_dim, causal, kv_block_size, rows, dev)])
+
+
 def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, window_left, sm_scale,
             output_scale, max_q_len) -> None:
     """Fill the fields every prefill launch shares, pick the kernel, launch it."""
     packed = qo_indptr is not None
     hq, hkv = q.shape[-2], k.shape[1] if paged else k.shape[-2]
     dev = _device_index(q.device)
-    key = PrefillKey.choose(q.dtype, q.shape[-1], mask, _device(dev)[0], paged=paged)
+    key = prefill_key(q.dtype, q.shape[-1], mask, dev, paged)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
         p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
@@ -701,6 +747,15 @@ def _fill_gqa_rows(p: "DecodeParams", query, k_cache, v_cache, out, packed: bool
     p.out_scale = output_scale
 
 
+def decode_key(dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_kv_heads: int, group: int,
+               max_seq_len_q: int, max_seq_len: int, dev: int) -> Tuple[DecodePolicy, "DecodeKey"]:
+    """The policy and kernel of a decode-shaped launch (paged decode; MLA with one latent head)
+    on CUDA device `dev`, from the static arguments alone (what a plan knows)."""
+    arch, sms, limit = _device(dev)
+    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
+    return pol, DecodeKey.of(DTYPE_CODES[dtype], head_dim, causal, pol, arch)
+
+
 def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, bt_stride: int, seq_lens,
                           qo_indptr, seq_len_q: int, max_seq_len_q: int, max_seq_len: int, causal: bool,
                           window_left: int, sm_scale: float, output_scale: float) -> None:
@@ -711,9 +766,7 @@ def _launch_decode_kernel(query, k_cache, v_cache, workspace, out, kv_indptr, kv
     group = hq // hkv
     batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
     dev = _device_index(query.device)
-    arch, sms, limit = _device(dev)
-    pol = decode_policy(batch, hkv, group, max_seq_len_q, d, max_seq_len, sms, limit)
-    key = DecodeKey.of(DTYPE_CODES[query.dtype], d, causal, pol, arch)
+    pol, key = decode_key(query.dtype, d, causal, batch, hkv, group, max_seq_len_q, max_seq_len, dev)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)
         p = DecodeParams()
@@ -874,6 +927,13 @@ class BlockSparseParams(ctypes.Structure):
     ] + [(n, ctypes.c_int32) for n in ("rows_r", "q_block", "kv_block", "row_tiles", "valid_words", "batch")]
 
 
+def block_sparse_key(dtype: torch.dtype, head_dim: int, causal: bool, kv_block_size: int, rows: int,
+                     dev: int) -> "BlockSparseKey":
+    """The block-sparse kernel on CUDA device `dev` for route rows of `rows` M rows
+    (min(q_block_size, Sq) x group)."""
+    return BlockSparseKey.choose(DTYPE_CODES[dtype], head_dim, causal, kv_block_size, rows, _device(dev)[0])
+
+
 def launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices,
                         q_block_size: int, kv_block_size: int, seq_lens, valid_bits, causal: bool,
                         sm_scale: float) -> None:
@@ -886,7 +946,7 @@ def launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_i
     rows_r = -(-sq // q_block_size)
     rows = min(q_block_size, sq) * group
     dev = _device_index(q.device)
-    key = BlockSparseKey.choose(DTYPE_CODES[q.dtype], d, causal, kv_block_size, rows, _device(dev)[0])
+    key = block_sparse_key(q.dtype, d, causal, kv_block_size, rows, dev)
     row_tiles = -(-rows // key.bm)  # rows: the tallest route row (q_block_size, or Sq if shorter)
     with torch.cuda.device(dev):
         kern = _kernel(dev, key)

@@ -302,6 +302,12 @@ class BlockSparsePagedTSWrapper:
                           page_size=page_size, q_block=q_block_size, kv_block=kv_block_size,
                           max_seq_len_kv=max_seq_len_kv, bits=use_valid_bits, mask_type=mask_type,
                           sm_scale=sm_scale, dtype=q_data_type)
+        device = self.device or (seq_lens_kv.device if seq_lens_kv is not None else None)
+        if device is not None:  # the kernel compiled and loaded now, not in run
+            from ..cuda import kernels
+
+            kernels.warm_block_sparse(device, q_data_type, d, mask_type == "causal", kv_block_size,
+                                      min(q_block_size, seq_len_q) * group)
 
     def run(
         self,

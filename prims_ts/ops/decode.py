@@ -361,6 +361,10 @@ class BatchDecodePagedTSWrapper:
         self._meta = (indptr, indices, last_page_len)
         self._seq_lens = torch.empty(batch, dtype=torch.int32, device=dev)
         self._workspace = ws
+        from ..cuda import kernels
+
+        kernels.warm_decode(dev, q_data_type, d, mask_type == "causal", batch, num_kv_heads,
+                            num_qo_heads // num_kv_heads, 1, max_seq_len)  # compiled and loaded now, not in run
 
     def _live_seq_lens(self) -> torch.Tensor:
         """(pages - 1) * page_size + last_page_len, computed on the device into a planned buffer."""

@@ -390,6 +390,11 @@ class BatchPrefillTSWrapper:
         self._plan = PrefillPlan(packed, batch, num_qo_heads, num_kv_heads, d, mask_type, window_left, sm_scale,
                                  output_scale, odt, max_len, work)
         self._dtype = q_data_type
+        device = self.device or (qo_indptr.device if packed else None)
+        if device is not None:  # the kernel compiled and loaded now, not in run
+            from ..cuda import kernels
+
+            kernels.warm_prefill(device, q_data_type, d, mask_type)
 
     def run(
         self,
