@@ -466,6 +466,7 @@ PLAN_CASES = [
     ("causal_packed_sq_gt_sk", ValueError, "qo_indptr",
      lambda: _plan_packed(qo=[0, 5, 6], kv=[0, 4, 9], mask_type="causal")),
     ("causal_fixed_sq_gt_sk", ValueError, "q_len", lambda: _plan_fixed(q_len=SK + 1, mask_type="causal")),
+    ("fixed_max_q_len_differs", ValueError, "max_q_len", lambda: _plan_fixed(max_q_len=SQ + 1)),
     ("fixed_missing_batch_size", ValueError, "batch_size", lambda: ((), dict(_drop(FIXED_SHAPE, "batch_size"),
                                                                                 **HEADS))),
     ("fixed_missing_q_len", ValueError, "q_len", lambda: ((), dict(_drop(FIXED_SHAPE, "q_len"), **HEADS))),

@@ -384,6 +384,9 @@ class BatchPrefillTSWrapper:
                 V.integer(name, val, minimum=1)
             if mask_type == "causal" and q_len > kv_len:
                 V.fail(f"q_len: causal masking needs Sq <= Sk, got {q_len} > {kv_len}")
+            if max_q_len is not None and max_q_len != q_len:
+                V.fail(f"max_q_len: fixed storage has q_len={q_len} queries per request; leave max_q_len unset "
+                       f"or equal to it, got {max_q_len}")
             batch, max_len, work = batch_size, q_len, None
             self._totals = (batch_size, q_len, kv_len)
             self._indptr = (None, None)
