@@ -254,3 +254,26 @@ def test_wrapper_plans_load_the_kernel_their_runs_launch(monkeypatch):
     w.plan(2, 300, 32, 8, 128, 64, 64, 128, 4096, mask_type="causal")
     assert loaded.pop() == kernels.block_sparse_key(torch.bfloat16, 128, True, 128, 64 * 4, 0)
     assert not loaded
+
+
+def test_a_plan_that_fails_to_load_leaves_the_previous_plan_whole(monkeypatch):
+    """The kernel is loaded before a plan changes any state: if loading fails, the wrapper
+    keeps its previous plan entirely (no mix of the old checks and the new metadata)."""
+    import torch
+
+    import prims_ts
+
+    i32 = dict(dtype=torch.int32)
+    w = prims_ts.BatchPrefillPagedTSWrapper()
+    w.plan(torch.tensor([0, 3, 7], **i32), torch.arange(8, **i32).view(2, 4), torch.tensor([40, 60], **i32),
+           num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+    before = dict(vars(w))
+
+    def fail(*a, **k):
+        raise RuntimeError("NVRTC failed")
+
+    monkeypatch.setattr(kernels, "warm_prefill", fail)
+    with pytest.raises(RuntimeError, match="NVRTC"):
+        w.plan(torch.tensor([0, 5, 12], **i32), torch.arange(8, **i32).view(2, 4), torch.tensor([100, 120], **i32),
+               num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=32)
+    assert vars(w).keys() == before.keys() and all(vars(w)[k] is before[k] for k in before)

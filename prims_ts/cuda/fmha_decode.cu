@@ -108,7 +108,7 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
     float4* stage = reinterpret_cast<float4*>(smem + W_BYTES);
     for (int q0 = 0; q0 < n; q0 += THREADS * QPT) {
       const int nq = min_(THREADS * QPT, n - q0);  // groups of this pass
-      const int per = SLOTS / nq;                  // splits a chunk (>= 1: static_assert below)
+      const int per = SLOTS / nq;                  // splits a chunk: >= 1, as nq <= THREADS * QPT <= SLOTS
       float4 acc[QPT];
 #pragma unroll
       for (int k = 0; k < QPT; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -118,8 +118,7 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
           for (int j = threadIdx.x; j < nq; j += THREADS)
             cp_async_16(smem_addr(stage + i * nq + j), part + (s0 + i) * stride + q0 + j, true);
         cp_async_commit();
-        cp_async_wait<0>();
-        named_bar_sync(2, THREADS);
+        cp_async_wait<0>();  // each thread reads only the slots it copied (j = tid + k * THREADS)
 #pragma unroll
         for (int k = 0; k < QPT; ++k) {
           const int j = threadIdx.x + k * THREADS;
@@ -135,7 +134,7 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
             }
           }
         }
-        named_bar_sync(2, THREADS);  // every thread is done with the chunk before the next lands
+        named_bar_sync(2, THREADS);  // reads of the chunk done before the next chunk's copies land
       }
 #pragma unroll
       for (int k = 0; k < QPT; ++k) {

@@ -322,8 +322,8 @@ def preload(device, keys) -> None:
     them): what a wrapper's plan does, so that its runs (and a CUDA graph captured around
     them) find every module loaded. Nothing to do off CUDA."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return
+    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return  # traced or captured: the first run outside loads them (as before plans loaded)
     dev = _device_index(device)
     with torch.cuda.device(dev):
         for key in keys:
@@ -331,15 +331,19 @@ def preload(device, keys) -> None:
 
 
 def _cuda_index(device) -> Optional[int]:
-    device = torch.device(device) if device is not None else None
-    return _device_index(device) if device is not None and device.type == "cuda" else None
+    """The CUDA device index of `device`; None: the current CUDA device if there is one (a
+    plan that names no device runs there), else None for the CPU and meta devices."""
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = torch.device(device)
+    return _device_index(device) if device.type == "cuda" else None
 
 
 def warm_prefill(device, dtype: torch.dtype, head_dim: int, mask: str, paged: bool = False) -> None:
     """Plan-time: load the prefill kernel the runs on `device` will launch (no-op off CUDA)."""
     dev = _cuda_index(device)
     if dev is not None:
-        preload(device, [prefill_key(dtype, head_dim, mask, dev, paged)])
+        preload(torch.device("cuda", dev), [prefill_key(dtype, head_dim, mask, dev, paged)])
 
 
 def warm_decode(device, dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_kv_heads: int, group: int,
@@ -347,15 +351,15 @@ def warm_decode(device, dtype: torch.dtype, head_dim: int, causal: bool, batch: 
     """Plan-time: load the decode-shaped kernel (paged decode, MLA) of these static arguments."""
     dev = _cuda_index(device)
     if dev is not None:
-        preload(device, [decode_key(dtype, head_dim, causal, batch, num_kv_heads, group, max_seq_len_q, max_seq_len,
-                                    dev)[1]])
+        preload(torch.device("cuda", dev), [decode_key(dtype, head_dim, causal, batch, num_kv_heads, group,
+                                                       max_seq_len_q, max_seq_len, dev)[1]])
 
 
 def warm_block_sparse(device, dtype: torch.dtype, head_dim: int, causal: bool, kv_block_size: int, rows: int) -> None:
     """Plan-time: load the block-sparse kernel for route rows of `rows` M rows."""
     dev = _cuda_index(device)
     if dev is not None:
-        preload(device, [block_sparse_key(dtype, head_dim, causal, kv_block_size, rows, dev)])
+        preload(torch.device("cuda", dev), [block_sparse_key(dtype, head_dim, causal, kv_block_size, rows, dev)])
 
 
 def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, window_left, sm_scale,

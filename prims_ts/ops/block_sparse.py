@@ -298,16 +298,16 @@ class BlockSparsePagedTSWrapper:
             check_lengths([int(x) for x in seq_lens_kv.tolist()], max_seq_len_kv, seq_len_q, mask_type)
         elif mask_type == "causal" and seq_len_q > max_seq_len_kv:
             V.fail(f"seq_len_q: causal masking needs Sq <= max_seq_len_kv, got {seq_len_q} > {max_seq_len_kv}")
+        from ..cuda import kernels
+
+        # the kernel compiled and loaded now, not in run (no device named: the current CUDA one)
+        kernels.warm_block_sparse(self.device or (seq_lens_kv.device if seq_lens_kv is not None else None),
+                                  q_data_type, d, mask_type == "causal", kv_block_size,
+                                  min(q_block_size, seq_len_q) * group)
         self._plan = dict(batch=batch_size, sq=seq_len_q, hq=num_qo_heads, hkv=num_kv_heads, d=d,
                           page_size=page_size, q_block=q_block_size, kv_block=kv_block_size,
                           max_seq_len_kv=max_seq_len_kv, bits=use_valid_bits, mask_type=mask_type,
                           sm_scale=sm_scale, dtype=q_data_type)
-        device = self.device or (seq_lens_kv.device if seq_lens_kv is not None else None)
-        if device is not None:  # the kernel compiled and loaded now, not in run
-            from ..cuda import kernels
-
-            kernels.warm_block_sparse(device, q_data_type, d, mask_type == "causal", kv_block_size,
-                                      min(q_block_size, seq_len_q) * group)
 
     def run(
         self,

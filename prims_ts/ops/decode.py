@@ -352,6 +352,12 @@ class BatchDecodePagedTSWrapper:
         if max_seq_len < longest:
             V.fail(f"max_seq_len: {max_seq_len} is below the longest planned request ({longest})")
         dev = self.device or device
+        from ..cuda import kernels
+
+        # the kernel compiled and loaded now, not in run (before any state changes: a failed plan
+        # leaves the previous one whole)
+        kernels.warm_decode(dev, q_data_type, d, mask_type == "causal", batch, num_kv_heads,
+                            num_qo_heads // num_kv_heads, 1, max_seq_len)
         ws = torch.zeros(get_prims_ts_batch_decode_workspace_size(batch, num_qo_heads, num_kv_heads, d, max_seq_len,
                                                                   device=dev), dtype=torch.uint8, device=dev)
         self._plan = dict(batch=batch, hq=num_qo_heads, hkv=num_kv_heads, d=d, page_size=page_size,
@@ -361,10 +367,6 @@ class BatchDecodePagedTSWrapper:
         self._meta = (indptr, indices, last_page_len)
         self._seq_lens = torch.empty(batch, dtype=torch.int32, device=dev)
         self._workspace = ws
-        from ..cuda import kernels
-
-        kernels.warm_decode(dev, q_data_type, d, mask_type == "causal", batch, num_kv_heads,
-                            num_qo_heads // num_kv_heads, 1, max_seq_len)  # compiled and loaded now, not in run
 
     def _live_seq_lens(self) -> torch.Tensor:
         """(pages - 1) * page_size + last_page_len, computed on the device into a planned buffer."""

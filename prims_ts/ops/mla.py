@@ -484,13 +484,14 @@ class BatchMLADecodePagedTSWrapper:
             q_lens = [max_seq_len_q] * batch
         if mask_type == "causal":
             _values_causal(q_lens, lens)
+        from ..cuda import kernels
+
+        # the kernel compiled and loaded now, not in run (before any state changes)
+        kernels.warm_decode(self.device or device, q_data_type, DIM_QK, mask_type == "causal", batch, 1, num_heads,
+                            max_seq_len_q, max_kv_len)
         self._allocate(batch, num_heads, max_kv_len, max_seq_len_q, self.device or device)
         self._plan = _Plan(batch, num_heads, page_size, packed, max_seq_len_q, max_kv_len, mask_type, sm_scale,
                            output_scale, q_data_type, odt)
-        from ..cuda import kernels
-
-        kernels.warm_decode(self.device or device, q_data_type, DIM_QK, mask_type == "causal", batch, 1, num_heads,
-                            max_seq_len_q, max_kv_len)  # compiled and loaded now, not in run
 
     def _allocate(self, batch: int, num_heads: int, max_kv_len: int, max_seq_len_q: int,
                   device: torch.device) -> None:

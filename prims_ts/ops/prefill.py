@@ -374,8 +374,7 @@ class BatchPrefillTSWrapper:
                 bound_q = q_lens
             work = _work_tensor(work_list(bound_q, kv_lens, mask_type, window_left,
                                           _tile_m(q_data_type, d, mask_type, device)), device)
-            self._totals = (qo[-1], kvo[-1])
-            self._indptr = (qo_indptr, kv_indptr)
+            totals, indptr_pair = (qo[-1], kvo[-1]), (qo_indptr, kv_indptr)
             max_len = max(bound_q)
         else:
             for name, val in (("batch_size", batch_size), ("q_len", q_len), ("kv_len", kv_len)):
@@ -388,16 +387,15 @@ class BatchPrefillTSWrapper:
                 V.fail(f"max_q_len: fixed storage has q_len={q_len} queries per request; leave max_q_len unset "
                        f"or equal to it, got {max_q_len}")
             batch, max_len, work = batch_size, q_len, None
-            self._totals = (batch_size, q_len, kv_len)
-            self._indptr = (None, None)
+            totals, indptr_pair = (batch_size, q_len, kv_len), (None, None)
+        from ..cuda import kernels
+
+        # the kernel compiled and loaded now, not in run (no device named: the current CUDA one)
+        kernels.warm_prefill(self.device or (qo_indptr.device if packed else None), q_data_type, d, mask_type)
         self._plan = PrefillPlan(packed, batch, num_qo_heads, num_kv_heads, d, mask_type, window_left, sm_scale,
                                  output_scale, odt, max_len, work)
+        self._totals, self._indptr = totals, indptr_pair
         self._dtype = q_data_type
-        device = self.device or (qo_indptr.device if packed else None)
-        if device is not None:  # the kernel compiled and loaded now, not in run
-            from ..cuda import kernels
-
-            kernels.warm_prefill(device, q_data_type, d, mask_type)
 
     def run(
         self,

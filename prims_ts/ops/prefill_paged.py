@@ -291,12 +291,13 @@ class BatchPrefillPagedTSWrapper:
         dev = self.device or device
         work = _work_tensor(work_list(bounds, lens, mask_type, window_left, _tile_m(q_data_type, d, mask_type, dev)),
                             dev)
+        from ..cuda import kernels
+
+        # the kernel compiled and loaded now, not in run (before any state changes)
+        kernels.warm_prefill(dev, q_data_type, d, mask_type, paged=True)
         self._plan = PrefillPlan(True, batch, num_qo_heads, num_kv_heads, d, mask_type, window_left, sm_scale,
                                  output_scale, odt, max(bounds), work)
         self._meta = (qo_indptr, block_tables, seq_lens_kv)
-        from ..cuda import kernels
-
-        kernels.warm_prefill(dev, q_data_type, d, mask_type, paged=True)  # compiled and loaded now, not in run
         self._total_q = qo[-1]
         self._page_size = page_size
         self._max_page = max_page
