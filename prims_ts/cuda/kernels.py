@@ -43,7 +43,7 @@ def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: i
     warps_m = bm // 16
     xchg = warps_m * warps_n * 16 * 4 + warps_m * (bn // 16) * 32 * 16 if split_o else 0
     pipe = bm * head_dim * 2 + (1 if shared_kv else 2) * stages * bn * head_dim * 2 + xchg
-    pipe += 2 * stages * 8 if producer else 0
+    pipe += 2 * stages * 8 + 16 if producer else 0  # the ring's mbarriers and Q's pair
     merge = (warps_m * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * dv * 4) if warps_n > 1 and not split_o else 0
     return max(pipe, merge)
 

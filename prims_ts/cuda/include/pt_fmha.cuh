@@ -98,7 +98,8 @@ struct FmhaConfig {
   // sums), then P of the tile as A fragments [WARPS_M][BN / 16][32 lanes] x 16 bytes
   static constexpr int SMEM_XCHG_RED = WARPS * 16 * 4;
   static constexpr int SMEM_XCHG = SPLIT_O ? SMEM_XCHG_RED + WARPS_M * (BN / 16) * 32 * 16 : 0;
-  static constexpr int SMEM_BARS = PRODUCER ? 2 * STAGES * 8 : 0;  // full[STAGES], empty[STAGES]
+  // full[STAGES], empty[STAGES], then q_full / q_empty (persistent CTAs: Q copied by the producer)
+  static constexpr int SMEM_BARS = PRODUCER ? 2 * STAGES * 8 + 16 : 0;
   static constexpr int SMEM_PIPE = SMEM_Q + SMEM_RING + SMEM_XCHG + SMEM_BARS;
   // key-split merge (reuses the pipeline's bytes): (m, l) per warp and row, then
   // the O fragments of the WARPS_N - 1 warps that hand theirs over
@@ -117,11 +118,12 @@ struct FmhaConfig {
 
 // Copy `rows` valid rows (of at most ROWS) into a swizzled tile; zero-fill the rest.
 // `tid`: this thread's index among the THREADS copying threads.
-template <class Tile, int THREADS, class RowFn>
+// ROLLED: a loop, not unrolled (the producer warpgroup's small register share).
+template <class Tile, int THREADS, class RowFn, bool ROLLED = false>
 __device__ __forceinline__ void load_tile(u32 smem_base, int rows, RowFn row_ptr, int tid) {
   constexpr int TOTAL = Tile::BYTES / 16;
   static_assert(TOTAL % THREADS == 0, "tile not divisible among threads");
-#pragma unroll
+#pragma unroll(ROLLED ? 1 : TOTAL / THREADS)
   for (int i = 0; i < TOTAL / THREADS; ++i) {
     int idx = tid + i * THREADS;
     int r = idx / Tile::CHUNKS;
@@ -219,6 +221,7 @@ struct RingPos {
   int stage = 0;
   u32 phase = 0;
   int filled = 0;
+  u32 q_phase = 0;  // the MMA warps: parity of the current item's Q (copied by the producer)
 };
 
 // The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, and
@@ -291,6 +294,16 @@ __device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TIL
   const u32 sQ = smem_addr(smem);
   return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};
 }
+// Q's pair of mbarriers after the ring's (persistent CTAs): q_full, the producer's copy of an
+// item's Q has landed; q_empty, every MMA warp is done reading it (its last S^T has landed).
+template <class Cfg>
+__device__ __forceinline__ u32 fmha_q_full(char* smem) {
+  return fmha_ring<Cfg>(smem).bars + 16u * Cfg::STAGES;
+}
+template <class Cfg>
+__device__ __forceinline__ u32 fmha_q_empty(char* smem) {
+  return fmha_q_full<Cfg>(smem) + 8u;
+}
 
 // The MMA threads of a producer-ring CTA copy the Q tile themselves and wait for it
 // (named barrier 1: the producer warpgroup never joins).
@@ -306,9 +319,13 @@ __device__ __forceinline__ void load_q_for_mma(u32 sQ, const Problem& pb) {
 // One work item (a BM-row tile over its key range). Producer-ring configs: the MMA
 // threads only (the ring is set up and fed by fmha_items), from where `pos` stands.
 // Portable configs: the whole CTA, `pos` unused.
-template <class Cfg, class Problem>
+// Q_BY_PRODUCER (persistent CTAs, the plain loop): the producer copies each item's Q; the
+// MMA warps wait for it (q_full) and hand it back after their last S^T (q_empty).
+template <class Cfg, bool Q_BY_PRODUCER = false, class Problem>
 __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, float scale_log2, float out_scale,
                                                RingPos& pos) {
+  static_assert(!Q_BY_PRODUCER || (Cfg::PRODUCER && !Cfg::OVERLAP && !Cfg::SPLIT_O && Cfg::WARPS_N == 1),
+                "Q from the producer: the plain loop of whole-row warpgroups");
   using T = typename Cfg::T;
   constexpr int D = Cfg::D, BN = Cfg::BN, THREADS = Cfg::THREADS, STAGES = Cfg::STAGES;
   constexpr int BNW = Cfg::BNW;  // keys of a tile this warp scores
@@ -356,7 +373,19 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
 
   // the producer pipeline's ring and mbarriers (after the exchange area)
   const auto ring = fmha_ring<Cfg>(smem);
-  if constexpr (Cfg::PRODUCER) {
+  // Q_BY_PRODUCER: this warp is done with the item's Q (after its last S^T, or at once with no tile)
+  auto release_q = [&]() {
+    if constexpr (Q_BY_PRODUCER) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(fmha_q_empty<Cfg>(smem));
+    }
+  };
+  if constexpr (Q_BY_PRODUCER) {
+    mbar_wait(fmha_q_full<Cfg>(smem), pos.q_phase);
+    fence_proxy_async();
+    pos.q_phase ^= 1u;
+    if (n_tiles == 0) release_q();
+  } else if constexpr (Cfg::PRODUCER) {
     load_q_for_mma<QTile, THREADS>(sQ, pb);
   } else {
     // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
@@ -564,6 +593,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       issue_s_wgmma(s, stage);
       wgmma_wait<0>();
       fence_regs(s);
+      if (it == n_tiles - 1) release_q();  // the item's last S^T has landed: Q is free
     } else {
 #pragma unroll
     for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
@@ -814,9 +844,9 @@ struct OneItem {
 // A CTA over its work items. One item: its problem is built once by every thread, then
 // the producer warpgroup (if any) copies its tiles and the MMA warps compute them. A
 // persistent CTA (producer ring only): the ring is initialised once; the producer copies
-// the tiles of item after item (the next item's first tiles land while the MMA warps
-// finish the current one and store it) and the MMA warps compute them in the same order,
-// meeting once per item (named barrier 1) before the next Q replaces the current one.
+// item after item, its Q (once the MMA warps' last S^T of the previous item has landed:
+// q_empty) then its K/V tiles, so the next item's Q and first tiles land while the MMA
+// warps finish the current one and store it; they compute the items in the same order.
 template <class Cfg, class Items>
 __device__ __forceinline__ void fmha_items(const Items& items, char* smem, float scale_log2, float out_scale) {
   using Problem = typename Items::Problem;
@@ -840,15 +870,28 @@ __device__ __forceinline__ void fmha_items(const Items& items, char* smem, float
   } else {
     static_assert(Cfg::PRODUCER, "persistent CTAs: the producer ring");
     const auto ring = fmha_ring<Cfg>(smem);
-    if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+    if (threadIdx.x == 0) {
+      ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+      mbar_init(fmha_q_full<Cfg>(smem), Cfg::PRODUCER_THREADS);
+      mbar_init(fmha_q_empty<Cfg>(smem), Cfg::WARPS);
+    }
     __syncthreads();
-    if (threadIdx.x >= THREADS) {  // the producer warpgroup
+    if (threadIdx.x >= THREADS) {  // the producer warpgroup: each item's Q, then its K/V tiles
       if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+      const int tid = threadIdx.x - THREADS;
+      int k = 0;  // items begun
       for (int w = items.first(); w < items.count(); w += items.stride()) {
         Problem pb;
         if (!items.get(w, pb)) continue;
+        // Q of item k replaces item k - 1's once every MMA warp has read it for the last time
+        if (k > 0) mbar_wait(fmha_q_empty<Cfg>(smem), (u32)(k - 1) & 1u);
+        ++k;
+        auto q_row = [&](int r) { return pb.q_row(r); };
+        load_tile<typename Cfg::QTile, Cfg::PRODUCER_THREADS, decltype(q_row), true>(smem_addr(smem), pb.q_rows,
+                                                                                    q_row, tid);
+        cp_async_mbar_arrive(fmha_q_full<Cfg>(smem));
         const auto range = pb.range();
-        ring.template produce_item<Cfg::PRODUCER_THREADS>(pb, range, range.n_tiles(), threadIdx.x - THREADS, pos);
+        ring.template produce_item<Cfg::PRODUCER_THREADS>(pb, range, range.n_tiles(), tid, pos);
       }
       cp_async_wait<0>();
       return;
@@ -857,8 +900,7 @@ __device__ __forceinline__ void fmha_items(const Items& items, char* smem, float
     for (int w = items.first(); w < items.count(); w += items.stride()) {
       Problem pb;
       if (!items.get(w, pb)) continue;
-      named_bar_sync(1, THREADS);  // every MMA warp is done with the last item's Q
-      fmha_tile_body<Cfg>(pb, smem, scale_log2, out_scale, pos);
+      fmha_tile_body<Cfg, true>(pb, smem, scale_log2, out_scale, pos);
     }
   }
 }
