@@ -91,7 +91,9 @@ K.FMHA_LOOP = 0 if v == 'p' else int(v); K.PERSISTENT = v == 'p'; \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
                 $v bench --family prefill --family paged_prefill --family block_sparse \
                 --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -40
-        done ;;
+        done
+        echo "== speedups over variant 0"
+        "$PY" benchmarks/ab_table.py "$OUT/ab0.json" "$OUT/ab1.json" "$OUT/ab2.json" "$OUT/abp.json" | tee "$OUT/ab_table.txt" ;;
     sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and rings
         echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
