@@ -15,8 +15,12 @@ from typing import Dict, List, Optional, Tuple
 
 
 def load(path: str, runner: str) -> Dict[Tuple[str, str], Optional[float]]:
-    with open(path) as f:
-        rows = json.load(f)["rows"]
+    """(family, problem) -> the runner's ms; a run that left no readable file has no rows."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    except (OSError, ValueError, KeyError):
+        return {}
     return {(r["family"], r["problem"]): (r["runners"].get(runner) or {}).get("ms") for r in rows}
 
 
