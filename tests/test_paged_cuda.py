@@ -21,7 +21,7 @@ import torch
 import prims_ts
 from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, cumsum0, rel_err, stable_seed
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ring_variant")]  # every producer-ring variant
 
@@ -41,20 +41,7 @@ def tables(kind: str, kv_lens: Sequence[int], ps: int, g: torch.Generator, extra
     """CPU block table ([B, C], possibly a padded view) and the pool size for one table kind."""
     n_pages = [(sk + ps - 1) // ps for sk in kv_lens]
     B = len(kv_lens)
-    if kind == "repeated":
-        shared = max(2, max(n_pages) // 2 + 1)
-        P = shared + extra_pages
-        rows = [torch.randint(0, shared, (n,), generator=g).tolist() for n in n_pages]
-        rows[-1][0] = rows[0][0]
-    else:
-        P = sum(n_pages) + extra_pages
-        perm = torch.randperm(P, generator=g).tolist()
-        if perm == sorted(perm):
-            perm = perm[::-1]
-        rows, at = [], 0
-        for n in n_pages:
-            rows.append(perm[at:at + n])
-            at += n
+    P, rows = assign_pages(n_pages, "repeated" if kind == "repeated" else "perm", extra_pages, g)
     if kind == "padded":
         C = max(n_pages) + 3
         big = torch.empty(B, C + 7, dtype=I32)
