@@ -22,20 +22,22 @@ RING_VARIANTS = {"loop0": (0, False), "loop1": (1, False), "loop2": (2, False), 
 @pytest.fixture(params=list(RING_VARIANTS))
 def ring_variant(request, monkeypatch):
     """The producer-ring variants of the prefill-family kernels (prefill, paged prefill,
-    block-sparse): the default consumer loop and, on sm_90a, the overlapped (1) and pingpong
-    (2) ones (kernels.FMHA_LOOP), and persistent CTAs walking several work items
-    (kernels.PERSISTENT), each selected explicitly until it is the default. Modules opt in
-    with ``pytest.mark.usefixtures("ring_variant")``."""
+    block-sparse) on sm_90a, each selected explicitly: the plain (0), overlapped (1) and
+    pingpong (2) consumer loops (kernels.FMHA_LOOP; the default picks per head dim) and
+    persistent CTAs walking several work items (kernels.PERSISTENT). Other devices have no
+    ring: they run the first variant only. Modules opt in with
+    ``pytest.mark.usefixtures("ring_variant")``."""
     from prims_ts.cuda import kernels
 
     loop, persistent = RING_VARIANTS[request.param]
-    if (loop, persistent) != (kernels.FMHA_LOOP, kernels.PERSISTENT):
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        if request.param != next(iter(RING_VARIANTS)):
             pytest.skip("the producer ring's variants are sm_90a kernels")
-        monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
-        monkeypatch.setattr(kernels, "PERSISTENT", persistent)
-        if persistent:  # three CTAs: every one walks many items, whatever the problem's size
-            monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
+        return loop, persistent
+    monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
+    monkeypatch.setattr(kernels, "PERSISTENT", persistent)
+    if persistent:  # three CTAs: every one walks many items, whatever the problem's size
+        monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
     return loop, persistent
 
 

@@ -5,8 +5,9 @@
 The compile tests skip AOTInductor on CUDA where loading even a trivial package crashes
 (compile_tests/aoti_child.py). This runs that trivial package in child processes under a
 few variants and prints each one's outcome: the plain run, Python's faulthandler stack,
-eager CUDA module loading, single-threaded runner, and a native backtrace through gdb when
-gdb is installed.
+eager CUDA module loading, single-threaded runner, the legacy shared-library path
+(aot_compile/aot_load), kernels embedded in the library, and a native backtrace through gdb
+when gdb is installed. Each variant compiles for a minute or more: give it 10 minutes.
 """
 import os
 import shutil
@@ -25,6 +26,22 @@ if step in ("compile", "all"):
     ep = torch.export.export(M(), (x,))
     torch._inductor.aoti_compile_and_package(ep, package_path=path)
     print("compiled", flush=True)
+if step == "legacy":  # the pre-package path: a shared library from aot_compile, loaded by aot_load
+    so = torch._export.aot_compile(M(), (x,))
+    print("compiled", so, flush=True)
+    m = torch._export.aot_load(so, dev)
+    print("loaded", flush=True)
+    torch.testing.assert_close(m(x), M()(x))
+    print("ran: CANARY_OK", flush=True)
+if step == "embed":  # kernels embedded in the model's shared library instead of separate cubin files
+    ep = torch.export.export(M(), (x,))
+    torch._inductor.aoti_compile_and_package(ep, package_path=path,
+                                             inductor_configs={"aot_inductor.embed_kernel_binary": True})
+    print("compiled", flush=True)
+    m = torch._inductor.aoti_load_package(path)
+    print("loaded", flush=True)
+    torch.testing.assert_close(m(x), M()(x))
+    print("ran: CANARY_OK", flush=True)
 if step in ("load", "all"):
     kw = {"run_single_threaded": True} if len(sys.argv) > 4 and sys.argv[4] == "single" else {}
     m = torch._inductor.aoti_load_package(path, **kw)
@@ -53,6 +70,8 @@ def main() -> None:
         ("faulthandler", [dev, path, "load"], {"PYTHONFAULTHANDLER": "1"}, ()),
         ("CUDA_MODULE_LOADING=EAGER", [dev, path, "load"], {"CUDA_MODULE_LOADING": "EAGER"}, ()),
         ("run_single_threaded", [dev, path, "load", "single"], None, ()),
+        ("legacy aot_compile + aot_load (.so)", [dev, path + ".legacy", "legacy"], None, ()),
+        ("embed_kernel_binary package", [dev, path + ".embed.pt2", "embed"], None, ()),
     ]
     if shutil.which("gdb"):
         variants.append(("gdb backtrace", [dev, path, "load"], None,

@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|mla|graphs|second|sweeps|compile|sanitize|check|bench|quick|ab|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|compile|sanitize|check|bench|quick|ab|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -56,6 +56,11 @@ for s in "${stages[@]}"; do
     # prefill family, a fresh machine compiling every kernel on first use)
     tests1) run_tests tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_block_sparse_cuda.py ;;
     tests2) run_tests tests/test_decode_cuda.py tests/test_mla_cuda.py ;;
+    # one kernel family each, to balance the two lists of `par`
+    prefill) run_tests tests/test_prefill_cuda.py ;;
+    paged) run_tests tests/test_paged_cuda.py ;;
+    bsr) run_tests tests/test_block_sparse_cuda.py ;;
+    decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
     second)  # the tests that need two GPUs (tensors on cuda:1), every kernel file
         echo "== tests on cuda:1"

@@ -320,14 +320,11 @@ def main() -> None:
         kernels.DECODE_MERGE_STAGED = not kernels.DECODE_MERGE_STAGED
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
-    # the producer ring's other variants (sm_90a): consumer loops and persistent CTAs,
-    # selected explicitly until one is the default
+    # the producer ring's variants (sm_90a), each selected explicitly (the default run above
+    # took kernels.fmha_loop's choice per head dim): consumer loops 0/1/2, and persistent CTAs
     if torch.cuda.get_device_capability() == (9, 0):
-        default = (kernels.FMHA_LOOP, kernels.PERSISTENT)
-        variants = [(loop, default[1]) for loop in kernels.FMHA_LOOPS] + [(default[0], not default[1])]
-        for loop, persistent in variants:
-            if (loop, persistent) == default:
-                continue
+        default = (kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS)
+        for loop, persistent in [(loop, False) for loop in kernels.FMHA_LOOPS] + [(0, True)]:
             kernels.FMHA_LOOP, kernels.PERSISTENT = loop, persistent
             kernels.PERSISTENT_CTAS = 3 if persistent else None  # a few CTAs walk many items
             try:
@@ -335,8 +332,7 @@ def main() -> None:
                 prefill_cases(dev)
                 block_sparse_cases(dev)
             finally:
-                kernels.FMHA_LOOP, kernels.PERSISTENT = default
-                kernels.PERSISTENT_CTAS = None
+                kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS = default
     torch.cuda.synchronize()
     print("sanitize cases done")
 

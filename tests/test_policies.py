@@ -114,6 +114,28 @@ def test_consumer_loop_switch(monkeypatch, loop):
         assert dataclasses.replace(base, loop=lp).name in names
 
 
+def test_consumer_loop_default(monkeypatch):
+    """FMHA_LOOP None (the default) takes the measured loop: pingpong at D128, the plain loop
+    at D256 (whose accumulator leaves the overlapped loops no registers); BM 64 block-sparse
+    tiles have one MMA warpgroup and take loop 1; PERSISTENT then finds no plain-loop key at D128."""
+    import torch
+
+    monkeypatch.setattr(kernels, "FMHA_LOOP", None)
+    assert kernels.fmha_loop(128) == 2 and kernels.fmha_loop(256) == 0
+    for paged in (False, True):
+        assert kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", paged=paged).loop == 2
+        assert kernels.PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a", paged=paged).loop == 0
+        assert kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80", paged=paged).loop == 0
+    assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a").loop == 2
+    assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a").loop == 1
+    assert kernels.BlockSparseKey.choose("bf16", 256, False, 128, 512, "sm_90a").loop == 0
+    names = {ks.name for ks in kernels.all_keys("sm_90a")}
+    assert kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a").name in names
+    monkeypatch.setattr(kernels, "PERSISTENT", True)
+    assert not kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a").persistent
+    assert kernels.PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a").persistent
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_persistent_switch_and_grid(monkeypatch, persistent):
     """PERSISTENT picks the persistent kernels of the sm_90a producer-ring keys (prefill,
@@ -125,6 +147,7 @@ def test_persistent_switch_and_grid(monkeypatch, persistent):
     import torch
 
     monkeypatch.setattr(kernels, "PERSISTENT", persistent)
+    monkeypatch.setattr(kernels, "FMHA_LOOP", 0)  # persistent kernels take the plain loop only
     for d in (128, 256):
         for paged in (False, True):
             key = kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=paged)

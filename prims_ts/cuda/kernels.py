@@ -77,10 +77,20 @@ def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, ar
 # The consumer loop of the producer ring for prefill, paged prefill and block-sparse
 # (pt_fmha.cuh, FmhaConfig LOOP): 0 plain; 1 overlapped (QK^T of tile j+1 and PV of tile
 # j in flight under the softmax); 2 overlapped with the two MMA warpgroups taking turns
-# (pingpong). 1 and 2 are built and compiled and chosen once their GPU grid and bench
-# have passed (benchmarks/NOTES.md); tests select them explicitly meanwhile.
-FMHA_LOOP = 0
+# (pingpong). None takes the measured choice (fmha_loop: benchmarks/NOTES.md, "Consumer
+# loops"); 0/1/2 force one loop everywhere (tests, benchmarks/gpu_session.sh ab).
+FMHA_LOOP: Optional[int] = None
 FMHA_LOOPS = (0, 1, 2)
+
+
+def fmha_loop(head_dim: int) -> int:
+    """The consumer loop of a sm_90a producer-ring key: FMHA_LOOP when set, else the
+    measured choice. Pingpong (2) measured 1.03-1.05x loop 0 at D128 prefill and block-sparse
+    (paged 0.99-1.01x), but 0.79x/0.85x at D256, whose 128x256 fp32 accumulator leaves the
+    overlapped loops no registers: D256 keeps the plain loop."""
+    if FMHA_LOOP is not None:
+        return FMHA_LOOP
+    return 2 if head_dim <= 128 else 0
 
 
 # ----------------------------------------------------------------------------
@@ -111,8 +121,8 @@ class PrefillKey:
             bn = 128 if head_dim == 128 else 64
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
-                              stages=producer_stages(128, bn, head_dim, extra), loop=FMHA_LOOP,
-                              persistent=_persistent(FMHA_LOOP) and mask != "variable_window")
+                              stages=producer_stages(128, bn, head_dim, extra), loop=fmha_loop(head_dim),
+                              persistent=_persistent(fmha_loop(head_dim)) and mask != "variable_window")
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
@@ -397,7 +407,9 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
 # sm_90a): at most one CTA per SM, each walking work items c, c + grid, ... with one ring,
 # so the producer copies the next item's first tiles while the MMA warps finish the
 # current one (the short rows: B8 S1024, block-sparse at 10%). The kernels take either
-# grid; False launches one CTA per item (measured). Built, not yet run on a GPU.
+# grid; False launches one CTA per item. Measured against one CTA per item, both at loop 0
+# (NOTES, "Consumer loops and persistent CTAs"): 1.04-1.10x on B8 S1024, 0.95-0.98x on the
+# long causal rows, 0.99x on block-sparse: off.
 PERSISTENT = False
 PERSISTENT_CTAS: Optional[int] = None  # the persistent grid's cap (None: the SM count); tests use a few
 
@@ -424,7 +436,7 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optiona
 
 
 def _both_loops(key):
-    """A producer-ring key with each consumer loop (whichever FMHA_LOOP chooses), and
+    """A producer-ring key with each consumer loop (whichever fmha_loop chooses), and
     persistent with the plain loop (whichever PERSISTENT chooses)."""
     for loop in FMHA_LOOPS if key.producer else (key.loop,):
         if loop < 2 or key.bm == 128:  # pingpong takes two MMA warpgroups
@@ -872,8 +884,8 @@ class BlockSparseKey:
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
-                                  FMHA_LOOP if bm == 128 else min(FMHA_LOOP, 1),  # pingpong: two warpgroups
-                                  _persistent(FMHA_LOOP))
+                                  fmha_loop(head_dim) if bm == 128 else min(fmha_loop(head_dim), 1),  # pingpong: two warpgroups
+                                  _persistent(fmha_loop(head_dim)))
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
