@@ -502,8 +502,9 @@ DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
 # The split merge (fmha_decode.cu, merge_if_last): False = register work units over split
 # lanes (measured: B1 L131072 3.71 TB/s); True = the splits' partial rows staged through
-# shared memory with cp.async, a chunk of splits per round trip (built, not yet run: the
-# latency rows, benchmarks/NOTES.md). Both are in every decode kernel; the launch picks.
+# shared memory with cp.async, a chunk of splits per round trip (tested; measured 0.4-1.3 us
+# slower on the latency rows: benchmarks/NOTES.md, fifth session). Both are in every decode
+# kernel; the launch picks.
 DECODE_MERGE_STAGED = False
 SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
 NOMINAL_SMEM_LIMIT = SM90_SMEM_LIMIT  # per-block shared memory of the H200 (CPU tensors size as for it)
@@ -575,7 +576,7 @@ def _decode_tiles(head_dim: int, bm: int):
 MLA_SWAPPED_TILE = True
 # Its ring: False = two whole 64-key tiles (measured above); True = 64-column panel slots
 # (pt_fmha_swap.cuh: PanelRing), as many as fit, acquired and released panel by panel
-# (built, not yet run on a GPU: benchmarks/NOTES.md, "swap-v1").
+# (tested; measured 1-2% slower at BM 16, 29% at BM 32: benchmarks/NOTES.md, fifth session).
 MLA_SWAP_PANEL_RING = False
 SWAP_BN = 64  # keys per tile = wgmma's M
 SWAP_THREADS = 256  # one MMA warpgroup + the producer warpgroup
