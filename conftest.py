@@ -16,26 +16,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-RING_VARIANTS = {"loop0": (0, False), "loop1": (1, False), "loop2": (2, False), "loop0_persistent": (0, True)}
+# (FMHA_LOOP, PERSISTENT, KV_COPY_TPR); None: the module's default
+RING_VARIANTS = {"loop0": (0, False, None), "loop1": (1, False, None), "loop2": (2, False, None),
+                 "loop0_persistent": (0, True, None), "copy8": (None, False, 8)}
 
 
 @pytest.fixture(params=list(RING_VARIANTS))
 def ring_variant(request, monkeypatch):
     """The producer-ring variants of the prefill-family kernels (prefill, paged prefill,
     block-sparse) on sm_90a, each selected explicitly: the plain (0), overlapped (1) and
-    pingpong (2) consumer loops (kernels.FMHA_LOOP; the default picks per head dim) and
-    persistent CTAs walking several work items (kernels.PERSISTENT). Other devices have no
+    pingpong (2) consumer loops (kernels.FMHA_LOOP; the default picks per head dim),
+    persistent CTAs walking several work items (kernels.PERSISTENT) and the producer's
+    copy with 8 threads per K/V row (kernels.KV_COPY_TPR, default loop). Other devices have no
     ring: they run the first variant only. Modules opt in with
     ``pytest.mark.usefixtures("ring_variant")``."""
     from prims_ts.cuda import kernels
 
-    loop, persistent = RING_VARIANTS[request.param]
+    loop, persistent, tpr = RING_VARIANTS[request.param]
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         if request.param != next(iter(RING_VARIANTS)):
             pytest.skip("the producer ring's variants are sm_90a kernels")
         return loop, persistent
     monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
     monkeypatch.setattr(kernels, "PERSISTENT", persistent)
+    if tpr is not None:
+        monkeypatch.setattr(kernels, "KV_COPY_TPR", tpr)
     if persistent:  # three CTAs: every one walks many items, whatever the problem's size
         monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
     return loop, persistent

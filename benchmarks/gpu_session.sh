@@ -87,22 +87,25 @@ for s in "${stages[@]}"; do
         timeout 420 "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
     ab)
-        # the switched variants in one call, for before/after figures in benchmarks/NOTES.md:
-        # kernels.FMHA_LOOP 0, 1, 2 and PERSISTENT (with loop 0) on the families they change
-        for v in 0 1 2 p; do
-            echo "== bench, variant $v (FMHA_LOOP 0/1/2, p = PERSISTENT)"
-            timeout 140 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; v = sys.argv[1]; \
-K.FMHA_LOOP = 0 if v == 'p' else int(v); K.PERSISTENT = v == 'p'; \
+        # the switched variants in one call, for before/after figures in benchmarks/NOTES.md,
+        # each against d (the defaults): kernels.FMHA_LOOP 0, 1, 2, PERSISTENT (p, loop 0) and
+        # KV_COPY_TPR 8 (c, default loop), on the families they change (MLA: only c changes it)
+        for v in d 0 1 2 p c; do
+            echo "== bench, variant $v (d = defaults, FMHA_LOOP 0/1/2, p = PERSISTENT, c = KV_COPY_TPR 8)"
+            timeout 170 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; v = sys.argv[1]; \
+K.FMHA_LOOP = None if v in 'dc' else (0 if v == 'p' else int(v)); K.PERSISTENT = v == 'p'; \
+K.KV_COPY_TPR = 8 if v == 'c' else 4; \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
-                $v bench --family prefill --family paged_prefill --family block_sparse \
-                --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -40
+                $v bench --family prefill --family paged_prefill --family block_sparse --family mla \
+                --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -44
         done
-        echo "== speedups over variant 0"
-        "$PY" benchmarks/ab_table.py "$OUT/ab0.json" "$OUT/ab1.json" "$OUT/ab2.json" "$OUT/abp.json" | tee "$OUT/ab_table.txt" ;;
+        echo "== speedups over variant d (the defaults)"
+        "$PY" benchmarks/ab_table.py "$OUT/abd.json" "$OUT/ab0.json" "$OUT/ab1.json" "$OUT/ab2.json" "$OUT/abp.json" \
+            "$OUT/abc.json" | tee "$OUT/ab_table.txt" ;;
     sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and rings
         echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
-            echo "== mla_sweep $a"; timeout 60 "$PY" benchmarks/mla_sweep.py $a swap swappr mma 2>&1 | tee -a "$OUT/mla_sweep.log"
+            echo "== mla_sweep $a"; timeout 60 "$PY" benchmarks/mla_sweep.py $a swap swap8 swappr mma 2>&1 | tee -a "$OUT/mla_sweep.log"
         done ;;
     all) "$0" tests compile sanitize check quick ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;

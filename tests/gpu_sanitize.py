@@ -321,18 +321,25 @@ def main() -> None:
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
     # the producer ring's variants (sm_90a), each selected explicitly (the default run above
-    # took kernels.fmha_loop's choice per head dim): consumer loops 0/1/2, and persistent CTAs
+    # took kernels.fmha_loop's choice per head dim): consumer loops 0/1/2, persistent CTAs,
+    # and the producer copy the default does not take (KV_COPY_TPR; MLA's wgmma tiles too)
     if torch.cuda.get_device_capability() == (9, 0):
-        default = (kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS)
-        for loop, persistent in [(loop, False) for loop in kernels.FMHA_LOOPS] + [(0, True)]:
-            kernels.FMHA_LOOP, kernels.PERSISTENT = loop, persistent
+        default = (kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_TPR)
+        other_copy = next(t for t in kernels.KV_COPY_TPRS if t != default[3])
+        variants = [(loop, False, default[3]) for loop in kernels.FMHA_LOOPS] + [(0, True, default[3]),
+                                                                                 (None, False, other_copy)]
+        for loop, persistent, tpr in variants:
+            kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.KV_COPY_TPR = loop, persistent, tpr
             kernels.PERSISTENT_CTAS = 3 if persistent else None  # a few CTAs walk many items
             try:
-                print(f"consumer loop {loop}, persistent {persistent}:")
+                print(f"consumer loop {loop}, persistent {persistent}, producer copy {tpr} threads a row:")
                 prefill_cases(dev)
                 block_sparse_cases(dev)
+                if tpr != default[3]:
+                    for case in MLA_CASES:
+                        mla_case(dev, *case)
             finally:
-                kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS = default
+                kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_TPR = default
     torch.cuda.synchronize()
     print("sanitize cases done")
 

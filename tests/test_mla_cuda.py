@@ -193,24 +193,26 @@ def test_mla_grid(qmode, mask, h, sq):
 
 # ----------------------------------------------------------------------------
 # Rows of 16/32 on sm_90a: the swapped-operand tile (the default there) on its tile ring
-# and on its panel ring, and the mma.sync tile (sm_80/sm_89's engine, selected with
-# MLA_SWAPPED_TILE = False), on the same grid
+# (with each producer copy, KV_COPY_TPR) and on its panel ring, and the mma.sync tile
+# (sm_80/sm_89's engine, selected with MLA_SWAPPED_TILE = False), on the same grid
 # ----------------------------------------------------------------------------
 
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
-ROW_ENGINES = {"swapped": (True, False), "swapped_panels": (True, True), "mma_sync": (False, False)}
+ROW_ENGINES = {"swapped": (True, False, 4), "swapped_copy8": (True, False, 8), "swapped_panels": (True, True, 4),
+               "mma_sync": (False, False, 4)}
 
 
 @pytest.fixture(params=list(ROW_ENGINES))
 def row_tile(request, monkeypatch):
-    """The sm_90a engine of 16/32-row tiles: (MLA_SWAPPED_TILE, MLA_SWAP_PANEL_RING)."""
+    """The sm_90a engine of 16/32-row tiles: (MLA_SWAPPED_TILE, MLA_SWAP_PANEL_RING, KV_COPY_TPR)."""
     from prims_ts.cuda import kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the engine choice exists on sm_90a only")
-    swapped, panels = ROW_ENGINES[request.param]
+    swapped, panels, tpr = ROW_ENGINES[request.param]
     monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", swapped)
     monkeypatch.setattr(kernels, "MLA_SWAP_PANEL_RING", panels)
+    monkeypatch.setattr(kernels, "KV_COPY_TPR", tpr)
     return kernels, swapped, panels
 
 
@@ -236,6 +238,37 @@ def test_row_tile_engines_grid(row_tile, qmode, mask, hsq):
     assert (pol.splits > 1) == (lengths == "long"), pol
     key = kernels.DecodeKey.of("bf16", DQK, mask == "causal", pol, "sm_90a")
     assert key.swap == swapped and key.panel_ring == panels and key.bm == pol.bm, key
+    assert key.copy_tpr == (kernels.KV_COPY_TPR if swapped and not panels else 4), key
+    check(pb, mask)
+
+
+WIDE_CELLS = [(64, 1), (128, 1), (16, 4), (32, 3)]  # H x SQ >= 64: the 64-row wgmma tile
+
+
+@pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_wide_rows_each_producer_copy(monkeypatch, qmode, mask, hsq):
+    """Rows of 64 on sm_90a (the wgmma tile with the producer warpgroup) with the producer
+    copy the default does not take (KV_COPY_TPR 4 <-> 8); the main grid runs the default."""
+    from prims_ts.cuda import kernels
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the producer ring is sm_90a's")
+    other = next(t for t in kernels.KV_COPY_TPRS if t != kernels.KV_COPY_TPR)
+    monkeypatch.setattr(kernels, "KV_COPY_TPR", other)
+    h, sq = hsq
+    i = WIDE_CELLS.index(hsq) + 4 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
+    lengths = ("long", "short")[i % 2]
+    lens = list(LONG if lengths == "long" else SHORT)
+    q_lens = [1 + (b + sq) % sq for b in range(len(lens))]
+    if mask == "causal":
+        lens[0] = sq if qmode == "fixed" else q_lens[0]
+    pb = Problem(lens, h, PAGE_SIZES[i % 4], (BF16, FP16)[(i // 2) % 2], stable_seed("copy", qmode, mask, h, sq),
+                 qmode=qmode, sq=sq, q_lens=q_lens, max_seq_len_q=sq, rank=RANKS[(i // 4) % 2],
+                 kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
+    key = kernels.DecodeKey.of("bf16", DQK, mask == "causal", pb.policy(), "sm_90a")
+    assert key.arch == 90 and not key.swap and key.copy_tpr == other, key
     check(pb, mask)
 
 

@@ -86,7 +86,7 @@ def test_mla_swapped_tile_key(monkeypatch, heads, sq):
     room = kernels.SM90_SMEM_LIMIT - kernels.SMEM_MARGIN  # the dynamic bytes beside static ones
     body = pk.smem - kernels.WGMMA_ALIGN_SLACK
     assert body <= room < body + 64 * 128 + 16  # one more slot (and its two barriers) would not fit
-    assert "SwapConfig" in pk.source().source and ", true>" in pk.source().source
+    assert "SwapConfig" in pk.source().source and ", true, 4>" in pk.source().source
     monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", False)
     assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a").swap
 
@@ -104,7 +104,7 @@ def test_consumer_loop_switch(monkeypatch, loop):
     for d in (128, 256):
         key = kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a")
         assert key.loop == loop and ("_l%d" % loop in key.name) == (loop > 0)
-        assert f", {loop}>" in key.source().source
+        assert f", {loop}, 4>" in key.source().source
         assert kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80").loop == 0
     assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a").loop == loop
     assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a").loop == min(loop, 1)
@@ -134,6 +134,35 @@ def test_consumer_loop_default(monkeypatch):
     monkeypatch.setattr(kernels, "PERSISTENT", True)
     assert not kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a").persistent
     assert kernels.PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a").persistent
+
+
+@pytest.mark.parametrize("tpr", [4, 8])
+def test_producer_copy_switch(monkeypatch, tpr):
+    """KV_COPY_TPR picks the producer's threads per K/V row in every producer-ring key
+    (prefill, paged prefill, block-sparse, both MLA wgmma tiles) and names it; the portable
+    keys, the panel ring (its own copy) and paged decode keep 4; warmup compiles both."""
+    import torch
+
+    monkeypatch.setattr(kernels, "KV_COPY_TPR", tpr)
+    keys = [kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a"),
+            kernels.PrefillKey.choose(torch.bfloat16, 256, "dense", "sm_90a", paged=True),
+            kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a")]
+    for h in (16, 64):
+        pol = kernels.decode_policy(8, 1, h, 1, kernels.MLA_DIM_QK, 8192, sm_count=132)
+        keys.append(kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a"))
+    names = {ks.name for ks in kernels.all_keys("sm_90a")}
+    for key in keys:
+        assert key.copy_tpr == tpr and (f"_cp{tpr}" in key.name) == (tpr != 4), key
+        cfg = key.source().source.rsplit("pt::", 2)[-2:]
+        assert any(f", {tpr}>" in c for c in cfg), key.name
+        assert key.name in names
+    assert kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80").copy_tpr == 4
+    assert kernels.BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a").copy_tpr == 4
+    pol = kernels.decode_policy(8, 8, 4, 1, 128, 8192, sm_count=132)
+    assert kernels.DecodeKey.of("bf16", 128, False, pol, "sm_90a").copy_tpr == 4
+    pol = kernels.decode_policy(8, 1, 16, 1, kernels.MLA_DIM_QK, 8192, sm_count=132)
+    assert kernels.DecodeKey.swapped("bf16", False, pol, panel_ring=True).copy_tpr == 4
+    assert not any("_cp" in n for n in {ks.name for ks in kernels.all_keys("sm_80")})
 
 
 @pytest.mark.parametrize("persistent", [False, True])

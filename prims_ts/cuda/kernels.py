@@ -67,11 +67,11 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
-                producer: bool = False, loop: int = 0) -> str:
+                producer: bool = False, loop: int = 0, copy_tpr: int = 4) -> str:
     """The pt::FmhaConfig<...> type of a kernel key (pt_fmha.cuh), every parameter spelled out."""
     b = lambda x: str(bool(x)).lower()  # noqa: E731
     return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
-            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}>")
+            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}, {copy_tpr}>")
 
 
 # The consumer loop of the producer ring for prefill, paged prefill and block-sparse
@@ -81,6 +81,14 @@ def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, ar
 # loops"); 0/1/2 force one loop everywhere (tests, benchmarks/gpu_session.sh ab).
 FMHA_LOOP: Optional[int] = None
 FMHA_LOOPS = (0, 1, 2)
+
+# The producer warpgroup's K/V copy (pt_fmha.cuh: load_kv_tiles PAIRED): threads per key
+# row, 4 (8 rows x 64 bytes a warp instruction: measured) or 8 (4 rows x a whole 128-byte
+# line: half the L2 requests for the same bytes; built for the MLA row, whose kernel ran
+# at 82% of L2 throughput for 72% of DRAM's under ncu; not yet run on a GPU). Every
+# producer-ring key: prefill, paged prefill, block-sparse, MLA (both wgmma tiles).
+KV_COPY_TPR = 4
+KV_COPY_TPRS = (4, 8)
 
 
 def fmha_loop(head_dim: int) -> int:
@@ -112,6 +120,7 @@ class PrefillKey:
     stages: int = 2  # K/V tiles in flight
     loop: int = 0  # the producer ring's consumer loop (FMHA_LOOP)
     persistent: bool = False  # CTAs walk several work items (PERSISTENT)
+    copy_tpr: int = 4  # the producer's threads per K/V row (KV_COPY_TPR)
 
     @staticmethod
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str = "sm_80", paged: bool = False) -> "PrefillKey":
@@ -122,7 +131,8 @@ class PrefillKey:
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=fmha_loop(head_dim),
-                              persistent=_persistent(fmha_loop(head_dim)) and mask != "variable_window")
+                              persistent=_persistent(fmha_loop(head_dim)) and mask != "variable_window",
+                              copy_tpr=KV_COPY_TPR)
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
@@ -149,12 +159,12 @@ class PrefillKey:
             f"_bm{self.bm}_bn{self.bn}_q{int(self.q_in_regs)}_mb{self.min_blocks}_sm{self.arch}"
             + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
             + (f"_l{self.loop}" if self.loop else "") + ("_pk" if self.persistent else "")
-            + ("_paged" if self.paged else "")
+            + (f"_cp{self.copy_tpr}" if self.copy_tpr != 4 else "") + ("_paged" if self.paged else "")
         )
 
     def source(self) -> runtime.KernelSource:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
-                          producer=self.producer, loop=self.loop)
+                          producer=self.producer, loop=self.loop, copy_tpr=self.copy_tpr)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, {self.min_blocks})\n'
             f"{self.name}(const __grid_constant__ pt::PrefillParams p) {{\n"
@@ -436,13 +446,23 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optiona
 
 
 def _both_loops(key):
-    """A producer-ring key with each consumer loop (whichever fmha_loop chooses), and
-    persistent with the plain loop (whichever PERSISTENT chooses)."""
+    """A producer-ring key with each consumer loop (whichever fmha_loop chooses),
+    persistent with the plain loop (whichever PERSISTENT chooses), and the key as chosen
+    with each producer copy (whichever KV_COPY_TPR chooses)."""
     for loop in FMHA_LOOPS if key.producer else (key.loop,):
         if loop < 2 or key.bm == 128:  # pingpong takes two MMA warpgroups
             yield replace(key, loop=loop, persistent=False)
     if key.producer and getattr(key, "mask", "") != "variable_window":
         yield replace(key, loop=0, persistent=True)
+    yield from _other_copies(key)
+
+
+def _other_copies(key):
+    """A producer-ring key with the producer copies it does not have (none for the others)."""
+    if key.producer:
+        for tpr in KV_COPY_TPRS:
+            if tpr != key.copy_tpr:
+                yield replace(key, copy_tpr=tpr)
 
 
 def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
@@ -467,11 +487,17 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
             pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS, smem_limit(arch))
             for causal in (False, True):
                 if arch == "sm_90a" and pol.bm < 64:  # both engines (both rings) of rows of 16/32
-                    yield DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol, panel_ring=False).source()
+                    tile_ring = DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol, panel_ring=False)
+                    yield tile_ring.source()
+                    for k in _other_copies(tile_ring):
+                        yield k.source()
                     yield DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol, panel_ring=True).source()
                     yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, "sm_80").source()
                 else:
-                    yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch).source()
+                    key = DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch)
+                    yield key.source()
+                    for k in _other_copies(key):
+                        yield k.source()
     for key in block_sparse_keys(arch):
         for k in _both_loops(key):
             yield k.source()
@@ -647,13 +673,15 @@ class DecodeKey:
     arch: int = 80  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
     swap: bool = False  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a): keys as M
     panel_ring: bool = False  # the swapped tile's ring: `stages` panel slots instead of tiles
+    copy_tpr: int = 4  # the tile ring producer's threads per K/V row (KV_COPY_TPR)
 
     @staticmethod
     def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str = "sm_80") -> "DecodeKey":
         if arch == "sm_90a" and MLA_SWAPPED_TILE and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol)
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
-        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine)
+        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine,
+                         copy_tpr=KV_COPY_TPR if engine == 90 else 4)
 
     @staticmethod
     def swapped(dtype: str, causal: bool, pol: DecodePolicy, panel_ring: Optional[bool] = None) -> "DecodeKey":
@@ -663,7 +691,8 @@ class DecodeKey:
         assert pol.bm in (16, 32) and pol.bn == SWAP_BN, pol
         pr = MLA_SWAP_PANEL_RING if panel_ring is None else panel_ring
         stages = swap_panel_slots(pol.bm) if pr else 2
-        return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, stages, False, 90, True, pr)
+        return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, stages, False, 90, True, pr,
+                         4 if pr else KV_COPY_TPR)  # the panel ring has its own copy
 
     @property
     def producer(self) -> bool:  # the wgmma engines take a producer warpgroup
@@ -695,15 +724,15 @@ class DecodeKey:
         return (f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
                 f"_wn{self.warps_n}_s{self.stages}" + ("_so" if self.split_o else "") +
                 ("_sm90_ws" if self.arch == 90 else "") + ("_swap" if self.swap else "") +
-                ("_pr" if self.panel_ring else ""))
+                ("_pr" if self.panel_ring else "") + (f"_cp{self.copy_tpr}" if self.copy_tpr != 4 else ""))
 
     def source(self) -> runtime.KernelSource:
         q_regs = self.head_dim <= 128 and self.arch != 90
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
-                          self.stages, self.split_o, self.dv, self.shared_kv, self.producer)
+                          self.stages, self.split_o, self.dv, self.shared_kv, self.producer, copy_tpr=self.copy_tpr)
         if self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
-                   f"{str(self.panel_ring).lower()}>")
+                   f"{str(self.panel_ring).lower()}, {self.copy_tpr}>")
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"
@@ -876,6 +905,7 @@ class BlockSparseKey:
     stages: int = 2
     loop: int = 0  # the producer ring's consumer loop (FMHA_LOOP)
     persistent: bool = False  # CTAs walk several work items (PERSISTENT)
+    copy_tpr: int = 4  # the producer's threads per K/V row (KV_COPY_TPR)
 
     @staticmethod
     def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int,
@@ -886,7 +916,7 @@ class BlockSparseKey:
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   fmha_loop(head_dim) if bm == 128 else min(fmha_loop(head_dim), 1),  # pingpong: two warpgroups
-                                  _persistent(fmha_loop(head_dim)))
+                                  _persistent(fmha_loop(head_dim)), KV_COPY_TPR)
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
@@ -910,11 +940,13 @@ class BlockSparseKey:
     def name(self) -> str:
         return (f"pt_bsr_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}_sm{self.arch}"
                 + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
-                + (f"_l{self.loop}" if self.loop else "") + ("_pk" if self.persistent else ""))
+                + (f"_l{self.loop}" if self.loop else "") + ("_pk" if self.persistent else "")
+                + (f"_cp{self.copy_tpr}" if self.copy_tpr != 4 else ""))
 
     def source(self) -> runtime.KernelSource:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
-                          self.arch, stages=self.stages, producer=self.producer, loop=self.loop)
+                          self.arch, stages=self.stages, producer=self.producer, loop=self.loop,
+                          copy_tpr=self.copy_tpr)
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::BlockSparseParams p) {{\n"

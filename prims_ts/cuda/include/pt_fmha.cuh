@@ -42,7 +42,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
-          int LOOP_ = 0>
+          int LOOP_ = 0, int COPY_TPR_ = 4>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -86,6 +86,8 @@ struct FmhaConfig {
   // GEMMs (named barriers 3 and 4), so that one's softmax runs under the other's GEMMs.
   static constexpr bool OVERLAP = LOOP_ >= 1;
   static constexpr bool PINGPONG = LOOP_ == 2 && THREADS == 256;
+  // the producer's threads per K/V row (load_kv_tiles PAIRED): 4 or 8
+  static constexpr int COPY_TPR = COPY_TPR_;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
@@ -158,20 +160,21 @@ template <int BN> struct BandRange {
 };
 
 // Copy K/V rows k0 .. k0 + rows - 1 into two tiles (same layout); zero-fill the rest.
-// PAIRED (the producer warpgroup, short on registers): 4 threads per row, each looks
-// the row's page up once and copies every 4th 16-byte chunk of its K and V rows (64
-// contiguous bytes per 4 threads and copy). Otherwise K first, then V, each pass
+// PAIRED (the producer warpgroup, short on registers): TPR (4 or 8) threads per row, each
+// looks the row's page up once and copies every TPR-th 16-byte chunk of its K and V rows
+// (16 * TPR contiguous bytes per row and copy instruction: 8 rows x 64 bytes a warp at 4,
+// 4 rows x one 128-byte line at 8; FmhaConfig COPY_TPR). Otherwise K first, then V, each pass
 // keeping only its pointers live; the page of each row is looked up once, in the K
 // pass, and kept (an int per copied chunk) for the V pass.
 // SHARED_KV (PAIRED only): V is a prefix of the K row, and only the K tile is copied.
-template <class Tile, int THREADS, bool PAIRED, bool SHARED_KV = false, class Problem>
+template <class Tile, int THREADS, bool PAIRED, bool SHARED_KV = false, int TPR = 4, class Problem>
 __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows, int tid) {
   constexpr int N = Tile::BYTES / 16 / THREADS;
   static_assert((Tile::BYTES / 16) % THREADS == 0, "tile not divisible among threads");
   if constexpr (PAIRED) {
-    constexpr int TPR = 4, ROWS = Tile::BYTES / (Tile::CHUNKS * 16);
+    constexpr int ROWS = Tile::BYTES / (Tile::CHUNKS * 16);
     constexpr int RSTEP = THREADS / TPR;
-    static_assert(ROWS % RSTEP == 0 && Tile::CHUNKS % TPR == 0, "paired copy shape");
+    static_assert((TPR == 4 || TPR == 8) && ROWS % RSTEP == 0 && Tile::CHUNKS % TPR == 0, "paired copy shape");
     const int c0 = tid % TPR;
 #pragma unroll 1
     for (int i = 0; i < ROWS / RSTEP; ++i) {
@@ -229,7 +232,7 @@ struct RingPos {
 // its index) copies tile it into stage it % STAGES once the MMA warps released the
 // stage's previous tile (all `consumer_warps` arrived on empty[s]); each thread's copies
 // arrive on full[s] when they land.
-template <class KVTile, int STAGES, int KV_TILES, bool SHARED_KV>
+template <class KVTile, int STAGES, int KV_TILES, bool SHARED_KV, int COPY_TPR = 4>
 struct KvRing {
   u32 base, bars;
   __device__ __forceinline__ u32 k(int s) const { return base + (u32)(KV_TILES * s) * KVTile::BYTES; }
@@ -273,7 +276,8 @@ struct KvRing {
     for (int it = 0; it < n_tiles; ++it) {
       if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
       const KeyTile kt = range.tile(it);
-      load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows, tid);
+      load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows,
+                                                                tid);
       cp_async_mbar_arrive(full(pos.stage));
       advance(pos.stage, pos.phase);
       ++pos.filled;
@@ -289,7 +293,7 @@ struct KvRing {
 
 // The ring of a producer-ring FmhaConfig: stages after Q, mbarriers after the exchange area.
 template <class Cfg>
-__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::SHARED_KV> fmha_ring(
+__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::SHARED_KV, Cfg::COPY_TPR> fmha_ring(
     char* smem) {
   const u32 sQ = smem_addr(smem);
   return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};

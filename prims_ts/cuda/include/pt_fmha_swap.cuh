@@ -33,11 +33,12 @@ struct RingCursor {
 };
 
 // The tile ring as the swapped tile sees it: panel p of a tile lives in the tile's stage.
-template <class KVTile, int STAGES>
+template <class KVTile, int STAGES, int COPY_TPR>
 struct SwapTileRing {
-  KvRing<KVTile, STAGES, 1, true> ring;
+  using Ring = KvRing<KVTile, STAGES, 1, true, COPY_TPR>;
+  Ring ring;
   static constexpr int BYTES = STAGES * KVTile::BYTES;
-  static constexpr int BAR_BYTES = KvRing<KVTile, STAGES, 1, true>::BAR_BYTES;
+  static constexpr int BAR_BYTES = Ring::BAR_BYTES;
   static constexpr bool PER_PANEL = false;  // acquired and released a tile at a time
   __device__ __forceinline__ SwapTileRing(u32 base, u32 bars) : ring{base, bars} {}
   __device__ __forceinline__ u32 panel(const RingCursor& c, int p) const {
@@ -48,7 +49,7 @@ struct SwapTileRing {
   }
   __device__ __forceinline__ void release_panel(const RingCursor&, int) const {}
   __device__ __forceinline__ void release_tile(const RingCursor& c) const { ring.release(c.slot); }
-  __device__ __forceinline__ static void next(RingCursor& c) { KvRing<KVTile, STAGES, 1, true>::advance(c.slot, c.pass); }
+  __device__ __forceinline__ static void next(RingCursor& c) { Ring::advance(c.slot, c.pass); }
   template <int NTHREADS> __device__ __forceinline__ void init(int consumer_warps) const {
     ring.template init<NTHREADS>(consumer_warps);
   }
@@ -135,8 +136,9 @@ struct PanelRing {
   }
 };
 
-// STAGES: whole tiles (the tile ring) or panel slots (PANEL_RING).
-template <class T_, int D_, int DV_, int BM_, int STAGES_, bool PANEL_RING_ = false>
+// STAGES: whole tiles (the tile ring) or panel slots (PANEL_RING). COPY_TPR: the tile ring
+// producer's threads per key row (FmhaConfig's).
+template <class T_, int D_, int DV_, int BM_, int STAGES_, bool PANEL_RING_ = false, int COPY_TPR_ = 4>
 struct SwapConfig {
   using T = T_;
   static constexpr bool SWAP = true;
@@ -150,7 +152,8 @@ struct SwapConfig {
   using QTile = SmemTileW<BM, D>;
   using KVTile = SmemTileW<BN, D>;
   using PTile = SmemTileW<BM, BN>;  // P^T: [query row][key]
-  using Ring = typename Select<PANEL_RING, PanelRing<BN, D / 64, STAGES>, SwapTileRing<KVTile, STAGES>>::type;
+  static constexpr int COPY_TPR = COPY_TPR_;
+  using Ring = typename Select<PANEL_RING, PanelRing<BN, D / 64, STAGES>, SwapTileRing<KVTile, STAGES, COPY_TPR>>::type;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_RING = Ring::BYTES;
   static constexpr int SMEM_P = PTile::BYTES;
