@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|compile|sanitize|check|bench|quick|ab|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|check|bench|quick|ab|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -106,6 +106,23 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
         echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
             echo "== mla_sweep $a"; timeout 60 "$PY" benchmarks/mla_sweep.py $a swap swap8 swappr mma 2>&1 | tee -a "$OUT/mla_sweep.log"
+        done ;;
+    profile)
+        # ncu (full set, source counters) of one launch per row: the MLA memory-bound row and
+        # the prefill, paged and block-sparse rows furthest from their bar; a details page and
+        # the per-SASS-line stall table of each (the .ncu-rep too, where it is small enough)
+        for spec in "mla|B64 L8192 H16|pt_decode|mla_b64" "prefill|B2 S4096 H32/8 D128 causal|pt_prefill|prefill_b2c" \
+                    "paged_prefill|B8 S2048 H32/8 D128 causal page64|pt_prefill|paged_b8c" \
+                    "block_sparse|block128 10%|pt_bsr|bsr_128_10"; do
+            IFS='|' read -r fam prob kern name <<<"$spec"
+            echo "== ncu $name"
+            timeout 240 ncu --clock-control none -k "regex:$kern" -s 1 -c 1 --set full -f -o "$OUT/ncu_$name" \
+                "$PY" benchmarks/run_one.py "$fam" "$prob" prims_ts 2 >"$OUT/ncu_$name.log" 2>&1
+            echo "   rc=$? $(tail -1 "$OUT/ncu_$name.log")"
+            ncu --import "$OUT/ncu_$name.ncu-rep" --page details >"$OUT/ncu_$name.txt" 2>&1
+            ncu --import "$OUT/ncu_$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_${name}_sass.csv" 2>&1
+            grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Registers Per|Issued Warp" \
+                "$OUT/ncu_$name.txt" | sed 's/^/   /'
         done ;;
     all) "$0" tests compile sanitize check quick ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
