@@ -16,9 +16,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# (FMHA_LOOP, PERSISTENT, KV_COPY_TPR); None: the module's default
+# (FMHA_LOOP, PERSISTENT, KV_COPY_TPR); None: the module's default; "other": the copy it does not take
 RING_VARIANTS = {"loop0": (0, False, None), "loop1": (1, False, None), "loop2": (2, False, None),
-                 "loop0_persistent": (0, True, None), "copy8": (None, False, 8)}
+                 "loop0_persistent": (0, True, None), "loop2_persistent": (2, True, None),
+                 "other_copy": (None, False, "other")}
 
 
 @pytest.fixture(params=list(RING_VARIANTS))
@@ -26,8 +27,9 @@ def ring_variant(request, monkeypatch):
     """The producer-ring variants of the prefill-family kernels (prefill, paged prefill,
     block-sparse) on sm_90a, each selected explicitly: the plain (0), overlapped (1) and
     pingpong (2) consumer loops (kernels.FMHA_LOOP; the default picks per head dim),
-    persistent CTAs walking several work items (kernels.PERSISTENT) and the producer's
-    copy with 8 threads per K/V row (kernels.KV_COPY_TPR, default loop). Other devices have no
+    persistent CTAs walking several work items (kernels.PERSISTENT; with the plain loop and
+    with pingpong, which BM 64 block-sparse tiles take as loop 1) and the producer's
+    copy the default does not take (kernels.KV_COPY_TPR 4 <-> 8, default loop). Other devices have no
     ring: they run the first variant only. Modules opt in with
     ``pytest.mark.usefixtures("ring_variant")``."""
     from prims_ts.cuda import kernels
@@ -39,8 +41,8 @@ def ring_variant(request, monkeypatch):
         return loop, persistent
     monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
     monkeypatch.setattr(kernels, "PERSISTENT", persistent)
-    if tpr is not None:
-        monkeypatch.setattr(kernels, "KV_COPY_TPR", tpr)
+    if tpr == "other":
+        monkeypatch.setattr(kernels, "KV_COPY_TPR", next(t for t in kernels.KV_COPY_TPRS if t != kernels.KV_COPY_TPR))
     if persistent:  # three CTAs: every one walks many items, whatever the problem's size
         monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
     return loop, persistent

@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|check|bench|quick|ab|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -69,14 +69,16 @@ for s in "${stages[@]}"; do
         echo "   rc=$? $(tail -1 "$OUT/second_device.log")" ;;
     graphs) run_tests compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py compile_tests/test_paged_compile.py ;;
     compile) run_tests "${COMPILE_TESTS[@]}" ;;  # torch.compile / export / graphs: ~2 min a file
-    sanitize)
+    sanitize | memcheck | racecheck)
         # No caching allocator: every tensor is its own allocation, so memcheck sees
-        # accesses past a tensor's end instead of landing inside a pooled block.
-        for tool in memcheck racecheck; do
+        # accesses past a tensor's end instead of landing inside a pooled block. Each tool
+        # takes 3-5 minutes over every variant's cases: in a `par`, give them one list each.
+        tools="$s"; [ "$s" = sanitize ] && tools="memcheck racecheck"
+        for tool in $tools; do
             echo "== compute-sanitizer $tool (small cases)"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py >"$OUT/sanitize_$tool.log" 2>&1
-            echo "   rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+            echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
         done ;;
     check)
         echo "== check"
@@ -86,22 +88,28 @@ for s in "${stages[@]}"; do
         echo "== bench $([ "$s" = quick ] && echo --quick)"
         timeout 420 "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
-    ab)
-        # the switched variants in one call, for before/after figures in benchmarks/NOTES.md,
-        # each against d (the defaults): kernels.FMHA_LOOP 0, 1, 2, PERSISTENT (p, loop 0) and
-        # KV_COPY_TPR 8 (c, default loop), on the families they change (MLA: only c changes it)
-        for v in d 0 1 2 p c; do
-            echo "== bench, variant $v (d = defaults, FMHA_LOOP 0/1/2, p = PERSISTENT, c = KV_COPY_TPR 8)"
-            timeout 170 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; v = sys.argv[1]; \
-K.FMHA_LOOP = None if v in 'dc' else (0 if v == 'p' else int(v)); K.PERSISTENT = v == 'p'; \
-K.KV_COPY_TPR = 8 if v == 'c' else 4; \
+    ab | abloops)
+        # switched variants in one call, for before/after figures in benchmarks/NOTES.md, each
+        # against d (the module's defaults, untouched). ab: the other producer copy (c, the MLA
+        # rows too), PERSISTENT with the default loops (pd) and with loop 0 (p). abloops:
+        # FMHA_LOOP 0, 1, 2. Each variant at most 140 s: four fit one device call.
+        if [ "$s" = ab ]; then variants="d c pd p"; else variants="d 0 1 2"; fi
+        for v in $variants; do
+            fams="--family prefill --family paged_prefill --family block_sparse"
+            case "$v" in d | c) fams="$fams --family mla" ;; esac
+            echo "== bench, variant $v (d defaults; c other KV_COPY_TPR; pd, p PERSISTENT; 0/1/2 FMHA_LOOP)"
+            # shellcheck disable=SC2086
+            timeout 140 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; v = sys.argv[1]; \
+K.KV_COPY_TPR = next(t for t in K.KV_COPY_TPRS if t != K.KV_COPY_TPR) if v == 'c' else K.KV_COPY_TPR; \
+K.PERSISTENT = True if v in ('p', 'pd') else K.PERSISTENT; \
+K.FMHA_LOOP = {'0': 0, '1': 1, '2': 2, 'p': 0}.get(v, K.FMHA_LOOP); \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
-                $v bench --family prefill --family paged_prefill --family block_sparse --family mla \
-                --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -44
+                $v bench $fams --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 \
+                | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -44
         done
         echo "== speedups over variant d (the defaults)"
-        "$PY" benchmarks/ab_table.py "$OUT/abd.json" "$OUT/ab0.json" "$OUT/ab1.json" "$OUT/ab2.json" "$OUT/abp.json" \
-            "$OUT/abc.json" | tee "$OUT/ab_table.txt" ;;
+        # shellcheck disable=SC2046
+        "$PY" benchmarks/ab_table.py $(for v in $variants; do echo "$OUT/ab$v.json"; done) | tee "$OUT/${s}_table.txt" ;;
     sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and rings
         echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do

@@ -5,8 +5,9 @@
 A SPEC is `bm,bn,stages,warps_n,splits` (overrides `decode_policy`; the mma.sync tile for
 rows of 16/32; `mma` alone: on the library's policy), `swap` (the default policy on the
 swapped-operand tile, sm_90a, tile ring),
-`swap8` (the swapped tile ring's producer copying with 8 threads a key row: KV_COPY_TPR),
-`swappr` (the same on its panel ring) or `swap:...` / `swap8:...` / `swappr:...` with a policy. Each
+`swappr` (the default policy on the swapped tile's panel ring), `swap8` (the swapped tile
+ring with its producer copying 8 threads a key row: KV_COPY_TPR 8) or `swap:...` /
+`swap8:...` / `swappr:...` with a policy. Each
 one's output is compared with the first (the library's default) run's, and its time (CUDA
 events, median of 20 x 10 calls) printed with the latent-cache bandwidth and the TFLOP/s.
 """

@@ -326,8 +326,8 @@ def main() -> None:
     if torch.cuda.get_device_capability() == (9, 0):
         default = (kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_TPR)
         other_copy = next(t for t in kernels.KV_COPY_TPRS if t != default[3])
-        variants = [(loop, False, default[3]) for loop in kernels.FMHA_LOOPS] + [(0, True, default[3]),
-                                                                                 (None, False, other_copy)]
+        variants = ([(loop, False, default[3]) for loop in kernels.FMHA_LOOPS] +
+                    [(0, True, default[3]), (2, True, default[3]), (None, False, other_copy)])
         for loop, persistent, tpr in variants:
             kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.KV_COPY_TPR = loop, persistent, tpr
             kernels.PERSISTENT_CTAS = 3 if persistent else None  # a few CTAs walk many items

@@ -258,7 +258,7 @@ def test_wide_rows_each_producer_copy(monkeypatch, qmode, mask, hsq):
     other = next(t for t in kernels.KV_COPY_TPRS if t != kernels.KV_COPY_TPR)
     monkeypatch.setattr(kernels, "KV_COPY_TPR", other)
     h, sq = hsq
-    i = WIDE_CELLS.index(hsq) + 4 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
+    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask))  # every cell meets every axis
     lengths = ("long", "short")[i % 2]
     lens = list(LONG if lengths == "long" else SHORT)
     q_lens = [1 + (b + sq) % sq for b in range(len(lens))]

@@ -117,7 +117,8 @@ def test_consumer_loop_switch(monkeypatch, loop):
 def test_consumer_loop_default(monkeypatch):
     """FMHA_LOOP None (the default) takes the measured loop: pingpong at D128, the plain loop
     at D256 (whose accumulator leaves the overlapped loops no registers); BM 64 block-sparse
-    tiles have one MMA warpgroup and take loop 1; PERSISTENT then finds no plain-loop key at D128."""
+    tiles have one MMA warpgroup and take loop 1; PERSISTENT keeps each key's loop, and warmup
+    compiles those persistent kernels."""
     import torch
 
     monkeypatch.setattr(kernels, "FMHA_LOOP", None)
@@ -132,8 +133,13 @@ def test_consumer_loop_default(monkeypatch):
     names = {ks.name for ks in kernels.all_keys("sm_90a")}
     assert kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a").name in names
     monkeypatch.setattr(kernels, "PERSISTENT", True)
-    assert not kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a").persistent
-    assert kernels.PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a").persistent
+    chosen = [kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a"),
+              kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a", paged=True),
+              kernels.PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a"),
+              kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a"),
+              kernels.BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a")]
+    assert [(k.persistent, k.loop) for k in chosen] == [(True, 2), (True, 2), (True, 0), (True, 2), (True, 1)]
+    assert {k.name for k in chosen} <= names
 
 
 @pytest.mark.parametrize("tpr", [4, 8])
@@ -141,6 +147,8 @@ def test_producer_copy_switch(monkeypatch, tpr):
     """KV_COPY_TPR picks the producer's threads per K/V row in every producer-ring key
     (prefill, paged prefill, block-sparse, both MLA wgmma tiles) and names it; the portable
     keys, the panel ring (its own copy) and paged decode keep 4; warmup compiles both."""
+    import dataclasses
+
     import torch
 
     monkeypatch.setattr(kernels, "KV_COPY_TPR", tpr)
@@ -155,13 +163,14 @@ def test_producer_copy_switch(monkeypatch, tpr):
         assert key.copy_tpr == tpr and (f"_cp{tpr}" in key.name) == (tpr != 4), key
         cfg = key.source().source.rsplit("pt::", 2)[-2:]
         assert any(f", {tpr}>" in c for c in cfg), key.name
-        assert key.name in names
+        assert {dataclasses.replace(key, copy_tpr=t).name for t in kernels.KV_COPY_TPRS} <= names, key.name
     assert kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80").copy_tpr == 4
     assert kernels.BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a").copy_tpr == 4
     pol = kernels.decode_policy(8, 8, 4, 1, 128, 8192, sm_count=132)
     assert kernels.DecodeKey.of("bf16", 128, False, pol, "sm_90a").copy_tpr == 4
     pol = kernels.decode_policy(8, 1, 16, 1, kernels.MLA_DIM_QK, 8192, sm_count=132)
-    assert kernels.DecodeKey.swapped("bf16", False, pol, panel_ring=True).copy_tpr == 4
+    panel = kernels.DecodeKey.swapped("bf16", False, pol, panel_ring=True)
+    assert panel.copy_tpr == 4 and not list(kernels._other_copies(panel))  # the panel ring's own copy
     assert not any("_cp" in n for n in {ks.name for ks in kernels.all_keys("sm_80")})
 
 
@@ -176,7 +185,7 @@ def test_persistent_switch_and_grid(monkeypatch, persistent):
     import torch
 
     monkeypatch.setattr(kernels, "PERSISTENT", persistent)
-    monkeypatch.setattr(kernels, "FMHA_LOOP", 0)  # persistent kernels take the plain loop only
+    monkeypatch.setattr(kernels, "FMHA_LOOP", 0)
     for d in (128, 256):
         for paged in (False, True):
             key = kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=paged)
@@ -192,9 +201,10 @@ def test_persistent_switch_and_grid(monkeypatch, persistent):
     assert {dataclasses.replace(base, persistent=p, loop=0).name for p in (False, True)} <= names
     assert not any("_pk" in n for n in {ks.name for ks in kernels.all_keys("sm_80")})
 
-    monkeypatch.setattr(kernels, "FMHA_LOOP", 1)  # persistent kernels take the plain loop only (for now)
-    assert not kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a").persistent
-    assert not kernels.BlockSparseKey.choose("bf16", 128, True, 128, 512, "sm_90a").persistent
+    monkeypatch.setattr(kernels, "FMHA_LOOP", 1)  # any consumer loop: the key keeps it
+    for key in (kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a"),
+                kernels.BlockSparseKey.choose("bf16", 128, True, 128, 512, "sm_90a")):
+        assert key.persistent == persistent and key.loop == 1
     monkeypatch.setattr(kernels, "FMHA_LOOP", 0)
 
     assert kernels.work_grid(5000, True, 132) == 132 and kernels.work_grid(40, True, 132) == 40

@@ -419,15 +419,16 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
 # current one (the short rows: B8 S1024, block-sparse at 10%). The kernels take either
 # grid; False launches one CTA per item. Measured against one CTA per item, both at loop 0
 # (NOTES, "Consumer loops and persistent CTAs"): 1.04-1.10x on B8 S1024, 0.95-0.98x on the
-# long causal rows, 0.99x on block-sparse: off.
+# long causal rows, 0.99x on block-sparse: off. With the overlapped loops (the key keeps
+# its loop) built after, not yet run on a GPU.
 PERSISTENT = False
 PERSISTENT_CTAS: Optional[int] = None  # the persistent grid's cap (None: the SM count); tests use a few
 
 
 def _persistent(loop: int) -> bool:
-    """PERSISTENT takes the plain consumer loop only for now: the persistent kernels with
-    loops 1/2 compile, but neither warmup nor the tests build them until a loop wins."""
-    return PERSISTENT and loop == 0
+    """PERSISTENT, with any consumer loop (the producer copies each item's Q in all three;
+    loop 0 measured, the overlapped loops built after: benchmarks/NOTES.md)."""
+    return PERSISTENT
 
 
 def work_grid(items: int, persistent: bool, sm_count: int) -> int:
@@ -447,19 +448,22 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optiona
 
 def _both_loops(key):
     """A producer-ring key with each consumer loop (whichever fmha_loop chooses),
-    persistent with the plain loop (whichever PERSISTENT chooses), and the key as chosen
-    with each producer copy (whichever KV_COPY_TPR chooses)."""
+    persistent with the plain loop and with the key's own (default) loop (whichever
+    PERSISTENT chooses), and the key as chosen with each producer copy (whichever
+    KV_COPY_TPR chooses)."""
     for loop in FMHA_LOOPS if key.producer else (key.loop,):
         if loop < 2 or key.bm == 128:  # pingpong takes two MMA warpgroups
             yield replace(key, loop=loop, persistent=False)
     if key.producer and getattr(key, "mask", "") != "variable_window":
-        yield replace(key, loop=0, persistent=True)
+        for loop in sorted({0, key.loop}):
+            yield replace(key, loop=loop, persistent=True)
     yield from _other_copies(key)
 
 
 def _other_copies(key):
-    """A producer-ring key with the producer copies it does not have (none for the others)."""
-    if key.producer:
+    """A producer-ring key with the producer copies it does not have (none for the others,
+    nor for the panel ring, which has its own copy)."""
+    if key.producer and not getattr(key, "panel_ring", False):
         for tpr in KV_COPY_TPRS:
             if tpr != key.copy_tpr:
                 yield replace(key, copy_tpr=tpr)

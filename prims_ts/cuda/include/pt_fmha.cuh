@@ -113,6 +113,7 @@ struct FmhaConfig {
   static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0 && (ARCH_ == 80 || (DTW * 8) % 64 == 0)),
                 "SPLIT_O: column pairs per warp (whole 64-column panels per warpgroup on wgmma)");
   static_assert(!PRODUCER || (ARCH_ == 90 && BM % 64 == 0), "producer warpgroup: the wgmma engine");
+  static_assert(PRODUCER || COPY_TPR_ == 4, "COPY_TPR: the producer's copy (4 elsewhere)");
   static_assert(LOOP_ == 0 || (PRODUCER && WARPS_N_ == 1 && !SPLIT_O_ && LOOP_ <= 2),
                 "overlapped loops: the producer ring, whole rows");
   static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
@@ -323,13 +324,14 @@ __device__ __forceinline__ void load_q_for_mma(u32 sQ, const Problem& pb) {
 // One work item (a BM-row tile over its key range). Producer-ring configs: the MMA
 // threads only (the ring is set up and fed by fmha_items), from where `pos` stands.
 // Portable configs: the whole CTA, `pos` unused.
-// Q_BY_PRODUCER (persistent CTAs, the plain loop): the producer copies each item's Q; the
-// MMA warps wait for it (q_full) and hand it back after their last S^T (q_empty).
+// Q_BY_PRODUCER (persistent CTAs, whole-row warpgroups): the producer copies each item's Q;
+// the MMA warps wait for it (q_full) and hand it back after their last S^T (q_empty): in
+// the overlapped loops that is S^T of the last tile, landed while the previous PV may run.
 template <class Cfg, bool Q_BY_PRODUCER = false, class Problem>
 __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, float scale_log2, float out_scale,
                                                RingPos& pos) {
-  static_assert(!Q_BY_PRODUCER || (Cfg::PRODUCER && !Cfg::OVERLAP && !Cfg::SPLIT_O && Cfg::WARPS_N == 1),
-                "Q from the producer: the plain loop of whole-row warpgroups");
+  static_assert(!Q_BY_PRODUCER || (Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1),
+                "Q from the producer: whole-row warpgroups");
   using T = typename Cfg::T;
   constexpr int D = Cfg::D, BN = Cfg::BN, THREADS = Cfg::THREADS, STAGES = Cfg::STAGES;
   constexpr int BNW = Cfg::BNW;  // keys of a tile this warp scores
@@ -546,6 +548,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       issue_s_wgmma(s, stage);
       if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
       wgmma_wait<0>();
+      if (n_tiles == 1) release_q();  // the item's last S^T has landed: Q is free
       softmax_tile(range.tile(0), corr);  // O is still zero: nothing to rescale
       pack_p(s, pf);
       prev = stage;
@@ -557,6 +560,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
         issue_pv_wgmma(pf, prev);
         if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
         wgmma_wait<1>();  // S(it) has landed; PV(it - 1) may still run
+        if (it == n_tiles - 1) release_q();
         softmax_tile(range.tile(it), corr);
         wgmma_wait<0>();
         fence_regs(o);

@@ -165,6 +165,7 @@ struct SwapConfig {
   static_assert(BM == 16 || BM == 32, "swapped tile: 16 or 32 query rows");
   static_assert(D % 64 == 0 && DV % 64 == 0 && DV <= D, "panels of 64 columns; V a prefix of the K row");
   static_assert(BM * O_STRIDE * 4 <= SMEM_RING && STAGES >= 2, "ring");
+  static_assert(!PANEL_RING || COPY_TPR == 4, "COPY_TPR: the tile ring's copy (the panel ring has its own)");
 };
 
 template <class Cfg, class Problem>
