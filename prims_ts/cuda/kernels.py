@@ -131,7 +131,7 @@ class PrefillKey:
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=fmha_loop(head_dim),
-                              persistent=_persistent(fmha_loop(head_dim)) and mask != "variable_window",
+                              persistent=PERSISTENT and mask != "variable_window",
                               copy_tpr=KV_COPY_TPR)
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
@@ -423,12 +423,6 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
 # its loop) built after, not yet run on a GPU.
 PERSISTENT = False
 PERSISTENT_CTAS: Optional[int] = None  # the persistent grid's cap (None: the SM count); tests use a few
-
-
-def _persistent(loop: int) -> bool:
-    """PERSISTENT, with any consumer loop (the producer copies each item's Q in all three;
-    loop 0 measured, the overlapped loops built after: benchmarks/NOTES.md)."""
-    return PERSISTENT
 
 
 def work_grid(items: int, persistent: bool, sm_count: int) -> int:
@@ -920,7 +914,7 @@ class BlockSparseKey:
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   fmha_loop(head_dim) if bm == 128 else min(fmha_loop(head_dim), 1),  # pingpong: two warpgroups
-                                  _persistent(fmha_loop(head_dim)), KV_COPY_TPR)
+                                  PERSISTENT, KV_COPY_TPR)
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
