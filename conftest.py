@@ -42,7 +42,7 @@ def ring_variant(request, monkeypatch):
     monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
     monkeypatch.setattr(kernels, "PERSISTENT", persistent)
     if tpr == "other":
-        monkeypatch.setattr(kernels, "KV_COPY_TPR", next(t for t in kernels.KV_COPY_TPRS if t != kernels.KV_COPY_TPR))
+        monkeypatch.setattr(kernels, "KV_COPY_TPR", kernels.other_kv_copy_tpr())
     if persistent:  # three CTAs: every one walks many items, whatever the problem's size
         monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
     return loop, persistent
@@ -57,4 +57,3 @@ def split_merge(request, monkeypatch):
 
     monkeypatch.setattr(kernels, "DECODE_MERGE_STAGED", request.param == "staged")
     return request.param
-

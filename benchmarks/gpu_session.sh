@@ -100,7 +100,7 @@ for s in "${stages[@]}"; do
             echo "== bench, variant $v (d defaults; c other KV_COPY_TPR; pd, p PERSISTENT; 0/1/2 FMHA_LOOP)"
             # shellcheck disable=SC2086
             timeout 140 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; v = sys.argv[1]; \
-K.KV_COPY_TPR = next(t for t in K.KV_COPY_TPRS if t != K.KV_COPY_TPR) if v == 'c' else K.KV_COPY_TPR; \
+K.KV_COPY_TPR = K.other_kv_copy_tpr() if v == 'c' else K.KV_COPY_TPR; \
 K.PERSISTENT = True if v in ('p', 'pd') else K.PERSISTENT; \
 K.FMHA_LOOP = {'0': 0, '1': 1, '2': 2, 'p': 0}.get(v, K.FMHA_LOOP); \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \

@@ -172,7 +172,6 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split) 
     assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
 
 
-# the swapped-operand tile (sm_90a, rows of 16/32), selected explicitly until it is the default
 # Rows of 16/32 take the swapped-operand tile on sm_90a (MLA_CASES' first and third); these run
 # the mma.sync tile there as well (the engine of sm_80/sm_89), then the swapped tile's panel ring.
 MLA_MMA_SYNC_CASES = [
@@ -325,7 +324,7 @@ def main() -> None:
     # and the producer copy the default does not take (KV_COPY_TPR; MLA's wgmma tiles too)
     if torch.cuda.get_device_capability() == (9, 0):
         default = (kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_TPR)
-        other_copy = next(t for t in kernels.KV_COPY_TPRS if t != default[3])
+        other_copy = kernels.other_kv_copy_tpr()
         variants = ([(loop, False, default[3]) for loop in kernels.FMHA_LOOPS] +
                     [(0, True, default[3]), (2, True, default[3]), (None, False, other_copy)])
         for loop, persistent, tpr in variants:

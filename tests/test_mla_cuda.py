@@ -255,7 +255,7 @@ def test_wide_rows_each_producer_copy(monkeypatch, qmode, mask, hsq):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the producer ring is sm_90a's")
-    other = next(t for t in kernels.KV_COPY_TPRS if t != kernels.KV_COPY_TPR)
+    other = kernels.other_kv_copy_tpr()
     monkeypatch.setattr(kernels, "KV_COPY_TPR", other)
     h, sq = hsq
     i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask))  # every cell meets every axis

@@ -91,6 +91,11 @@ KV_COPY_TPR = 4
 KV_COPY_TPRS = (4, 8)
 
 
+def other_kv_copy_tpr() -> int:
+    """The producer copy KV_COPY_TPR does not choose (tests and A/B runs select it)."""
+    return next(t for t in KV_COPY_TPRS if t != KV_COPY_TPR)
+
+
 def fmha_loop(head_dim: int) -> int:
     """The consumer loop of a sm_90a producer-ring key: FMHA_LOOP when set, else the
     measured choice. Pingpong (2) measured 1.03-1.05x loop 0 at D128 prefill and block-sparse
@@ -359,27 +364,28 @@ def _cuda_index(device) -> Optional[int]:
     return _device_index(device) if device.type == "cuda" else None
 
 
-def warm_prefill(device, dtype: torch.dtype, head_dim: int, mask: str, paged: bool = False) -> None:
-    """Plan-time: load the prefill kernel the runs on `device` will launch (no-op off CUDA)."""
+def _warm(device, key_on) -> None:
+    """Plan-time: load the kernel `key_on(dev)` that the runs on `device` will launch (no-op off CUDA)."""
     dev = _cuda_index(device)
     if dev is not None:
-        preload(torch.device("cuda", dev), [prefill_key(dtype, head_dim, mask, dev, paged)])
+        preload(torch.device("cuda", dev), [key_on(dev)])
+
+
+def warm_prefill(device, dtype: torch.dtype, head_dim: int, mask: str, paged: bool = False) -> None:
+    """Plan-time: load the prefill kernel (contiguous or paged)."""
+    _warm(device, lambda dev: prefill_key(dtype, head_dim, mask, dev, paged))
 
 
 def warm_decode(device, dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_kv_heads: int, group: int,
                 max_seq_len_q: int, max_seq_len: int) -> None:
     """Plan-time: load the decode-shaped kernel (paged decode, MLA) of these static arguments."""
-    dev = _cuda_index(device)
-    if dev is not None:
-        preload(torch.device("cuda", dev), [decode_key(dtype, head_dim, causal, batch, num_kv_heads, group,
-                                                       max_seq_len_q, max_seq_len, dev)[1]])
+    _warm(device, lambda dev: decode_key(dtype, head_dim, causal, batch, num_kv_heads, group, max_seq_len_q,
+                                         max_seq_len, dev)[1])
 
 
 def warm_block_sparse(device, dtype: torch.dtype, head_dim: int, causal: bool, kv_block_size: int, rows: int) -> None:
     """Plan-time: load the block-sparse kernel for route rows of `rows` M rows."""
-    dev = _cuda_index(device)
-    if dev is not None:
-        preload(torch.device("cuda", dev), [block_sparse_key(dtype, head_dim, causal, kv_block_size, rows, dev)])
+    _warm(device, lambda dev: block_sparse_key(dtype, head_dim, causal, kv_block_size, rows, dev))
 
 
 def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, window_left, sm_scale,
