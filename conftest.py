@@ -29,7 +29,7 @@ def ring_variant(request, monkeypatch):
     pingpong (2) consumer loops (kernels.FMHA_LOOP; the default picks per head dim),
     persistent CTAs walking several work items (kernels.PERSISTENT; with the plain loop and
     with pingpong, which BM 64 block-sparse tiles take as loop 1) and the producer's
-    copy the default does not take (kernels.KV_COPY_TPR 4 <-> 8, default loop). Other devices have no
+    copy the default does not take (kernels.KV_COPY_FLIP: 4 <-> 8 per head dim, default loop). Other devices have no
     ring: they run the first variant only. Modules opt in with
     ``pytest.mark.usefixtures("ring_variant")``."""
     from prims_ts.cuda import kernels
@@ -42,7 +42,7 @@ def ring_variant(request, monkeypatch):
     monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
     monkeypatch.setattr(kernels, "PERSISTENT", persistent)
     if tpr == "other":
-        monkeypatch.setattr(kernels, "KV_COPY_TPR", kernels.other_kv_copy_tpr())
+        monkeypatch.setattr(kernels, "KV_COPY_FLIP", True)
     if persistent:  # three CTAs: every one walks many items, whatever the problem's size
         monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
     return loop, persistent

@@ -53,7 +53,7 @@ if step in ("load", "all"):
 
 def run(args, env=None, prefix=()):
     res = subprocess.run(list(prefix) + [sys.executable, "-c", CANARY] + args, capture_output=True, text=True,
-                         timeout=900, env={**os.environ, **(env or {})})
+                         timeout=int(os.environ.get("AOTI_PROBE_TIMEOUT", "900")), env={**os.environ, **(env or {})})
     return res.returncode, (res.stdout[-1500:] + "\n" + res.stderr[-3000:]).strip()
 
 
@@ -62,23 +62,22 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     path = os.path.join(tmp, "canary.pt2")
     rc, log = run([dev, path, "compile"])
-    print(f"== compile: rc={rc}\n{log}\n")
+    print(f"== compile: rc={rc}\n{log}\n", flush=True)
     if rc != 0:
         return
     variants = [
-        ("load + run", [dev, path, "load"], None, ()),
-        ("faulthandler", [dev, path, "load"], {"PYTHONFAULTHANDLER": "1"}, ()),
-        ("CUDA_MODULE_LOADING=EAGER", [dev, path, "load"], {"CUDA_MODULE_LOADING": "EAGER"}, ()),
-        ("run_single_threaded", [dev, path, "load", "single"], None, ()),
+        # the alternatives first: the single-threaded runner has hung past 4 minutes before
         ("legacy aot_compile + aot_load (.so)", [dev, path + ".legacy", "legacy"], None, ()),
         ("embed_kernel_binary package", [dev, path + ".embed.pt2", "embed"], None, ()),
+        ("load + run", [dev, path, "load"], {"PYTHONFAULTHANDLER": "1"}, ()),
+        ("run_single_threaded", [dev, path, "load", "single"], None, ()),
     ]
     if shutil.which("gdb"):
         variants.append(("gdb backtrace", [dev, path, "load"], None,
                          ("gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 30", "--args")))
     for name, args, env, prefix in variants:
         rc, log = run(args, env, prefix)
-        print(f"== {name}: rc={rc}\n{log}\n")
+        print(f"== {name}: rc={rc}\n{log}\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -97,10 +97,10 @@ for s in "${stages[@]}"; do
         for v in $variants; do
             fams="--family prefill --family paged_prefill --family block_sparse"
             case "$v" in d | c) fams="$fams --family mla" ;; esac
-            echo "== bench, variant $v (d defaults; c other KV_COPY_TPR; pd, p PERSISTENT; 0/1/2 FMHA_LOOP)"
+            echo "== bench, variant $v (d defaults; c the other producer copy, KV_COPY_FLIP; pd, p PERSISTENT; 0/1/2 FMHA_LOOP)"
             # shellcheck disable=SC2086
             timeout 140 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; v = sys.argv[1]; \
-K.KV_COPY_TPR = K.other_kv_copy_tpr() if v == 'c' else K.KV_COPY_TPR; \
+K.KV_COPY_FLIP = v == 'c'; \
 K.PERSISTENT = True if v in ('p', 'pd') else K.PERSISTENT; \
 K.FMHA_LOOP = {'0': 0, '1': 1, '2': 2, 'p': 0}.get(v, K.FMHA_LOOP); \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \

@@ -4,9 +4,9 @@
 
 A SPEC is `bm,bn,stages,warps_n,splits` (overrides `decode_policy`; the mma.sync tile for
 rows of 16/32; `mma` alone: on the library's policy), `swap` (the default policy on the
-swapped-operand tile, sm_90a, tile ring),
+swapped-operand tile, sm_90a, tile ring, its producer copying 4 threads a key row),
 `swappr` (the default policy on the swapped tile's panel ring), `swap8` (the swapped tile
-ring with its producer copying 8 threads a key row: KV_COPY_TPR 8) or `swap:...` /
+ring with its producer copying 8 threads a key row: KV_COPY_TPR 8, the default) or `swap:...` /
 `swap8:...` / `swappr:...` with a policy. Each
 one's output is compared with the first (the library's default) run's, and its time (CUDA
 events, median of 20 x 10 calls) printed with the latent-cache bandwidth and the TFLOP/s.
@@ -61,7 +61,7 @@ def main() -> None:
             K.decode_policy = default
         if kind is not None:
             K.MLA_SWAPPED_TILE, K.MLA_SWAP_PANEL_RING = kind != "", kind == "swappr"
-            K.KV_COPY_TPR = 8 if kind == "swap8" else defaults[2]
+            K.KV_COPY_TPR = 8 if kind == "swap8" else 4 if kind == "swap" else defaults[2]
         label = (kind + " " if kind else ("mma.sync " if kind == "" else "library ")) + str(spec or "default")
         try:
             ws.zero_()  # each policy's split counters live at its own offsets

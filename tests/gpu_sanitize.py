@@ -321,24 +321,23 @@ def main() -> None:
     block_sparse_cases(dev)
     # the producer ring's variants (sm_90a), each selected explicitly (the default run above
     # took kernels.fmha_loop's choice per head dim): consumer loops 0/1/2, persistent CTAs,
-    # and the producer copy the default does not take (KV_COPY_TPR; MLA's wgmma tiles too)
+    # and the producer copy the default does not take (KV_COPY_FLIP; MLA's wgmma tiles too)
     if torch.cuda.get_device_capability() == (9, 0):
-        default = (kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_TPR)
-        other_copy = kernels.other_kv_copy_tpr()
-        variants = ([(loop, False, default[3]) for loop in kernels.FMHA_LOOPS] +
-                    [(0, True, default[3]), (2, True, default[3]), (None, False, other_copy)])
-        for loop, persistent, tpr in variants:
-            kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.KV_COPY_TPR = loop, persistent, tpr
+        default = (kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_FLIP)
+        variants = ([(loop, False, False) for loop in kernels.FMHA_LOOPS] +
+                    [(0, True, False), (2, True, False), (None, False, True)])
+        for loop, persistent, flip in variants:
+            kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.KV_COPY_FLIP = loop, persistent, flip
             kernels.PERSISTENT_CTAS = 3 if persistent else None  # a few CTAs walk many items
             try:
-                print(f"consumer loop {loop}, persistent {persistent}, producer copy {tpr} threads a row:")
+                print(f"consumer loop {loop}, persistent {persistent}, the other producer copy {flip}:")
                 prefill_cases(dev)
                 block_sparse_cases(dev)
-                if tpr != default[3]:
+                if flip:
                     for case in MLA_CASES:
                         mla_case(dev, *case)
             finally:
-                kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_TPR = default
+                kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_FLIP = default
     torch.cuda.synchronize()
     print("sanitize cases done")
 

@@ -250,13 +250,13 @@ WIDE_CELLS = [(64, 1), (128, 1), (16, 4), (32, 3)]  # H x SQ >= 64: the 64-row w
 @pytest.mark.parametrize("qmode", QMODES)
 def test_wide_rows_each_producer_copy(monkeypatch, qmode, mask, hsq):
     """Rows of 64 on sm_90a (the wgmma tile with the producer warpgroup) with the producer
-    copy the default does not take (KV_COPY_TPR 4 <-> 8); the main grid runs the default."""
+    copy the default does not take (KV_COPY_FLIP: 4 here); the main grid runs the default."""
     from prims_ts.cuda import kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the producer ring is sm_90a's")
-    other = kernels.other_kv_copy_tpr()
-    monkeypatch.setattr(kernels, "KV_COPY_TPR", other)
+    other = next(t for t in kernels.KV_COPY_TPRS if t != kernels.kv_copy_tpr(DQK))
+    monkeypatch.setattr(kernels, "KV_COPY_FLIP", True)
     h, sq = hsq
     i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask))  # every cell meets every axis
     lengths = ("long", "short")[i % 2]

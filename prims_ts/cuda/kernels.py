@@ -83,17 +83,23 @@ FMHA_LOOP: Optional[int] = None
 FMHA_LOOPS = (0, 1, 2)
 
 # The producer warpgroup's K/V copy (pt_fmha.cuh: load_kv_tiles PAIRED): threads per key
-# row, 4 (8 rows x 64 bytes a warp instruction: measured) or 8 (4 rows x a whole 128-byte
-# line: half the L2 requests for the same bytes; built for the MLA row, whose kernel ran
-# at 82% of L2 throughput for 72% of DRAM's under ncu; not yet run on a GPU). Every
-# producer-ring key: prefill, paged prefill, block-sparse, MLA (both wgmma tiles).
-KV_COPY_TPR = 4
+# row, 4 (8 rows x 64 bytes a warp instruction) or 8 (4 rows x a whole 128-byte line: half
+# the L2 requests for the same bytes). None takes the measured choice (kv_copy_tpr:
+# benchmarks/NOTES.md, "Producer copy"); 4/8 force one copy everywhere. KV_COPY_FLIP takes
+# the copy the choice above does not (tests and A/B runs). Every producer-ring key:
+# prefill, paged prefill, block-sparse, MLA (both wgmma tiles).
+KV_COPY_TPR: Optional[int] = None
 KV_COPY_TPRS = (4, 8)
+KV_COPY_FLIP = False
 
 
-def other_kv_copy_tpr() -> int:
-    """The producer copy KV_COPY_TPR does not choose (tests and A/B runs select it)."""
-    return next(t for t in KV_COPY_TPRS if t != KV_COPY_TPR)
+def kv_copy_tpr(head_dim: int) -> int:
+    """The producer copy of a sm_90a producer-ring key of `head_dim` (the K row's width).
+    Measured in one A/B run: 8 threads a row took MLA B64 L8192 H16 1.12x and H128 1.04x,
+    D256 prefill 1.04x, but D128 prefill, paged prefill and block-sparse 0.94-0.99x: rows
+    wider than 256 bytes take 8, D128 rows keep 4."""
+    tpr = KV_COPY_TPR if KV_COPY_TPR is not None else (8 if head_dim > 128 else 4)
+    return next(t for t in KV_COPY_TPRS if t != tpr) if KV_COPY_FLIP else tpr
 
 
 def fmha_loop(head_dim: int) -> int:
@@ -137,7 +143,7 @@ class PrefillKey:
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=fmha_loop(head_dim),
                               persistent=PERSISTENT and mask != "variable_window",
-                              copy_tpr=KV_COPY_TPR)
+                              copy_tpr=kv_copy_tpr(head_dim))
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
@@ -450,7 +456,7 @@ def _both_loops(key):
     """A producer-ring key with each consumer loop (whichever fmha_loop chooses),
     persistent with the plain loop and with the key's own (default) loop (whichever
     PERSISTENT chooses), and the key as chosen with each producer copy (whichever
-    KV_COPY_TPR chooses)."""
+    kv_copy_tpr chooses)."""
     for loop in FMHA_LOOPS if key.producer else (key.loop,):
         if loop < 2 or key.bm == 128:  # pingpong takes two MMA warpgroups
             yield replace(key, loop=loop, persistent=False)
@@ -685,7 +691,7 @@ class DecodeKey:
             return DecodeKey.swapped(dtype, causal, pol)
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine,
-                         copy_tpr=KV_COPY_TPR if engine == 90 else 4)
+                         copy_tpr=kv_copy_tpr(head_dim) if engine == 90 else 4)
 
     @staticmethod
     def swapped(dtype: str, causal: bool, pol: DecodePolicy, panel_ring: Optional[bool] = None) -> "DecodeKey":
@@ -696,7 +702,7 @@ class DecodeKey:
         pr = MLA_SWAP_PANEL_RING if panel_ring is None else panel_ring
         stages = swap_panel_slots(pol.bm) if pr else 2
         return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, stages, False, 90, True, pr,
-                         4 if pr else KV_COPY_TPR)  # the panel ring has its own copy
+                         4 if pr else kv_copy_tpr(MLA_DIM_QK))  # the panel ring has its own copy
 
     @property
     def producer(self) -> bool:  # the wgmma engines take a producer warpgroup
@@ -920,7 +926,7 @@ class BlockSparseKey:
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   fmha_loop(head_dim) if bm == 128 else min(fmha_loop(head_dim), 1),  # pingpong: two warpgroups
-                                  PERSISTENT, KV_COPY_TPR)
+                                  PERSISTENT, kv_copy_tpr(head_dim))
         # the portable engine: tiles that fit 99 KB of shared memory per block (sm_86/89)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
