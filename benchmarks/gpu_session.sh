@@ -92,8 +92,9 @@ for s in "${stages[@]}"; do
         # switched variants in one call, for before/after figures in benchmarks/NOTES.md, each
         # against d (the module's defaults, untouched). ab: the other producer copy (c, the MLA
         # rows too), PERSISTENT with the default loops (pd) and with loop 0 (p). abloops:
-        # FMHA_LOOP 0, 1, 2. Each variant at most 140 s: four fit one device call.
-        if [ "$s" = ab ]; then variants="d c pd p"; else variants="d 0 1 2"; fi
+        # FMHA_LOOP 0, 1, 2. Each variant at most 140 s: four fit one device call. AB_VARIANTS
+        # (e.g. "d pd p") picks some of ab's.
+        if [ "$s" = ab ]; then variants="${AB_VARIANTS:-d c pd p}"; else variants="d 0 1 2"; fi
         for v in $variants; do
             fams="--family prefill --family paged_prefill --family block_sparse"
             case "$v" in d | c) fams="$fams --family mla" ;; esac
