@@ -67,7 +67,8 @@ for s in "${stages[@]}"; do
         timeout 280 "$PY" -m pytest "${KERNEL_TESTS[@]}" -q -m cuda -rs -k second_device -p no:cacheprovider \
             >"$OUT/second_device.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/second_device.log")" ;;
-    graphs) run_tests compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py compile_tests/test_paged_compile.py ;;
+    graphs) run_tests compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py compile_tests/test_paged_compile.py \
+                      compile_tests/test_block_sparse_compile.py ;;
     compile) run_tests "${COMPILE_TESTS[@]}" ;;  # torch.compile / export / graphs: ~2 min a file
     sanitize | memcheck | racecheck)
         # No caching allocator: every tensor is its own allocation, so memcheck sees
