@@ -112,10 +112,10 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
         echo "== speedups over variant d (the defaults)"
         # shellcheck disable=SC2046
         "$PY" benchmarks/ab_table.py $(for v in $variants; do echo "$OUT/ab$v.json"; done) | tee "$OUT/${s}_table.txt" ;;
-    sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and rings
+    sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and copies
         echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
-            echo "== mla_sweep $a"; timeout 60 "$PY" benchmarks/mla_sweep.py $a swap swap8 swappr mma 2>&1 | tee -a "$OUT/mla_sweep.log"
+            echo "== mla_sweep $a"; timeout 60 "$PY" benchmarks/mla_sweep.py $a swap swap8 mma 2>&1 | tee -a "$OUT/mla_sweep.log"
         done ;;
     profile)
         # ncu (full set, source counters) of one launch per row: the MLA memory-bound row and

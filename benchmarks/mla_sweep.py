@@ -4,10 +4,9 @@
 
 A SPEC is `bm,bn,stages,warps_n,splits` (overrides `decode_policy`; the mma.sync tile for
 rows of 16/32; `mma` alone: on the library's policy), `swap` (the default policy on the
-swapped-operand tile, sm_90a, tile ring, its producer copying 4 threads a key row),
-`swappr` (the default policy on the swapped tile's panel ring), `swap8` (the swapped tile
-ring with its producer copying 8 threads a key row: KV_COPY_TPR 8, the default) or `swap:...` /
-`swap8:...` / `swappr:...` with a policy. Each
+swapped-operand tile, sm_90a, its producer copying 4 threads a key row), `swap8` (the
+swapped tile with its producer copying 8 threads a key row: KV_COPY_TPR 8, the default) or
+`swap:...` / `swap8:...` with a policy. Each
 one's output is compared with the first (the library's default) run's, and its time (CUDA
 events, median of 20 x 10 calls) printed with the latent-cache bandwidth and the TFLOP/s.
 """
@@ -27,7 +26,7 @@ def main() -> None:
         if arg == "mma":  # the mma.sync tile on the library's policy
             specs.append(("", None))
             continue
-        kind = next((k for k in ("swappr", "swap8", "swap") if arg.startswith(k)), "")
+        kind = next((k for k in ("swap8", "swap") if arg.startswith(k)), "")
         shape = arg[len(kind):].lstrip(":")
         specs.append((kind, tuple(int(v) for v in shape.split(",")) if shape else None))
     ps, dev, dt = 64, torch.device("cuda"), torch.bfloat16
@@ -49,7 +48,7 @@ def main() -> None:
     nbytes = b * n * MLA_DQK * 2
     flops = 2.0 * b * h * n * (MLA_DQK + MLA_DV)
     print(f"B{b} L{n} H{h}: default {default(b, 1, h, 1, MLA_DQK, n, 132, K.smem_limit('sm_90a'))}")
-    defaults = (K.MLA_SWAPPED_TILE, K.MLA_SWAP_PANEL_RING, K.KV_COPY_TPR)
+    defaults = (K.MLA_SWAPPED_TILE, K.KV_COPY_TPR)
     for kind, spec in [(None, None)] + specs:
         if spec is not None:
             bm, bn, stages, wn, splits = spec
@@ -60,8 +59,8 @@ def main() -> None:
         else:
             K.decode_policy = default
         if kind is not None:
-            K.MLA_SWAPPED_TILE, K.MLA_SWAP_PANEL_RING = kind != "", kind == "swappr"
-            K.KV_COPY_TPR = 8 if kind == "swap8" else 4 if kind == "swap" else defaults[2]
+            K.MLA_SWAPPED_TILE = kind != ""
+            K.KV_COPY_TPR = 8 if kind == "swap8" else 4 if kind == "swap" else defaults[1]
         label = (kind + " " if kind else ("mma.sync " if kind == "" else "library ")) + str(spec or "default")
         try:
             ws.zero_()  # each policy's split counters live at its own offsets
@@ -85,7 +84,7 @@ def main() -> None:
             print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
         finally:
             K.decode_policy = default
-            K.MLA_SWAPPED_TILE, K.MLA_SWAP_PANEL_RING, K.KV_COPY_TPR = defaults
+            K.MLA_SWAPPED_TILE, K.KV_COPY_TPR = defaults
 
 
 if __name__ == "__main__":

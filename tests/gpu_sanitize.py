@@ -173,7 +173,7 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split) 
 
 
 # Rows of 16/32 take the swapped-operand tile on sm_90a (MLA_CASES' first and third); these run
-# the mma.sync tile there as well (the engine of sm_80/sm_89), then the swapped tile's panel ring.
+# the mma.sync tile there as well (the engine of sm_80/sm_89).
 MLA_MMA_SYNC_CASES = [
     ("mma.sync fixed sq1 h16 causal", "fixed", 1, "causal", 16, 16, 3, [1, 37, 60], 60, False),
     ("mma.sync split packed h8 dense", "packed", [4, 1], "dense", 8, 64, 4, [3000, 2], 3000, True),
@@ -190,11 +190,8 @@ def mla_cases(dev) -> None:
             kernels.MLA_SWAPPED_TILE = False
             for case in MLA_MMA_SYNC_CASES:
                 mla_case(dev, *case)
-            kernels.MLA_SWAPPED_TILE, kernels.MLA_SWAP_PANEL_RING = True, True
-            for case in MLA_MMA_SYNC_CASES:  # the same cases on the swapped tile's panel ring
-                mla_case(dev, "panel ring" + case[0][len("mma.sync"):], *case[1:])
         finally:
-            kernels.MLA_SWAPPED_TILE, kernels.MLA_SWAP_PANEL_RING = True, False
+            kernels.MLA_SWAPPED_TILE = True
 
 
 # (name, entry, mask, D, Hq, Hkv, q_block, kv_block, page size, cache form, valid bits, Sq, K/V lengths,

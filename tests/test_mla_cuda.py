@@ -192,28 +192,26 @@ def test_mla_grid(qmode, mask, h, sq):
 
 
 # ----------------------------------------------------------------------------
-# Rows of 16/32 on sm_90a: the swapped-operand tile (the default there) on its tile ring
-# (with each producer copy, KV_COPY_TPR) and on its panel ring, and the mma.sync tile
+# Rows of 16/32 on sm_90a: the swapped-operand tile (the default there), with each producer
+# copy (KV_COPY_TPR), and the mma.sync tile
 # (sm_80/sm_89's engine, selected with MLA_SWAPPED_TILE = False), on the same grid
 # ----------------------------------------------------------------------------
 
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
-ROW_ENGINES = {"swapped": (True, False, 4), "swapped_copy8": (True, False, 8), "swapped_panels": (True, True, 4),
-               "mma_sync": (False, False, 4)}
+ROW_ENGINES = {"swapped": (True, 4), "swapped_copy8": (True, 8), "mma_sync": (False, 4)}
 
 
 @pytest.fixture(params=list(ROW_ENGINES))
 def row_tile(request, monkeypatch):
-    """The sm_90a engine of 16/32-row tiles: (MLA_SWAPPED_TILE, MLA_SWAP_PANEL_RING, KV_COPY_TPR)."""
+    """The sm_90a engine of 16/32-row tiles: (MLA_SWAPPED_TILE, KV_COPY_TPR)."""
     from prims_ts.cuda import kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the engine choice exists on sm_90a only")
-    swapped, panels, tpr = ROW_ENGINES[request.param]
+    swapped, tpr = ROW_ENGINES[request.param]
     monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", swapped)
-    monkeypatch.setattr(kernels, "MLA_SWAP_PANEL_RING", panels)
     monkeypatch.setattr(kernels, "KV_COPY_TPR", tpr)
-    return kernels, swapped, panels
+    return kernels, swapped
 
 
 @pytest.mark.parametrize("hsq", SWAP_CELLS, ids=[f"h{h}_sq{q}" for h, q in SWAP_CELLS])
@@ -222,7 +220,7 @@ def row_tile(request, monkeypatch):
 def test_row_tile_engines_grid(row_tile, qmode, mask, hsq):
     """The grid's rotation (page size, rank, dtype, page IDs, split or one split) on each
     engine; the policy's key must be the chosen engine's."""
-    kernels, swapped, panels = row_tile
+    kernels, swapped = row_tile
     h, sq = hsq
     i = SWAP_CELLS.index(hsq) + 6 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
     lengths = ("long", "short")[i % 2]
@@ -237,8 +235,8 @@ def test_row_tile_engines_grid(row_tile, qmode, mask, hsq):
     pol = pb.policy()
     assert (pol.splits > 1) == (lengths == "long"), pol
     key = kernels.DecodeKey.of("bf16", DQK, mask == "causal", pol, "sm_90a")
-    assert key.swap == swapped and key.panel_ring == panels and key.bm == pol.bm, key
-    assert key.copy_tpr == (kernels.KV_COPY_TPR if swapped and not panels else 4), key
+    assert key.swap == swapped and key.bm == pol.bm, key
+    assert key.copy_tpr == (kernels.KV_COPY_TPR if swapped else 4), key
     check(pb, mask)
 
 

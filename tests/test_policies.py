@@ -80,13 +80,7 @@ def test_mla_swapped_tile_key(monkeypatch, heads, sq):
     assert key.swap and key.bm == pol.bm and key.threads == 256 and key.smem <= kernels.smem_limit("sm_90a")
     assert "SwapConfig" in key.source().source and key.name.endswith(f"_swap_cp{kernels.kv_copy_tpr(kernels.MLA_DIM_QK)}")
     assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_80").swap
-    monkeypatch.setattr(kernels, "MLA_SWAP_PANEL_RING", True)  # as many 8 KB panel slots as fit
-    pk = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a")
-    assert pk.swap and pk.panel_ring and pk.stages > kernels.MLA_DIM_QK // 64 and pk.name.endswith("_swap_pr")
-    room = kernels.SM90_SMEM_LIMIT - kernels.SMEM_MARGIN  # the dynamic bytes beside static ones
-    body = pk.smem - kernels.WGMMA_ALIGN_SLACK
-    assert body <= room < body + 64 * 128 + 16  # one more slot (and its two barriers) would not fit
-    assert "SwapConfig" in pk.source().source and ", true, 4>" in pk.source().source
+    assert key.stages == 2 and f", {key.stages}, {key.copy_tpr}>" in key.source().source  # two whole tiles
     monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", False)
     assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a").swap
 
@@ -146,7 +140,7 @@ def test_consumer_loop_default(monkeypatch):
 def test_producer_copy_switch(monkeypatch, tpr):
     """KV_COPY_TPR picks the producer's threads per K/V row in every producer-ring key
     (prefill, paged prefill, block-sparse, both MLA wgmma tiles) and names it; the portable
-    keys, the panel ring (its own copy) and paged decode keep 4; warmup compiles both."""
+    keys and paged decode keep 4; warmup compiles both."""
     import dataclasses
 
     import torch
@@ -168,9 +162,6 @@ def test_producer_copy_switch(monkeypatch, tpr):
     assert kernels.BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a").copy_tpr == 4
     pol = kernels.decode_policy(8, 8, 4, 1, 128, 8192, sm_count=132)
     assert kernels.DecodeKey.of("bf16", 128, False, pol, "sm_90a").copy_tpr == 4
-    pol = kernels.decode_policy(8, 1, 16, 1, kernels.MLA_DIM_QK, 8192, sm_count=132)
-    panel = kernels.DecodeKey.swapped("bf16", False, pol, panel_ring=True)
-    assert panel.copy_tpr == 4 and not list(kernels._other_copies(panel))  # the panel ring's own copy
     assert not any("_cp" in n for n in {ks.name for ks in kernels.all_keys("sm_80")})
 
 

@@ -467,9 +467,8 @@ def _both_loops(key):
 
 
 def _other_copies(key):
-    """A producer-ring key with the producer copies it does not have (none for the others,
-    nor for the panel ring, which has its own copy)."""
-    if key.producer and not getattr(key, "panel_ring", False):
+    """A producer-ring key with the producer copies it does not have (none for the others)."""
+    if key.producer:
         for tpr in KV_COPY_TPRS:
             if tpr != key.copy_tpr:
                 yield replace(key, copy_tpr=tpr)
@@ -496,12 +495,11 @@ def all_keys(arch: str = "sm_90a") -> Iterator[runtime.KernelSource]:
         for heads in (16, 32, 64):  # MLA: one policy per row-tile height (BM 16, 32, 64)
             pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, DECODE_NOMINAL_SMS, smem_limit(arch))
             for causal in (False, True):
-                if arch == "sm_90a" and pol.bm < 64:  # both engines (both rings) of rows of 16/32
-                    tile_ring = DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol, panel_ring=False)
-                    yield tile_ring.source()
-                    for k in _other_copies(tile_ring):
+                if arch == "sm_90a" and pol.bm < 64:  # both engines of rows of 16/32
+                    swapped = DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol)
+                    yield swapped.source()
+                    for k in _other_copies(swapped):
                         yield k.source()
-                    yield DecodeKey.swapped(DTYPE_CODES[dtype], causal, pol, panel_ring=True).source()
                     yield DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, "sm_80").source()
                 else:
                     key = DecodeKey.of(DTYPE_CODES[dtype], MLA_DIM_QK, causal, pol, arch)
@@ -610,25 +608,14 @@ def _decode_tiles(head_dim: int, bm: int):
 # wgmma's M): B64 L8192 H16 1.94 -> 3.32 TB/s over the mma.sync tile (benchmarks/NOTES.md,
 # mla-v1). False selects the mma.sync tile (sm_80's) on sm_90a too.
 MLA_SWAPPED_TILE = True
-# Its ring: False = two whole 64-key tiles (measured above); True = 64-column panel slots
-# (pt_fmha_swap.cuh: PanelRing), as many as fit, acquired and released panel by panel
-# (tested; measured 1-2% slower at BM 16, 29% at BM 32: benchmarks/NOTES.md, fifth session).
-MLA_SWAP_PANEL_RING = False
 SWAP_BN = 64  # keys per tile = wgmma's M
 SWAP_THREADS = 256  # one MMA warpgroup + the producer warpgroup
 
 
-def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int, panel_ring: bool = False) -> int:
-    """pt::SwapConfig<...>::SMEM_BYTES: Q, the ring (`stages` shared K/V tiles, or `stages`
-    slots of one 64-column panel), Pᵀ, the per-warp row reductions and the ring's mbarriers."""
-    ring = stages * bn * (64 if panel_ring else head_dim) * 2
-    return bm * head_dim * 2 + ring + bm * bn * 2 + 4 * bm * 4 + 2 * stages * 8
-
-
-def swap_panel_slots(bm: int, head_dim: int = 576) -> int:
-    """The panel ring's slots: as many as fit the sm_90 per-block limit with the margin."""
-    fixed = swap_smem_bytes(bm, SWAP_BN, head_dim, 0, True)
-    return (SM90_SMEM_LIMIT - SMEM_MARGIN - fixed) // (SWAP_BN * 64 * 2 + 16)
+def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int) -> int:
+    """pt::SwapConfig<...>::SMEM_BYTES: Q, the ring (`stages` shared K/V tiles), Pᵀ, the
+    per-warp row reductions and the ring's mbarriers."""
+    return bm * head_dim * 2 + stages * bn * head_dim * 2 + bm * bn * 2 + 4 * bm * 4 + 2 * stages * 8
 
 
 def _decode_wgmma(head_dim: int, bm: int) -> bool:
@@ -682,7 +669,6 @@ class DecodeKey:
     split_o: bool = False
     arch: int = 80  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
     swap: bool = False  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a): keys as M
-    panel_ring: bool = False  # the swapped tile's ring: `stages` panel slots instead of tiles
     copy_tpr: int = 4  # the tile ring producer's threads per K/V row (KV_COPY_TPR)
 
     @staticmethod
@@ -694,15 +680,12 @@ class DecodeKey:
                          copy_tpr=kv_copy_tpr(head_dim) if engine == 90 else 4)
 
     @staticmethod
-    def swapped(dtype: str, causal: bool, pol: DecodePolicy, panel_ring: Optional[bool] = None) -> "DecodeKey":
+    def swapped(dtype: str, causal: bool, pol: DecodePolicy) -> "DecodeKey":
         """The swapped-operand MLA tile for the policy's row tile of 16 or 32 (BN 64: the
-        policy's split chunks stay whole tiles): two stages of 72 KB tiles, or (panel_ring,
-        default MLA_SWAP_PANEL_RING) as many 8 KB panel slots as fit."""
+        policy's split chunks stay whole tiles): two stages of 72 KB tiles."""
         assert pol.bm in (16, 32) and pol.bn == SWAP_BN, pol
-        pr = MLA_SWAP_PANEL_RING if panel_ring is None else panel_ring
-        stages = swap_panel_slots(pol.bm) if pr else 2
-        return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, stages, False, 90, True, pr,
-                         4 if pr else kv_copy_tpr(MLA_DIM_QK))  # the panel ring has its own copy
+        return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, 2, False, 90, True,
+                         kv_copy_tpr(MLA_DIM_QK))
 
     @property
     def producer(self) -> bool:  # the wgmma engines take a producer warpgroup
@@ -725,7 +708,7 @@ class DecodeKey:
     @property
     def smem(self) -> int:
         if self.swap:
-            return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.panel_ring) + WGMMA_ALIGN_SLACK
+            return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
                                self.shared_kv, self.producer) + (WGMMA_ALIGN_SLACK if self.arch == 90 else 0)
 
@@ -734,15 +717,14 @@ class DecodeKey:
         return (f"pt_decode_{self.dtype}_d{self.head_dim}_c{int(self.causal)}_bm{self.bm}_bn{self.bn}"
                 f"_wn{self.warps_n}_s{self.stages}" + ("_so" if self.split_o else "") +
                 ("_sm90_ws" if self.arch == 90 else "") + ("_swap" if self.swap else "") +
-                ("_pr" if self.panel_ring else "") + (f"_cp{self.copy_tpr}" if self.copy_tpr != 4 else ""))
+                (f"_cp{self.copy_tpr}" if self.copy_tpr != 4 else ""))
 
     def source(self) -> runtime.KernelSource:
         q_regs = self.head_dim <= 128 and self.arch != 90
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
                           self.stages, self.split_o, self.dv, self.shared_kv, self.producer, copy_tpr=self.copy_tpr)
         if self.swap:
-            cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
-                   f"{str(self.panel_ring).lower()}, {self.copy_tpr}>")
+            cfg = f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, {self.copy_tpr}>"
         entry = (
             f'\nextern "C" __global__ void __launch_bounds__({self.threads}, 1)\n'
             f"{self.name}(const __grid_constant__ pt::DecodeParams p) {{\n"

@@ -9,16 +9,11 @@
 //                    M-major (transposed), B = P^T written to shared memory (K-major)
 //
 // One MMA warpgroup (128 threads, O^T in DV / 64 x BM / 8 x 4 registers a thread) and a
-// producer warpgroup. V is the first DV columns of the K row (SHARED_KV). Two rings feed
-// it (SwapConfig::PANEL_RING):
-//   the core's tile ring (pt_fmha.cuh: KvRing): STAGES whole 64 x D tiles (72 KB at
-//     D 576, so two fit beside Q), acquired and released a tile at a time;
-//   the panel ring (PanelRing): SLOTS slots of one 64-column panel (8 KB) of a tile each,
-//     acquired panel by panel as S^T's k-steps reach them and released once the last
-//     product reading them lands (the rope panels after S^T, the V panels in groups after
-//     O^T). The producer refills slots in order, so what counts is the depth: it stays up
-//     to SLOTS - D / 64 panels ahead of the tile being read instead of one whole tile (the
-//     memory-bound rows are limited by the bytes a CTA keeps in flight).
+// producer warpgroup. V is the first DV columns of the K row (SHARED_KV). The core's tile
+// ring (pt_fmha.cuh: KvRing) feeds it: STAGES whole 64 x D tiles (72 KB at D 576, so two
+// fit beside Q), acquired and released a tile at a time. (A ring of 64-column panel slots,
+// acquired and released panel by panel to copy further ahead, measured 1-2% slower at
+// BM 16 and 29% at BM 32, and was retired: benchmarks/NOTES.md, fifth and sixth sessions.)
 // The problem policies are the core's (range, q_row/k_row/kv_page, tile_needs_mask/
 // visible, store2/store_lse).
 #pragma once
@@ -39,16 +34,12 @@ struct SwapTileRing {
   Ring ring;
   static constexpr int BYTES = STAGES * KVTile::BYTES;
   static constexpr int BAR_BYTES = Ring::BAR_BYTES;
-  static constexpr bool PER_PANEL = false;  // acquired and released a tile at a time
   __device__ __forceinline__ SwapTileRing(u32 base, u32 bars) : ring{base, bars} {}
   __device__ __forceinline__ u32 panel(const RingCursor& c, int p) const {
     return ring.k(c.slot) + (u32)p * KVTile::PANEL;
   }
-  __device__ __forceinline__ void acquire(const RingCursor& c, int p) const {
-    if (p == 0) ring.acquire(c.slot, c.pass);
-  }
-  __device__ __forceinline__ void release_panel(const RingCursor&, int) const {}
-  __device__ __forceinline__ void release_tile(const RingCursor& c) const { ring.release(c.slot); }
+  __device__ __forceinline__ void acquire(const RingCursor& c) const { ring.acquire(c.slot, c.pass); }
+  __device__ __forceinline__ void release(const RingCursor& c) const { ring.release(c.slot); }
   __device__ __forceinline__ static void next(RingCursor& c) { Ring::advance(c.slot, c.pass); }
   template <int NTHREADS> __device__ __forceinline__ void init(int consumer_warps) const {
     ring.template init<NTHREADS>(consumer_warps);
@@ -59,92 +50,14 @@ struct SwapTileRing {
   }
 };
 
-// The panel ring: SLOTS slots of one 64-column panel of a BN-key tile (BN x 128 bytes,
-// the tile's own swizzled panel layout), a full and an empty mbarrier per slot. The
-// panels of consecutive tiles take consecutive slots, wrapping (a tile's first slot is
-// its cursor). The producer warpgroup copies them in that order, each thread one key
-// row's share (its page looked up once per tile), each slot once the MMA warps released
-// its previous panel; every thread's copies of a panel arrive on the slot's full barrier.
-template <int BN, int PANELS, int SLOTS>
-struct PanelRing {
-  using Slot = SmemTileW<BN, 64>;
-  static constexpr int BYTES = SLOTS * Slot::BYTES;
-  static constexpr int BAR_BYTES = 2 * SLOTS * 8;
-  static constexpr bool PER_PANEL = true;
-  static_assert(SLOTS > PANELS, "a whole tile in the ring and room to copy ahead");
-  u32 base, bars;
-  __device__ __forceinline__ PanelRing(u32 base_, u32 bars_) : base(base_), bars(bars_) {}
-  // panel p of the cursor's tile: its slot and pass (p < SLOTS: at most one wrap)
-  __device__ __forceinline__ static RingCursor at(const RingCursor& c, int p) {
-    const int s = c.slot + p;
-    return s >= SLOTS ? RingCursor{s - SLOTS, c.pass ^ 1u} : RingCursor{s, c.pass};
-  }
-  __device__ __forceinline__ u32 full(int slot) const { return bars + 8u * slot; }
-  __device__ __forceinline__ u32 empty(int slot) const { return bars + 8u * (SLOTS + slot); }
-  __device__ __forceinline__ u32 panel(const RingCursor& c, int p) const {
-    return base + (u32)at(c, p).slot * Slot::BYTES;
-  }
-  // an MMA thread: panel p of the cursor's tile has landed and is visible to wgmma
-  __device__ __forceinline__ void acquire(const RingCursor& c, int p) const {
-    const RingCursor x = at(c, p);
-    mbar_wait(full(x.slot), x.pass);
-    fence_proxy_async();
-  }
-  // an MMA warp is done with panel p of the cursor's tile (its wgmma reads have completed)
-  __device__ __forceinline__ void release_panel(const RingCursor& c, int p) const {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(empty(at(c, p).slot));
-  }
-  __device__ __forceinline__ void release_tile(const RingCursor&) const {}
-  __device__ __forceinline__ static void next(RingCursor& c) { c = at(c, PANELS); }
-  template <int NTHREADS> __device__ __forceinline__ void init(int consumer_warps) const {
-#pragma unroll 1
-    for (int s = 0; s < SLOTS; ++s) {
-      mbar_init(full(s), NTHREADS);
-      mbar_init(empty(s), consumer_warps);
-    }
-  }
-  template <int NTHREADS, class Problem, class Range>
-  __device__ __forceinline__ void produce(const Problem& pb, const Range& range, int n_tiles, int tid) const {
-    constexpr int TPR = NTHREADS / BN;  // threads per key row
-    constexpr int CPT = 8 / TPR;        // 16-byte chunks of a panel row per thread
-    static_assert(NTHREADS % BN == 0 && 8 % TPR == 0, "producer threads cover a panel's rows");
-    const int r = tid / TPR, c0 = (tid % TPR) * CPT;
-    RingCursor x{0, 0u};
-    bool wrapped = false;  // every slot used once: from now on wait for its release
-#pragma unroll 1
-    for (int it = 0; it < n_tiles; ++it) {
-      const KeyTile kt = range.tile(it);
-      const bool valid = r < kt.rows;  // rows past a short tile: zero-filled from row 0's key
-      const int j = kt.k0 + (valid ? r : 0);
-      const char* src = reinterpret_cast<const char*>(pb.k_row(pb.kv_page(j), j));
-#pragma unroll 1
-      for (int p = 0; p < PANELS; ++p) {
-        if (wrapped) mbar_wait(empty(x.slot), x.pass ^ 1u);
-        const u32 dst = base + (u32)x.slot * Slot::BYTES;
-#pragma unroll
-        for (int k = 0; k < CPT; ++k) {
-          const int c = c0 + k;
-          cp_async_16(dst + Slot::offset(r, c), src + (p * 64 + c * 8) * 2, valid);
-        }
-        cp_async_mbar_arrive(full(x.slot));
-        x = at(x, 1);
-        wrapped = wrapped || x.slot == 0;
-      }
-    }
-    cp_async_wait<0>();
-  }
-};
-
-// STAGES: whole tiles (the tile ring) or panel slots (PANEL_RING). COPY_TPR: the tile ring
-// producer's threads per key row (FmhaConfig's).
-template <class T_, int D_, int DV_, int BM_, int STAGES_, bool PANEL_RING_ = false, int COPY_TPR_ = 4>
+// STAGES: whole tiles in the ring. COPY_TPR: the ring producer's threads per key row
+// (FmhaConfig's).
+template <class T_, int D_, int DV_, int BM_, int STAGES_, int COPY_TPR_ = 4>
 struct SwapConfig {
   using T = T_;
   static constexpr bool SWAP = true;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = BM_, BN = 64, STAGES = STAGES_;
-  static constexpr bool PANEL_RING = PANEL_RING_;
   static constexpr int THREADS = 128;  // the MMA warpgroup
   static constexpr int WARPS = 4;
   static constexpr int PRODUCER_THREADS = 128;
@@ -153,7 +66,7 @@ struct SwapConfig {
   using KVTile = SmemTileW<BN, D>;
   using PTile = SmemTileW<BM, BN>;  // P^T: [query row][key]
   static constexpr int COPY_TPR = COPY_TPR_;
-  using Ring = typename Select<PANEL_RING, PanelRing<BN, D / 64, STAGES>, SwapTileRing<KVTile, STAGES, COPY_TPR>>::type;
+  using Ring = SwapTileRing<KVTile, STAGES, COPY_TPR>;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_RING = Ring::BYTES;
   static constexpr int SMEM_P = PTile::BYTES;
@@ -165,7 +78,6 @@ struct SwapConfig {
   static_assert(BM == 16 || BM == 32, "swapped tile: 16 or 32 query rows");
   static_assert(D % 64 == 0 && DV % 64 == 0 && DV <= D, "panels of 64 columns; V a prefix of the K row");
   static_assert(BM * O_STRIDE * 4 <= SMEM_RING && STAGES >= 2, "ring");
-  static_assert(!PANEL_RING || COPY_TPR == 4, "COPY_TPR: the tile ring's copy (the panel ring has its own)");
 };
 
 template <class Cfg, class Problem>
@@ -221,28 +133,20 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
     const KeyTile kt = range.tile(it);
     const int k0 = kt.k0;
 
-    // ---- S^T = K Q^T, each panel's k-steps issued once it has landed ---------------
+    // ---- S^T = K Q^T, once the tile has landed -------------------------------------
     float s[NJ][4];
-    ring.acquire(cur, 0);
+    ring.acquire(cur);
     fence_regs(s);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KD; ++ks) {
       const u32 koff = (u32)(ks & 3) * 32;
-      if constexpr (Cfg::Ring::PER_PANEL) {
-        if (ks > 0 && (ks & 3) == 0) {  // the next panel (the fence spares ptxas injecting one)
-          ring.acquire(cur, ks >> 2);
-          wgmma_fence();
-        }
-      }
       Wgmma<T, BM>::ss(s, desc_kmajor(ring.panel(cur, ks >> 2) + koff),
                        desc_kmajor(sQ + (ks >> 2) * QTile::PANEL + koff), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
-#pragma unroll
-    for (int p = MP; p < D / 64; ++p) ring.release_panel(cur, p);  // the rope panels: S^T only
 
     // ---- mask ---------------------------------------------------------------------
     if ((Problem::SHORT_TILES && kt.rows < BN) || pb.tile_needs_mask(k0)) {
@@ -304,7 +208,7 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
     fence_proxy_async();
     named_bar_sync(1, THREADS);
 
-    // ---- O^T += V^T P^T: PV_GROUPS commit groups of V panels, released as each lands ----
+    // ---- O^T += V^T P^T: PV_GROUPS commit groups of V panels --------------------------
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) fence_regs(o[mp]);
     wgmma_fence();
@@ -320,12 +224,9 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
     for (int grp = 0; grp < PV_GROUPS; ++grp) {
       wgmma_wait_dyn<PV_GROUPS - 1>(PV_GROUPS - 1 - grp);  // group grp has landed
 #pragma unroll
-      for (int mp = grp * PER_GROUP; mp < (grp + 1) * PER_GROUP; ++mp) {
-        fence_regs(o[mp]);
-        ring.release_panel(cur, mp);
-      }
+      for (int mp = grp * PER_GROUP; mp < (grp + 1) * PER_GROUP; ++mp) fence_regs(o[mp]);
     }
-    ring.release_tile(cur);  // this warp's reads of the tile are done (waited above)
+    ring.release(cur);  // this warp's reads of the tile are done (waited above)
   }
 
   // ---- epilogue: sums over the keys, O through shared memory to store2 -----------------
