@@ -16,7 +16,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# (FMHA_LOOP, PERSISTENT, KV_COPY_TPR); None: the module's default; "other": the copy it does not take
+# (FMHA_LOOP, PERSISTENT, copy); None: the module's default; copy "other": KV_COPY_FLIP, the copy it does not take
 RING_VARIANTS = {"loop0": (0, False, None), "loop1": (1, False, None), "loop2": (2, False, None),
                  "loop0_persistent": (0, True, None), "loop2_persistent": (2, True, None),
                  "other_copy": (None, False, "other")}

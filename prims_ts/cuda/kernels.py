@@ -95,9 +95,10 @@ KV_COPY_FLIP = False
 
 def kv_copy_tpr(head_dim: int) -> int:
     """The producer copy of a sm_90a producer-ring key of `head_dim` (the K row's width).
-    Measured in one A/B run: 8 threads a row took MLA B64 L8192 H16 1.12x and H128 1.04x,
-    D256 prefill 1.04x, but D128 prefill, paged prefill and block-sparse 0.94-0.99x: rows
-    wider than 256 bytes take 8, D128 rows keep 4."""
+    Measured in one A/B run: 8 threads a row took MLA B64 L8192 H16 (rows of 16) 1.12x and
+    H128 (rows of 64) 1.04x, D256 contiguous prefill 1.04x, but D128 prefill, paged prefill
+    and block-sparse 0.94-0.99x: rows wider than 256 bytes take 8, D128 rows keep 4. D256
+    paged prefill and block-sparse and MLA rows of 32 follow the row width unmeasured."""
     tpr = KV_COPY_TPR if KV_COPY_TPR is not None else (8 if head_dim > 128 else 4)
     return next(t for t in KV_COPY_TPRS if t != tpr) if KV_COPY_FLIP else tpr
 
@@ -454,14 +455,14 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, device: Optiona
 
 def _both_loops(key):
     """A producer-ring key with each consumer loop (whichever fmha_loop chooses),
-    persistent with the plain loop and with the key's own (default) loop (whichever
-    PERSISTENT chooses), and the key as chosen with each producer copy (whichever
-    kv_copy_tpr chooses)."""
+    persistent with the plain loop, the key's own (default) loop and pingpong (loop 1 on
+    one MMA warpgroup; whichever PERSISTENT and FMHA_LOOP choose), and the key as chosen
+    with each producer copy (whichever kv_copy_tpr chooses)."""
     for loop in FMHA_LOOPS if key.producer else (key.loop,):
         if loop < 2 or key.bm == 128:  # pingpong takes two MMA warpgroups
             yield replace(key, loop=loop, persistent=False)
     if key.producer and getattr(key, "mask", "") != "variable_window":
-        for loop in sorted({0, key.loop}):
+        for loop in sorted({0, key.loop, 2 if key.bm == 128 else 1}):
             yield replace(key, loop=loop, persistent=True)
     yield from _other_copies(key)
 
