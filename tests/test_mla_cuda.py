@@ -198,7 +198,7 @@ def test_mla_grid(qmode, mask, h, sq):
 # ----------------------------------------------------------------------------
 
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
-ROW_ENGINES = {"swapped": (True, 4), "swapped_copy8": (True, 8), "mma_sync": (False, 4)}
+ROW_ENGINES = {"swapped_copy4": (True, 4), "swapped_copy8": (True, 8), "mma_sync": (False, 4)}
 
 
 @pytest.fixture(params=list(ROW_ENGINES))

@@ -430,10 +430,10 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
 # sm_90a): at most one CTA per SM, each walking work items c, c + grid, ... with one ring,
 # so the producer copies the next item's first tiles while the MMA warps finish the
 # current one (the short rows: B8 S1024, block-sparse at 10%). The kernels take either
-# grid; False launches one CTA per item. Measured against one CTA per item, both at loop 0
-# (NOTES, "Consumer loops and persistent CTAs"): 1.04-1.10x on B8 S1024, 0.95-0.98x on the
-# long causal rows, 0.99x on block-sparse: off. With the overlapped loops (the key keeps
-# its loop) built after, not yet run on a GPU.
+# grid; False launches one CTA per item. Measured against the default (NOTES, fifth and
+# sixth sessions): with loop 0, 1.04-1.10x on B8 S1024 but 0.95-0.98x on the long causal
+# rows and 0.94-0.99x on block-sparse; keeping each key's loop (pingpong at D128),
+# 0.91-1.02x on prefill, 0.93-0.96x on block-sparse, 0.97-1.05x on paged prefill: off.
 PERSISTENT = False
 PERSISTENT_CTAS: Optional[int] = None  # the persistent grid's cap (None: the SM count); tests use a few
 
