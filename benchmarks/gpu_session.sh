@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -112,6 +112,40 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
         echo "== speedups over variant d (the defaults)"
         # shellcheck disable=SC2046
         "$PY" benchmarks/ab_table.py $(for v in $variants; do echo "$OUT/ab$v.json"; done) | tee "$OUT/${s}_table.txt" ;;
+    abtree)
+        # before/after of a kernel change in one call: the tree at ab_base/ (e.g. `mkdir ab_base
+        # && git archive HEAD prims_ts | tar -x -C ab_base`, carried: it is git-ignored) against
+        # this one, one process a run in the order AB_ORDER (default "base new new base": the
+        # second base shows the drift); AB_FAMILIES picks the families (default: prefill
+        # paged_prefill block_sparse mla)
+        [ -d ab_base/prims_ts ] || { echo "abtree: no ab_base/prims_ts" >&2; exit 2; }
+        fams=""; for f in ${AB_FAMILIES:-prefill paged_prefill block_sparse mla}; do fams="$fams --family $f"; done
+        n=0; runs=()
+        for v in ${AB_ORDER:-base new new base}; do
+            n=$((n + 1)); root=.; [ "$v" = base ] && root=ab_base
+            echo "== bench, $v tree (run $n)"
+            # shellcheck disable=SC2086
+            PYTHONPATH=$root timeout 170 "$PY" -m prims_ts bench $fams --runners prims_ts,prims_ts_contiguous \
+                --json "$OUT/abtree$n-$v.json" 2>&1 | tee "$OUT/abtree$n-$v.log" | grep -v '^\[' | tail -30
+            runs+=("$OUT/abtree$n-$v.json")
+        done
+        echo "== speedups over the first run"
+        "$PY" benchmarks/ab_table.py "${runs[@]}" | tee "$OUT/abtree_table.txt" ;;
+    probe)
+        # where a prefill kernel's time goes (pt_fmha.cuh: PT_PROBE): probe 0 as built, 1 without
+        # the K/V copies after the first stages (the MMA warps alone), 2 without the math (the
+        # data path alone); the rows' results are wrong under 1 and 2 (bench marks them WRONG)
+        for p in 0 1 2; do
+            echo "== bench prefill, PT_PROBE $p"
+            timeout 170 "$PY" -c "import sys; import prims_ts.cuda.kernels as K, prims_ts.cuda.runtime as R; \
+p = int(sys.argv[1]); src = K.PrefillKey.source; \
+K.PrefillKey.source = lambda self: (lambda ks: R.KernelSource(ks.key, ks.name, '#define PT_PROBE %d\\n' % p + ks.source))(src(self)); \
+from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
+                $p bench --family prefill --family paged_prefill --runners prims_ts --json "$OUT/probe$p.json" 2>&1 \
+                | tee "$OUT/probe$p.log" | grep -v '^\[' | tail -30
+        done
+        echo "== time with the probe over time as built (x > 1: the probed side alone is faster)"
+        "$PY" benchmarks/ab_table.py "$OUT/probe0.json" "$OUT/probe1.json" "$OUT/probe2.json" | tee "$OUT/probe_table.txt" ;;
     sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and copies
         echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
@@ -125,6 +159,8 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
                     "paged_prefill|B8 S2048 H32/8 D128 causal page64|pt_prefill|paged_b8c" \
                     "block_sparse|block128 10%|pt_bsr|bsr_128_10"; do
             IFS='|' read -r fam prob kern name <<<"$spec"
+            # PROFILE_ROWS (e.g. "prefill_b2c bsr_128_10") picks some of the rows
+            [ -n "${PROFILE_ROWS:-}" ] && [[ " $PROFILE_ROWS " != *" $name "* ]] && continue
             echo "== ncu $name"
             timeout 240 ncu --clock-control none -k "regex:$kern" -s 1 -c 1 --set full -f -o "$OUT/ncu_$name" \
                 "$PY" benchmarks/run_one.py "$fam" "$prob" prims_ts 2 >"$OUT/ncu_$name.log" 2>&1
@@ -135,6 +171,7 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
                 "$OUT/ncu_$name.txt" | sed 's/^/   /'
         done ;;
     all) "$0" tests compile sanitize check quick ;;
+    *.py) run_tests "$s" ;;  # one test file (its cuda-marked tests), e.g. compile_tests/test_mla_compile.py
     *) echo "unknown stage $s" >&2; exit 2 ;;
     esac
 done

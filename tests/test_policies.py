@@ -357,3 +357,14 @@ def test_producer_copy_default_and_flip(monkeypatch):
     assert chosen() == {k: 12 - v for k, v in want.items()}
     monkeypatch.setattr(kernels, "KV_COPY_TPR", 8)  # forced, then flipped: 4 everywhere
     assert set(chosen().values()) == {4}
+
+
+def test_no_kernel_the_library_compiles_defines_the_probe():
+    """PT_PROBE (pt_fmha.cuh) is a measurement aid whose kernels compute wrong results
+    (gpu_session.sh `probe` defines it in a child process): no key's source defines it, and
+    the header's default is off."""
+    from prims_ts.cuda import runtime
+
+    for arch in ("sm_90a", "sm_80"):
+        assert not [ks.name for ks in kernels.all_keys(arch) if "PT_PROBE" in ks.source]
+    assert "#define PT_PROBE 0" in runtime.include_sources()["pt_fmha.cuh"]

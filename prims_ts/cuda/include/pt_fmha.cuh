@@ -28,6 +28,17 @@
 #include "pt_sm80.cuh"
 #include "pt_sm90.cuh"
 
+// PT_PROBE: a measurement aid, never defined by the library (benchmarks/gpu_session.sh
+// `probe` defines it in the prefill kernels' source; their cubins are cached apart, since
+// the cache key hashes the source). It splits a producer-ring kernel's time between its two
+// sides; the results are wrong under either. 1: the producer copies the first STAGES tiles
+// of a CTA and afterwards only hands the stages over (the MMA warps' speed without the K/V
+// data path). 2: the MMA warps load Q, then only take and hand back each stage (the K/V
+// data path's speed, no math, no output).
+#ifndef PT_PROBE
+#define PT_PROBE 0
+#endif
+
 namespace pt {
 
 template <bool C, class A, class B> struct Select { using type = A; };
@@ -277,8 +288,9 @@ struct KvRing {
     for (int it = 0; it < n_tiles; ++it) {
       if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
       const KeyTile kt = range.tile(it);
-      load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows,
-                                                                tid);
+      if (PT_PROBE != 1 || pos.filled < STAGES)
+        load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows,
+                                                                  tid);
       cp_async_mbar_arrive(full(pos.stage));
       advance(pos.stage, pos.phase);
       ++pos.filled;
@@ -393,6 +405,16 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     if (n_tiles == 0) release_q();
   } else if constexpr (Cfg::PRODUCER) {
     load_q_for_mma<QTile, THREADS>(sQ, pb);
+    if constexpr (PT_PROBE == 2) {  // the data path alone (see PT_PROBE)
+      int st = pos.stage;
+      u32 ph = pos.phase;
+      for (int it = 0; it < n_tiles; ++it) {
+        ring.acquire(st, ph);
+        ring.release(st);
+        ring.advance(st, ph);
+      }
+      return;
+    }
   } else {
     // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
     load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
