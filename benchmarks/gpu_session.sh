@@ -17,6 +17,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 OUT="${OUT:-/tmp/prims_ts_gpu}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"  # absolute: abtree runs its benches from another directory
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 
@@ -42,7 +43,7 @@ COMPILE_TESTS=(compile_tests/test_compile_cuda.py compile_tests/test_paged_compi
 run_tests() {  # the cuda-marked tests of each file that exists, one summary line per file
     local f
     for f in "$@"; do
-        [ -f "$f" ] || continue
+        [ -f "$f" ] || { echo "== $f: no such file"; continue; }
         echo "== $f"
         timeout 280 "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider >"$OUT/$(basename "$f" .py).log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
@@ -113,11 +114,14 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
         # shellcheck disable=SC2046
         "$PY" benchmarks/ab_table.py $(for v in $variants; do echo "$OUT/ab$v.json"; done) | tee "$OUT/${s}_table.txt" ;;
     abtree)
-        # before/after of a kernel change in one call: the tree at ab_base/ (e.g. `mkdir ab_base
+        # before/after of a kernel change in one call: the package at ab_base/ (e.g. `mkdir ab_base
         # && git archive HEAD prims_ts | tar -x -C ab_base`, carried: it is git-ignored) against
-        # this one, one process a run in the order AB_ORDER (default "base new new base": the
+        # this tree's, one process a run in the order AB_ORDER (default "base new new base": the
         # second base shows the drift); AB_FAMILIES picks the families (default: prefill
-        # paged_prefill block_sparse mla)
+        # paged_prefill block_sparse mla). Each run starts in its own tree's directory and checks
+        # that it imported that tree's package: `python -m` or `-c` put the current directory
+        # ahead of PYTHONPATH, so a base run started here would silently run this tree.
+        # Up to 140 s a run: four fit one device call with the machine's start.
         [ -d ab_base/prims_ts ] || { echo "abtree: no ab_base/prims_ts" >&2; exit 2; }
         fams=""; for f in ${AB_FAMILIES:-prefill paged_prefill block_sparse mla}; do fams="$fams --family $f"; done
         n=0; runs=()
@@ -125,26 +129,32 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
             n=$((n + 1)); root=.; [ "$v" = base ] && root=ab_base
             echo "== bench, $v tree (run $n)"
             # shellcheck disable=SC2086
-            PYTHONPATH=$root timeout 170 "$PY" -m prims_ts bench $fams --runners prims_ts,prims_ts_contiguous \
-                --json "$OUT/abtree$n-$v.json" 2>&1 | tee "$OUT/abtree$n-$v.log" | grep -v '^\[' | tail -30
+            (cd "$root" && PYTHONPATH=. timeout 140 "$PY" -c "import os, sys; import prims_ts; \
+got = os.path.dirname(os.path.realpath(prims_ts.__file__)); want = os.path.realpath('prims_ts'); \
+print('prims_ts from', got); assert got == want, ('imported', got, 'not', want); \
+from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runners prims_ts,prims_ts_contiguous \
+                --json "$OUT/abtree$n-$v.json") 2>&1 | tee "$OUT/abtree$n-$v.log" | grep -v '^\[' | tail -30
             runs+=("$OUT/abtree$n-$v.json")
         done
-        echo "== speedups over the first run"
+        echo "== speedups over the first run (x = its ms / this run's ms; the imported trees:)"
+        grep -h "^prims_ts from" "$OUT"/abtree*-*.log
         "$PY" benchmarks/ab_table.py "${runs[@]}" | tee "$OUT/abtree_table.txt" ;;
     probe)
         # where a prefill kernel's time goes (pt_fmha.cuh: PT_PROBE): probe 0 as built, 1 without
         # the K/V copies after the first stages (the MMA warps alone), 2 without the math (the
-        # data path alone); the rows' results are wrong under 1 and 2 (bench marks them WRONG)
+        # data path alone). The results are wrong under 1 and 2: only the times mean anything.
+        # Probes 1 and 2 prepend the define to the prefill kernels' source in this process only.
         for p in 0 1 2; do
             echo "== bench prefill, PT_PROBE $p"
             timeout 170 "$PY" -c "import sys; import prims_ts.cuda.kernels as K, prims_ts.cuda.runtime as R; \
 p = int(sys.argv[1]); src = K.PrefillKey.source; \
-K.PrefillKey.source = lambda self: (lambda ks: R.KernelSource(ks.key, ks.name, '#define PT_PROBE %d\\n' % p + ks.source))(src(self)); \
+probed = lambda self: (lambda ks: R.KernelSource(ks.key, ks.name, '#define PT_PROBE %d\\n' % p + ks.source))(src(self)); \
+K.PrefillKey.source = probed if p else src; \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
                 $p bench --family prefill --family paged_prefill --runners prims_ts --json "$OUT/probe$p.json" 2>&1 \
                 | tee "$OUT/probe$p.log" | grep -v '^\[' | tail -30
         done
-        echo "== time with the probe over time as built (x > 1: the probed side alone is faster)"
+        echo "== time as built over time with the probe (x > 1: the probed side alone is faster)"
         "$PY" benchmarks/ab_table.py "$OUT/probe0.json" "$OUT/probe1.json" "$OUT/probe2.json" | tee "$OUT/probe_table.txt" ;;
     sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and copies
         echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
@@ -155,9 +165,12 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
         # ncu (full set, source counters) of one launch per row: the MLA memory-bound row and
         # the prefill, paged and block-sparse rows furthest from their bar; a details page and
         # the per-SASS-line stall table of each (the .ncu-rep too, where it is small enough)
+        for r in ${PROFILE_ROWS:-}; do
+            case " mla_b64 prefill_b2c paged_b8c bsr_128_10 prefill_b1d " in *" $r "*) ;; *) echo "== profile: no row $r" ;; esac
+        done
         for spec in "mla|B64 L8192 H16|pt_decode|mla_b64" "prefill|B2 S4096 H32/8 D128 causal|pt_prefill|prefill_b2c" \
                     "paged_prefill|B8 S2048 H32/8 D128 causal page64|pt_prefill|paged_b8c" \
-                    "block_sparse|block128 10%|pt_bsr|bsr_128_10"; do
+                    "block_sparse|block128 10%|pt_bsr|bsr_128_10" "prefill|B1 S16384 H32/8 D128 dense|pt_prefill|prefill_b1d"; do
             IFS='|' read -r fam prob kern name <<<"$spec"
             # PROFILE_ROWS (e.g. "prefill_b2c bsr_128_10") picks some of the rows
             [ -n "${PROFILE_ROWS:-}" ] && [[ " $PROFILE_ROWS " != *" $name "* ]] && continue

@@ -34,7 +34,7 @@
 // sides; the results are wrong under either. 1: the producer copies the first STAGES tiles
 // of a CTA and afterwards only hands the stages over (the MMA warps' speed without the K/V
 // data path). 2: the MMA warps load Q, then only take and hand back each stage (the K/V
-// data path's speed, no math, no output).
+// data path's speed, no math, no output; one item per CTA only).
 #ifndef PT_PROBE
 #define PT_PROBE 0
 #endif
@@ -399,6 +399,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     }
   };
   if constexpr (Q_BY_PRODUCER) {
+    static_assert(PT_PROBE != 2, "PT_PROBE 2 times one item per CTA (PERSISTENT off)");
     mbar_wait(fmha_q_full<Cfg>(smem), pos.q_phase);
     fence_proxy_async();
     pos.q_phase ^= 1u;
