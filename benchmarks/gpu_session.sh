@@ -15,9 +15,10 @@ set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+case "$PY" in */*) PY="$(cd -- "$(dirname -- "$PY")" >/dev/null && pwd -P)/$(basename -- "$PY")" ;; esac  # abtree cds
 OUT="${OUT:-/tmp/prims_ts_gpu}"
 mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"  # absolute: abtree runs its benches from another directory
+OUT="$(cd -- "$OUT" >/dev/null && pwd -P)"  # absolute (a relative one is the repo root's): abtree cds
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 
@@ -123,6 +124,7 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
         # ahead of PYTHONPATH, so a base run started here would silently run this tree.
         # Up to 140 s a run: four fit one device call with the machine's start.
         [ -d ab_base/prims_ts ] || { echo "abtree: no ab_base/prims_ts" >&2; exit 2; }
+        rm -f "$OUT"/abtree*  # a failed run must not leave an older call's results in the table
         fams=""; for f in ${AB_FAMILIES:-prefill paged_prefill block_sparse mla}; do fams="$fams --family $f"; done
         n=0; runs=()
         for v in ${AB_ORDER:-base new new base}; do
@@ -134,6 +136,7 @@ got = os.path.dirname(os.path.realpath(prims_ts.__file__)); want = os.path.realp
 print('prims_ts from', got); assert got == want, ('imported', got, 'not', want); \
 from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runners prims_ts,prims_ts_contiguous \
                 --json "$OUT/abtree$n-$v.json") 2>&1 | tee "$OUT/abtree$n-$v.log" | grep -v '^\[' | tail -30
+            rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || echo "== abtree: run $n ($v) failed, rc=$rc"
             runs+=("$OUT/abtree$n-$v.json")
         done
         echo "== speedups over the first run (x = its ms / this run's ms; the imported trees:)"

@@ -344,6 +344,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
                                                RingPos& pos) {
   static_assert(!Q_BY_PRODUCER || (Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1),
                 "Q from the producer: whole-row warpgroups");
+  static_assert(!Q_BY_PRODUCER || PT_PROBE != 2, "PT_PROBE 2 times one item per CTA (PERSISTENT off)");
   using T = typename Cfg::T;
   constexpr int D = Cfg::D, BN = Cfg::BN, THREADS = Cfg::THREADS, STAGES = Cfg::STAGES;
   constexpr int BNW = Cfg::BNW;  // keys of a tile this warp scores
@@ -399,7 +400,6 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     }
   };
   if constexpr (Q_BY_PRODUCER) {
-    static_assert(PT_PROBE != 2, "PT_PROBE 2 times one item per CTA (PERSISTENT off)");
     mbar_wait(fmha_q_full<Cfg>(smem), pos.q_phase);
     fence_proxy_async();
     pos.q_phase ^= 1u;
