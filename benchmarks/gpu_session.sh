@@ -143,16 +143,13 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
         grep -h "^prims_ts from" "$OUT"/abtree*-*.log
         "$PY" benchmarks/ab_table.py "${runs[@]}" | tee "$OUT/abtree_table.txt" ;;
     probe)
-        # where a prefill kernel's time goes (pt_fmha.cuh: PT_PROBE): probe 0 as built, 1 without
-        # the K/V copies after the first stages (the MMA warps alone), 2 without the math (the
-        # data path alone). The results are wrong under 1 and 2: only the times mean anything.
-        # Probes 1 and 2 prepend the define to the prefill kernels' source in this process only.
+        # where a prefill kernel's time goes (pt_fmha.cuh: PT_PROBE, kernels.PREFILL_PROBE): probe
+        # 0 as built, 1 without the K/V copies after the first stages (the MMA warps alone), 2
+        # without the math (the data path alone). The results are wrong under 1 and 2: only the
+        # times mean anything.
         for p in 0 1 2; do
             echo "== bench prefill, PT_PROBE $p"
-            timeout 170 "$PY" -c "import sys; import prims_ts.cuda.kernels as K, prims_ts.cuda.runtime as R; \
-p = int(sys.argv[1]); src = K.PrefillKey.source; \
-probed = lambda self: (lambda ks: R.KernelSource(ks.key, ks.name, '#define PT_PROBE %d\\n' % p + ks.source))(src(self)); \
-K.PrefillKey.source = probed if p else src; \
+            timeout 170 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; K.PREFILL_PROBE = int(sys.argv[1]); \
 from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
                 $p bench --family prefill --family paged_prefill --runners prims_ts --json "$OUT/probe$p.json" 2>&1 \
                 | tee "$OUT/probe$p.log" | grep -v '^\[' | tail -30

@@ -361,7 +361,7 @@ def test_producer_copy_default_and_flip(monkeypatch):
 
 def test_no_kernel_the_library_compiles_defines_the_probe():
     """PT_PROBE (pt_fmha.cuh) is a measurement aid whose kernels compute wrong results
-    (gpu_session.sh `probe` defines it in a child process): no key's source defines it, and
+    (kernels.PREFILL_PROBE, set by gpu_session.sh `probe`): no key's source defines it, and
     the header's default is off."""
     from prims_ts.cuda import runtime
 

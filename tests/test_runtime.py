@@ -114,24 +114,22 @@ def test_overlapped_consumer_loops_keep_the_wgmma_pipeline(cache, monkeypatch):
 
 @pytest.mark.parametrize("probe", [1, 2])
 def test_prefill_probes_compile_and_probe_2_refuses_persistent_ctas(cache, monkeypatch, probe):
-    """gpu_session.sh `probe` prepends `#define PT_PROBE n` to the prefill kernels' source
-    (pt_fmha.cuh): each probe compiles for the default sm_90a prefill keys; probe 2 (one item
-    per CTA) refuses the persistent kernels at compile time."""
+    """kernels.PREFILL_PROBE (gpu_session.sh `probe`) defines PT_PROBE in the sm_90a prefill
+    keys (pt_fmha.cuh): each probe compiles for the default keys; probe 2 (one item per CTA)
+    refuses the persistent kernels at compile time."""
     import dataclasses
 
-    def probed(key):
-        ks = key.source()
-        return runtime.KernelSource(ks.key, ks.name, f"#define PT_PROBE {probe}\n" + ks.source)
-
+    monkeypatch.setattr(kernels, "PREFILL_PROBE", probe)
     for mask, paged in (("causal", False), ("dense", True)):
         key = kernels.PrefillKey.choose(kernels.torch.bfloat16, 128, mask, "sm_90a", paged=paged)
-        assert runtime.compile_cubin(probed(key), "sm_90a")[:4] == b"\x7fELF"
+        assert key.name.endswith(f"_probe{probe}") and key.source().source.startswith(f"#define PT_PROBE {probe}\n")
+        assert runtime.compile_cubin(key.source(), "sm_90a")[:4] == b"\x7fELF"
     persistent = dataclasses.replace(key, persistent=True)
     if probe == 2:
         with pytest.raises(runtime.KernelCompileError, match="PT_PROBE 2"):
-            runtime.compile_cubin(probed(persistent), "sm_90a")
+            runtime.compile_cubin(persistent.source(), "sm_90a")
     else:
-        runtime.compile_cubin(probed(persistent), "sm_90a")
+        runtime.compile_cubin(persistent.source(), "sm_90a")
 
 
 @pytest.mark.parametrize("mirror,source,cname", [

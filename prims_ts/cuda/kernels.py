@@ -133,6 +133,7 @@ class PrefillKey:
     loop: int = 0  # the producer ring's consumer loop (FMHA_LOOP)
     persistent: bool = False  # CTAs walk several work items (PERSISTENT)
     copy_tpr: int = 4  # the producer's threads per K/V row (KV_COPY_TPR)
+    probe: int = 0  # PT_PROBE of the producer ring (PREFILL_PROBE): a measurement aid, wrong results
 
     @staticmethod
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str = "sm_80", paged: bool = False) -> "PrefillKey":
@@ -144,7 +145,7 @@ class PrefillKey:
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=fmha_loop(head_dim),
                               persistent=PERSISTENT and mask != "variable_window",
-                              copy_tpr=kv_copy_tpr(head_dim))
+                              copy_tpr=kv_copy_tpr(head_dim), probe=PREFILL_PROBE)
         # the portable engine (sm_80/86/89): tiles that fit 99 KB of shared memory per block
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
@@ -172,6 +173,7 @@ class PrefillKey:
             + (f"_s{self.stages}" if self.stages != 2 else "") + ("_ws" if self.producer else "")
             + (f"_l{self.loop}" if self.loop else "") + ("_pk" if self.persistent else "")
             + (f"_cp{self.copy_tpr}" if self.copy_tpr != 4 else "") + ("_paged" if self.paged else "")
+            + (f"_probe{self.probe}" if self.probe else "")
         )
 
     def source(self) -> runtime.KernelSource:
@@ -183,7 +185,8 @@ class PrefillKey:
             f"  pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {str(self.paged).lower()}, "
             f"{str(self.persistent).lower()}>(p);\n}}\n"
         )
-        return runtime.KernelSource(key=self.name, name=self.name, source=_read("fmha_prefill.cu") + entry)
+        probe = f"#define PT_PROBE {self.probe}\n" if self.probe else ""
+        return runtime.KernelSource(key=self.name, name=self.name, source=probe + _read("fmha_prefill.cu") + entry)
 
 
 class PrefillParams(ctypes.Structure):
@@ -436,6 +439,11 @@ def _launch(p: PrefillParams, paged: bool, q, k, v, out, qo_indptr, work, mask, 
 # 0.91-1.02x on prefill, 0.93-0.96x on block-sparse, 0.97-1.05x on paged prefill: off.
 PERSISTENT = False
 PERSISTENT_CTAS: Optional[int] = None  # the persistent grid's cap (None: the SM count); tests use a few
+
+# PT_PROBE (pt_fmha.cuh) in the sm_90a prefill keys (benchmarks/gpu_session.sh `probe`): 1
+# times the MMA warps without the K/V copies, 2 the copies without the math. A measurement
+# aid whose results are wrong; 0 (the library's only value) builds the real kernels.
+PREFILL_PROBE = 0
 
 
 def work_grid(items: int, persistent: bool, sm_count: int) -> int:

@@ -28,9 +28,9 @@
 #include "pt_sm80.cuh"
 #include "pt_sm90.cuh"
 
-// PT_PROBE: a measurement aid, never defined by the library (benchmarks/gpu_session.sh
-// `probe` defines it in the prefill kernels' source; their cubins are cached apart, since
-// the cache key hashes the source). It splits a producer-ring kernel's time between its two
+// PT_PROBE: a measurement aid, 0 in every kernel the library launches (kernels.PREFILL_PROBE,
+// set by benchmarks/gpu_session.sh `probe`, defines it in the sm_90a prefill keys, whose
+// names then end in _probe<n>). It splits a producer-ring kernel's time between its two
 // sides; the results are wrong under either. 1: the producer copies the first STAGES tiles
 // of a CTA and afterwards only hands the stages over (the MMA warps' speed without the K/V
 // data path). 2: the MMA warps load Q, then only take and hand back each stage (the K/V
