@@ -1,16 +1,16 @@
-"""Where does AOTInductor crash on this machine? (a diagnostic, not a test)
+"""What stands between AOTInductor and a working package here? (a diagnostic, not a test)
 
-    python benchmarks/aoti_probe.py [cuda|cpu]
+    python benchmarks/aoti_probe.py [cuda|cpu ...]
 
-The compile tests skip AOTInductor on CUDA where loading even a trivial package crashes
-(compile_tests/aoti_child.py). This runs that trivial package in child processes under a
-few variants and prints each one's outcome: the plain run, Python's faulthandler stack,
-eager CUDA module loading, single-threaded runner, the legacy shared-library path
-(aot_compile/aot_load), kernels embedded in the library, and a native backtrace through gdb
-when gdb is installed. Each variant compiles for a minute or more: give it 10 minutes.
+For each device, in child processes:
+1. the C++ compiler Inductor would use (``CXX`` or its default) and whether a shared
+   library it links carries libstdc++ inside it (no ``libstdc++.so`` in ``readelf -d``);
+2. the trivial ``(x * 2).sin()`` package with that compiler and with ``CXX=/usr/bin/g++``;
+3. a toy custom op taking a ``torch.dtype`` and an int, exported and run from a package
+   (with the compiler that worked): what dtype the op receives inside the package.
+Each package compiles for half a minute or more.
 """
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,65 +20,73 @@ import sys, torch
 class M(torch.nn.Module):
     def forward(self, x):
         return (x * 2).sin()
-dev, path, step = sys.argv[1], sys.argv[2], sys.argv[3]
-x = torch.randn(64, 128, device=dev)
-if step in ("compile", "all"):
-    ep = torch.export.export(M(), (x,))
-    torch._inductor.aoti_compile_and_package(ep, package_path=path)
-    print("compiled", flush=True)
-if step == "legacy":  # the pre-package path: a shared library from aot_compile, loaded by aot_load
-    so = torch._export.aot_compile(M(), (x,))
-    print("compiled", so, flush=True)
-    m = torch._export.aot_load(so, dev)
-    print("loaded", flush=True)
-    torch.testing.assert_close(m(x), M()(x))
-    print("ran: CANARY_OK", flush=True)
-if step == "embed":  # kernels embedded in the model's shared library instead of separate cubin files
-    ep = torch.export.export(M(), (x,))
-    torch._inductor.aoti_compile_and_package(ep, package_path=path,
-                                             inductor_configs={"aot_inductor.embed_kernel_binary": True})
-    print("compiled", flush=True)
-    m = torch._inductor.aoti_load_package(path)
-    print("loaded", flush=True)
-    torch.testing.assert_close(m(x), M()(x))
-    print("ran: CANARY_OK", flush=True)
-if step in ("load", "all"):
-    kw = {"run_single_threaded": True} if len(sys.argv) > 4 and sys.argv[4] == "single" else {}
-    m = torch._inductor.aoti_load_package(path, **kw)
-    print("loaded", flush=True)
-    torch.testing.assert_close(m(x), M()(x))
-    print("ran: CANARY_OK", flush=True)
+x = torch.randn(64, 128, device=sys.argv[1])
+ep = torch.export.export(M(), (x,))
+m = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=sys.argv[2]))
+torch.testing.assert_close(m(x), M()(x))
+print("CANARY_OK")
+"""
+
+DTYPE_OP = r"""
+import sys, torch
+seen = []
+@torch.library.custom_op("aoti_probe::make", mutates_args=())
+def make(x: torch.Tensor, dt: torch.dtype, code: int) -> torch.Tensor:
+    seen.append((dt, code))
+    return x.to(dt) * 2
+@make.register_fake
+def _(x, dt, code):
+    return torch.empty(x.shape, dtype=dt, device=x.device)
+class M(torch.nn.Module):
+    def forward(self, x):
+        return make(x, torch.float32, 2) + 1, make(x, torch.float16, 0)
+x = torch.randn(8, 16, device=sys.argv[1], dtype=torch.bfloat16)
+ep = torch.export.export(M(), (x,))
+m = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep, package_path=sys.argv[2]))
+outs = m(x)
+print("op received (dtype, int):", seen)
+print("outputs:", [(o.dtype, tuple(o.shape)) for o in outs])
+print("DTYPE_OK" if [d for d, _ in seen] == [torch.float32, torch.float16] else "DTYPE_MISMATCH")
 """
 
 
-def run(args, env=None, prefix=()):
-    res = subprocess.run(list(prefix) + [sys.executable, "-c", CANARY] + args, capture_output=True, text=True,
-                         timeout=int(os.environ.get("AOTI_PROBE_TIMEOUT", "900")), env={**os.environ, **(env or {})})
-    return res.returncode, (res.stdout[-1500:] + "\n" + res.stderr[-3000:]).strip()
+def compiler_report(env) -> str:
+    code = ("import torch._inductor.cpp_builder as b; print(b.get_cpp_compiler())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    cxx = res.stdout.strip() or f"(unknown: {res.stderr.strip()[-200:]})"
+    with tempfile.TemporaryDirectory() as d:
+        src, so = os.path.join(d, "t.cpp"), os.path.join(d, "t.so")
+        with open(src, "w") as f:
+            f.write("#include <string>\nstd::string f() { return std::to_string(42); }\n")
+        built = subprocess.run([cxx, "-shared", "-fPIC", src, "-o", so], capture_output=True, text=True)
+        if built.returncode:
+            return f"{cxx}: could not build a test library ({built.stderr.strip()[-200:]})"
+        dyn = subprocess.run(["readelf", "-d", so], capture_output=True, text=True).stdout
+        linked = "libstdc++.so" in dyn
+        return f"{cxx}: libstdc++ {'linked dynamically' if linked else 'NOT in NEEDED (linked statically?)'}"
 
 
-def main() -> None:
-    dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-    tmp = tempfile.mkdtemp()
-    path = os.path.join(tmp, "canary.pt2")
-    rc, log = run([dev, path, "compile"])
-    print(f"== compile: rc={rc}\n{log}\n", flush=True)
-    if rc != 0:
-        return
-    variants = [
-        # the alternatives first: the single-threaded runner has hung past 4 minutes before
-        ("legacy aot_compile + aot_load (.so)", [dev, path + ".legacy", "legacy"], None, ()),
-        ("embed_kernel_binary package", [dev, path + ".embed.pt2", "embed"], None, ()),
-        ("load + run", [dev, path, "load"], {"PYTHONFAULTHANDLER": "1"}, ()),
-        ("run_single_threaded", [dev, path, "load", "single"], None, ()),
-    ]
-    if shutil.which("gdb"):
-        variants.append(("gdb backtrace", [dev, path, "load"], None,
-                         ("gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 30", "--args")))
-    for name, args, env, prefix in variants:
-        rc, log = run(args, env, prefix)
-        print(f"== {name}: rc={rc}\n{log}\n", flush=True)
+def main(devices) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for dev in devices:
+            for cxx in (None, "/usr/bin/g++"):
+                env = dict(os.environ)
+                if cxx:
+                    env["CXX"] = cxx
+                tag = cxx or "default"
+                print(f"== {dev}, CXX={tag}: {compiler_report(env)}", flush=True)
+                res = subprocess.run([sys.executable, "-c", CANARY, dev, os.path.join(tmp, f"c_{dev}_{bool(cxx)}.pt2")],
+                                     capture_output=True, text=True, env=env, timeout=900)
+                ok = res.returncode == 0 and "CANARY_OK" in res.stdout
+                print(f"   canary: rc={res.returncode} {'OK' if ok else res.stderr.strip()[-300:]}", flush=True)
+                if not ok:
+                    continue
+                res = subprocess.run([sys.executable, "-c", DTYPE_OP, dev, os.path.join(tmp, f"d_{dev}.pt2")],
+                                     capture_output=True, text=True, env=env, timeout=900)
+                print(f"   dtype op: rc={res.returncode}\n" + "\n".join("     " + ln for ln in
+                      (res.stdout.strip().splitlines()[-3:] or [res.stderr.strip()[-400:]])), flush=True)
+                break
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or ["cuda", "cpu"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from prims_ts.ops._validate import dtype_code
 import prims_ts.ops.block_sparse  # noqa: F401  (defines the ops)
 import prims_ts.meta.block_sparse  # noqa: F401  (registers their fakes)
 from prims_ts.ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
@@ -241,7 +242,7 @@ def test_compile_ops_directly(device):
 
     def f(q, k, v, indptr, indices, bip, bi, lens, vb, out):
         a = torch.ops.prims_ts.block_sparse_attention(q * 1.0, k, v, indptr, indices, bip, bi, lens, vb, *statics,
-                                                      FP32)
+                                                      dtype_code(FP32))
         torch.ops.prims_ts.block_sparse_attention_out(q, k, v, out, indptr, indices, bip, bi, lens, vb, *statics)
         return a + 1.0, out * 2.0
 
@@ -297,9 +298,9 @@ class BlockSparse(torch.nn.Module):
 
     def forward(self, q, k, v, indptr, indices, bip, bi, lens, vb):
         a = torch.ops.prims_ts.block_sparse_attention(q, k, v, indptr, indices, bip, bi, lens, vb, self.q_block,
-                                                      self.kv_block, "causal", 0.09, FP32)
+                                                      self.kv_block, "causal", 0.09, dtype_code(FP32))
         b = torch.ops.prims_ts.block_sparse_attention(q, k, v, indptr, indices, bip, bi, lens, None, self.q_block,
-                                                      self.kv_block, "dense", self.scale, q.dtype)
+                                                      self.kv_block, "dense", self.scale, dtype_code(q.dtype))
         return a * 2.0, b
 
 

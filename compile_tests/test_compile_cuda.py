@@ -248,7 +248,8 @@ class Prefill(torch.nn.Module):
         a = batch_prefill(q, k, v, mask_type="causal", window_left=33, sm_scale=0.09, output_scale=0.5,
                           out_dtype=FP32)
         b = batch_prefill(qp, kp, vp, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_type="causal")
-        return a * 2.0, b
+        c = batch_prefill(q, k, v)  # dense, the default scale, q's dtype
+        return a * 2.0, b, c
 
 
 def _module_inputs(sq, sk, qo, kvo, seed):
@@ -260,8 +261,9 @@ def _module_inputs(sq, sk, qo, kvo, seed):
 
 def _check_module_outputs(outs, args):
     q, k, v, qp, kp, vp, qo, kvo = args
-    a, b = outs
-    assert a.dtype == FP32 and b.dtype == BF16 and a.is_cuda and b.is_cuda
+    a, b, c = outs
+    assert a.dtype == FP32 and b.dtype == BF16 and c.dtype == BF16 and a.is_cuda and b.is_cuda and c.is_cuda
+    assert rel_err(c, ref64(q, k, v)) <= TOLERANCE[BF16]
     assert rel_err(a / 2.0, ref64(q, k, v, mask_type="causal", window_left=33, sm_scale=0.09, output_scale=0.5)) \
         <= TOLERANCE[BF16]
     assert rel_err(b, ref64(qp, kp, vp, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOLERANCE[BF16]
@@ -298,7 +300,7 @@ def _aoti_body(package_path: str, device: str) -> None:
     for spec in (EXAMPLE, OTHER_VALUES, OTHER_SHAPES):
         a = _module_inputs(*spec, seed=12)
         outs = compiled(*a)
-        assert isinstance(outs, (list, tuple)) and len(outs) == 2
+        assert isinstance(outs, (list, tuple)) and len(outs) == 3
         _check_module_outputs(outs, a)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from prims_ts.ops._validate import dtype_code
 import prims_ts.ops.block_sparse  # noqa: F401  (defines the ops)
 import prims_ts.meta.block_sparse  # noqa: F401  (registers their fakes)
 from prims_ts.testing import OPCHECK_TESTS, TOLERANCE, assert_opcheck_passed, rel_err
@@ -101,7 +102,7 @@ IDS = [f"{m}-kv{kvb}-{b or 'nobits'}-{'combined' if c else 'pools'}" for m, _, _
 @pytest.mark.parametrize("mask,dtype,out_dtype,bits,combined,kv_block", CASES, ids=IDS)
 def test_opcheck_block_sparse_attention(mask, dtype, out_dtype, bits, combined, kv_block, device):
     q, k, v, meta, scalars = sample(mask, dtype, bits, combined, kv_block, device=device)
-    args = (q, k, v, *meta, *scalars, out_dtype)
+    args = (q, k, v, *meta, *scalars, dtype_code(out_dtype))
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.block_sparse_attention.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.block_sparse_attention(*args)
     assert res.dtype == out_dtype and res.shape == q.shape and res.device == q.device
@@ -126,7 +127,7 @@ def test_opcheck_with_requires_grad_inputs():
     kernel (custom_op's raises on backward), not a silent detach."""
     q, k, v, meta, scalars = sample("causal", FP32, "uint32", False, seed=30)
     q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
-    args = (q, k, v, *meta, *scalars, BF16)
+    args = (q, k, v, *meta, *scalars, dtype_code(BF16))
     names = ("test_schema", "test_autograd_registration", "test_faketensor")
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.block_sparse_attention.default, args, test_utils=names), names)
     res = torch.ops.prims_ts.block_sparse_attention(*args)
@@ -143,12 +144,12 @@ def test_fake_tensor_shapes():
         q, k, v, meta, scalars = sample("causal", BF16, bits, True)
         mq, mk, mv = (t.to("meta") for t in (q, k, v))
         mmeta = tuple(t.to("meta") if t is not None else None for t in meta)
-        res = torch.ops.prims_ts.block_sparse_attention(mq, mk, mv, *mmeta, *scalars, FP32)
+        res = torch.ops.prims_ts.block_sparse_attention(mq, mk, mv, *mmeta, *scalars, dtype_code(FP32))
         assert res.device.type == "meta" and res.shape == q.shape and res.dtype == FP32
         with FakeTensorMode() as mode:
             fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
             fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
-            res = torch.ops.prims_ts.block_sparse_attention(fq, fk, fv, *fmeta, *scalars, FP16)
+            res = torch.ops.prims_ts.block_sparse_attention(fq, fk, fv, *fmeta, *scalars, dtype_code(FP16))
             assert res.shape == q.shape and res.dtype == FP16
             fout = torch.empty(q.shape, dtype=FP32)
             assert torch.ops.prims_ts.block_sparse_attention_out(fq, fk, fv, fout, *fmeta, *scalars) is None

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from prims_ts.ops._validate import dtype_code
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
 from prims_ts import get_prims_ts_batch_decode_workspace_size
 from prims_ts import reference as R
@@ -78,7 +79,7 @@ IDS = [f"{qm}-{m}{w if w >= 0 else ''}-{'combined' if c else 'pools'}" for qm, m
 @pytest.mark.parametrize("qmode,mask,window,dtype,out_dtype,combined", CASES, ids=IDS)
 def test_opcheck_batch_decode(qmode, mask, window, dtype, out_dtype, combined):
     q, k, v, ws, meta, scalars = sample(qmode, mask, window, dtype, combined=combined)
-    args = (q, k, v, ws, *meta, *scalars, out_dtype)
+    args = (q, k, v, ws, *meta, *scalars, dtype_code(out_dtype))
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_decode(*args)
     assert res.dtype == out_dtype and res.shape == q.shape
@@ -100,7 +101,7 @@ def test_opcheck_split_kv_key():
     """A static max_seq_len large enough for a split-KV policy (a bigger workspace); same result."""
     q, k, v, ws, meta, scalars = sample("packed", "causal", -1, BF16, seed=20, max_seq_len=8192)
     assert ws.numel() > 256
-    args = (q, k, v, ws, *meta, *scalars, BF16)
+    args = (q, k, v, ws, *meta, *scalars, dtype_code(BF16))
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=OPCHECK_TESTS))
     assert rel_err(torch.ops.prims_ts.batch_decode(*args), _reference(q, k, v, meta, scalars)) <= 2e-2
 
@@ -110,7 +111,7 @@ def test_opcheck_with_requires_grad_inputs():
     kernel (custom_op's raises on backward), not a silent detach."""
     q, k, v, ws, meta, scalars = sample("single", "causal", -1, FP32, seed=30)
     q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
-    args = (q, k, v, ws, *meta, *scalars, BF16)
+    args = (q, k, v, ws, *meta, *scalars, dtype_code(BF16))
     names = ("test_schema", "test_autograd_registration", "test_faketensor")
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=names), names)
     res = torch.ops.prims_ts.batch_decode(*args)
@@ -125,14 +126,14 @@ def test_fake_tensor_shapes():
         q, k, v, ws, meta, scalars = sample(qmode, "causal", 3, BF16)
         mq, mk, mv, mws = (t.to("meta") for t in (q, k, v, ws))
         mmeta = tuple(t.to("meta") if t is not None else None for t in meta)
-        res = torch.ops.prims_ts.batch_decode(mq, mk, mv, mws, *mmeta, *scalars, FP32)
+        res = torch.ops.prims_ts.batch_decode(mq, mk, mv, mws, *mmeta, *scalars, dtype_code(FP32))
         assert res.device.type == "meta" and res.shape == q.shape and res.dtype == FP32
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with FakeTensorMode() as mode:
             fq, fk, fv, fws = (mode.from_tensor(t) for t in (q, k, v, ws))
             fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
-            res = torch.ops.prims_ts.batch_decode(fq, fk, fv, fws, *fmeta, *scalars, FP16)
+            res = torch.ops.prims_ts.batch_decode(fq, fk, fv, fws, *fmeta, *scalars, dtype_code(FP16))
             assert res.shape == q.shape and res.dtype == FP16
             fout = torch.empty(q.shape, dtype=FP32)
             assert torch.ops.prims_ts.batch_decode_out(fq, fk, fv, fws, fout, *fmeta, *scalars) is None

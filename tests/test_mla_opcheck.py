@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from prims_ts.ops._validate import dtype_code
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
 from prims_ts import get_prims_ts_batch_decode_mla_workspace_size
 from prims_ts import reference as R
@@ -78,7 +79,7 @@ def _out_shape(q):
 @pytest.mark.parametrize("qmode,mask,dtype,out_dtype", CASES, ids=IDS)
 def test_opcheck_batch_mla_decode(qmode, mask, dtype, out_dtype):
     q, cache, ws, meta, scalars = sample(qmode, mask, dtype)
-    args = (q, cache, ws, *meta, *scalars, out_dtype)
+    args = (q, cache, ws, *meta, *scalars, dtype_code(out_dtype))
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_mla_decode.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_mla_decode(*args)
     assert res.dtype == out_dtype and res.shape == _out_shape(q)
@@ -100,7 +101,7 @@ def test_opcheck_split_kv_key():
     """A static max_seq_len large enough for a split-KV policy (a bigger workspace); same result."""
     q, cache, ws, meta, scalars = sample("packed", "causal", BF16, seed=20, max_seq_len=8192)
     assert ws.numel() > 256
-    args = (q, cache, ws, *meta, *scalars, BF16)
+    args = (q, cache, ws, *meta, *scalars, dtype_code(BF16))
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_mla_decode.default, args, test_utils=OPCHECK_TESTS))
     assert rel_err(torch.ops.prims_ts.batch_mla_decode(*args), _reference(q, cache, meta, scalars)) <= 2e-2
 
@@ -110,7 +111,7 @@ def test_opcheck_with_requires_grad_inputs():
     kernel (custom_op's raises on backward), not a silent detach."""
     q, cache, ws, meta, scalars = sample("single", "causal", FP32, seed=30)
     q, cache = (t.to(BF16).requires_grad_() for t in (q, cache))
-    args = (q, cache, ws, *meta, *scalars, BF16)
+    args = (q, cache, ws, *meta, *scalars, dtype_code(BF16))
     names = ("test_schema", "test_autograd_registration", "test_faketensor")
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_mla_decode.default, args, test_utils=names), names)
     res = torch.ops.prims_ts.batch_mla_decode(*args)
@@ -127,12 +128,12 @@ def test_fake_tensor_shapes():
         q, cache, ws, meta, scalars = sample(qmode, "causal", BF16)
         mq, mc, mws = (t.to("meta") for t in (q, cache, ws))
         mmeta = tuple(t.to("meta") if t is not None else None for t in meta)
-        res = torch.ops.prims_ts.batch_mla_decode(mq, mc, mws, *mmeta, *scalars, FP32)
+        res = torch.ops.prims_ts.batch_mla_decode(mq, mc, mws, *mmeta, *scalars, dtype_code(FP32))
         assert res.device.type == "meta" and res.shape == _out_shape(q) and res.dtype == FP32
         with FakeTensorMode() as mode:
             fq, fc, fws = (mode.from_tensor(t) for t in (q, cache, ws))
             fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
-            res = torch.ops.prims_ts.batch_mla_decode(fq, fc, fws, *fmeta, *scalars, FP16)
+            res = torch.ops.prims_ts.batch_mla_decode(fq, fc, fws, *fmeta, *scalars, dtype_code(FP16))
             assert res.shape == _out_shape(q) and res.dtype == FP16
             fout = torch.empty(_out_shape(q), dtype=FP32)
             assert torch.ops.prims_ts.batch_mla_decode_out(fq, fc, fws, fout, *fmeta, *scalars) is None

@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from prims_ts.ops._validate import dtype_code
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
 from prims_ts import reference as R
 from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed
@@ -72,7 +73,7 @@ def packed_sample(mask, window, dtype, out_dtype, seed=0, with_work=False):
 def functional_args(q, k, v, meta, scalars, out_dtype):
     return (q, k, v, meta["qo_indptr"], meta["kv_indptr"], meta["window_starts"], meta["window_ends"], meta["work"],
             scalars["mask_type"], scalars["window_left"], scalars["sm_scale"], scalars["output_scale"],
-            scalars["max_q_len"], out_dtype)
+            scalars["max_q_len"], dtype_code(out_dtype))
 
 
 def out_args(q, k, v, out, meta, scalars):
@@ -179,3 +180,15 @@ def test_fake_tensor_shapes():
         assert res.shape == q.shape and res.dtype == FP16
         fout = torch.empty(q.shape, dtype=FP32)
         assert torch.ops.prims_ts.batch_prefill_out(*out_args(fq, fk, fv, fout, fmeta, scalars)) is None
+
+
+def test_out_dtype_code_error_names_the_argument():
+    """The functional ops take the output dtype as an int code (dtype_code); an unknown code, in eager or
+    from a compiled package's proxy call, is a ValueError naming out_dtype, real or fake tensors alike."""
+    q, k, v, meta, scalars = fixed_sample("dense", -1, BF16, BF16)
+    args = functional_args(q, k, v, meta, scalars, BF16)[:-1]
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="out_dtype"):
+            torch.ops.prims_ts.batch_prefill(*args, bad)
+        with pytest.raises(ValueError, match="out_dtype"):
+            torch.ops.prims_ts.batch_prefill(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args), bad)

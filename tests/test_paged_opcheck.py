@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from prims_ts.ops._validate import dtype_code
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
 from prims_ts import reference as R
 from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed, rel_err
@@ -70,7 +71,7 @@ IDS = [f"{m}{w if w >= 0 else ''}-{'padded' if p else 'dense_table'}{'-work' if 
 @pytest.mark.parametrize("mask,window,dtype,out_dtype,padded,with_work", CASES, ids=IDS)
 def test_opcheck_batch_prefill_paged(mask, window, dtype, out_dtype, padded, with_work):
     q, k, v, meta, scalars = sample(mask, window, dtype, padded=padded, with_work=with_work)
-    args = (q, k, v, *meta, *scalars, out_dtype)
+    args = (q, k, v, *meta, *scalars, dtype_code(out_dtype))
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_prefill_paged(*args)
     assert res.dtype == out_dtype and res.shape == q.shape
@@ -94,7 +95,7 @@ def test_opcheck_with_requires_grad_inputs():
     so test_aot_dispatch_dynamic (which would trace the backward) is left out; the backward must fail."""
     q, k, v, meta, scalars = sample("causal", -1, FP32, seed=30)
     q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
-    args = (q, k, v, *meta, *scalars, BF16)
+    args = (q, k, v, *meta, *scalars, dtype_code(BF16))
     names = ("test_schema", "test_autograd_registration", "test_faketensor")
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=names), names)
     res = torch.ops.prims_ts.batch_prefill_paged(*args)
@@ -108,14 +109,14 @@ def test_fake_tensor_shapes():
     q, k, v, meta, scalars = sample("causal", 3, BF16)
     mq, mk, mv = (t.to("meta") for t in (q, k, v))
     mmeta = tuple(t.to("meta") if t is not None else None for t in meta)
-    res = torch.ops.prims_ts.batch_prefill_paged(mq, mk, mv, *mmeta, *scalars, FP32)
+    res = torch.ops.prims_ts.batch_prefill_paged(mq, mk, mv, *mmeta, *scalars, dtype_code(FP32))
     assert res.device.type == "meta" and res.shape == q.shape and res.dtype == FP32
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
-        res = torch.ops.prims_ts.batch_prefill_paged(fq, fk, fv, *fmeta, *scalars, FP16)
+        res = torch.ops.prims_ts.batch_prefill_paged(fq, fk, fv, *fmeta, *scalars, dtype_code(FP16))
         assert res.shape == q.shape and res.dtype == FP16
         fout = torch.empty(q.shape, dtype=FP32)
         assert torch.ops.prims_ts.batch_prefill_paged_out(fq, fk, fv, fout, *fmeta, *scalars) is None

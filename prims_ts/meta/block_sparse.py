@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._validate import code_dtype
+
 
 @torch.library.register_fake("prims_ts::block_sparse_attention")
 def _block_sparse_attention_fake(
@@ -19,9 +21,9 @@ def _block_sparse_attention_fake(
     kv_block_size: int,
     mask_type: str,
     sm_scale: float,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
-    return torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    return torch.empty(q.shape, dtype=code_dtype(out_dtype), device=q.device)
 
 
 @torch.library.register_fake("prims_ts::block_sparse_attention_out")

@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._validate import code_dtype
+
 
 @torch.library.register_fake("prims_ts::batch_decode")
 def _batch_decode_fake(
@@ -21,9 +23,9 @@ def _batch_decode_fake(
     window_left: int,
     sm_scale: float,
     output_scale: float,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
-    return torch.empty(query.shape, dtype=out_dtype, device=query.device)
+    return torch.empty(query.shape, dtype=code_dtype(out_dtype), device=query.device)
 
 
 @torch.library.register_fake("prims_ts::batch_decode_out")

@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._validate import code_dtype
+
 MLA_DIM_V = 512
 
 
@@ -19,9 +21,9 @@ def _batch_mla_decode_fake(
     mask_type: str,
     sm_scale: float,
     output_scale: float,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
-    return torch.empty(tuple(query.shape[:-1]) + (MLA_DIM_V,), dtype=out_dtype, device=query.device)
+    return torch.empty(tuple(query.shape[:-1]) + (MLA_DIM_V,), dtype=code_dtype(out_dtype), device=query.device)
 
 
 @torch.library.register_fake("prims_ts::batch_mla_decode_out")

@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._validate import code_dtype
+
 
 @torch.library.register_fake("prims_ts::batch_prefill")
 def _batch_prefill_fake(
@@ -19,9 +21,9 @@ def _batch_prefill_fake(
     sm_scale: float,
     output_scale: float,
     max_q_len: int,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
-    return torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    return torch.empty(q.shape, dtype=code_dtype(out_dtype), device=q.device)
 
 
 @torch.library.register_fake("prims_ts::batch_prefill_out")

@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._validate import code_dtype
+
 
 @torch.library.register_fake("prims_ts::batch_prefill_paged")
 def _batch_prefill_paged_fake(
@@ -18,9 +20,9 @@ def _batch_prefill_paged_fake(
     sm_scale: float,
     output_scale: float,
     max_q_len: int,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
-    return torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    return torch.empty(q.shape, dtype=code_dtype(out_dtype), device=q.device)
 
 
 @torch.library.register_fake("prims_ts::batch_prefill_paged_out")

@@ -30,7 +30,7 @@ def eager_direct(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
 def call(functional_op: Callable, out_op: Callable, run: Callable, inputs: tuple, args: tuple,
          out: Optional[torch.Tensor], out_dtype: torch.dtype,
          out_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """``out_op(*inputs, out, *args)`` or ``functional_op(*inputs, *args, out_dtype)``.
+    """``out_op(*inputs, out, *args)`` or ``functional_op(*inputs, *args, dtype_code(out_dtype))``.
 
     `run(*inputs, out, *args)` is the implementation both ops call; the functional op
     allocates ``out`` as ``empty(out_shape, out_dtype)`` first (``out_shape`` defaults to
@@ -43,6 +43,6 @@ def call(functional_op: Callable, out_op: Callable, run: Callable, inputs: tuple
         run(*inputs, out, *args)
         return out
     if out is None:
-        return functional_op(*inputs, *args, out_dtype)
+        return functional_op(*inputs, *args, V.dtype_code(out_dtype))
     out_op(*inputs, out, *args)
     return out

@@ -161,6 +161,23 @@ def mask_and_window(mask_type: str, window_left, allowed: Sequence[str]) -> Tupl
     return mask_type, window_left
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """The op argument that carries an output dtype: its index in OUTPUT_DTYPES (pt::OutDtype).
+
+    The functional ops take this int rather than a ``torch.dtype``: AOTInductor's proxy
+    executor in torch 2.11 hands a serialised dtype to a Python op under another enum's
+    numbering (float32 arrived as float64), an int crosses every path unchanged."""
+    return OUTPUT_DTYPES.index(dtype)
+
+
+def code_dtype(code: int) -> torch.dtype:
+    """The output dtype of an op's ``out_dtype`` code (see dtype_code)."""
+    if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code < len(OUTPUT_DTYPES):
+        fail(f"out_dtype: expected an output dtype code 0..{len(OUTPUT_DTYPES) - 1} "
+             f"({', '.join(_dtype_name(d) for d in OUTPUT_DTYPES)}), got {code!r}")
+    return OUTPUT_DTYPES[code]
+
+
 def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype) -> torch.dtype:
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype: expected a torch.dtype, got {type(out_dtype).__name__}")

@@ -88,10 +88,10 @@ def block_sparse_attention_op(
     kv_block_size: int,
     mask_type: str,
     sm_scale: float,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
     """Functional form of ``block_sparse_attention_out``: returns a new output tensor."""
-    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=V.code_dtype(out_dtype), device=q.device)
     _run(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits,
          q_block_size, kv_block_size, mask_type, sm_scale)
     return out

@@ -88,10 +88,10 @@ def batch_decode_op(
     window_left: int,
     sm_scale: float,
     output_scale: float,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
     """``batch_decode_out`` returning a new output tensor."""
-    out = torch.empty(query.shape, dtype=out_dtype, device=query.device)
+    out = torch.empty(query.shape, dtype=V.code_dtype(out_dtype), device=query.device)
     _run(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr, seq_len_q,
          max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale)
     return out

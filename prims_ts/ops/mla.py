@@ -96,10 +96,10 @@ def batch_mla_decode_op(
     mask_type: str,
     sm_scale: float,
     output_scale: float,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
     """``batch_mla_decode_out`` returning a new ``[..., 512]`` output tensor."""
-    out = torch.empty(out_shape(query), dtype=out_dtype, device=query.device)
+    out = torch.empty(out_shape(query), dtype=V.code_dtype(out_dtype), device=query.device)
     _run(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, max_seq_len_q, max_seq_len, mask_type,
          sm_scale, output_scale)
     return out

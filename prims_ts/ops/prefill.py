@@ -80,10 +80,10 @@ def batch_prefill_op(
     sm_scale: float,
     output_scale: float,
     max_q_len: int,
-    out_dtype: torch.dtype,
+    out_dtype: int,
 ) -> torch.Tensor:
     """Functional form of ``batch_prefill_out``: returns a new output tensor."""
-    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=V.code_dtype(out_dtype), device=q.device)
     _run(q, k, v, out, qo_indptr, kv_indptr, window_starts, window_ends, work, mask_type, window_left, sm_scale,
          output_scale, max_q_len)
     return out
