@@ -117,8 +117,8 @@ def reference_must_not_run(*names: str) -> Iterator[None]:
 class OpRecorder:
     """Stands in for ``torch.ops.prims_ts.<op>`` and ``<op>_out``: records each call's name
     and arguments, launches nothing (the functional form returns an empty output shaped
-    like the first argument, its last dimension ``out_dim`` when given, of the last
-    argument's dtype)."""
+    like the first argument, its last dimension ``out_dim`` when given, of the dtype that
+    the last argument's code names)."""
 
     def __init__(self, op: str, out_dim: Optional[int] = None):
         self.op = op
@@ -128,7 +128,9 @@ class OpRecorder:
     def functional(self, *args):
         self.calls.append((self.op, args))
         shape = tuple(args[0].shape) if self.out_dim is None else tuple(args[0].shape[:-1]) + (self.out_dim,)
-        return torch.empty(shape, dtype=args[-1])
+        from .ops._validate import code_dtype
+
+        return torch.empty(shape, dtype=code_dtype(args[-1]))
 
     def out(self, *args):
         self.calls.append((self.op + "_out", args))
