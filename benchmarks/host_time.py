@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/host_time.py
 
-Times N back-to-back calls on the CPU clock with the GPU kept busy enough to never
-stall the host (a launch queue deep enough), then prints the top cProfile entries.
+Times N back-to-back calls of the standalone decode on the CPU clock with the GPU kept
+busy enough to never stall the host (a launch queue deep enough), then prints the top
+cProfile entries (``bench --paths`` times every path of every API).
 """
 import cProfile
 import pstats
@@ -23,7 +24,7 @@ def main() -> None:
     indptr = torch.arange(b + 1, device=dev, dtype=torch.int32) * per
     idx = torch.randperm(b * per, device=dev).to(torch.int32)
     lens = torch.full((b,), n, device=dev, dtype=torch.int32)
-    ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, n), dtype=torch.uint8,
+    ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, ps, n), dtype=torch.uint8,
                      device=dev)
     out = torch.empty_like(q)
 

@@ -39,9 +39,9 @@ def graph_us(fn, calls: int = 20, reps: int = 30) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def forced(K, splits):
+def forced(base, splits):
     """decode_policy with `splits` (None: the library's), chunk re-derived to cover the keys."""
-    base = K.decode_policy.__wrapped__ if hasattr(K.decode_policy, "__wrapped__") else K.decode_policy
+    base = getattr(base, "__wrapped__", base)
 
     def policy(batch, hkv, group, sq, d, max_seq_len, *rest):
         pol = base(batch, hkv, group, sq, d, max_seq_len, *rest)
@@ -54,8 +54,8 @@ def forced(K, splits):
 
 
 def main() -> None:
-    import prims_ts
-    from prims_ts.cuda import kernels as K
+    from prims_ts import Tuning
+    from prims_ts.cuda import decode as K
 
     counts = [int(a) for a in sys.argv[1:]] or [1, 2, 4, 8, 16]
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -71,9 +71,6 @@ def main() -> None:
     lens = torch.tensor([n], device=dev, dtype=torch.int32)
     out = torch.empty_like(q)
 
-    def dec():
-        prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, ws, indptr, indices, lens, n, out=out)
-
     # MLA B1 L1024 H16, page 64
     h, mps = 16, 64
     mq = torch.randn(1, 1, h, 576, device=dev, dtype=dt)
@@ -81,30 +78,39 @@ def main() -> None:
     bt = torch.randperm(n // mps, device=dev).to(torch.int32).view(1, -1)
     mout = torch.empty(1, 1, h, 512, device=dev, dtype=dt)
 
-    def mla():
-        K.launch_mla(mq, mcache, ws, mout, bt, lens, None, 1, 1, n, False, 576 ** -0.5, 1.0)
+    def problems(tuning):
+        """(name, launch, output) of each row under `tuning`, prepared now (the forced policy)."""
+        dec = K.PreparedDecode(K.DecodeStatic(dt, d, hq, hkv, ps, False, -1, dt, 1, 1, 1, n, False, tuning), 0)
+        mla = K.PreparedDecode(K.DecodeStatic(dt, 576, h, 1, mps, False, -1, dt, 1, 1, 1, n, False, tuning), 0)
+        return (("decode B1 L1024 H32/8 D128",
+                 lambda: dec.run(q, cache, None, ws, out, indptr, indices, lens, None, d ** -0.5, 1.0), out),
+                ("MLA B1 L1024 H16",
+                 lambda: mla.run(mq, mcache, None, ws, mout, None, bt, lens, None, 576 ** -0.5, 1.0,
+                                 bt_stride=bt.stride(0)), mout))
 
-    staged_default = K.DECODE_MERGE_STAGED
-    for name, fn in (("decode B1 L1024 H32/8 D128", dec), ("MLA B1 L1024 H16", mla)):
-        ref = None
-        for splits in [None] + counts:
-            for staged in (False, True):
-                K.decode_policy = forced(K, splits)
-                K.DECODE_MERGE_STAGED = staged
-                label = f"splits {'policy' if splits is None else splits:>6} merge {'staged' if staged else 'lanes':6}"
+    refs = {}
+    for splits in [None] + counts:
+        for staged in (False, True):
+            label = f"splits {'policy' if splits is None else splits:>6} merge {'staged' if staged else 'lanes':6}"
+            K.decode_policy = forced(default, splits)
+            try:
+                rows = problems(Tuning(merge_staged=staged))
+            except Exception as e:
+                print(f"{label}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            finally:
+                K.decode_policy = default
+            for name, fn, res in rows:
                 try:
                     ws.zero_()  # the split counters of each policy start at zero
                     fn()
-                    res = (out if fn is dec else mout).clone()
-                    ref = res if ref is None else ref
-                    err = (res.float() - ref.float()).abs().max().item()
+                    got = res.clone()
+                    ref = refs.setdefault(name, got)
+                    err = (got.float() - ref.float()).abs().max().item()
                     us = graph_us(fn)
                     print(f"{name}: {label}  {us:7.2f} us  maxdiff {err:.1e}")
                 except Exception as e:
                     print(f"{name}: {label}: {type(e).__name__}: {str(e)[:160]}")
-                finally:
-                    K.decode_policy = default
-                    K.DECODE_MERGE_STAGED = staged_default
 
 
 if __name__ == "__main__":

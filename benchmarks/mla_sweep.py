@@ -5,7 +5,7 @@
 A SPEC is `bm,bn,stages,warps_n,splits` (overrides `decode_policy`; the mma.sync tile for
 rows of 16/32; `mma` alone: on the library's policy), `swap` (the default policy on the
 swapped-operand tile, sm_90a, its producer copying 4 threads a key row), `swap8` (the
-swapped tile with its producer copying 8 threads a key row: KV_COPY_TPR 8, the default) or
+swapped tile with its producer copying 8 threads a key row: Tuning(copy_tpr=8), the default) or
 `swap:...` / `swap8:...` with a policy. Each
 one's output is compared with the first (the library's default) run's, and its time (CUDA
 events, median of 20 x 10 calls) printed with the latent-cache bandwidth and the TFLOP/s.
@@ -18,7 +18,9 @@ MLA_DQK, MLA_DV = 576, 512
 
 
 def main() -> None:
-    from prims_ts.cuda import kernels as K
+    from prims_ts import Tuning
+    from prims_ts.cuda import decode as K
+    from prims_ts.cuda.keys import smem_limit
 
     b, n, h = (int(x) for x in sys.argv[1:4])
     specs = []
@@ -40,15 +42,17 @@ def main() -> None:
     scale = MLA_DQK ** -0.5
     default = K.decode_policy
 
-    def run():
-        K.launch_mla(q, cache, ws, out, bt, lens, None, 1, 1, n, False, scale, 1.0)
+    def prepare(tuning):
+        static = K.DecodeStatic(dt, MLA_DQK, h, 1, ps, False, -1, dt, b, 1, 1, n, False, tuning)
+        launch = K.PreparedDecode(static, 0)  # not the per-process cache: each spec its own policy
+        return lambda: launch.run(q, cache, None, ws, out, None, bt, lens, None, scale, 1.0, bt_stride=bt.stride(0))
 
+    run = prepare(Tuning())
     run()
     ref = out.clone()
     nbytes = b * n * MLA_DQK * 2
     flops = 2.0 * b * h * n * (MLA_DQK + MLA_DV)
-    print(f"B{b} L{n} H{h}: default {default(b, 1, h, 1, MLA_DQK, n, 132, K.smem_limit('sm_90a'))}")
-    defaults = (K.MLA_SWAPPED_TILE, K.KV_COPY_TPR)
+    print(f"B{b} L{n} H{h}: default {default(b, 1, h, 1, MLA_DQK, n, 132, smem_limit('sm_90a'))}")
     for kind, spec in [(None, None)] + specs:
         if spec is not None:
             bm, bn, stages, wn, splits = spec
@@ -56,16 +60,13 @@ def main() -> None:
             chunk = ((tiles + splits - 1) // splits) * bn
             pol = K.DecodePolicy(bm, bn, wn, stages, True, (h + bm - 1) // bm, h, splits, chunk)
             K.decode_policy = lambda *a, _p=pol: _p
-        else:
-            K.decode_policy = default
-        if kind is not None:
-            K.MLA_SWAPPED_TILE = kind != ""
-            K.KV_COPY_TPR = 8 if kind == "swap8" else 4 if kind == "swap" else defaults[1]
+        tuning = Tuning() if kind is None else Tuning(mla_swapped=kind != "", copy_tpr=8 if kind == "swap8" else 4)
         label = (kind + " " if kind else ("mma.sync " if kind == "" else "library ")) + str(spec or "default")
         try:
+            fn = prepare(tuning)
             ws.zero_()  # each policy's split counters live at its own offsets
             out.fill_(float("nan"))
-            run()
+            fn()
             torch.cuda.synchronize()
             err = (out.float() - ref.float()).abs().max().item()
             times = []
@@ -73,7 +74,7 @@ def main() -> None:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
                 for _ in range(10):
-                    run()
+                    fn()
                 e1.record()
                 torch.cuda.synchronize()
                 times.append(e0.elapsed_time(e1) / 10)
@@ -84,7 +85,6 @@ def main() -> None:
             print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
         finally:
             K.decode_policy = default
-            K.MLA_SWAPPED_TILE, K.KV_COPY_TPR = defaults
 
 
 if __name__ == "__main__":

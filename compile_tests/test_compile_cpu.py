@@ -131,12 +131,13 @@ def test_compile_packed_oneshot_matches_eager(mask, window):
 
 
 def test_compile_wrapper_run_packed():
+    """plan(q, k, v, qo_indptr=, kv_indptr=) outside the graph binds the offsets; the compiled run reads
+    them live, so in-place changes (same totals, no request longer than the planned longest) are seen."""
     g = gen(5)
     qo, kvo = ip([0, 3, 5]), ip([0, 4, 9])
-    w = BatchPrefillTSWrapper()
-    w.plan(qo, kvo, num_qo_heads=4, num_kv_heads=2, head_dim=128, mask_type="causal", max_q_len=4,
-           q_data_type=BF16, out_dtype=FP32)
     q, k, v = packed_inputs([0, 5], [0, 9], 4, 2, 128, BF16, g)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal", out_dtype=FP32)
 
     crun = torch.compile(lambda q, k, v: w.run(q, k, v), fullgraph=True)
     crun_out = torch.compile(lambda q, k, v, out: w.run(q, k, v, out=out), fullgraph=True)
@@ -146,7 +147,7 @@ def test_compile_wrapper_run_packed():
     crun_out(q, k, v, out)
     assert rel_err(out, ref) <= TOLERANCE[BF16]
 
-    # the planned tensors' values change in place (same totals, q lens <= max_q_len, causal Sq <= Sk)
+    # the planned tensors' values change in place (same totals, q lens <= the planned longest 3, causal Sq <= Sk)
     qo.copy_(ip([0, 2, 5]))
     kvo.copy_(ip([0, 6, 9]))
     ref_new = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")
@@ -155,18 +156,49 @@ def test_compile_wrapper_run_packed():
     out.fill_(float("nan"))
     crun_out(q, k, v, out)
     assert rel_err(out, ref_new) <= TOLERANCE[BF16]
+    assert counters["stats"]["unique_graphs"] == 2  # one per compiled function: no recompile for new values
 
 
 def test_compile_wrapper_run_fixed():
     g = gen(6)
-    w = BatchPrefillTSWrapper()
-    w.plan(num_qo_heads=2, num_kv_heads=1, head_dim=128, batch_size=2, q_len=3, kv_len=7, mask_type="causal",
-           window_left=2, q_data_type=FP16)
     q, k, v = fixed_inputs(2, 3, 7, 2, 1, 128, FP16, g)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, mask_type="causal", window_left=2, sm_scale=0.2)
     crun = torch.compile(lambda q, k, v: w.run(q, k, v), fullgraph=True)
     got = crun(q, k, v)
+    assert got.dtype == FP16
     torch.testing.assert_close(got, w.run(q, k, v), rtol=0, atol=0)
-    assert rel_err(got, ref64(q, k, v, mask_type="causal", window_left=2)) <= TOLERANCE[FP16]
+    assert rel_err(got, ref64(q, k, v, mask_type="causal", window_left=2, sm_scale=0.2)) <= TOLERANCE[FP16]
+    # new q/k/v values of the planned shapes: the same graph, the right answer
+    q2, k2, v2 = fixed_inputs(2, 3, 7, 2, 1, 128, FP16, g)
+    assert rel_err(crun(q2, k2, v2), ref64(q2, k2, v2, mask_type="causal", window_left=2, sm_scale=0.2)) \
+        <= TOLERANCE[FP16]
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compile_wrapper_run_variable_window():
+    """Variable-window bounds are given to plan (run has no window arguments) and bound: the compiled run
+    reads their values live, so bounds rewritten in place are seen without a recompile."""
+    g = gen(16)
+    q, k, v = fixed_inputs(2, 5, 8, 4, 2, 128, BF16, g)
+    starts, ends = bounds(2, 5, 8, g)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, mask_type="variable_window", variable_window_token_starts=starts,
+           variable_window_token_ends=ends, out_dtype=FP32)
+    crun = torch.compile(lambda q, k, v, out: w.run(q, k, v, out=out), fullgraph=True)
+    out = torch.full(q.shape, float("nan"), dtype=FP32)
+    crun(q, k, v, out)
+    ref = ref64(q, k, v, mask_type="variable_window", window_starts=starts, window_ends=ends)
+    assert rel_err(out, ref) <= TOLERANCE[BF16]
+    s2, e2 = bounds(2, 5, 8, g)
+    starts.copy_(s2)
+    ends.copy_(e2)
+    ref_new = ref64(q, k, v, mask_type="variable_window", window_starts=starts, window_ends=ends)
+    assert rel_err(ref.float(), ref_new) > 0.1
+    out.fill_(float("nan"))
+    crun(q, k, v, out)
+    assert rel_err(out, ref_new) <= TOLERANCE[BF16]
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 # ----------------------------------------------------------------------------

@@ -1,9 +1,16 @@
 """torch.compile / dynamic shapes / CUDA graphs / torch.export / AOTInductor on CUDA.
 
 The same checks as test_compile_cpu.py, on the GPU kernels, plus CUDA-graph
-capture and replay of BatchPrefillTSWrapper.run with changed metadata values.
-Every result is compared with eager and with the float64 reference
-(||out - ref|| / ||ref|| <= 2e-2 bf16, 5e-3 fp16), after poisoning out with NaN.
+capture and replay of BatchPrefillTSWrapper.run with changed metadata values:
+the wrapper binds qo_indptr / kv_indptr (and a variable window's bound tensors,
+given to plan), so replays may redistribute them in place within the planned
+totals and the planned longest query count. Every result is compared with eager
+and with the float64 reference (||out - ref|| / ||ref|| <= 2e-2 bf16, 5e-3 fp16),
+after poisoning out with NaN.
+
+Every helper reads the module's DEVICE when it is called (and the graph helpers take
+it), so the whole file can be dry-run on the CPU by setting ``DEVICE = "cpu"`` (the
+CUDA-graph helpers then run the captured call eagerly).
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, rel_err
 from aoti_child import run_aoti_in_child
-from cuda_graphs import assert_no_allocation_no_sync, warm_and_capture
+from cuda_graphs import assert_no_allocation_no_sync, synchronize, warm_and_capture
 
 pytestmark = pytest.mark.cuda
 
@@ -123,21 +130,49 @@ def test_compile_packed_oneshot_matches_eager(mask, window):
 
 
 def test_compile_wrapper_run_packed():
+    """Compiled run of a wrapper planned on packed q/k/v: the offsets are bound, so new values written in
+    place (same totals, each query count within the planned longest, causal Sq <= Sk) are honoured."""
     g = gen(4)
     qo, kvo = ip([0, 100, 250]), ip([0, 300, 500])
-    w = BatchPrefillTSWrapper()
-    w.plan(qo, kvo, num_qo_heads=8, num_kv_heads=2, head_dim=128, mask_type="causal", max_q_len=160,
-           q_data_type=BF16)
     q, k, v = packed_inputs([0, 250], [0, 500], 8, 2, 128, BF16, g)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")  # longest query count: 150
     crun = torch.compile(lambda q, k, v, out: w.run(q, k, v, out=out), fullgraph=True)
     out = torch.full(q.shape, NAN, dtype=BF16, device=DEVICE)
     crun(q, k, v, out)
-    assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOLERANCE[BF16]
+    ref = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")
+    assert rel_err(out, ref) <= TOLERANCE[BF16]
+    close(out, w.run(q, k, v))
     qo.copy_(ip([0, 150, 250]))
     kvo.copy_(ip([0, 320, 500]))
+    ref2 = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")
+    assert rel_err(ref.float(), ref2) > 0.1  # the new offsets matter
     out.fill_(NAN)
     crun(q, k, v, out)
-    assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOLERANCE[BF16]
+    assert rel_err(out, ref2) <= TOLERANCE[BF16]
+
+
+def test_compile_wrapper_run_fixed_variable_window():
+    """Compiled run of a fixed variable-window plan: the bounds given to plan are bound, new values
+    written in place are honoured (no recompile, no re-plan)."""
+    g = gen(13)
+    B, sq, sk = 2, 70, 150
+    q, k, v = fixed_inputs(B, sq, sk, 8, 4, 128, FP16, g)
+    starts, ends = bounds(B, sq, sk, g)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, mask_type="variable_window", variable_window_token_starts=starts,
+           variable_window_token_ends=ends, sm_scale=0.07, out_dtype=FP32)
+    crun = torch.compile(lambda q, k, v: w.run(q, k, v), fullgraph=True)
+    ref = ref64(q, k, v, mask_type="variable_window", window_starts=starts, window_ends=ends, sm_scale=0.07)
+    got = crun(q, k, v)
+    assert got.dtype == FP32
+    assert rel_err(got, ref) <= TOLERANCE[FP16]
+    s2, e2 = bounds(B, sq, sk, g)
+    starts.copy_(s2)
+    ends.copy_(e2)
+    ref2 = ref64(q, k, v, mask_type="variable_window", window_starts=starts, window_ends=ends, sm_scale=0.07)
+    assert rel_err(ref.float(), ref2) > 0.1
+    assert rel_err(crun(q, k, v), ref2) <= TOLERANCE[FP16]
 
 
 # ----------------------------------------------------------------------------
@@ -180,52 +215,65 @@ def test_compile_dynamic_packed_oneshot():
 
 @pytest.mark.parametrize("mask,window", [("causal", -1), ("causal", 64), ("dense", -1)])
 def test_cuda_graph_wrapper_packed_replay_with_new_offsets(mask, window):
+    """plan(q, k, v, qo_indptr, kv_indptr) outside capture, capture run(out=); replays after the bound
+    offsets are redistributed in place (same totals, query counts within the planned longest, 160)."""
     g = gen(7)
     hq, hkv, d = 8, 2, 128
-    qo, kvo = ip([0, 100, 250]), ip([0, 300, 500])
+    planned_qo, planned_kvo = [0, 90, 250], [0, 91, 500]  # query counts 90, 160; causal Sq <= Sk
+    qo, kvo = ip(planned_qo), ip(planned_kvo)
+    q, k, v = packed_inputs(planned_qo, planned_kvo, hq, hkv, d, BF16, g)
     w = BatchPrefillTSWrapper()
-    w.plan(qo, kvo, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, mask_type=mask, window_left=window,
-           max_q_len=160, q_data_type=BF16)
-    q, k, v = packed_inputs([0, 250], [0, 500], hq, hkv, d, BF16, g)
+    w.plan(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)
+    longest = 160
     out = torch.full(q.shape, NAN, dtype=BF16, device=DEVICE)
 
-    graph = warm_and_capture(lambda: w.run(q, k, v, out=out))
-    assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out))
+    graph = warm_and_capture(lambda: w.run(q, k, v, out=out), DEVICE)
+    assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out), DEVICE)
     assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)) \
         <= TOLERANCE[BF16]
 
     # replay with the planned offsets
     out.fill_(NAN)
     graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)) \
-        <= TOLERANCE[BF16]
+    synchronize(DEVICE)
+    first = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)
+    assert rel_err(out, first) <= TOLERANCE[BF16]
 
-    # new offset values in place (same totals; q lens 150, 100 <= 160; causal Sq <= Sk) and new data
-    for new_qo, new_kvo in [([0, 150, 250], [0, 320, 500]), ([0, 90, 250], [0, 91, 500])]:
-        assert max(b - a for a, b in zip(new_qo, new_qo[1:])) <= 160
+    # new offset values in place (same totals; query counts <= 160; causal Sq <= Sk), then new data too
+    for new_qo, new_kvo, new_data in [([0, 100, 250], [0, 300, 500], False), ([0, 150, 250], [0, 320, 500], True)]:
+        lens_q = [b - a for a, b in zip(new_qo, new_qo[1:])]
+        lens_k = [b - a for a, b in zip(new_kvo, new_kvo[1:])]
+        assert max(lens_q) <= longest and new_qo[-1] == planned_qo[-1] and new_kvo[-1] == planned_kvo[-1]
+        assert mask != "causal" or all(a <= b for a, b in zip(lens_q, lens_k))
         qo.copy_(ip(new_qo))
         kvo.copy_(ip(new_kvo))
-        q.copy_(randn(q.shape, BF16, g))
-        v.copy_(randn(v.shape, BF16, g))
+        if new_data:
+            q.copy_(randn(q.shape, BF16, g))
+            v.copy_(randn(v.shape, BF16, g))
         out.fill_(NAN)
         graph.replay()
-        torch.cuda.synchronize()
+        synchronize(DEVICE)
         ref = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)
+        assert rel_err(first.float(), ref) > 0.1, "the new offsets must change the answer"
         assert rel_err(out, ref) <= TOLERANCE[BF16], (new_qo, new_kvo)
+        for a, b in zip(new_qo, new_qo[1:]):  # per request: a short request must not hide behind a long one
+            assert rel_err(out[a:b], ref[a:b]) <= TOLERANCE[BF16], (new_qo, a, b)
 
 
 def test_cuda_graph_wrapper_fixed_variable_window_replay():
+    """Variable-window bounds are given to plan and bound: replays read new bounds written in place."""
     g = gen(8)
     B, sq, sk, hq, hkv, d = 2, 140, 260, 8, 8, 128
-    w = BatchPrefillTSWrapper()
-    w.plan(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, batch_size=B, q_len=sq, kv_len=sk,
-           mask_type="variable_window", q_data_type=FP16, out_dtype=FP32)
     q, k, v = fixed_inputs(B, sq, sk, hq, hkv, d, FP16, g)
     starts, ends = bounds(B, sq, sk, g)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, mask_type="variable_window", variable_window_token_starts=starts,
+           variable_window_token_ends=ends, out_dtype=FP32)
     out = torch.full(q.shape, NAN, dtype=FP32, device=DEVICE)
-    graph = warm_and_capture(lambda: w.run(q, k, v, out=out, variable_window_token_starts=starts,
-                                            variable_window_token_ends=ends))
+    graph = warm_and_capture(lambda: w.run(q, k, v, out=out), DEVICE)
+    assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out), DEVICE)
+    first = ref64(q, k, v, mask_type="variable_window", window_starts=starts, window_ends=ends)
+    assert rel_err(out, first) <= TOLERANCE[FP16]
     for _ in range(2):
         s2, e2 = bounds(B, sq, sk, g)
         starts.copy_(s2)
@@ -233,8 +281,9 @@ def test_cuda_graph_wrapper_fixed_variable_window_replay():
         k.copy_(randn(k.shape, FP16, g))
         out.fill_(NAN)
         graph.replay()
-        torch.cuda.synchronize()
+        synchronize(DEVICE)
         ref = ref64(q, k, v, mask_type="variable_window", window_starts=starts, window_ends=ends)
+        assert rel_err(first.float(), ref) > 0.1
         assert rel_err(out, ref) <= TOLERANCE[FP16]
 
 
@@ -244,12 +293,19 @@ def test_cuda_graph_wrapper_fixed_variable_window_replay():
 
 
 class Prefill(torch.nn.Module):
+    """batch_prefill's op in every storage x mask: fixed causal + sliding window (fp32, scaled), packed
+    causal, fixed dense (defaults), packed causal + sliding window (fp16 out) and packed dense; the
+    packed offsets are graph inputs."""
+
     def forward(self, q, k, v, qp, kp, vp, qo_indptr, kv_indptr):
         a = batch_prefill(q, k, v, mask_type="causal", window_left=33, sm_scale=0.09, output_scale=0.5,
                           out_dtype=FP32)
         b = batch_prefill(qp, kp, vp, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_type="causal")
         c = batch_prefill(q, k, v)  # dense, the default scale, q's dtype
-        return a * 2.0, b, c
+        d = batch_prefill(qp, kp, vp, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_type="causal", window_left=40,
+                          sm_scale=0.1, out_dtype=FP16)
+        e = batch_prefill(qp, kp, vp, qo_indptr=qo_indptr, kv_indptr=kv_indptr)  # packed dense
+        return a * 2.0, b, c, d, e
 
 
 def _module_inputs(sq, sk, qo, kvo, seed):
@@ -261,12 +317,16 @@ def _module_inputs(sq, sk, qo, kvo, seed):
 
 def _check_module_outputs(outs, args):
     q, k, v, qp, kp, vp, qo, kvo = args
-    a, b, c = outs
-    assert a.dtype == FP32 and b.dtype == BF16 and c.dtype == BF16 and a.is_cuda and b.is_cuda and c.is_cuda
+    a, b, c, d, e = outs
+    assert (a.dtype, b.dtype, c.dtype, d.dtype, e.dtype) == (FP32, BF16, BF16, FP16, BF16)
+    assert all(x.device.type == DEVICE for x in outs)
     assert rel_err(c, ref64(q, k, v)) <= TOLERANCE[BF16]
     assert rel_err(a / 2.0, ref64(q, k, v, mask_type="causal", window_left=33, sm_scale=0.09, output_scale=0.5)) \
         <= TOLERANCE[BF16]
     assert rel_err(b, ref64(qp, kp, vp, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")) <= TOLERANCE[BF16]
+    assert rel_err(d, ref64(qp, kp, vp, qo_indptr=qo, kv_indptr=kvo, mask_type="causal", window_left=40,
+                            sm_scale=0.1)) <= TOLERANCE[BF16]
+    assert rel_err(e, ref64(qp, kp, vp, qo_indptr=qo, kv_indptr=kvo)) <= TOLERANCE[BF16]
     for x, y in zip(outs, Prefill()(*args)):
         close(x, y)
 
@@ -292,7 +352,11 @@ def test_export_dynamic_shapes():
 
 
 def _aoti_body(package_path: str, device: str) -> None:
-    """Export (dynamic shapes) -> aoti_compile_and_package -> aoti_load_package -> run == eager."""
+    """Export (dynamic shapes) -> aoti_compile_and_package -> aoti_load_package -> run == eager + reference
+    (on the example, on new offset values of the same shapes, and on other shapes), in the child process
+    that aoti_child starts for `device`."""
+    global DEVICE
+    DEVICE = device
     args = _module_inputs(*EXAMPLE, seed=11)
     ep = torch.export.export(Prefill(), args, dynamic_shapes=_dynamic_shapes())
     path = torch._inductor.aoti_compile_and_package(ep, package_path=package_path)
@@ -300,7 +364,7 @@ def _aoti_body(package_path: str, device: str) -> None:
     for spec in (EXAMPLE, OTHER_VALUES, OTHER_SHAPES):
         a = _module_inputs(*spec, seed=12)
         outs = compiled(*a)
-        assert isinstance(outs, (list, tuple)) and len(outs) == 3
+        assert isinstance(outs, (list, tuple)) and len(outs) == 5
         _check_module_outputs(outs, a)
 
 

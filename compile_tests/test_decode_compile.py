@@ -2,13 +2,17 @@
 
 CPU tests run everywhere (the ops run the pure-PyTorch reference there); tests
 marked ``cuda`` run the same checks on the GPU kernels, plus CUDA-graph capture of
-the standalone ``prims_ts_batch_decode_with_kv_cache(out=, workspace)`` and of
-``BatchDecodePagedTSWrapper.run(out=)``, replayed after the caller rewrites
-``seq_lens``, page IDs, CSR offsets and ``qo_indptr`` in place within the seed 003
-contract; a warmed call with ``out=`` neither allocates nor synchronises; and the
-workspace contract (two launches of one key with different data, no re-zeroing).
-Every result is compared with the float64 reference (``||out - ref|| / ||ref||`` <=
-2e-2 bf16, 5e-3 fp16) after poisoning ``out`` with NaN; NaN never passes.
+the standalone ``prims_ts_batch_decode_with_kv_cache(out=, workspace)``, replayed after
+the caller rewrites ``seq_lens``, page IDs, CSR offsets and ``qo_indptr`` in place within
+the seed 003 contract, and of ``BatchDecodePagedTSWrapper.run(out=)``, replayed after the
+caller remaps page IDs in place (``paged_kv_indices`` and ``qo_indptr`` are bound; the
+lengths are fixed at plan: a ``paged_kv_last_page_len`` change takes a new plan); a warmed
+call with ``out=`` neither allocates nor synchronises; and the workspace contract (two
+launches of one key with different data, no re-zeroing). The graph tests also run on the
+CPU (``cuda_graphs`` replays eagerly there). AOTInductor packages two standalone calls
+(one package) and a planned wrapper's run (another). Every result is compared with the
+float64 reference (``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16) after poisoning
+``out`` with NaN; NaN never passes.
 """
 from __future__ import annotations
 
@@ -26,13 +30,12 @@ from prims_ts import (
 from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, cumsum0, rel_err
 from aoti_child import run_aoti_in_child
-from cuda_graphs import assert_no_allocation_no_sync, warm_and_capture
+from cuda_graphs import assert_no_allocation_no_sync, synchronize, warm_and_capture
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 NAN = float("nan")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-CUDA = "cuda"  # the device of the CUDA-graph tests
 
 
 def gen(device, seed):
@@ -50,12 +53,6 @@ def ip(values, device):
 def close(a, b):
     """Compiled vs eager: the same kernel, so equal up to fused surrounding arithmetic."""
     torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-3)
-
-
-def ws_for(device, batch, hq, hkv, d, max_seq_len, max_seq_len_q=1):
-    n = get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=max_seq_len_q,
-                                                 device=device)
-    return torch.zeros(n, dtype=torch.uint8, device=device)
 
 
 class Prob:
@@ -77,7 +74,7 @@ class Prob:
         for n in n_live:
             indices += perm[at:at + n] + [perm[(at + n + i) % P] for i in range(slack)]
             at += n
-        self.num_pages = P
+        self.num_pages, self.slack = P, slack
         self.indptr = ip(cumsum0([n + slack for n in n_live]), device)
         self.indices = ip(indices, device)
         self.seq_lens = ip(seq_lens, device)
@@ -94,15 +91,30 @@ class Prob:
             self.max_seq_len_q = max_seq_len_q or max(q_lens)
         self.batch = B
         self.max_seq_len = max_seq_len or max(seq_lens)
-        self.ws = ws_for(device, B, hq, hkv, d, self.max_seq_len, self.max_seq_len_q)
+        n = get_prims_ts_batch_decode_workspace_size(B, hq, hkv, d, ps, self.max_seq_len, **self.kw(), q_dtype=dtype,
+                                                     device=device)
+        self.ws = torch.zeros(n, dtype=torch.uint8, device=device)
 
     def kw(self):
+        """The query-mode arguments of the standalone call, the workspace size and the wrapper's plan."""
         kw = {}
         if self.qmode == "fixed":
             kw["seq_len_q"] = self.seq_len_q
         elif self.qmode == "packed":
             kw.update(qo_indptr=self.qo_indptr, max_seq_len_q=self.max_seq_len_q)
         return kw
+
+    def last_page_len(self):
+        """paged_kv_last_page_len of the live lengths (a wrapper's plan: needs slack=0, whole CSR rows live)."""
+        assert self.slack == 0
+        return ip([sk - ((sk + self.ps - 1) // self.ps - 1) * self.ps for sk in self.seq_lens.tolist()], self.device)
+
+    def rows(self, b):
+        """Request b's rows of the query and the output."""
+        if self.qmode == "packed":
+            offs = self.qo_indptr.tolist()
+            return slice(offs[b], offs[b + 1])
+        return slice(b, b + 1)
 
     def call(self, **kw):
         return prims_ts_batch_decode_with_kv_cache(self.q, self.cache, self.ws, self.indptr, self.indices,
@@ -114,11 +126,13 @@ class Prob:
                               sm_scale=bmm1_scale, output_scale=bmm2_scale, compute_dtype=torch.float64)
 
     def policy(self):
-        from prims_ts.cuda.kernels import decode_policy
+        """The split-KV policy the library sizes this problem's launch with (the CPU: the nominal H200)."""
+        from prims_ts.cuda.decode import decode_policy
+        from prims_ts.cuda.keys import device_limits
 
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        _, sms, smem = device_limits(self.device)
         return decode_policy(self.batch, self.hkv, self.hq // self.hkv, self.max_seq_len_q, self.d,
-                             self.max_seq_len, sms)
+                             self.max_seq_len, sms, smem)
 
     def rewrite_metadata(self, new_lens, g, new_q_lens=None):
         """In place, within the contract: new live lengths (<= max_seq_len), new CSR offsets (same total,
@@ -132,11 +146,16 @@ class Prob:
             own[int(torch.randint(0, B, (1,), generator=g))] += 1
         self.seq_lens.copy_(ip(new_lens, self.device))
         self.indptr.copy_(ip(cumsum0(own), self.device))
-        self.indices.copy_(torch.randint(0, self.num_pages, (N,), generator=g, dtype=I32).to(self.device))
+        self.remap_page_ids(g)
         if new_q_lens is not None:
             assert self.qmode == "packed" and sum(new_q_lens) == self.q.shape[0]
             assert max(new_q_lens) <= self.max_seq_len_q and min(new_q_lens) >= 1
             self.qo_indptr.copy_(ip(cumsum0(new_q_lens), self.device))
+
+    def remap_page_ids(self, g):
+        """Random page IDs in [0, P) (repeats allowed) for every CSR entry, in place."""
+        N = self.indices.numel()
+        self.indices.copy_(torch.randint(0, self.num_pages, (N,), generator=g, dtype=I32).to(self.device))
 
 
 QMODES = ["single", "fixed", "packed"]
@@ -212,27 +231,64 @@ def test_compile_standalone_out_tuple_cache(device, qmode):
     torch.testing.assert_close(s.double(), out.double().sum(), rtol=1e-3, atol=0.1)
 
 
+def _new_last_pages(pb):
+    """Other last-page lengths: 1 key where a request has several pages (its new length then still holds
+    every query of a causal request: at least one full page), a full page where it has one (longer)."""
+    ps = pb.ps
+    n = [(sk + ps - 1) // ps for sk in pb.seq_lens.tolist()]
+    last = pb.last_page_len().tolist()
+    new_last = [1 if nb > 1 else ps for nb in n]
+    assert new_last != last and min(last) < ps  # a one-page request grows
+    return new_last, [(nb - 1) * ps + lp for nb, lp in zip(n, new_last)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_compile_wrapper_run(device):
-    """Compiled run of a planned wrapper; last_page_len and page IDs rewritten in place are honoured."""
+@pytest.mark.parametrize("qmode", QMODES)
+def test_compile_wrapper_run(device, qmode):
+    """Compiled run (functional and out=) of a planned wrapper: page IDs remapped in place are honoured
+    (paged_kv_indices is bound); the lengths are fixed at plan: last_page_len rewritten in place changes
+    nothing, and a new plan over it is honoured by the same compiled functions."""
     lens, ps, _ = SIZES[device]
-    pb = Prob("single", lens, 8, 2, 128, ps, BF16, device, seed=3, slack=0)
-    last = ip([sk - ((sk + ps - 1) // ps - 1) * ps for sk in lens], device)
+    pb = Prob(qmode, lens, 8, 2, 128, ps, BF16, device, seed=3, sq=3, q_lens=Q_LENS, slack=0)
+    last = pb.last_page_len()
     w = BatchDecodePagedTSWrapper()
-    w.plan(pb.indptr, pb.indices, last, 8, 2, 128, ps, mask_type="causal", q_data_type=BF16, out_dtype=FP32)
-    crun = torch.compile(lambda q, c: w.run(q, c), fullgraph=True)
-    crun_out = torch.compile(lambda q, c, out: w.run(q, c, out=out), fullgraph=True)
-    close(crun(pb.q, pb.cache), w.run(pb.q, pb.cache))
+    w.plan(pb.indptr, pb.indices, last, 8, 2, 128, ps, **pb.kw(), mask_type="causal", q_data_type=BF16,
+           o_data_type=FP32)
+    crun = torch.compile(lambda q, c: w.run(q, c, bmm1_scale=0.07, bmm2_scale=0.5), fullgraph=True)
+    crun_out = torch.compile(lambda q, c, out: w.run(q, c, bmm1_scale=0.07, bmm2_scale=0.5, out=out),
+                             fullgraph=True)
+    close(crun(pb.q, pb.cache), w.run(pb.q, pb.cache, bmm1_scale=0.07, bmm2_scale=0.5))
     out = torch.full(pb.q.shape, NAN, dtype=FP32, device=device)
     crun_out(pb.q, pb.cache, out)
-    assert rel_err(out, pb.ref("causal")) <= TOLERANCE[BF16]
-    # in place: shorter last pages, pages permuted among the planned IDs
-    last.copy_(ip([1] * len(lens), device))
-    pb.seq_lens.copy_(ip([((sk + ps - 1) // ps - 1) * ps + 1 for sk in lens], device))
+    ref = pb.ref("causal", -1, 0.07, 0.5)
+    assert rel_err(out, ref) <= TOLERANCE[BF16]
+
+    # 1. page IDs remapped in place (reversed): read live
     pb.indices.copy_(pb.indices.flip(0))
+    ref1 = pb.ref("causal", -1, 0.07, 0.5)
+    assert rel_err(ref.float(), ref1) > 0.1
     out.fill_(NAN)
     crun_out(pb.q, pb.cache, out)
-    assert rel_err(out, pb.ref("causal")) <= TOLERANCE[BF16]
+    assert rel_err(out, ref1) <= TOLERANCE[BF16]
+
+    # 2. shorter last pages written in place: the planned lengths rule
+    new_last, new_lens = _new_last_pages(pb)
+    last.copy_(ip(new_last, device))
+    out.fill_(NAN)
+    crun_out(pb.q, pb.cache, out)
+    assert rel_err(out, ref1) <= TOLERANCE[BF16]
+    assert rel_err(crun(pb.q, pb.cache), ref1) <= TOLERANCE[BF16]
+
+    # 3. a new plan over them: followed
+    w.plan(pb.indptr, pb.indices, last, 8, 2, 128, ps, **pb.kw(), mask_type="causal", q_data_type=BF16,
+           o_data_type=FP32)
+    pb.seq_lens.copy_(ip(new_lens, device))
+    ref3 = pb.ref("causal", -1, 0.07, 0.5)
+    assert rel_err(ref1[pb.rows(1)].float(), ref3[pb.rows(1)]) > 0.1  # the one-page request grew
+    out.fill_(NAN)
+    crun_out(pb.q, pb.cache, out)
+    assert rel_err(out, ref3) <= TOLERANCE[BF16]
+    assert rel_err(crun(pb.q, pb.cache), ref3) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -242,6 +298,8 @@ def test_compile_wrapper_run(device):
 EXPORT_LENS = {"cpu": ([20, 3, 33], [9, 17, 40]), "cuda": ([300, 7, 1333], [1000, 70, 20])}
 EXPORT_PS = {"cpu": 16, "cuda": 32}
 EXPORT_MAX = {"cpu": 64, "cuda": 4096}
+WRAPPER_SCALES = dict(bmm1_scale=0.07, bmm2_scale=2.0)
+WRAPPER_MASK = dict(mask_type="causal", window_left=9)
 
 
 class Decode(torch.nn.Module):
@@ -258,6 +316,18 @@ class Decode(torch.nn.Module):
                                                 window_left=6, bmm1_scale=0.09, bmm2_scale=0.5, out_dtype=FP32)
         b = prims_ts_batch_decode_with_kv_cache(q_single, (k, v), ws_b, indptr, indices, seq_lens, self.max_seq_len)
         return a * 2.0, b
+
+
+class DecodeWrapper(torch.nn.Module):
+    """A planned wrapper's run (fixed SQ=2, causal + window, fp32 out, scaled) over a combined cache: its
+    metadata and workspace are the plan's (graph constants), its query and cache are graph inputs."""
+
+    def __init__(self, wrapper):
+        super().__init__()
+        self.w = wrapper
+
+    def forward(self, q, cache):
+        return self.w.run(q, cache, **WRAPPER_SCALES) * 1.0
 
 
 def _module_inputs(device, which, seed):
@@ -284,21 +354,74 @@ def _check_module_outputs(outs, device, args, pb, single):
         close(x, y)
 
 
+def _wrapper_problem(device):
+    """The wrapper's problem: the same metadata on every call (a fixed seed: page IDs, CSR, lengths)."""
+    return Prob("fixed", EXPORT_LENS[device][1], 8, 2, 128, EXPORT_PS[device], BF16, device, seed=40, sq=2,
+                max_seq_len=EXPORT_MAX[device], slack=0)
+
+
+def _wrapper_module(device):
+    """DecodeWrapper over a wrapper planned on _wrapper_problem's metadata (max_kv_len: the static bound,
+    split-KV on CUDA)."""
+    wp = _wrapper_problem(device)
+    w = BatchDecodePagedTSWrapper()
+    w.plan(wp.indptr, wp.indices, wp.last_page_len(), wp.hq, wp.hkv, wp.d, wp.ps, seq_len_q=2, q_data_type=BF16,
+           o_data_type=FP32, max_kv_len=EXPORT_MAX[device], **WRAPPER_MASK)
+    return DecodeWrapper(w)
+
+
+def _wrapper_inputs(device, seed):
+    """The wrapper problem with new q / cache data (its metadata: the plan's, the same every time)."""
+    wp = _wrapper_problem(device)
+    g = gen(device, seed)
+    wp.q.copy_(randn(wp.q.shape, BF16, g, device))
+    wp.cache.copy_(randn(wp.cache.shape, BF16, g, device))
+    return (wp.q, wp.cache), wp
+
+
+def _check_wrapper_output(out, module, args, wp):
+    assert out.dtype == FP32 and out.device == wp.q.device and out.shape == wp.q.shape
+    ref = wp.ref(WRAPPER_MASK["mask_type"], WRAPPER_MASK["window_left"], *WRAPPER_SCALES.values())
+    assert rel_err(out, ref) <= TOLERANCE[BF16]
+    close(out, module(*args))
+
+
+def _decode_calls(ep):
+    calls = [n for n in ep.graph.nodes if n.op == "call_function"]
+    # the op, called directly or through auto_functionalized (it mutates the workspace)
+    return sum("prims_ts.batch_decode" in f"{n.target} {n.args}" for n in calls), [str(n.target) for n in calls]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_export_static(device):
     args, pb, single = _module_inputs(device, 0, seed=9)
     ep = torch.export.export(Decode(EXPORT_MAX[device]), args)
-    calls = [n for n in ep.graph.nodes if n.op == "call_function"]
-    # the op, called directly or through auto_functionalized (it mutates the workspace)
-    assert sum("prims_ts.batch_decode" in f"{n.target} {n.args}" for n in calls) == 2, [str(n.target) for n in calls]
+    n, targets = _decode_calls(ep)
+    assert n == 2, targets
     _check_module_outputs(ep.module()(*args), device, args, pb, single)
     args2, pb2, single2 = _module_inputs(device, 1, seed=10)  # same shapes, new values
     assert all(x.shape == y.shape for x, y in zip(args, args2))
     _check_module_outputs(ep.module()(*args2), device, args2, pb2, single2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_wrapper_run(device):
+    """A planned wrapper's run exported: the plan's metadata are constants; new q / cache data are honoured."""
+    module = _wrapper_module(device)
+    args, wp = _wrapper_inputs(device, seed=30)
+    ep = torch.export.export(module, args)
+    n, targets = _decode_calls(ep)
+    assert n == 1, targets
+    _check_wrapper_output(ep.module()(*args), module, args, wp)
+    args2, wp2 = _wrapper_inputs(device, seed=31)
+    assert rel_err(wp.ref().float(), wp2.ref()) > 0.1
+    _check_wrapper_output(ep.module()(*args2), module, args2, wp2)
+
+
 def _aoti_body(package_path: str, device: str) -> None:
-    """Export -> aoti_compile_and_package -> aoti_load_package -> run == eager + reference (two value sets)."""
+    """Export -> aoti_compile_and_package -> aoti_load_package -> run == eager + reference, two packages:
+    the standalone calls (two metadata value sets), then a planned wrapper's run (its metadata are the
+    plan's constants: two sets of new q / cache data)."""
     args, _, _ = _module_inputs(device, 0, seed=17)
     ep = torch.export.export(Decode(EXPORT_MAX[device]), args)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=package_path)
@@ -309,6 +432,16 @@ def _aoti_body(package_path: str, device: str) -> None:
         assert isinstance(outs, (list, tuple)) and len(outs) == 2
         _check_module_outputs(outs, device, a, pb, single)
 
+    module = _wrapper_module(device)
+    ep = torch.export.export(module, _wrapper_inputs(device, seed=32)[0])
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=package_path.replace(".pt2", "_wrapper.pt2"))
+    compiled = torch._inductor.aoti_load_package(path)
+    for seed in (33, 34):
+        a, wp = _wrapper_inputs(device, seed)
+        outs = compiled(*a)
+        out = outs[0] if isinstance(outs, (list, tuple)) else outs
+        _check_wrapper_output(out, module, a, wp)
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_aoti_package_load_run(device, tmp_path):
@@ -316,19 +449,18 @@ def test_aoti_package_load_run(device, tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# CUDA graphs, no allocation / no sync, workspace reuse
+# CUDA graphs, no allocation / no sync, workspace reuse (also run on the CPU, eagerly)
 # ----------------------------------------------------------------------------
 
 GRAPH_CASES = [("single", "dense", -1), ("single", "causal", 50), ("fixed", "causal", -1), ("fixed", "dense", -1),
                ("packed", "causal", -1), ("packed", "causal", 0), ("packed", "dense", -1)]
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_len", [127, 8192], ids=["one_split", "split_kv"])
 @pytest.mark.parametrize("qmode,mask,window", GRAPH_CASES,
                          ids=[f"{q}-{m}{w if w >= 0 else ''}" for q, m, w in GRAPH_CASES])
-def test_cuda_graph_standalone_replay(qmode, mask, window, max_len):
-    device = CUDA
+def test_cuda_graph_standalone_replay(device, qmode, mask, window, max_len):
     lens = [100, 7, 120, 64] if max_len == 127 else [300, 7, 555, 64]
     ps = 16 if max_len == 127 else 64
     slack = 6 if max_len == 127 else 64  # room for longer requests after the CSR rewrite
@@ -341,13 +473,14 @@ def test_cuda_graph_standalone_replay(qmode, mask, window, max_len):
     def launch():
         pb.call(mask_type=mask, window_left=window, out=out)
 
-    graph = warm_and_capture(launch)
-    assert_no_allocation_no_sync(launch)
+    graph = warm_and_capture(launch, device)
+    assert_no_allocation_no_sync(launch, device)
     assert rel_err(out, pb.ref(mask, window)) <= TOLERANCE[BF16]
     out.fill_(NAN)
     graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, pb.ref(mask, window)) <= TOLERANCE[BF16]
+    synchronize(device)
+    first = pb.ref(mask, window)
+    assert rel_err(out, first) <= TOLERANCE[BF16]
 
     g = torch.Generator().manual_seed(max_len)
     new_data = randn(pb.cache.shape, BF16, gen(device, 5), device)
@@ -359,65 +492,120 @@ def test_cuda_graph_standalone_replay(qmode, mask, window, max_len):
         pb.cache.copy_(new_data)
         out.fill_(NAN)
         graph.replay()
-        torch.cuda.synchronize()
+        synchronize(device)
         ref = pb.ref(mask, window)
+        assert rel_err(first.float(), ref) > 0.1
         assert rel_err(out, ref) <= TOLERANCE[BF16], (new_lens, new_q)
         # per request too: a short request must not hide behind a long one
-        rows = pb.q.shape[0] if qmode != "packed" else None
-        bounds = cumsum0(new_q) if qmode == "packed" else list(range(rows + 1))
         for b in range(len(new_lens)):
-            s = slice(bounds[b], bounds[b + 1])
+            s = pb.rows(b)
             assert rel_err(out[s], ref[s]) <= TOLERANCE[BF16], (b, new_lens)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", -1), ("causal", 31)])
-def test_cuda_graph_wrapper_replay(mask, window):
-    device = CUDA
+WRAPPER_GRAPH_MASKS = [("dense", -1), ("causal", -1), ("causal", 31)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask,window", WRAPPER_GRAPH_MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_cuda_graph_wrapper_replay(device, qmode, mask, window):
+    """plan outside capture, capture run(out=); replays read remapped page IDs (and, packed, redistributed
+    query offsets) written in place with new data; the lengths are fixed at plan (a last_page_len change
+    in place changes nothing; a new plan and graph follow it)."""
     ps = 32
-    lens = [1000, 33, 1, 4000]
-    pb = Prob("single", lens, 32, 8, 128, ps, FP16, device, seed=11 + window, slack=0, extra_pages=20)
-    last = ip([sk - ((sk + ps - 1) // ps - 1) * ps for sk in lens], device)
+    lens = [1000, 33, 4, 4000]
+    pb = Prob(qmode, lens, 32, 8, 128, ps, FP16, device, seed=11 + window, sq=2, q_lens=[2, 1, 4, 3],
+              max_seq_len_q=4, slack=0, extra_pages=20)
+    last = pb.last_page_len()
+
+    def plan(wrapper):
+        wrapper.plan(pb.indptr, pb.indices, last, 32, 8, 128, ps, **pb.kw(), mask_type=mask, window_left=window,
+                     q_data_type=FP16, max_kv_len=4096)
+
     w = BatchDecodePagedTSWrapper()
-    w.plan(pb.indptr, pb.indices, last, 32, 8, 128, ps, mask_type=mask, window_left=window, q_data_type=FP16,
-           max_seq_len=4096)
+    plan(w)
     out = torch.full(pb.q.shape, NAN, dtype=FP16, device=device)
-    graph = warm_and_capture(lambda: w.run(pb.q, pb.cache, out=out))
-    assert_no_allocation_no_sync(lambda: w.run(pb.q, pb.cache, out=out))
-    assert rel_err(out, pb.ref(mask, window)) <= TOLERANCE[FP16]
-    g = torch.Generator().manual_seed(12)
-    n_pages = [(sk + ps - 1) // ps for sk in lens]
-    for new_last in ([ps, 1, 7, ps - 1], [3, ps, 1, 16]):
-        last.copy_(ip(new_last, device))
-        new_lens = [(n - 1) * ps + l for n, l in zip(n_pages, new_last)]
-        assert max(new_lens) <= 4096
-        pb.seq_lens.copy_(ip(new_lens, device))  # for the reference; the wrapper derives its own
-        pb.indices.copy_(torch.randint(0, pb.num_pages, tuple(pb.indices.shape), generator=g, dtype=I32).to(device))
+    scales = dict(bmm1_scale=0.1, bmm2_scale=1.5)
+
+    def reference():
+        return pb.ref(mask, window, scales["bmm1_scale"], scales["bmm2_scale"])
+
+    def replay(graph):
         out.fill_(NAN)
         graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, pb.ref(mask, window)) <= TOLERANCE[FP16], new_last
+        synchronize(device)
+
+    def check(what, ref):
+        assert rel_err(out, ref) <= TOLERANCE[FP16], what
+        for b in range(pb.batch):  # per request: a short request must not hide behind a long one
+            assert rel_err(out[pb.rows(b)], ref[pb.rows(b)]) <= TOLERANCE[FP16], (what, b)
+
+    graph = warm_and_capture(lambda: w.run(pb.q, pb.cache, out=out, **scales), device)
+    assert_no_allocation_no_sync(lambda: w.run(pb.q, pb.cache, out=out, **scales), device)
+    first = reference()
+    check("warm", first)
+    replay(graph)
+    check("replay", first)
+
+    # 1. page IDs remapped in place (random, repeats allowed), then new cache data too
+    g = torch.Generator().manual_seed(12)
+    for step in range(2):
+        pb.remap_page_ids(g)
+        if step:
+            pb.cache.copy_(randn(pb.cache.shape, FP16, gen(device, 13), device))
+        replay(graph)
+        ref = reference()
+        assert rel_err(first.float(), ref) > 0.1
+        check(("pages", step), ref)
+
+    # 2. packed: the bound query offsets redistributed in place (same total, counts <= max_seq_len_q = 4)
+    if qmode == "packed":
+        pb.qo_indptr.copy_(ip(cumsum0([4, 3, 2, 1]), device))
+        before = ref
+        replay(graph)
+        ref = reference()
+        assert rel_err(before.float(), ref) > 0.1
+        check("query offsets", ref)
+
+    # 3. other last-page lengths written in place: the planned lengths rule
+    new_last = [ps, 30, 4, 3]
+    n_pages = [(sk + ps - 1) // ps for sk in lens]
+    new_lens = [(n - 1) * ps + lp for n, lp in zip(n_pages, new_last)]
+    assert new_lens[1] != lens[1] and max(new_lens) <= 4096
+    last.copy_(ip(new_last, device))
+    replay(graph)
+    check("last pages, old plan", ref)
+
+    # 4. a new plan over them, a new graph: the new lengths
+    w2 = BatchDecodePagedTSWrapper()
+    plan(w2)
+    pb.seq_lens.copy_(ip(new_lens, device))  # for the reference; the wrapper derives its own
+    graph2 = warm_and_capture(lambda: w2.run(pb.q, pb.cache, out=out, **scales), device)
+    replay(graph2)
+    ref2 = reference()
+    assert rel_err(ref[pb.rows(1)].float(), ref2[pb.rows(1)]) > 0.1  # request 1: 33 -> 62 keys
+    check("last pages, new plan", ref2)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("qmode", QMODES)
-def test_cuda_workspace_reused_without_rezeroing(qmode):
+def test_cuda_workspace_reused_without_rezeroing(device, qmode):
     """Seed 003: zeroed before first use, left reusable for the next launch of the same key. Two back-to-back
     launches of one split-KV key with different data (no sync, no re-zeroing in between) are both correct,
     and a third launch repeating the first gives the first result bit for bit."""
-    device = CUDA
     a = Prob(qmode, [5000, 17, 2049], 8, 2, 128, 64, BF16, device, seed=21, sq=2, q_lens=[2, 1, 2],
              max_seq_len=8192, max_seq_len_q=2)
     b = Prob(qmode, [100, 8000, 2], 8, 2, 128, 64, BF16, device, seed=22, sq=2, q_lens=[1, 2, 2],
              max_seq_len=8192, max_seq_len_q=2)
     assert a.policy().splits > 1
+    assert a.ws.numel() == b.ws.numel()
     b.ws = a.ws  # one workspace for the key
     outs = [torch.full(a.q.shape, NAN, dtype=BF16, device=device) for _ in range(3)]
-    torch.cuda.synchronize()
+    synchronize(device)
     a.call(out=outs[0])
     b.call(out=outs[1])
     a.call(out=outs[2])
-    torch.cuda.synchronize()
+    synchronize(device)
     assert rel_err(outs[0], a.ref()) <= TOLERANCE[BF16]
     assert rel_err(outs[1], b.ref()) <= TOLERANCE[BF16]
     torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=0)
@@ -426,6 +614,6 @@ def test_cuda_workspace_reused_without_rezeroing(qmode):
     for pb, o in ((a, outs[0]), (b, outs[1])):
         o.fill_(NAN)
         pb.call(mask_type="causal", window_left=100, out=o)
-    torch.cuda.synchronize()
+    synchronize(device)
     assert rel_err(outs[0], a.ref("causal", 100)) <= TOLERANCE[BF16]
     assert rel_err(outs[1], b.ref("causal", 100)) <= TOLERANCE[BF16]

@@ -2,11 +2,15 @@
 
 CPU tests run everywhere (the ops run the pure-PyTorch reference there); tests
 marked ``cuda`` run the same checks on the GPU kernels, plus CUDA-graph capture of
-``BatchPrefillPagedTSWrapper.run(out=)`` and replay after the caller remaps pages
-(pool contents moved and block-table values rewritten in place), changes K/V
-lengths and Q offsets within the planned bounds. Every result is compared with
-the float64 reference (``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16) after
-poisoning ``out`` with NaN; NaN never passes.
+``BatchPrefillPagedTSWrapper.run(out=)`` (planned over FlashInfer's CSR page metadata)
+and replay after the caller redistributes ``qo_indptr`` in place within the planned
+total and longest query count (``qo_indptr`` stays bound) with new data. The plan
+SNAPSHOTS the pages and lengths: a replay after the caller remaps its pages still
+reads the planned page IDs, and a remap (or new lengths) takes a new plan, whose
+graph gives the remapped problem's answer. The graph tests also run on the CPU
+(``cuda_graphs`` replays eagerly there). Every result is compared with the float64
+reference (``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16) after poisoning
+``out`` with NaN; NaN never passes.
 """
 from __future__ import annotations
 
@@ -20,13 +24,12 @@ from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cac
 from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, cumsum0, rel_err
 from aoti_child import run_aoti_in_child
-from cuda_graphs import assert_no_allocation_no_sync, warm_and_capture
+from cuda_graphs import assert_no_allocation_no_sync, synchronize, warm_and_capture
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 NAN = float("nan")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-CUDA = "cuda"  # the device of the CUDA-graph tests
 
 
 def gen(device, seed):
@@ -69,6 +72,28 @@ def problem(q_lens, kv_lens, hq, hkv, d, ps, dtype, device, seed, extra_pages=4,
 
 def ref64(q, k, v, qo, bt, sl, **kw):
     return R.batch_prefill_paged(q, k, v, qo, bt, sl, compute_dtype=torch.float64, **kw)
+
+
+def csr(bt, sl, ps):
+    """FlashInfer's CSR page metadata of a block table's used prefixes (new tensors on bt's device):
+    paged_kv_indptr, paged_kv_indices (request b's ceil(sl[b] / ps) pages) and paged_kv_last_page_len."""
+    lens, table = sl.tolist(), bt.cpu()
+    n = [(sk + ps - 1) // ps for sk in lens]
+    indices = torch.cat([table[b, :nb] for b, nb in enumerate(n)]).to(I32)
+    assert bool((indices >= 0).all())
+    last = [sk - (nb - 1) * ps for sk, nb in zip(lens, n)]
+    return ip(cumsum0(n), bt.device), indices.to(bt.device), ip(last, bt.device)
+
+
+def csr_table(indptr, indices, last, ps):
+    """The (block table [B, max pages], seq_lens) of CSR page metadata: the reference's form."""
+    ptr, ids, lasts = indptr.tolist(), indices.tolist(), last.tolist()
+    n = [b - a for a, b in zip(ptr, ptr[1:])]
+    table = torch.zeros((len(n), max(n)), dtype=I32)
+    for b, nb in enumerate(n):
+        table[b, :nb] = torch.tensor(ids[ptr[b]:ptr[b + 1]], dtype=I32)
+    lens = [(nb - 1) * ps + lp for nb, lp in zip(n, lasts)]
+    return table.to(indptr.device), ip(lens, indptr.device)
 
 
 # ----------------------------------------------------------------------------
@@ -147,16 +172,20 @@ def test_compile_oneshot_dynamic(device):
         assert rel_err(got, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[BF16]
 
 
+# a redistribution of SIZES' query counts: same total, each count within the planned longest and its K/V length
+NEW_Q = {"cpu": [9, 1, 3], "cuda": [120, 1, 230]}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_wrapper_run(device):
-    """Compiled run (functional and out=) of a planned wrapper; the planned metadata tensors are then
-    rewritten in place within the planned bounds and the compiled run honours the new values."""
+    """Compiled run (functional and out=) of a wrapper planned over CSR pages. The plan snapshots the
+    pages: the caller's CSR rewritten in place changes nothing; qo_indptr is bound: offsets redistributed
+    in place are honoured; a new plan over the rewritten CSR is honoured by the same compiled function."""
     q_lens, kv_lens, ps = SIZES[device]
     q, k, v, qo, bt, sl = problem(q_lens, kv_lens, 4, 2, 128, ps, BF16, device, seed=7)
-    max_q = max(q_lens)
+    indptr, indices, last = csr(bt, sl, ps)
     w = BatchPrefillPagedTSWrapper()
-    w.plan(qo, bt, sl, num_qo_heads=4, num_kv_heads=2, head_dim=128, page_size=ps, mask_type="causal",
-           max_q_len=max_q, q_data_type=BF16, out_dtype=FP32)
+    w.plan(q, k, v, qo, indptr, indices, last, page_size=ps, mask_type="causal", out_dtype=FP32)
     crun = torch.compile(lambda q, k, v: w.run(q, k, v), fullgraph=True)
     crun_out = torch.compile(lambda q, k, v, out: w.run(q, k, v, out=out), fullgraph=True)
     ref = ref64(q, k, v, qo, bt, sl, mask_type="causal")
@@ -165,22 +194,37 @@ def test_compile_wrapper_run(device):
     crun_out(q, k, v, out)
     assert rel_err(out, ref) <= TOLERANCE[BF16]
 
-    # in place: pages of requests 0 and 2 swapped in the table, new offsets (same total, <= max_q), lengths
-    new_q = [q_lens[2], q_lens[1], q_lens[0]]
-    assert max(new_q) <= max_q
-    C = bt.shape[1]
-    new_kv = [min(C * ps, kv_lens[2]), kv_lens[1], max(new_q[2], kv_lens[0])]
-    rows = bt.clone()
-    bt[0].copy_(rows[2])
-    bt[2].copy_(rows[0])
+    # 1. the caller's CSR rewritten in place (pages reversed, every last page 1 key): the plan's snapshot rules
+    indices.copy_(indices.flip(0))
+    last.fill_(1)
+    bt2, sl2 = csr_table(indptr, indices, last, ps)
+    assert rel_err(ref.float(), ref64(q, k, v, qo, bt2, sl2, mask_type="causal")) > 0.1
+    out.fill_(NAN)
+    crun_out(q, k, v, out)
+    assert rel_err(out, ref) <= TOLERANCE[BF16]
+    assert rel_err(crun(q, k, v), ref) <= TOLERANCE[BF16]
+
+    # 2. qo_indptr redistributed in place (same total, counts <= the planned longest, causal Sq <= Sk)
+    new_q = NEW_Q[device]
+    assert sum(new_q) == sum(q_lens) and max(new_q) <= max(q_lens) and new_q != q_lens
+    assert all(a <= b for a, b in zip(new_q, kv_lens))
     qo.copy_(ip(cumsum0(new_q), device))
-    sl.copy_(ip(new_kv, device))
     ref_new = ref64(q, k, v, qo, bt, sl, mask_type="causal")
     assert rel_err(ref.float(), ref_new) > 0.1
     assert rel_err(crun(q, k, v), ref_new) <= TOLERANCE[BF16]
     out.fill_(NAN)
     crun_out(q, k, v, out)
     assert rel_err(out, ref_new) <= TOLERANCE[BF16]
+
+    # 3. a new plan over the rewritten CSR (and the new offsets): the compiled run follows it
+    assert all(a <= b for a, b in zip(new_q, sl2.tolist()))
+    w.plan(q, k, v, qo, indptr, indices, last, page_size=ps, mask_type="causal", out_dtype=FP32)
+    ref3 = ref64(q, k, v, qo, bt2, sl2, mask_type="causal")
+    assert rel_err(ref_new.float(), ref3) > 0.1
+    out.fill_(NAN)
+    crun_out(q, k, v, out)
+    assert rel_err(out, ref3) <= TOLERANCE[BF16]
+    assert rel_err(crun(q, k, v), ref3) <= TOLERANCE[BF16]
 
 
 # ----------------------------------------------------------------------------
@@ -272,8 +316,7 @@ def test_export_wrapper_run(device):
     spec = EXPORT_SPECS[device][0]
     q, k, v, qo, bt, sl = _module_inputs(spec, device, seed=15)
     w = BatchPrefillPagedTSWrapper()
-    w.plan(qo, bt, sl, num_qo_heads=4, num_kv_heads=1, head_dim=128, page_size=16, mask_type="causal",
-           q_data_type=BF16, out_dtype=FP32)
+    w.plan(q, k, v, qo, *csr(bt, sl, 16), page_size=16, mask_type="causal", out_dtype=FP32)
     out = torch.full(q.shape, NAN, dtype=FP32, device=device)
     ep = torch.export.export(WrapperModule(w), (q, k, v, out))
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
@@ -327,52 +370,92 @@ def _remap_pages_in_place(k, v, bt, sl, ps, g):
         bt[b, :n] = new_of_old[bt[b, :n].long()].to(I32)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ps", [16, 64, 128])
 @pytest.mark.parametrize("mask,window", [("causal", -1), ("causal", 100), ("dense", -1)])
-def test_cuda_graph_wrapper_replay_after_remap(ps, mask, window):
-    device = CUDA
+def test_cuda_graph_wrapper_replay(device, ps, mask, window):
+    """plan over CSR pages outside capture, capture run(out=); replay with the planned metadata, after
+    qo_indptr is redistributed in place with new data, and after the caller remaps its pages (the
+    plan's snapshot: the old graph reads the planned page IDs); a remap and a different logical problem
+    (repeated page IDs, new K/V lengths and Q offsets) each take a new plan and graph."""
     q_lens, kv_lens = [100, 1, 300, 37], [130, 9, 1100, 37]
     hq, hkv, d = 8, 2, 128
     q, k, v, qo, bt, sl = problem(q_lens, kv_lens, hq, hkv, d, ps, BF16, device, seed=ps + len(mask) + window)
-    max_q = 320
+    indptr, indices, last = csr(bt, sl, ps)
     w = BatchPrefillPagedTSWrapper()
-    w.plan(qo, bt, sl, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, mask_type=mask,
-           window_left=window, max_q_len=max_q, q_data_type=BF16)
+    w.plan(q, k, v, qo, indptr, indices, last, page_size=ps, mask_type=mask, window_left=window)
+    longest = max(q_lens)  # the planned longest query count
     out = torch.full(q.shape, NAN, dtype=BF16, device=device)
 
-    def reference():
-        return ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window)
+    def reference(table=None, lens=None):
+        return ref64(q, k, v, qo, bt if table is None else table, sl if lens is None else lens, mask_type=mask,
+                     window_left=window)
 
-    graph = warm_and_capture(lambda: w.run(q, k, v, out=out))
-    assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out))
-    assert rel_err(out, reference()) <= TOLERANCE[BF16]
-
-    # 1. replay with the planned metadata
-    out.fill_(NAN)
-    graph.replay()
-    torch.cuda.synchronize()
-    before = out.clone()
-    assert rel_err(out, reference()) <= TOLERANCE[BF16]
-
-    # 2. pages moved to new physical slots (pool contents and table values rewritten in place)
-    g = torch.Generator().manual_seed(ps)
-    _remap_pages_in_place(k, v, bt, sl, ps, g)
-    out.fill_(NAN)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, reference()) <= TOLERANCE[BF16]
-    close(out, before)
-
-    # 3. a different logical problem: other pages (repeated IDs), Q offsets and K/V lengths within bounds
-    C, P = bt.shape[1], k.shape[0]
-    for new_q, new_kv in [([300, 37, 1, 100], [1100, 40, 1, 100]), ([2, 320, 100, 16], [2, 640, 120, 16])]:
-        assert max(new_q) <= max_q and sum(new_q) == sum(q_lens) and max(new_kv) <= C * ps
-        qo.copy_(ip(cumsum0(new_q), device))
-        sl.copy_(ip(new_kv, device))
-        bt.copy_(torch.randint(0, P, tuple(bt.shape), generator=g, dtype=I32).to(device))
-        q.copy_(randn(q.shape, BF16, gen(device, sum(new_kv)), device))
+    def replay(graph):
         out.fill_(NAN)
         graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, reference()) <= TOLERANCE[BF16], (new_q, new_kv)
+        synchronize(device)
+
+    def check(what, ref):
+        assert rel_err(out, ref) <= TOLERANCE[BF16], what
+        offs = qo.tolist()
+        for a, b in zip(offs, offs[1:]):  # per request: a short request must not hide behind a long one
+            assert rel_err(out[a:b], ref[a:b]) <= TOLERANCE[BF16], (what, a, b)
+
+    graph = warm_and_capture(lambda: w.run(q, k, v, out=out), device)
+    assert_no_allocation_no_sync(lambda: w.run(q, k, v, out=out), device)
+    check("warm", reference())
+
+    # 1. replay with the planned metadata
+    replay(graph)
+    first = reference()
+    check("replay", first)
+
+    # 2. qo_indptr redistributed in place (same total, counts <= the planned longest, causal Sq <= Sk), new q
+    for new_q in ([130, 8, 263, 37], [125, 5, 299, 9]):
+        assert sum(new_q) == sum(q_lens) and max(new_q) <= longest and all(a <= b for a, b in zip(new_q, kv_lens))
+        qo.copy_(ip(cumsum0(new_q), device))
+        q.copy_(randn(q.shape, BF16, gen(device, sum(new_q[:2])), device))
+        replay(graph)
+        ref = reference()
+        assert rel_err(first.float(), ref) > 0.1
+        check(("offsets", new_q), ref)
+    before, ref_before = out.clone(), reference()  # the answer of the current logical problem
+
+    # 3. pages moved to new physical slots, the caller's table and CSR rewritten to follow: the captured
+    #    plan keeps its snapshot of the old page IDs, so the old graph reads the old IDs in the moved pools
+    g = torch.Generator().manual_seed(ps)
+    old_bt = bt.clone()
+    _remap_pages_in_place(k, v, bt, sl, ps, g)
+    indices.copy_(csr(bt, sl, ps)[1])
+    torch.testing.assert_close(reference(), ref_before)  # the same logical problem
+    stale = reference(old_bt)
+    assert rel_err(before.float(), stale) > 0.1
+    replay(graph)
+    check("snapshot", stale)
+
+    # 4. a new plan over the remapped CSR, a new graph: the logical answer again
+    w2 = BatchPrefillPagedTSWrapper()
+    w2.plan(q, k, v, qo, indptr, indices, last, page_size=ps, mask_type=mask, window_left=window)
+    graph2 = warm_and_capture(lambda: w2.run(q, k, v, out=out), device)
+    replay(graph2)
+    check("remap, new plan", reference())
+    close(out, before)
+
+    # 5. a different logical problem: other pages (repeated IDs), K/V lengths and Q offsets: a new plan each
+    P = k.shape[0]
+    for new_q, new_kv in [([300, 37, 1, 100], [1100, 40, 1, 100]), ([2, 320, 100, 16], [2, 640, 120, 16])]:
+        assert sum(new_q) == sum(q_lens) and all(a <= b for a, b in zip(new_q, new_kv))
+        n = [(sk + ps - 1) // ps for sk in new_kv]
+        ip3 = ip(cumsum0(n), device)
+        ids3 = torch.randint(0, max(2, P // 3), (sum(n),), generator=g, dtype=I32).to(device)  # repeated IDs
+        last3 = ip([sk - (nb - 1) * ps for sk, nb in zip(new_kv, n)], device)
+        qo.copy_(ip(cumsum0(new_q), device))
+        q.copy_(randn(q.shape, BF16, gen(device, sum(new_kv)), device))
+        w3 = BatchPrefillPagedTSWrapper()
+        w3.plan(q, k, v, qo, ip3, ids3, last3, page_size=ps, mask_type=mask, window_left=window)
+        graph3 = warm_and_capture(lambda: w3.run(q, k, v, out=out), device)
+        replay(graph3)
+        bt3, sl3 = csr_table(ip3, ids3, last3, ps)
+        assert sl3.tolist() == new_kv
+        check(("new problem", new_q, new_kv), reference(bt3, sl3))

@@ -15,12 +15,14 @@ from .ops.decode import (
 )
 from .ops.mla import (
     BatchMLADecodePagedTSWrapper,
+    batch_decode_mla_with_paged_kv_cache,
     batch_mla_decode_with_paged_kv_cache,
     get_prims_ts_batch_decode_mla_workspace_size,
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from .ops.prefill_paged import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 from .ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
+from .cuda.keys import Tuning
 
 __version__ = "0.1.0"
 
@@ -34,10 +36,12 @@ __all__ = [
     "BatchDecodePagedTSWrapper",
     "batch_decode_with_paged_kv_cache",
     "batch_mla_decode_with_paged_kv_cache",
+    "batch_decode_mla_with_paged_kv_cache",
     "BatchMLADecodePagedTSWrapper",
     "prims_ts_batch_decode_with_kv_cache_mla",
     "get_prims_ts_batch_decode_mla_workspace_size",
     "block_sparse_attention_with_paged_kv_cache",
     "BlockSparsePagedTSWrapper",
+    "Tuning",
     "__version__",
 ]

@@ -240,10 +240,11 @@ def _short(e: BaseException) -> str:
 
 
 def _run_problem(fam: Family, prob: Problem, device: torch.device, ceilings: Dict[str, float],
-                 runners: Optional[Sequence[str]]) -> Row:
+                 runners: Optional[Sequence[str]], tuning=None) -> Row:
     row = Row(prob)
     try:
         inputs = fam.make_inputs(prob, device)
+        inputs.tuning = tuning  # what our runners plan their wrappers with
     except Exception as e:
         for r in fam.runners:
             row.cells[r.name] = Cell(error=f"inputs: {_short(e)}")
@@ -423,7 +424,8 @@ def write_plot(path: str, rows: List[Row], ceilings: Dict[str, float]) -> Option
 
 def run_bench(quick: bool = False, json_path: Optional[str] = None, plot_path: Optional[str] = None,
               families: Optional[Sequence[str]] = None, match: Optional[str] = None,
-              runners: Optional[Sequence[str]] = None, printer=print) -> int:
+              runners: Optional[Sequence[str]] = None, printer=print, tuning=None) -> int:
+    """``tuning``: the Tuning our runners' wrappers are planned with (A/B runs); None: the default."""
     if not torch.cuda.is_available():
         printer("prims_ts bench: no CUDA GPU is visible (torch.cuda.is_available() is False); "
                 "benchmarks need one. Nothing to do.")
@@ -435,7 +437,10 @@ def run_bench(quick: bool = False, json_path: Optional[str] = None, plot_path: O
     problems = select_problems(quick, families, match)
     printer(f"GPU {env.get('gpu')} (cc {env.get('cc')}, {env.get('sms')} SMs), torch {env['torch']}, "
             f"CUDA {env['cuda']}, cupy {env.get('cupy')}, NVRTC {env.get('nvrtc')}; timer: {env['timer']}")
-    printer(f"{len(problems)} problems{' (--quick)' if quick else ''}, bf16")
+    printer(f"{len(problems)} problems{' (--quick)' if quick else ''}, bf16"
+            + (f", tuning {tuning.encode() or 'default'}" if tuning is not None else ""))
+    if tuning is not None:
+        env["tuning"] = tuning.encode()
     ceilings: Dict[str, float] = {}
     rows: List[Row] = []
     try:
@@ -449,7 +454,7 @@ def run_bench(quick: bool = False, json_path: Optional[str] = None, plot_path: O
                     printer(f"ceiling {key}: n/a ({_short(e)})")
         for i, prob in enumerate(problems):
             t0 = time.perf_counter()
-            row = _run_problem(FAMILIES[prob.family], prob, device, ceilings, runners)
+            row = _run_problem(FAMILIES[prob.family], prob, device, ceilings, runners, tuning)
             rows.append(row)
             ours = row.cells.get(FAMILIES[prob.family].ours)
             printer(f"[{i + 1:>2}/{len(problems)}] {prob.family} {prob.name}: "
@@ -464,6 +469,13 @@ def run_bench(quick: bool = False, json_path: Optional[str] = None, plot_path: O
             msg = write_plot(plot_path, rows, ceilings)
             printer(msg if msg else f"wrote {plot_path}")
     return 0
+
+
+def _tuning(x):
+    """The Tuning a run's inputs carry (run_bench's ``tuning``), or the default."""
+    from .cuda.keys import DEFAULT_TUNING
+
+    return getattr(x, "tuning", None) or DEFAULT_TUNING
 
 
 def _write_json(path: str, data: Dict[str, Any]) -> None:
@@ -544,10 +556,11 @@ def _setup_ours_prefill(prob: Problem, x: PrefillInputs):
     import prims_ts
 
     out = torch.empty_like(x.q)
-    mask = "causal" if x.causal else "dense"
+    w = prims_ts.BatchPrefillTSWrapper(tuning=_tuning(x))
+    w.plan(x.q, x.k, x.v, mask_type="causal" if x.causal else "dense")
 
     def fn():
-        return prims_ts.batch_prefill(x.q, x.k, x.v, mask_type=mask, out=out)
+        return w.run(x.q, x.k, x.v, out=out)
 
     return fn
 
@@ -709,6 +722,8 @@ class PagedPrefillInputs(PrefillInputs):
         self.v_cache[idx] = src_v
         self.qo_indptr = (torch.arange(b + 1, device=device, dtype=torch.int32) * p["Sq"])
         self.seq_lens = torch.full((b,), s, device=device, dtype=torch.int32)
+        self.page_indptr = torch.arange(b + 1, device=device, dtype=torch.int32) * per  # the same pages as CSR
+        self.last_page_len = self.seq_lens - (per - 1) * ps
         self.q_packed = self.q.reshape(b * p["Sq"], p["Hq"], p["D"])
         self.page_size = ps
 
@@ -717,9 +732,9 @@ def _setup_ours_paged(prob: Problem, x: PagedPrefillInputs):
     import prims_ts
 
     mask = "causal" if x.causal else "dense"
-    w = prims_ts.BatchPrefillPagedTSWrapper()
-    w.plan(x.qo_indptr, x.block_tables, x.seq_lens, num_qo_heads=x.q.shape[2], num_kv_heads=x.k.shape[2],
-           head_dim=x.q.shape[3], page_size=x.page_size, mask_type=mask, q_data_type=x.q.dtype)
+    w = prims_ts.BatchPrefillPagedTSWrapper(tuning=_tuning(x))
+    w.plan(x.q_packed, x.k_cache, x.v_cache, x.qo_indptr, x.page_indptr, x.block_tables.reshape(-1),
+           x.last_page_len, page_size=x.page_size, mask_type=mask)
     out = torch.empty_like(x.q_packed)
 
     def fn():
@@ -791,7 +806,7 @@ class DecodeInputs:
         self.indptr = torch.arange(b + 1, device=device, dtype=torch.int32) * per
         self.seq_lens = torch.full((b,), n, device=device, dtype=torch.int32)
         self.max_seq_len = n
-        self.ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, n, device=device),
+        self.ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, ps, n, device=device),
                               dtype=torch.uint8, device=device)
         self._contig = None
 
@@ -847,10 +862,14 @@ def _setup_ours_decode(prob: Problem, x: DecodeInputs):
     import prims_ts
 
     out = torch.empty_like(x.q)
+    b, hq, d = x.q.shape
+    ps = x.cache.shape[3]
+    last = x.seq_lens - (x.indptr[1:] - x.indptr[:-1] - 1) * ps
+    w = prims_ts.BatchDecodePagedTSWrapper(tuning=_tuning(x))
+    w.plan(x.indptr, x.indices, last, hq, x.cache.shape[2], d, ps, q_data_type=x.q.dtype)
 
     def fn():
-        return prims_ts.prims_ts_batch_decode_with_kv_cache(x.q, x.cache, x.ws, x.indptr, x.indices, x.seq_lens,
-                                                            x.max_seq_len, out=out)
+        return w.run(x.q, x.cache, out=out)
 
     return _graphed(fn, x.graph)
 
@@ -941,8 +960,8 @@ class MLAInputs:
         self.block_tables = perm.view(b, per).to(device)
         self.seq_lens = torch.full((b,), n, device=device, dtype=torch.int32)
         self.max_seq_len = n
-        self.ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_mla_workspace_size(b, h, n, sq, device=device),
-                              dtype=torch.uint8, device=device)
+        self.ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_mla_workspace_size(
+            b, h, 512, 64, ps, n, max_seq_len_q=sq, device=device), dtype=torch.uint8, device=device)
         self._contig = None
 
     def contiguous(self):
@@ -959,10 +978,13 @@ def _setup_ours_mla(prob: Problem, x: MLAInputs):
     import prims_ts
 
     out = torch.empty(tuple(x.q.shape[:-1]) + (MLA_DV,), device=x.q.device, dtype=torch.bfloat16)
+    b, sq, h, _ = x.q.shape
+    w = prims_ts.BatchMLADecodePagedTSWrapper(tuning=_tuning(x))
+    w.plan(x.block_tables, x.seq_lens, h, 512, 64, x.cache.shape[1], seq_len_q=sq, mask_type="causal",
+           max_kv_len=x.max_seq_len)
 
     def fn():
-        return prims_ts.prims_ts_batch_decode_with_kv_cache_mla(x.q, x.cache, x.ws, x.block_tables, x.seq_lens,
-                                                                x.max_seq_len, bmm1_scale=x.scale, out=out)
+        return w.run(x.q, x.cache, bmm1_scale=x.scale, out=out)
 
     return _graphed(fn, x.graph)
 
@@ -1096,14 +1118,15 @@ def _setup_ours_bsr(prob: Problem, x: BlockSparseInputs):
 
     p = prob.params
     bs = x.block_size
-    w = prims_ts.BlockSparsePagedTSWrapper()
-    w.plan(p["B"], p["Sq"], p["Hq"], p["Hkv"], p["D"], x.page_size, bs, bs, p["Sk"], seq_lens_kv=x.seq_lens,
-           mask_type="dense", q_data_type=x.q.dtype)
+    w = prims_ts.BlockSparsePagedTSWrapper(tuning=_tuning(x))
+    w.plan(x.kv_indptr, p["Sq"], p["Sk"], p["Hq"], p["Hkv"], p["D"], bs, bs, x.page_size,
+           max_blocks_per_row=-(-p["Sk"] // bs), use_kv_valid_bits=False, seq_lens_kv=x.seq_lens, mask_type="dense",
+           q_data_type=x.q.dtype)
     out = torch.empty_like(x.q)
     cache = (x.k_cache, x.v_cache)
 
     def fn():
-        return w.run(x.q, cache, x.kv_indptr, x.kv_indices, x.block_indptr, x.block_indices, x.seq_lens, out=out)
+        return w.run(x.q, cache, x.kv_indices, x.block_indptr, x.block_indices, out=out)
 
     return fn
 

@@ -403,8 +403,8 @@ class DecodeSpec:
             max_sq = max(qlens)
             kwargs.update(qo_indptr=qo, max_seq_len_q=max_sq)
         ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(
-            b, self.hq, self.hkv, d, max(lens), max_seq_len_q=max_sq, device=device), dtype=torch.uint8,
-            device=device)
+            b, self.hq, self.hkv, d, ps, max(lens), seq_len_q=kwargs.get("seq_len_q", 1),
+            qo_indptr=kwargs.get("qo_indptr"), max_seq_len_q=max_sq, device=device), dtype=torch.uint8, device=device)
         out = _poisoned(q.shape, dt, device)
         prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, ws, indptr, indices, seq_lens, max(lens), out=out,
                                                      **kwargs)
@@ -512,19 +512,20 @@ class MLASpec:
         max_sq = self.sq
         if self.entry == "oneshot":
             res = prims_ts.batch_mla_decode_with_paged_kv_cache(
-                q, cache, table, seq_lens, qo_indptr=qo, mask_type=self.mask, bmm1_scale=scale, out=out)
+                q, cache, table, seq_lens, qo_indptr=qo, mask_type=self.mask, bmm1_scale=scale, out=out,
+                out_dtype=odt)
         elif self.entry == "standalone":
-            ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_mla_workspace_size(b, h, max(lens), max_sq,
-                                                                                 device=device),
-                             dtype=torch.uint8, device=device)
+            ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_mla_workspace_size(
+                b, h, 512, 64, ps, max(lens), max_seq_len_q=max_sq, device=device), dtype=torch.uint8, device=device)
             res = prims_ts.prims_ts_batch_decode_with_kv_cache_mla(
-                q, cache, ws, table, seq_lens, max(lens), qo_indptr=qo,
-                max_seq_len_q=max_sq if qo is not None else None, mask_type=self.mask, bmm1_scale=scale, out=out)
+                q, cache, ws, 512, 64, table, seq_lens, max(lens), qo_indptr=qo,
+                max_seq_len_q=max_sq if qo is not None else None, mask_type=self.mask, bmm1_scale=scale, out=out,
+                out_dtype=odt)
         else:
             w = prims_ts.BatchMLADecodePagedTSWrapper()
-            w.plan(seq_lens, h, ps, qo_indptr=qo, max_seq_len_q=max_sq, mask_type=self.mask, bmm1_scale=scale,
-                   q_data_type=dt, out_dtype=odt)
-            res = w.run(q, cache, table, seq_lens, qo, out=out, validate=False)
+            w.plan(table, seq_lens, h, 512, 64, ps, qo_indptr=qo, max_seq_len_q=max_sq, mask_type=self.mask,
+                   q_data_type=dt, o_data_type=odt)
+            res = w.run(q, cache, bmm1_scale=scale, out=out, validate=False)
         if res is not out:
             raise AssertionError(f"{MLA_APIS[self.entry]}(out=...) must return out itself")
         ref = reference.batch_mla_decode(q, cache, table, seq_lens, qo_indptr=qo, mask_type=self.mask,
@@ -699,10 +700,11 @@ class BlockSparseSpec:
                 max_seq_len_kv=max_len, seq_lens_kv=seq_lens, kv_valid_bits=bits, mask_type=self.mask, out=out)
         else:
             w = prims_ts.BlockSparsePagedTSWrapper()
-            w.plan(b, sq, hq, hkv, d, ps, self.q_block, self.kv_block, max_len, seq_lens_kv=seq_lens,
-                   use_valid_bits=bits is not None, mask_type=self.mask, q_data_type=dt)
-            res = w.run(q, cache, indptr, indices, block_indptr, block_indices, seq_lens, kv_valid_bits=bits,
-                        out=out)
+            most = max((len(row) for per_b in routes for per_h in per_b for row in per_h), default=0)
+            w.plan(indptr, sq, max_len, hq, hkv, d, self.q_block, self.kv_block, ps, max_blocks_per_row=most,
+                   use_kv_valid_bits=bits is not None, seq_lens_kv=seq_lens, mask_type=self.mask, q_data_type=dt,
+                   o_data_type=self.out_dtype)
+            res = w.run(q, cache, indices, block_indptr, block_indices, kv_valid_bits=bits, out=out)
         if res is not out:
             raise AssertionError(f"{BSR_APIS[self.entry]}(out=...) must return out itself")
         ref = reference.block_sparse_attention(q, k, v, indptr, indices, block_indptr, block_indices, self.q_block,

@@ -4,9 +4,10 @@
 * ``check``  — every public API on random problems vs. the float64 reference
                (GPU if available, else CPU with small sizes); exit 1 on any failure.
 * ``bench``  — our ops beside torch SDPA (cuDNN, FLASH) and FlexAttention on the GPU.
-* ``warmup`` — NVRTC-compiles every kernel specialisation into the disk cache
-               (no GPU needed); exit 1 on a compile error (with ``--strict``, also
-               when ptxas serialised a kernel's wgmma pipeline).
+* ``warmup`` — NVRTC-compiles every kernel specialisation of the default tuning
+               (``--variants``: the other tunings' too) into the disk cache (no GPU
+               needed); exit 1 on a compile error (with ``--strict``, also when ptxas
+               serialised a kernel's wgmma pipeline).
 
 The case and problem lists live in ``prims_ts/check.py`` and ``prims_ts/bench.py``
 (one registry entry per API); this module only parses arguments and reports.
@@ -70,8 +71,9 @@ def cmd_info(args) -> int:
     rows.append(("cache", f"{cdir} ({n} cubins; $PRIMS_TS_CACHE_DIR overrides)"))
     try:
         archs = sorted({_default_arch(), "sm_90a", "sm_80"})
-        counts = ", ".join(f"{len(_kernel_keys(a))} for {a}" for a in archs)
-        rows.append(("kernels", f"{counts} (python -m prims_ts warmup [--arch A] compiles them)"))
+        counts = ", ".join(f"{len(_kernel_keys(a))} for {a} ({len(_kernel_keys(a, True))} with variants)"
+                           for a in archs)
+        rows.append(("kernels", f"{counts} (python -m prims_ts warmup [--arch A] [--variants] compiles them)"))
     except Exception as e:
         rows.append(("kernels", f"could not list ({e})"))
     w = max(len(k) for k, _ in rows)
@@ -114,8 +116,17 @@ def cmd_bench(args) -> int:
             print(f"{p.family}: {p.name}{'  [quick]' if p.quick else ''}")
         return 0
     runners = [r.strip() for r in args.runners.split(",")] if args.runners else None
+    tuning = None
+    if args.tuning is not None:
+        from .cuda.keys import Tuning
+
+        tuning = Tuning.decode(args.tuning)
+    if args.paths:
+        from . import bench_paths
+
+        return bench_paths.run(json_path=args.json, match=args.k, families=args.family)
     return bench.run_bench(quick=args.quick, json_path=args.json, plot_path=args.plot, families=args.family,
-                           match=args.k, runners=runners)
+                           match=args.k, runners=runners, tuning=tuning)
 
 
 def _default_arch() -> str:
@@ -131,30 +142,35 @@ def _default_arch() -> str:
     return "sm_90a"
 
 
-def _kernel_keys(arch: str):
-    """Every kernel specialisation for `arch` (``kernels.all_keys(arch)``; older form: ``all_keys()``)."""
-    import inspect
+def _kernel_keys(arch: str, variants: bool = False):
+    """Every kernel specialisation for `arch`: the default tuning's, and with `variants` the
+    tunings that tests and A/B runs select (``cuda.catalog``)."""
+    from .cuda import catalog
 
-    from .cuda import kernels
+    return catalog.all_keys(arch, variants=variants)
 
+
+def _compile_one(arch: str, ks):
+    """Compile one kernel (a warmup job; also run in worker processes): (how, seconds, ptxas
+    notes, error or None)."""
+    from .cuda import runtime
+
+    warnings.simplefilter("ignore", runtime.KernelPerformanceWarning)  # reported by the caller
+    cached = runtime.cache_path(ks, arch).exists()
+    t0 = time.perf_counter()
     try:
-        takes_arch = "arch" in inspect.signature(kernels.all_keys).parameters
-    except (TypeError, ValueError):
-        takes_arch = False
-    keys = list(kernels.all_keys(arch) if takes_arch else kernels.all_keys())
-    seen, unique = set(), []
-    for ks in keys:  # one cubin per key
-        if ks.key not in seen:
-            seen.add(ks.key)
-            unique.append(ks)
-    return unique
+        runtime.compile_cubin(ks, arch)
+    except Exception as e:
+        return "FAILED", time.perf_counter() - t0, [], f"{e}"
+    notes = runtime.perf_notes.get((arch, ks.name), [])
+    return ("cached" if cached else "compiled"), time.perf_counter() - t0, notes, None
 
 
 def cmd_warmup(args) -> int:
     from .cuda import runtime
 
     archs = args.arch or [_default_arch()]
-    plan = [(arch, ks) for arch in archs for ks in _kernel_keys(arch)]
+    plan = [(arch, ks) for arch in archs for ks in _kernel_keys(arch, args.variants)]
     total = len(plan)
     width = len(str(total))
     try:
@@ -162,36 +178,37 @@ def cmd_warmup(args) -> int:
     except Exception as e:
         print(f"warmup: NVRTC is not available: {e}", file=sys.stderr)
         return 1
-    print(f"warmup: {total} kernels for {', '.join(archs)} with NVRTC {nvrtc} -> {runtime.cache_dir()}")
-    failures = []
+    jobs = max(1, args.jobs)
+    print(f"warmup: {total} kernels for {', '.join(archs)} with NVRTC {nvrtc} -> {runtime.cache_dir()}"
+          + (f" ({jobs} processes)" if jobs > 1 else ""))
+    failures, slow = [], set()
     t_all = time.perf_counter()
-    warnings.simplefilter("ignore", runtime.KernelPerformanceWarning)  # reported per kernel below
-    for i, (arch, ks) in enumerate(plan, 1):
-        adir = runtime.cache_dir() / arch
-        before = set(adir.glob("*.cubin")) if adir.is_dir() else set()
-        t0 = time.perf_counter()
-        try:
-            runtime.compile_cubin(ks, arch)
-        except Exception as e:
-            failures.append((arch, ks.key, e))
-            print(f"[{i:>{width}}/{total}] {arch} {ks.key} FAILED {time.perf_counter() - t0:.1f}s", flush=True)
-            print(f"{e}", file=sys.stderr, flush=True)
+    if jobs == 1:
+        results = (_compile_one(arch, ks) for arch, ks in plan)
+    else:
+        import concurrent.futures as cf
+
+        pool = cf.ProcessPoolExecutor(jobs)
+        results = pool.map(_compile_one, [a for a, _ in plan], [k for _, k in plan])
+    for i, ((arch, ks), (how, secs, notes, err)) in enumerate(zip(plan, results), 1):
+        if err is not None:
+            failures.append((arch, ks.key))
+            print(f"[{i:>{width}}/{total}] {arch} {ks.key} FAILED {secs:.1f}s", flush=True)
+            print(err, file=sys.stderr, flush=True)
             continue
-        after = set(adir.glob("*.cubin")) if adir.is_dir() else set()
-        how = "compiled" if after - before else "cached"
-        notes = runtime.perf_notes.get((arch, ks.name), [])
-        print(f"[{i:>{width}}/{total}] {arch} {ks.key} {time.perf_counter() - t0:.1f}s {how}"
-              + (" SERIALISED WGMMA" if notes else ""), flush=True)
+        if notes:
+            slow.add(ks.name)
+        print(f"[{i:>{width}}/{total}] {arch} {ks.key} {secs:.1f}s {how}" + (" SERIALISED WGMMA" if notes else ""),
+              flush=True)
         for n in notes:
             print(f"    {n}", flush=True)
     print(f"warmup: {total - len(failures)}/{total} ok in {time.perf_counter() - t_all:.1f}s")
-    slow = sorted({name for (a, name) in runtime.perf_notes if a in archs})
     if slow:
-        print(f"warmup: ptxas serialised the wgmma pipeline of {len(slow)} kernel(s): {', '.join(slow)}",
+        print(f"warmup: ptxas serialised the wgmma pipeline of {len(slow)} kernel(s): {', '.join(sorted(slow))}",
               file=sys.stderr)
     if failures:
         print(f"warmup: {len(failures)} kernel(s) failed to compile: "
-              + ", ".join(f"{k} ({a})" for a, k, _ in failures), file=sys.stderr)
+              + ", ".join(f"{k} ({a})" for a, k in failures), file=sys.stderr)
         return 1
     return 1 if slow and args.strict else 0
 
@@ -218,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", action="append", help="only this problem family (repeatable), e.g. prefill")
     p.add_argument("-k", metavar="SUBSTR", help="only problems whose 'family name' contains SUBSTR")
     p.add_argument("--runners", metavar="A,B", help="only these runners, e.g. prims_ts,sdpa_cudnn")
+    p.add_argument("--tuning", metavar="SPEC", help="plan our wrappers with this Tuning (Tuning.encode() form, "
+                   "e.g. 'loop=1' or 'persistent=True;loop=0'): A/B runs")
+    p.add_argument("--paths", action="store_true", help="the call paths instead: host us per call and one-call "
+                   "latency of each way to call each API (one-shot, wrapper run, standalone, graph replay) and "
+                   "of the peers'")
     p.add_argument("--list", action="store_true", help="list the problems and exit")
     p.set_defaults(func=cmd_bench)
 
@@ -226,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target, e.g. sm_90a or sm_80 (repeatable; default: this GPU's, else sm_90a)")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when ptxas serialised a kernel's wgmma pipeline (CI; needs a cold cache)")
+    p.add_argument("--variants", action="store_true",
+                   help="also the kernels of the non-default tunings that tests and A/B runs select")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="compile in N processes (default 1)")
     p.set_defaults(func=cmd_warmup)
     return ap
 

@@ -118,7 +118,7 @@ class OpRecorder:
     """Stands in for ``torch.ops.prims_ts.<op>`` and ``<op>_out``: records each call's name
     and arguments, launches nothing (the functional form returns an empty output shaped
     like the first argument, its last dimension ``out_dim`` when given, of the dtype that
-    the last argument's code names)."""
+    the output-dtype code before the last argument (the tuning) names)."""
 
     def __init__(self, op: str, out_dim: Optional[int] = None):
         self.op = op
@@ -130,7 +130,7 @@ class OpRecorder:
         shape = tuple(args[0].shape) if self.out_dim is None else tuple(args[0].shape[:-1]) + (self.out_dim,)
         from .ops._validate import code_dtype
 
-        return torch.empty(shape, dtype=code_dtype(args[-1]))
+        return torch.empty(shape, dtype=code_dtype(args[-2]))
 
     def out(self, *args):
         self.calls.append((self.op + "_out", args))

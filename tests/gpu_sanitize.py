@@ -5,13 +5,35 @@ compute-sanitizer (not collected by pytest).
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
 
 Both tools slow kernels ~100x: keep every case small and the launches few.
+
+The default tuning runs through the one-shots and the standalone decode/MLA functions (they
+always take ``Tuning()``); every other kernel variant through a wrapper planned with its
+``prims_ts.Tuning`` (``tuning=``): the other split merge (``Tuning(merge_staged=True)``), the
+mma.sync tile of MLA rows of 16/32 (``Tuning(mla_swapped=False)``) and the producer ring's
+variants of ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1/2, persistent CTAs
+with ``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``,
+MLA's wgmma tiles too). ``run_all(dev)`` takes any device: on the CPU every case runs the
+reference path (a dry run of the case builders; the CPU counts as the nominal H200).
 """
+import dataclasses
+import sys
+from pathlib import Path
+
 import torch
 
-import prims_ts
+try:
+    import prims_ts
+except ModuleNotFoundError:  # run as `python tests/gpu_sanitize.py` from an uninstalled checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import prims_ts
+from prims_ts import Tuning
 from prims_ts import reference as R
+from prims_ts.cuda.catalog import DECODE_VARIANTS, RING_VARIANTS
+from prims_ts.cuda.decode import MLA_DIM_QK, decode_policy
+from prims_ts.cuda.keys import device_limits
 from prims_ts.testing import cumsum0, relative_error, stable_seed
 
+DEFAULT = Tuning()
 # CSR entries past a request's live pages: never read (an out-of-range ID makes a stray read fatal)
 GARBAGE = (-1, 2**31 - 1)
 # (name, query mode, SQ / packed Q lengths, mask, window, D, Hq, Hkv, page size, cache form, K/V lengths,
@@ -31,18 +53,27 @@ DECODE_CASES = [
 ]
 
 
-def _sm_count(dev) -> int:
-    from prims_ts.cuda.kernels import DECODE_NOMINAL_SMS
+def _label(tuning) -> str:
+    return "default (one-shot / standalone)" if tuning is None else f"wrapper tuning={tuning.encode() or 'default'}"
 
-    if torch.device(dev).type == "cuda":
-        return torch.cuda.get_device_properties(torch.device(dev)).multi_processor_count
-    return DECODE_NOMINAL_SMS
+
+def _sm90(dev) -> bool:
+    """The ring's and the MLA tiles' variants exist on sm_90a (the CPU: the nominal H200)."""
+    return device_limits(dev)[0] == "sm_90a"
+
+
+def _policy(dev, batch, hkv, group, max_sq, d, max_seq_len):
+    """The decode policy on `dev` (the CPU: the nominal H200's SMs and shared memory)."""
+    _, sms, limit = device_limits(dev)
+    return decode_policy(batch, hkv, group, max_sq, d, max_seq_len, sms, limit)
 
 
 def poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt):
     """K/V pools for requests of `lens` keys over shuffled pages: CSR entries past a request's
     live pages hold garbage IDs, two pages no request uses, and every unused slot NaN.
-    Returns (indptr, indices, seq_lens, cache, k, v); `cache` is the combined pool or (k, v)."""
+    Returns (indptr, indices, seq_lens, cache, k, v, live_csr); `cache` is the combined pool or
+    (k, v); `live_csr` is FlashInfer's (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+    of the live pages only (what a decode wrapper's plan takes)."""
     n_live = [(n + ps - 1) // ps for n in lens]
     num_pages = sum(n_live) + 2  # two pages no request uses
     perm = torch.randperm(num_pages).tolist()
@@ -56,6 +87,9 @@ def poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt):
     indptr = torch.tensor(cumsum0(entries), dtype=torch.int32, device=dev)
     indices = torch.tensor(indices, dtype=torch.int32, device=dev)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    live_csr = (torch.tensor(cumsum0(n_live), dtype=torch.int32, device=dev),
+                torch.tensor([p for row in live for p in row], dtype=torch.int32, device=dev),
+                torch.tensor([n - (m - 1) * ps for n, m in zip(lens, n_live)], dtype=torch.int32, device=dev))
     if form == "combined":
         cache = torch.randn(num_pages, 2, hkv, ps, d, device=dev, dtype=dt)
         k, v = cache[:, 0], cache[:, 1]
@@ -70,16 +104,16 @@ def poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt):
     unused = (~used).to(dev)[:, None, :, None].expand_as(k)
     k.masked_fill_(unused, float("nan"))
     v.masked_fill_(unused, float("nan"))
-    return indptr, indices, seq_lens, cache, k, v
+    return indptr, indices, seq_lens, cache, k, v, live_csr
 
 
-def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, max_seq_len, split) -> None:
-    """One decode launch over shuffled pages (unused slots NaN, garbage CSR entries past the live
-    pages) into a NaN-poisoned out, against the float64 reference."""
-    from prims_ts.cuda.kernels import decode_policy
-
+def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, max_seq_len, split,
+                tuning=None) -> None:
+    """One decode launch over shuffled pages (unused slots NaN; the standalone's CSR: garbage
+    entries past the live pages) into a NaN-poisoned out, against the float64 reference.
+    `tuning` None: the standalone function; else a BatchDecodePagedTSWrapper planned with it."""
     B, dt = len(lens), torch.bfloat16
-    indptr, indices, seq_lens, cache, k, v = poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt)
+    indptr, indices, seq_lens, cache, k, v, live_csr = poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt)
     kw, qo_indptr, max_sq = {}, None, 1
     if qmode == "single":
         q = torch.randn(B, hq, d, device=dev, dtype=dt)
@@ -91,25 +125,35 @@ def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, 
         q = torch.randn(sum(sq), hq, d, device=dev, dtype=dt)
         max_sq = max(sq)
         kw.update(qo_indptr=qo_indptr, max_seq_len_q=max_sq)
-    pol = decode_policy(B, hkv, hq // hkv, max_sq, d, max_seq_len, _sm_count(dev))
+    pol = _policy(dev, B, hkv, hq // hkv, max_sq, d, max_seq_len)
     assert (pol.splits > 1) == split, (name, pol)
-    nbytes = prims_ts.get_prims_ts_batch_decode_workspace_size(B, hq, hkv, d, max_seq_len, max_seq_len_q=max_sq,
-                                                                device=dev)
-    workspace = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
     out = torch.full(q.shape, float("nan"), dtype=dt, device=dev)
-    res = prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, workspace, indptr, indices, seq_lens, max_seq_len,
-                                                       mask_type=mask, window_left=window, out=out, **kw)
+    if tuning is None:
+        nbytes = prims_ts.get_prims_ts_batch_decode_workspace_size(B, hq, hkv, d, ps, max_seq_len, q_dtype=dt,
+                                                                    device=dev, **kw)
+        workspace = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        res = prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, workspace, indptr, indices, seq_lens,
+                                                           max_seq_len, mask_type=mask, window_left=window, out=out,
+                                                           **kw)
+    else:
+        w = prims_ts.BatchDecodePagedTSWrapper("HND", tuning=tuning)
+        w.plan(*live_csr, hq, hkv, d, ps, q_data_type=dt, mask_type=mask, window_left=window,
+               max_kv_len=max_seq_len, **kw)  # the standalone's static problem: the same policy
+        launch = w._plan.launch
+        if launch is not None:
+            assert launch.policy == pol and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
+        res = w.run(q, cache, out=out)
     assert res is out
     ref = R.batch_decode(q, k, v, indptr, indices, seq_lens, qo_indptr=qo_indptr, mask_type=mask,
                          window_left=window, compute_dtype=torch.float64)
     err = relative_error(out, ref)
-    print(f"decode {name} (splits {pol.splits}): rel err {err:.2e}")
+    print(f"decode {name} (splits {pol.splits}, {_label(tuning)}): rel err {err:.2e}")
     assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
 
 
-def decode_cases(dev) -> None:
+def decode_cases(dev, tuning=None) -> None:
     for case in DECODE_CASES:
-        decode_case(dev, *case)
+        decode_case(dev, *case, tuning=tuning)
 
 
 # (name, query mode, SQ / packed Q lengths, mask, H, page size, cache rank, K/V lengths, max_seq_len,
@@ -122,16 +166,15 @@ MLA_CASES = [
 ]
 
 
-def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split) -> None:
+def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, tuning=None) -> None:
     """One MLA launch over shuffled pages (unused slots NaN, garbage block-table entries past the live
-    pages, a row-strided table) into a NaN-poisoned out, against the float64 reference."""
-    from prims_ts.cuda.kernels import MLA_DIM_QK, decode_policy
-
+    pages, a row-strided table) into a NaN-poisoned out, against the float64 reference. `tuning`
+    None: the standalone function; else a BatchMLADecodePagedTSWrapper planned with it."""
     B, dt = len(lens), torch.bfloat16
     n_live = [(n + ps - 1) // ps for n in lens]
     num_pages = sum(n_live) + 2  # two pages no request uses
     perm = torch.randperm(num_pages).tolist()
-    cols = max(n_live) + 1
+    cols = max(max(n_live), -(-max_seq_len // ps)) + 1  # a wrapper plans max_kv_len = max_seq_len
     wide = torch.full((B, cols + 2), GARBAGE[1], dtype=torch.int32)
     at = 0
     for b, n in enumerate(n_live):
@@ -156,42 +199,51 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split) 
         q = torch.randn(sum(sq), h, 576, device=dev, dtype=dt)
         max_sq = max(sq)
         kw.update(qo_indptr=qo_indptr, max_seq_len_q=max_sq)
-    pol = decode_policy(B, 1, h, max_sq, MLA_DIM_QK, max_seq_len, _sm_count(dev))
+    pol = _policy(dev, B, 1, h, max_sq, MLA_DIM_QK, max_seq_len)
     assert (pol.splits > 1) == split, (name, pol)
-    nbytes = prims_ts.get_prims_ts_batch_decode_mla_workspace_size(B, h, max_seq_len, max_sq, device=dev)
-    workspace = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
     out = torch.full(tuple(q.shape[:-1]) + (512,), float("nan"), dtype=dt, device=dev)
     scale = 576 ** -0.5
-    res = prims_ts.prims_ts_batch_decode_with_kv_cache_mla(q, cache, workspace, table, seq_lens, max_seq_len,
-                                                           mask_type=mask, bmm1_scale=scale, out=out, **kw)
+    if tuning is None:
+        nbytes = prims_ts.get_prims_ts_batch_decode_mla_workspace_size(B, h, 512, 64, ps, max_seq_len,
+                                                                        max_seq_len_q=max_sq, q_dtype=dt, device=dev)
+        workspace = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        res = prims_ts.prims_ts_batch_decode_with_kv_cache_mla(q, cache, workspace, 512, 64, table, seq_lens,
+                                                               max_seq_len, mask_type=mask, bmm1_scale=scale,
+                                                               out=out, **kw)
+    else:
+        w = prims_ts.BatchMLADecodePagedTSWrapper(tuning=tuning)
+        mode = kw if qmode == "packed" else dict(seq_len_q=sq)
+        w.plan(table, seq_lens, h, 512, 64, ps, q_data_type=dt, mask_type=mask, max_kv_len=max_seq_len, **mode)
+        launch = w._plan.launch
+        if launch is not None:
+            assert launch.policy == pol and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
+        res = w.run(q, cache, bmm1_scale=scale, out=out)
     assert res is out
     ref = R.batch_mla_decode(q, cache, table, seq_lens, qo_indptr=qo_indptr, mask_type=mask, sm_scale=scale,
                              compute_dtype=torch.float64)
     err = relative_error(out, ref)
-    print(f"mla {name} (splits {pol.splits}): rel err {err:.2e}")
+    print(f"mla {name} (splits {pol.splits}, {_label(tuning)}): rel err {err:.2e}")
     assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
 
 
 # Rows of 16/32 take the swapped-operand tile on sm_90a (MLA_CASES' first and third); these run
-# the mma.sync tile there as well (the engine of sm_80/sm_89).
+# the mma.sync tile there as well (the engine of sm_80/sm_89): Tuning(mla_swapped=False).
 MLA_MMA_SYNC_CASES = [
     ("mma.sync fixed sq1 h16 causal", "fixed", 1, "causal", 16, 16, 3, [1, 37, 60], 60, False),
     ("mma.sync split packed h8 dense", "packed", [4, 1], "dense", 8, 64, 4, [3000, 2], 3000, True),
 ]
 
 
-def mla_cases(dev) -> None:
-    from prims_ts.cuda import kernels
-
+def mla_cases(dev, tuning=None) -> None:
+    """MLA_CASES under `tuning` (None: the standalone function), then on sm_90a the mma.sync tile
+    cases through a wrapper with `tuning`'s split merge."""
     for case in MLA_CASES:
-        mla_case(dev, *case)
-    if torch.cuda.get_device_capability(dev) == (9, 0):
-        try:
-            kernels.MLA_SWAPPED_TILE = False
-            for case in MLA_MMA_SYNC_CASES:
-                mla_case(dev, *case)
-        finally:
-            kernels.MLA_SWAPPED_TILE = True
+        mla_case(dev, *case, tuning=tuning)
+    if _sm90(dev):
+        mma = dataclasses.replace(DECODE_VARIANTS["mla_mma"], merge_staged=(tuning or DEFAULT).merge_staged)
+        assert not mma.mla_swapped
+        for case in MLA_MMA_SYNC_CASES:
+            mla_case(dev, *case, tuning=mma)
 
 
 # (name, entry, mask, D, Hq, Hkv, q_block, kv_block, page size, cache form, valid bits, Sq, K/V lengths,
@@ -208,17 +260,20 @@ BSR_CASES = [
 
 
 def block_sparse_case(dev, name, entry, mask, d, hq, hkv, q_block, kv_block, ps, form, bits_kind, sq, lens,
-                      empty) -> None:
+                      empty, tuning=None) -> None:
     """One block-sparse launch over shuffled pages (unused slots NaN, garbage CSR entries past the live
     pages, garbage block IDs past the route segments) into a NaN-poisoned out, against the float64
     reference. Routes: random blocks plus the diagonal; ``empty``: request 0's last K/V head has an
-    empty last row and request 1's first K/V head selects nothing."""
+    empty last row and request 1's first K/V head selects nothing. The one-shot runs "oneshot"
+    cases under the default tuning (`tuning` None); everything else a wrapper planned with
+    `tuning` (None: the default)."""
     from prims_ts.check import bsr_routes, bsr_tensors
 
     B, dt = len(lens), torch.bfloat16
     g = torch.Generator().manual_seed(stable_seed("bsr", name))
-    indptr, indices, seq_lens, cache, k, v = poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt)
-    block_indptr, block_indices = bsr_tensors(bsr_routes(lens, sq, hkv, q_block, kv_block, g, empty=empty), dev)
+    indptr, indices, seq_lens, cache, k, v, _ = poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt)
+    routes = bsr_routes(lens, sq, hkv, q_block, kv_block, g, empty=empty)
+    block_indptr, block_indices = bsr_tensors(routes, dev)
     max_len = max(lens) + 40  # spare valid-bit words
     bits = None
     if bits_kind is not None:
@@ -230,30 +285,43 @@ def block_sparse_case(dev, name, entry, mask, d, hq, hkv, q_block, kv_block, ps,
             bits = bits.view(torch.uint32)
     q = torch.randn(B, sq, hq, d, device=dev, dtype=dt)
     out = torch.full(q.shape, float("nan"), dtype=dt, device=dev)
-    if entry == "oneshot":
+    if entry == "oneshot" and tuning is None:
+        label = "one-shot"
         res = prims_ts.block_sparse_attention_with_paged_kv_cache(
             q, cache, indptr, indices, block_indptr, block_indices, q_block, kv_block, max_seq_len_kv=max_len,
             seq_lens_kv=seq_lens, kv_valid_bits=bits, mask_type=mask, out=out)
     else:
-        wr = prims_ts.BlockSparsePagedTSWrapper()
-        wr.plan(B, sq, hq, hkv, d, ps, q_block, kv_block, max_len, use_valid_bits=bits is not None, mask_type=mask,
-                q_data_type=dt)
-        res = wr.run(q, cache, indptr, indices, block_indptr, block_indices, seq_lens, kv_valid_bits=bits, out=out)
+        label = _label(tuning or DEFAULT)
+        most = max((len(row) for heads in routes for rows in heads for row in rows), default=0)
+        wr = prims_ts.BlockSparsePagedTSWrapper(tuning=tuning)
+        wr.plan(indptr, sq, max_len, hq, hkv, d, q_block, kv_block, ps, max_blocks_per_row=most,
+                use_kv_valid_bits=bits is not None, seq_lens_kv=seq_lens, mask_type=mask, q_data_type=dt)
+        res = wr.run(q, cache, indices, block_indptr, block_indices, kv_valid_bits=bits, out=out)
     assert res is out
     ref = R.block_sparse_attention(q, k, v, indptr, indices, block_indptr, block_indices, q_block, kv_block,
                                    seq_lens, kv_valid_bits=bits, mask_type=mask, compute_dtype=torch.float64)
     err = relative_error(out, ref)
-    print(f"block-sparse {name}: rel err {err:.2e}")
+    print(f"block-sparse {name} ({label}): rel err {err:.2e}")
     assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
 
 
-def block_sparse_cases(dev) -> None:
+def block_sparse_cases(dev, tuning=None) -> None:
     for case in BSR_CASES:
-        block_sparse_case(dev, *case)
+        block_sparse_case(dev, *case, tuning=tuning)
 
 
-def prefill_cases(dev) -> None:
-    """Contiguous (fixed and packed) and paged prefill, every mask, D 128 and 256."""
+def _prefill(tuning, q, k, v, **kw):
+    """batch_prefill (tuning None) or a BatchPrefillTSWrapper planned with `tuning`, run."""
+    if tuning is None:
+        return prims_ts.batch_prefill(q, k, v, **kw)
+    w = prims_ts.BatchPrefillTSWrapper(tuning=tuning)
+    w.plan(q, k, v, **kw)
+    return w.run(q, k, v)
+
+
+def prefill_cases(dev, tuning=None) -> None:
+    """Contiguous (fixed and packed) and paged prefill, every mask, D 128 and 256: the one-shots
+    (tuning None) or wrappers planned with `tuning`."""
     for d in (128, 256):
         for mask, window in (("dense", -1), ("causal", -1), ("causal", 5), ("variable_window", -1)):
             q = torch.randn(2, 70, 4, d, device=dev, dtype=torch.bfloat16)
@@ -264,78 +332,85 @@ def prefill_cases(dev) -> None:
                 a = torch.randint(0, 133, (2, 70), device=dev, dtype=torch.int32)
                 b = torch.randint(0, 133, (2, 70), device=dev, dtype=torch.int32)
                 s, e = torch.minimum(a, b), torch.maximum(a, b)
-            out = prims_ts.batch_prefill(q, k, v, mask_type=mask, window_left=window, variable_window_token_starts=s,
-                                         variable_window_token_ends=e, out_dtype=torch.float32)
+            out = _prefill(tuning, q, k, v, mask_type=mask, window_left=window, variable_window_token_starts=s,
+                           variable_window_token_ends=e, out_dtype=torch.float32)
             ref = R.batch_prefill(q, k, v, mask_type=mask, window_left=window, window_starts=s, window_ends=e,
                                   compute_dtype=torch.float64)
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            print(f"d={d} {mask}{window}: rel err {err:.2e}")
+            err = relative_error(out, ref)
+            print(f"d={d} {mask}{window} ({_label(tuning)}): rel err {err:.2e}")
             assert err < 2e-2
         qo = torch.tensor([0, 1, 60, 129], dtype=torch.int32, device=dev)
         kvo = torch.tensor([0, 5, 70, 200], dtype=torch.int32, device=dev)
         q = torch.randn(129, 4, d, device=dev, dtype=torch.float16)
         k = torch.randn(200, 1, d, device=dev, dtype=torch.float16)
         v = torch.randn_like(k)
-        out = prims_ts.batch_prefill(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")
+        out = _prefill(tuning, q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")
         ref = R.batch_prefill(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal", compute_dtype=torch.float64)
-        assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-3
-    # paged prefill: shuffled pages, a padded row-strided table, lengths not page multiples
+        err = relative_error(out, ref)
+        print(f"d={d} packed causal ({_label(tuning)}): rel err {err:.2e}")
+        assert err < 5e-3
+    # paged prefill: shuffled pages, a padded row-strided table (the one-shot) or its CSR form (the
+    # wrapper), lengths not page multiples
     for ps in (16, 128):
         pool = 12
         kc = torch.randn(pool, 2, ps, 128, device=dev, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         wide = torch.randperm(pool, device=dev).to(torch.int32).view(2, 6)
         table = wide[:, :4]
+        n_pages = [4, 2]
         lens = torch.tensor([3 * ps + 1, 2 * ps - 5], dtype=torch.int32, device=dev)
         qo = torch.tensor([0, 20, 45], dtype=torch.int32, device=dev)
         q = torch.randn(45, 8, 128, device=dev, dtype=torch.bfloat16)
-        out = prims_ts.batch_prefill_with_paged_kv_cache(q, kc, vc, qo, table, lens, page_size=ps, mask_type="causal")
+        if tuning is None:
+            out = prims_ts.batch_prefill_with_paged_kv_cache(q, kc, vc, qo, table, lens, page_size=ps,
+                                                             mask_type="causal")
+        else:
+            indptr = torch.tensor(cumsum0(n_pages), dtype=torch.int32, device=dev)
+            indices = torch.cat([table[b, :n] for b, n in enumerate(n_pages)]).contiguous()
+            last = torch.tensor([1, ps - 5], dtype=torch.int32, device=dev)
+            w = prims_ts.BatchPrefillPagedTSWrapper("HND", tuning=tuning)
+            w.plan(q, kc, vc, qo, indptr, indices, last, page_size=ps, mask_type="causal")
+            out = w.run(q, kc, vc)
         ref = R.batch_prefill_paged(q, kc, vc, qo, table, lens, mask_type="causal", compute_dtype=torch.float64)
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        print(f"paged ps={ps}: rel err {err:.2e}")
+        err = relative_error(out, ref)
+        print(f"paged ps={ps} ({_label(tuning)}): rel err {err:.2e}")
         assert err < 2e-2
 
 
-def main() -> None:
-    from prims_ts.cuda import kernels
-
-    torch.manual_seed(0)
-    dev = "cuda"
+def run_all(dev) -> None:
+    # the default tuning: the one-shots and the standalone functions
     prefill_cases(dev)
     # paged decode: [B,Hq,D], [B,SQ,Hq,D] causal + window, packed; with and without split-KV
     decode_cases(dev)
-    # MLA decode: fixed and packed, both cache ranks, with and without split-KV
+    # MLA decode: fixed and packed, both cache ranks, with and without split-KV (sm_90a: the
+    # mma.sync tile of rows of 16/32 through a wrapper too)
     mla_cases(dev)
-    # both again with the other split merge (register units / partials staged in shared memory)
-    kernels.DECODE_MERGE_STAGED = not kernels.DECODE_MERGE_STAGED
-    try:
-        print(f"split merge staged={kernels.DECODE_MERGE_STAGED}:")
-        decode_cases(dev)
-        mla_cases(dev)
-    finally:
-        kernels.DECODE_MERGE_STAGED = not kernels.DECODE_MERGE_STAGED
+    # both again with the other split merge (partials staged in shared memory), through wrappers
+    staged = DECODE_VARIANTS["merge_staged"]
+    assert staged.merge_staged
+    decode_cases(dev, staged)
+    mla_cases(dev, staged)
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
-    # the producer ring's variants (sm_90a), each selected explicitly (the default run above
-    # took kernels.fmha_loop's choice per head dim): consumer loops 0/1/2, persistent CTAs,
-    # and the producer copy the default does not take (KV_COPY_FLIP; MLA's wgmma tiles too)
-    if torch.cuda.get_device_capability() == (9, 0):
-        default = (kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_FLIP)
-        variants = ([(loop, False, False) for loop in kernels.FMHA_LOOPS] +
-                    [(0, True, False), (2, True, False), (None, False, True)])
-        for loop, persistent, flip in variants:
-            kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.KV_COPY_FLIP = loop, persistent, flip
-            kernels.PERSISTENT_CTAS = 3 if persistent else None  # a few CTAs walk many items
-            try:
-                print(f"consumer loop {loop}, persistent {persistent}, the other producer copy {flip}:")
-                prefill_cases(dev)
-                block_sparse_cases(dev)
-                if flip:
-                    for case in MLA_CASES:
-                        mla_case(dev, *case)
-            finally:
-                kernels.FMHA_LOOP, kernels.PERSISTENT, kernels.PERSISTENT_CTAS, kernels.KV_COPY_FLIP = default
-    torch.cuda.synchronize()
+    # the producer ring's variants (sm_90a), each through wrappers planned with its tuning: consumer
+    # loops 0/1/2, persistent CTAs (three: each walks many items), and the producer copy the
+    # default does not take (MLA's wgmma tiles too)
+    if _sm90(dev):
+        for name, tuning in RING_VARIANTS.items():
+            print(f"ring variant {name} ({tuning.encode()}):")
+            prefill_cases(dev, tuning)
+            block_sparse_cases(dev, tuning)
+            if tuning.flip_copy:
+                assert tuning == DECODE_VARIANTS["other_copy"]
+                for case in MLA_CASES:
+                    mla_case(dev, *case, tuning=tuning)
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    run_all("cuda")
     print("sanitize cases done")
 
 

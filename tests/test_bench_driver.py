@@ -1,10 +1,18 @@
 """The bench driver's row logic on the CPU (timing stubbed): timing rounds in alternating
 runner order, each cell the median of its rounds, a runner that fails in setup, in its
 first call or while timed shows its error and no figure, skipped runners, errors vs the
-reference runner."""
+reference runner. And our runners' call sites (plan/run of each family's wrapper, in the
+new signatures) on tiny CPU problems, against a float64 attention computed here from the
+family's logical (contiguous) inputs."""
+import math
+
+import pytest
 import torch
 
 from prims_ts import bench
+from prims_ts.testing import TOLERANCE, rel_err
+
+F64 = torch.float64
 
 
 def _family(calls, fail_setup=False, fail_timing=False):
@@ -73,3 +81,73 @@ def test_failures_and_skips_leave_no_figure(monkeypatch):
     row, _ = _run(monkeypatch, fam, runners=["prims_ts", "peer"], times=[1.0] * 6)
     assert row.cells["broken"].error == "skipped" and row.cells["broken"].ms is None
     assert "broken" not in calls
+
+
+# ----------------------------------------------------------------------------
+# Our runners' call sites on tiny CPU problems
+# ----------------------------------------------------------------------------
+
+
+def _attend64(q, k, v, mask, scale):
+    """float64 softmax(q k^T * scale) v over [B, H, S, D] tensors; masked-out keys never seen."""
+    s = torch.einsum("bhqd,bhkd->bhqk", q.to(F64), k.to(F64)) * scale
+    s = s.masked_fill(~mask, -math.inf)
+    return torch.softmax(s, dim=-1) @ v.to(F64)
+
+def _causal(sq, sk):
+    return torch.arange(sk).view(1, -1) <= sk - sq + torch.arange(sq).view(-1, 1)
+
+def _ref_prefill(x):
+    q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))  # [B, H, S, D]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    mask = _causal(q.shape[2], k.shape[2]) if x.causal else torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    return _attend64(q, k, v, mask, 1 / math.sqrt(q.shape[-1])).transpose(1, 2)
+
+def _ref_bsr(x):
+    q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    bs = x.block_size
+    m = x.routes.repeat_interleave(bs, 2).repeat_interleave(bs, 3).repeat_interleave(group, 1)
+    out = _attend64(q, k, v, m, 1 / math.sqrt(q.shape[-1]))
+    return torch.nan_to_num(out, nan=0.0).transpose(1, 2)
+
+def _ref_decode(x):
+    q, k, v = x.contiguous()  # [B, Hq, 1, D], [B, Hkv, L, D]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return _attend64(q, k, v, torch.ones(1, k.shape[2], dtype=torch.bool), 1 / math.sqrt(q.shape[-1]))[:, :, 0]
+
+def _ref_mla(x):
+    q, kv = x.contiguous()  # [B, SQ * H, 576] token-major, [B, L, 576]
+    b, sq, h, _ = x.q.shape
+    mask = _causal(sq, kv.shape[1]).repeat_interleave(h, 0)
+    out = _attend64(q.unsqueeze(1), kv.unsqueeze(1), kv[..., :bench.MLA_DV].unsqueeze(1), mask, x.scale)
+    return out[:, 0].view(b, sq, h, bench.MLA_DV)
+
+SMOKE = [
+    ("prefill", dict(B=2, Sq=48, Sk=48, Hq=4, Hkv=2, D=128, causal=True, dtype="bf16"), _ref_prefill),
+    ("paged_prefill", dict(B=2, Sq=48, Sk=48, Hq=4, Hkv=2, D=128, causal=True, page_size=16, dtype="bf16"),
+     _ref_prefill),
+    ("decode", dict(B=3, L=70, Hq=8, Hkv=2, D=128, page_size=32, graph=False, dtype="bf16"), _ref_decode),
+    ("mla", dict(B=2, L=70, H=8, SQ=2, page_size=64, graph=False, dtype="bf16"), _ref_mla),
+    ("block_sparse", dict(B=2, Sq=64, Sk=64, Hq=4, Hkv=2, D=128, causal=False, page_size=16, block_size=32,
+                          density=0.5, selected=0.5, seed=3, dtype="bf16"), _ref_bsr),
+]
+
+@pytest.mark.parametrize("family,params,ref", SMOKE, ids=[s[0] for s in SMOKE])
+def test_our_runners_call_the_public_api(family, params, ref):
+    """Each family's prims_ts runner plans and runs its wrapper on tiny CPU inputs (no CUDA graph): the
+    output matches the float64 attention of the same logical problem, and a second call repeats it."""
+    fam = bench.FAMILIES[family]
+    prob = bench.Problem(family, "tiny", params, work=1.0)
+    x = fam.make_inputs(prob, torch.device("cpu"))
+    ours = next(r for r in fam.runners if r.name == fam.ours)
+    fn = ours.setup(prob, x)
+    out = fn()
+    want = ref(x)
+    assert out.shape == want.shape
+    assert rel_err(out, want) <= TOLERANCE[torch.bfloat16]
+    out2 = fn()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)

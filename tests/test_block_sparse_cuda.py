@@ -1,4 +1,5 @@
-"""block_sparse_attention_with_paged_kv_cache on the GPU against the float64 reference (issue 6's correctness grid).
+"""Paged block-sparse attention on the GPU against the float64 reference (issue 6's correctness
+grid): ``BlockSparsePagedTSWrapper`` and ``block_sparse_attention_with_paged_kv_cache``.
 
 Grid: mask (dense, causal) x (q_block, kv_block) in {(64, 8), (16, 16), (32, 32), (64, 64),
 (128, 128), (32, 64)} x GQA 1/2/4/8 x cache form (combined ``[P, 2, Hkv, ps, D]`` or a
@@ -12,8 +13,13 @@ appears (``test_grid_rotation_covers_every_axis``): 192 launches. K/V lengths ar
 block multiples. Further tests: D 128 and 256 over the kernel shapes, the benchmark's shape at
 reduced size (B 1, Sq = Sk = 2048, H 32/8, 128-blocks, random routes with the diagonal),
 all blocks == the paged decode reference, exact zeros for rows that see nothing, uint32 ==
-int32 bits, long rows, output dtypes and scales, the wrapper and the one-shot, and the
-device checks.
+int32 bits, long rows, output dtypes and scales, the wrapper (its copied page metadata, the
+live page IDs of each run) and the one-shot, and the device checks.
+
+Every compute test takes ``ring_variant`` (conftest: a ``prims_ts.Tuning`` of the producer
+ring) and runs a ``BlockSparsePagedTSWrapper`` planned with it (the planned kernel key must be
+the one ``BlockSparseKey.choose`` builds for that tuning); under the first variant (``loop0``,
+the one every device runs) the one-shot (the default tuning) runs the same problems too.
 
 Tolerance: ``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16 against
 ``prims_ts.reference.block_sparse_attention(..., compute_dtype=torch.float64)``, over the
@@ -21,21 +27,30 @@ whole output and per request; ``out`` is NaN-poisoned first and NaN never passes
 slot that no request uses holds NaN, CSR entries past a request's live pages hold garbage page
 IDs and ``block_indices`` entries outside every route row hold garbage block IDs, so a kernel
 that reads past a request's length, an unused page or outside its rows fails.
+
+``DEVICE`` (and ``HOST``, the other device of the device checks) are module globals: a dry run
+may set them to "cpu" (and "meta") and call the test functions with a Tuning directly.
 """
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
 
+from prims_ts import Tuning
 from prims_ts import reference as R
+from prims_ts.cuda.block_sparse import BlockSparseKey, PreparedBlockSparse
+from prims_ts.cuda.catalog import RING_VARIANTS
+from prims_ts.cuda.keys import DTYPE_CODES, device_limits
 from prims_ts.ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
-from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, reference_must_not_run, rel_err, stable_seed
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ring_variant")]  # every producer-ring variant
+pytestmark = pytest.mark.cuda
 
 DEVICE = "cuda"
+HOST = "cpu"  # the device of the one misplaced tensor in the device checks
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 NAN = float("nan")
@@ -46,6 +61,15 @@ BLOCKS = [(64, 8), (16, 16), (32, 32), (64, 64), (128, 128), (32, 64)]  # (q_blo
 GROUPS = [1, 2, 4, 8]
 FORMS = ["combined", "tuple"]
 PAGE_SIZES = [16, 32, 64, 128]
+BENCH_N = 2048  # test_benchmark_shape_reduced: Sq = Sk
+LONG_ROW = 16384  # test_long_rows
+# the ring variant whose cells also run the one-shot (the default tuning): every device runs it
+ONESHOT_TUNING = RING_VARIANTS["loop0"]
+
+
+def sync():
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def bits_tensor(words, kind):
@@ -116,7 +140,9 @@ class Problem:
         self.max_seq_len_kv = max_seq_len_kv or max(seq_lens)
         n_live = [(sk + ps - 1) // ps for sk in seq_lens]
         P, live = assign_pages(n_live, kind, extra_pages, g)
+        self.live = live
         slack_of = [(slack + b) % 3 if slack else 0 for b in range(B)]
+        self.slack_of = slack_of
         indices = []
         for b in range(B):
             indices += live[b] + [GARBAGE[(b + i) % len(GARBAGE)] for i in range(slack_of[b])]
@@ -152,21 +178,32 @@ class Problem:
             words[0][0] |= 1 << 31
             self.bits = bits_tensor(words, bits)
 
+    @property
+    def most_blocks(self) -> int:
+        """The largest number of blocks in one route row (the plan's max_blocks_per_row)."""
+        return max((len(row) for heads in self.routes for rows in heads for row in rows), default=0)
+
     def call(self, q=None, **kw):
+        """The one-shot (the default tuning), with the seed's length bound (max_seq_len_kv + seq_lens_kv)."""
         return block_sparse_attention_with_paged_kv_cache(
             self.q if q is None else q, self.cache, self.indptr, self.indices, self.block_indptr, self.block_indices,
             self.q_block, self.kv_block, max_seq_len_kv=self.max_seq_len_kv, seq_lens_kv=self.seq_lens,
             kv_valid_bits=self.bits, **kw)
 
-    def plan(self, mask="dense", sm_scale=None) -> BlockSparsePagedTSWrapper:
-        w = BlockSparsePagedTSWrapper(DEVICE)
-        w.plan(self.B, self.sq, self.hq, self.hkv, self.d, self.ps, self.q_block, self.kv_block, self.max_seq_len_kv,
-               use_valid_bits=self.bits is not None, mask_type=mask, sm_scale=sm_scale, q_data_type=self.dtype)
+    def plan(self, tuning, mask="dense", out_dtype=None) -> BlockSparsePagedTSWrapper:
+        """A wrapper planned with `tuning`: FlashInfer's seq_len_kv is the problem's bound, seq_lens_kv
+        the live lengths, max_blocks_per_row the routes' largest row."""
+        w = BlockSparsePagedTSWrapper(tuning=tuning)
+        w.plan(self.indptr, self.sq, self.max_seq_len_kv, self.hq, self.hkv, self.d, self.q_block, self.kv_block,
+               self.ps, max_blocks_per_row=self.most_blocks, use_kv_valid_bits=self.bits is not None,
+               seq_lens_kv=self.seq_lens, mask_type=mask, q_data_type=self.dtype, o_data_type=out_dtype)
+        check_key(self, w, tuning, mask == "causal")
         return w
 
-    def run(self, w, **kw):
-        return w.run(self.q, self.cache, self.indptr, self.indices, self.block_indptr, self.block_indices,
-                     self.seq_lens, kv_valid_bits=self.bits, **kw)
+    def run(self, w, q=None, **kw):
+        """The wrapper's run with the problem's live page IDs, routes and valid bits."""
+        return w.run(self.q if q is None else q, self.cache, self.indices, self.block_indptr, self.block_indices,
+                     kv_valid_bits=self.bits, **kw)
 
     def ref(self, mask="dense", sm_scale=None):
         return R.block_sparse_attention(self.q, self.k, self.v, self.indptr, self.indices, self.block_indptr,
@@ -175,20 +212,48 @@ class Problem:
                                         compute_dtype=torch.float64)
 
 
-def check(pb: Problem, mask="dense", sm_scale=None, out_dtype=None, tol=None, ref=None):
-    """Run the one-shot into a NaN-poisoned out; compare with the float64 reference, whole and per request."""
+def check_key(pb: Problem, w, tuning, causal: bool) -> None:
+    """The plan keeps `tuning`, and (on CUDA) its prepared launch is the kernel that
+    BlockSparseKey.choose builds for it; on sm_90a a 64+-key block takes the tuning's ring choices."""
+    plan = w._plan
+    assert plan.static.tuning == tuning and plan.tuning_code == tuning.encode()
+    arch = device_limits(plan.device)[0]
+    rows = min(pb.q_block, pb.sq) * (pb.hq // pb.hkv)
+    key = BlockSparseKey.choose(DTYPE_CODES[pb.dtype], pb.d, causal, pb.kv_block, rows, arch, tuning)
+    if arch == "sm_90a" and pb.kv_block % 64 == 0:
+        loop = tuning.loop_for(pb.d)
+        assert key.arch == 90 and key.loop == (loop if key.bm == 128 else min(loop, 1)), key.name
+        assert key.persistent == tuning.persistent and key.copy_tpr == tuning.copy_for(pb.d), key.name
+    if plan.launch is not None:
+        assert plan.launch.key == key, (plan.launch.key.name, key.name)
+
+
+def compare(pb: Problem, results, ref, tol) -> None:
+    for label, out in results:
+        err = rel_err(out, ref)
+        assert err <= tol, f"{label}: rel err {err:.3e}"
+        for b in range(pb.B):
+            e = rel_err(out[b], ref[b])
+            assert e <= tol, f"{label}, request {b} (len {pb.lens[b]}): rel err {e:.3e}"
+
+
+def check(pb: Problem, tuning, mask="dense", sm_scale=None, out_dtype=None, tol=None, ref=None):
+    """Run into NaN-poisoned outs (the wrapper planned with `tuning`; under ONESHOT_TUNING the
+    one-shot too); compare with the float64 reference, whole and per request.
+    Returns ([(label, out)], ref)."""
     odt = out_dtype or pb.dtype
+    w = pb.plan(tuning, mask, out_dtype)
     out = torch.full(pb.q.shape, NAN, dtype=odt, device=DEVICE)
-    assert pb.call(mask_type=mask, sm_scale=sm_scale, out=out) is out
-    torch.cuda.synchronize()
+    assert pb.run(w, sm_scale=sm_scale, out=out) is out
+    results = [("wrapper", out)]
+    if tuning == ONESHOT_TUNING:
+        one = torch.full(pb.q.shape, NAN, dtype=odt, device=DEVICE)
+        assert pb.call(mask_type=mask, sm_scale=sm_scale, out=one) is one
+        results.append(("one-shot", one))
+    sync()
     ref = pb.ref(mask, sm_scale) if ref is None else ref
-    tol = tol or max(TOLERANCE[pb.dtype], TOLERANCE[odt])
-    err = rel_err(out, ref)
-    assert err <= tol, f"rel err {err:.3e}"
-    for b in range(pb.B):
-        e = rel_err(out[b], ref[b])
-        assert e <= tol, f"request {b} (len {pb.lens[b]}): rel err {e:.3e}"
-    return out, ref
+    compare(pb, results, ref, tol or max(TOLERANCE[pb.dtype], TOLERANCE[odt]))
+    return results, ref
 
 
 # ----------------------------------------------------------------------------
@@ -228,7 +293,7 @@ def test_grid_rotation_covers_every_axis():
 @pytest.mark.parametrize("group", GROUPS, ids=[f"gqa{g}" for g in GROUPS])
 @pytest.mark.parametrize("q_block,kv_block", BLOCKS, ids=[f"q{q}-kv{k}" for q, k in BLOCKS])
 @pytest.mark.parametrize("mask", MASKS)
-def test_block_sparse_grid(mask, q_block, kv_block, group, form):
+def test_block_sparse_grid(ring_variant, mask, q_block, kv_block, group, form):
     c = grid_cell(mask, q_block, kv_block, group, form)
     qb, ps = c["q_block"], c["ps"]
     sq = 2 * qb + (qb // 2 + 1 if c["ragged"] else 0) if qb >= 8 else 13 + 3 * qb
@@ -237,7 +302,7 @@ def test_block_sparse_grid(mask, q_block, kv_block, group, form):
         pb = Problem(lens, sq, group * c["hkv"], c["hkv"], c["d"], ps, qb, kv_block, c["dtype"],
                      stable_seed(mask, q_block, kv_block, group, form, bits), form=form, kind=c["kind"],
                      bits=bits, empty=c["empty"], layout=c["layout"], max_seq_len_kv=max(lens) + 40)
-        check(pb, mask)
+        check(pb, ring_variant, mask)
 
 
 # ----------------------------------------------------------------------------
@@ -250,7 +315,7 @@ SHAPES = [(64, 8), (128, 16), (32, 32), (64, 64), (128, 128), (128, 192), (256, 
 @pytest.mark.parametrize("q_block,kv_block", SHAPES, ids=[f"q{q}-kv{k}" for q, k in SHAPES])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("mask", MASKS)
-def test_head_dims_and_kernel_shapes(mask, d, q_block, kv_block):
+def test_head_dims_and_kernel_shapes(ring_variant, mask, d, q_block, kv_block):
     """D 128 and 256 over the tile shapes the host picks (short rows and long rows, blocks below, equal to
     and above the key tile, 192-key blocks that are not a multiple of 128); GQA 8 (Hq 16 / Hkv 2)."""
     group = 8
@@ -258,21 +323,21 @@ def test_head_dims_and_kernel_shapes(mask, d, q_block, kv_block):
     lens = [sq + 5, sq + 1000, sq + 2 * kv_block + 1]
     pb = Problem(lens, sq, 2 * group, 2, d, 32, q_block, kv_block, BF16, stable_seed("dims", mask, d, q_block),
                  bits="uint32" if kv_block % 64 else None, density=0.4)
-    check(pb, mask)
+    check(pb, ring_variant, mask)
 
 
 @pytest.mark.parametrize("density", [0.5, 0.25, 0.1])
 @pytest.mark.parametrize("mask", MASKS)
-def test_benchmark_shape_reduced(mask, density):
+def test_benchmark_shape_reduced(ring_variant, mask, density):
     """The issue's benchmark at reduced size: B 1, Sq = Sk = 2048, Hq 32 / Hkv 8, D 128, 128-blocks, page 64,
     random routes that include the diagonal."""
-    n, hq, hkv = 2048, 32, 8
+    n, hq, hkv = BENCH_N, 32, 8
     pb = Problem([n], n, hq, hkv, 128, 64, 128, 128, BF16, stable_seed("bench", mask, density), density=density,
                  empty="none", slack=0)
     selected = sum(len(row) for heads in pb.routes for rows in heads for row in rows)
     total = hkv * (n // 128) ** 2
     assert selected < total * min(1.0, density + 0.2)
-    check(pb, mask)
+    check(pb, ring_variant, mask)
 
 
 # ----------------------------------------------------------------------------
@@ -287,7 +352,7 @@ def all_blocks(lens, sq, hkv, q_block, kv_block):
 
 @pytest.mark.parametrize("kv_block", [8, 32, 64, 128])
 @pytest.mark.parametrize("mask", MASKS)
-def test_all_blocks_equal_decode_reference(mask, kv_block):
+def test_all_blocks_equal_decode_reference(ring_variant, mask, kv_block):
     """Every block selected: the paged decode reference with fixed [B, SQ, Hq, D] queries."""
     sq, hq, hkv, q_block = 40, 16, 4, 16
     lens = [sq, 1000, sq + 3 * kv_block + 1]
@@ -295,12 +360,12 @@ def test_all_blocks_equal_decode_reference(mask, kv_block):
                  routes=all_blocks(lens, sq, hkv, q_block, kv_block), layout="scattered")
     ref = R.batch_decode(pb.q, pb.k, pb.v, pb.indptr, pb.indices, pb.seq_lens, mask_type=mask,
                          compute_dtype=torch.float64)
-    check(pb, mask, ref=ref)
+    check(pb, ring_variant, mask, ref=ref)
 
 
 @pytest.mark.parametrize("kv_block", [8, 64, 128])
 @pytest.mark.parametrize("mask", MASKS)
-def test_rows_that_see_nothing_are_exact_zeros(mask, kv_block):
+def test_rows_that_see_nothing_are_exact_zeros(ring_variant, mask, kv_block):
     """Rows without blocks, rows whose blocks' keys are all invalid, and (causal, Sq == Sk) rows whose blocks
     lie above the diagonal write exact zeros; the rest of the output is right."""
     q_block = 16
@@ -316,50 +381,61 @@ def test_rows_that_see_nothing_are_exact_zeros(mask, kv_block):
     for j in range(kv_block):  # block 0 invalid
         words[0][j // 32] &= ~(1 << (j % 32))
     pb.bits = bits_tensor(words, "int32")
-    out, ref = check(pb, mask)
+    results, ref = check(pb, ring_variant, mask)
     zero_rows = [(0, 0), (0, 1)]  # (K/V head, route row)
     if mask == "causal" and sk == sq and (nblk - 1) * kv_block > q_block - 1:
         zero_rows.append((1, 0))
     zero_rows += [(1, r) for r in (1, 2, 3)]  # block 0 is invalid for every row
-    for h, r in zero_rows:
-        rows = out[0, r * q_block:(r + 1) * q_block, h * 4:(h + 1) * 4]
-        assert (ref[0, r * q_block:(r + 1) * q_block, h * 4:(h + 1) * 4] == 0).all(), (h, r)
-        assert (rows == 0).all(), (h, r)
-    assert (out[0, 2 * q_block:, :4] != 0).any(dim=-1).all()
+    for label, out in results:
+        for h, r in zero_rows:
+            rows = out[0, r * q_block:(r + 1) * q_block, h * 4:(h + 1) * 4]
+            assert (ref[0, r * q_block:(r + 1) * q_block, h * 4:(h + 1) * 4] == 0).all(), (h, r)
+            assert (rows == 0).all(), (label, h, r)
+        assert (out[0, 2 * q_block:, :4] != 0).any(dim=-1).all(), label
 
 
-def test_valid_bits_uint32_equals_int32():
+def test_valid_bits_uint32_equals_int32(ring_variant):
     outs = []
     for kind in ("uint32", "int32"):
         pb = Problem([300, 77, 1000], 50, 16, 2, 128, 32, 16, 32, BF16, stable_seed("bits"), bits=kind)
-        outs.append(check(pb, "causal")[0])
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        outs.append(dict(check(pb, ring_variant, "causal")[0]))
+    assert outs[0].keys() == outs[1].keys()
+    for label in outs[0]:
+        torch.testing.assert_close(outs[0][label], outs[1][label], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kv_block", [8, 64])
-def test_long_rows(kv_block):
+def test_long_rows(ring_variant, kv_block):
     """Rows of many blocks (Sk 16384: 2048 8-key blocks or 256 64-key blocks per row) next to short ones."""
-    lens = [16384, 100, 5000]
+    lens = [LONG_ROW, 100, 5000]
     pb = Problem(lens, 32, 8, 2, 128, 128, 32, kv_block, BF16, stable_seed("long", kv_block), density=0.7,
                  empty="none", slack=0)
-    check(pb, "causal")
-    check(pb, "dense")
+    check(pb, ring_variant, "causal")
+    check(pb, ring_variant, "dense")
 
 
 @pytest.mark.parametrize("out_dtype", [FP32, FP16, BF16])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-def test_out_dtype_and_scales(dtype, out_dtype):
+def test_out_dtype_and_scales(ring_variant, dtype, out_dtype):
     pb = Problem([300, 77, 1000], 40, 16, 4, 128, 32, 8, 64, dtype, stable_seed("odt", str(dtype), str(out_dtype)),
                  bits="uint32")
     for scale in (0.02, None, 0.3):
-        out, _ = check(pb, "causal", sm_scale=scale, out_dtype=out_dtype)
-        assert out.dtype == out_dtype
-    res = pb.call(mask_type="causal")
-    assert res.dtype == dtype and res.shape == pb.q.shape
-    assert rel_err(res, pb.ref("causal")) <= TOLERANCE[dtype]
+        results, _ = check(pb, ring_variant, "causal", sm_scale=scale, out_dtype=out_dtype)
+        assert all(out.dtype == out_dtype for _, out in results)
+    # the functional forms (no out): the output dtype is the plan's (default: the query's)
+    res = [("wrapper functional", pb.run(pb.plan(ring_variant, "causal", out_dtype))),
+           ("wrapper functional, default out dtype", pb.run(pb.plan(ring_variant, "causal")))]
+    if ring_variant == ONESHOT_TUNING:
+        res.append(("one-shot functional", pb.call(mask_type="causal")))
+    sync()
+    assert res[0][1].dtype == out_dtype and all(out.dtype == dtype for _, out in res[1:])
+    ref = pb.ref("causal")
+    for label, out in res:
+        assert out.shape == pb.q.shape, label
+        assert rel_err(out, ref) <= max(TOLERANCE[dtype], TOLERANCE[out.dtype]), label
 
 
-def test_strided_query():
+def test_strided_query(ring_variant):
     """Query heads sliced out of a fused projection (head stride > D)."""
     pb = Problem([300, 77], 40, 8, 2, 128, 16, 16, 16, BF16, stable_seed("strided"), poison=False)
     fused = torch.zeros(2, 40, 12, 128, dtype=BF16, device=DEVICE)
@@ -367,33 +443,89 @@ def test_strided_query():
     q = fused[:, :, 2:10]
     assert not q.is_contiguous()
     out = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
-    pb.call(q=q, mask_type="causal", out=out)
-    torch.cuda.synchronize()
-    assert rel_err(out, pb.ref("causal")) <= TOLERANCE[BF16]
+    assert pb.run(pb.plan(ring_variant, "causal"), q=q, out=out) is out
+    results = [("wrapper", out)]
+    if ring_variant == ONESHOT_TUNING:
+        one = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
+        pb.call(q=q, mask_type="causal", out=one)
+        results.append(("one-shot", one))
+    sync()
+    compare(pb, results, pb.ref("causal"), TOLERANCE[BF16])
 
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mask", MASKS)
-def test_wrapper_and_oneshot(mask, form):
+def test_wrapper_and_oneshot(ring_variant, mask, form):
     pb = Problem([1000, 64, 2049, 130], 64, 32, 8, 128, 64, 64, 128, FP16, stable_seed("wrapper", mask, form),
                  form=form, bits="int32", layout="scattered")
     ref = pb.ref(mask, 0.07)
-    w = pb.plan(mask, 0.07)
+    w = pb.plan(ring_variant, mask, FP32)
     out = torch.full(pb.q.shape, NAN, dtype=FP32, device=DEVICE)
-    assert pb.run(w, out=out) is out
-    torch.cuda.synchronize()
-    assert rel_err(out, ref) <= TOLERANCE[FP16]
-    res = pb.run(w)
-    assert res.dtype == FP16 and rel_err(res, ref) <= TOLERANCE[FP16]
+    assert pb.run(w, sm_scale=0.07, out=out) is out
+    sync()
+    compare(pb, [("wrapper", out)], ref, TOLERANCE[FP16])
+    res = pb.run(pb.plan(ring_variant, mask), sm_scale=0.07)
+    sync()
+    assert res.dtype == FP16
+    compare(pb, [("wrapper functional", res)], ref, TOLERANCE[FP16])
+    # the one-shot is the default tuning's plan and run: bitwise the default-tuned wrapper's output
     one = pb.call(mask_type=mask, sm_scale=0.07)
-    torch.testing.assert_close(one, res, rtol=0, atol=0)
+    default = pb.run(pb.plan(Tuning(), mask), sm_scale=0.07)
+    sync()
+    compare(pb, [("one-shot", one)], ref, TOLERANCE[FP16])
+    torch.testing.assert_close(one, default, rtol=0, atol=0)
+    # FlashInfer's length bound alone: seq_len_kv, every request that long
+    full = [pb.max_seq_len_kv] * pb.B
+    pf = Problem(full, 64, 32, 8, 128, 64, 64, 128, FP16, stable_seed("wrapper-full", mask, form), form=form,
+                 layout="scattered")
+    one = block_sparse_attention_with_paged_kv_cache(pf.q, pf.cache, pf.indptr, pf.indices, pf.block_indptr,
+                                                     pf.block_indices, 64, 128, seq_len_kv=pf.max_seq_len_kv,
+                                                     mask_type=mask, sm_scale=0.07)
+    wf = BlockSparsePagedTSWrapper(tuning=ring_variant)
+    wf.plan(pf.indptr, 64, pf.max_seq_len_kv, 32, 8, 128, 64, 128, 64, max_blocks_per_row=pf.most_blocks,
+            use_kv_valid_bits=False, mask_type=mask, q_data_type=FP16)
+    check_key(pf, wf, ring_variant, mask == "causal")
+    res = pf.run(wf, sm_scale=0.07)
+    sync()
+    compare(pf, [("one-shot, seq_len_kv", one), ("wrapper, seq_len_kv", res)], pf.ref(mask, 0.07), TOLERANCE[FP16])
+    # the plan copied paged_kv_indptr and seq_lens_kv: changing the caller's tensors has no effect
+    saved_ip, saved_lens = pb.indptr.clone(), pb.seq_lens.clone()
+    pb.indptr.zero_()
+    pb.seq_lens.fill_(1)
+    out.fill_(NAN)
+    pb.run(w, sm_scale=0.07, out=out)
+    sync()
+    pb.indptr.copy_(saved_ip)
+    pb.seq_lens.copy_(saved_lens)
+    compare(pb, [("wrapper, caller's metadata changed", out)], ref, TOLERANCE[FP16])
+    # each run takes the live page IDs: move every page elsewhere in the pool, remap the live IDs
+    perm = torch.randperm(pb.num_pages, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    if form == "combined":
+        moved = torch.empty_like(pb.cache)
+        moved[perm] = pb.cache
+        pb.cache, pb.k, pb.v = moved, moved[:, 0], moved[:, 1]
+    else:
+        k2, v2 = torch.empty_like(pb.k), torch.empty_like(pb.v)
+        k2[perm], v2[perm] = pb.k, pb.v
+        pb.cache, pb.k, pb.v = (k2, v2), k2, v2
+    ids, ip, new_id = pb.indices.tolist(), pb.indptr.tolist(), perm.tolist()
+    for b in range(pb.B):  # the live entries only: the garbage past them stays garbage
+        for i in range(ip[b], ip[b] + len(pb.live[b])):
+            ids[i] = new_id[ids[i]]
+    pb.indices = torch.tensor(ids, dtype=I32, device=DEVICE)
+    out.fill_(NAN)
+    assert pb.run(w, sm_scale=0.07, out=out) is out
+    sync()
+    compare(pb, [("wrapper, moved pages", out)], pb.ref(mask, 0.07), TOLERANCE[FP16])
 
 
-def test_same_launch_twice_is_bitwise_equal():
+def test_same_launch_twice_is_bitwise_equal(ring_variant):
     pb = Problem([1500, 300], 100, 16, 4, 128, 32, 32, 64, BF16, stable_seed("det"), bits="uint32")
-    a, _ = check(pb, "causal")
-    b, _ = check(pb, "causal")
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    a, _ = check(pb, ring_variant, "causal")
+    b, _ = check(pb, ring_variant, "causal")
+    assert [label for label, _ in a] == [label for label, _ in b]
+    for (label, x), (_, y) in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=label)
 
 
 # ----------------------------------------------------------------------------
@@ -405,68 +537,91 @@ def _must_not_launch(*args, **kwargs):
     raise AssertionError("the block-sparse kernel was launched although validation should have failed first")
 
 
-@pytest.mark.parametrize("name", ["paged_kv_indptr", "paged_kv_indices", "block_indptr", "block_indices",
-                                  "seq_lens_kv", "kv_valid_bits", "q", "out", "cache"])
-def test_tensor_on_the_host_refused(name):
+def _no_launch():
+    """Within the block neither the CUDA kernel nor the CPU kernel (the reference) may run."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(PreparedBlockSparse, "run", _must_not_launch))
+    stack.enter_context(reference_must_not_run("block_sparse_attention"))
+    return stack
+
+
+ONESHOT_MISPLACED = ["paged_kv_indptr", "paged_kv_indices", "block_indptr", "block_indices", "seq_lens_kv",
+                     "kv_valid_bits", "q", "out", "cache"]
+WRAPPER_MISPLACED = ONESHOT_MISPLACED  # plan: paged_kv_indptr, seq_lens_kv; run: the others
+
+
+@pytest.mark.parametrize("entry,name", [("oneshot", n) for n in ONESHOT_MISPLACED]
+                         + [("wrapper", n) for n in WRAPPER_MISPLACED])
+def test_tensor_on_the_host_refused(entry, name):
     """One argument on the CPU, the rest on the GPU: refused before any launch, naming the argument."""
-    from unittest import mock
-
-    from prims_ts.cuda import kernels
-
     pb = Problem([40, 9], 8, 8, 2, 128, 16, 8, 8, BF16, stable_seed("host", name), bits="uint32", poison=False)
     args = dict(q=pb.q, paged_kv_cache=pb.cache, paged_kv_indptr=pb.indptr, paged_kv_indices=pb.indices,
                 block_indptr=pb.block_indptr, block_indices=pb.block_indices, q_block_size=8, kv_block_size=8)
     kw = dict(max_seq_len_kv=pb.max_seq_len_kv, seq_lens_kv=pb.seq_lens, kv_valid_bits=pb.bits)
     if name == "out":
-        kw["out"] = torch.empty(pb.q.shape, dtype=BF16)
+        kw["out"] = torch.empty(pb.q.shape, dtype=BF16, device=HOST)
     elif name == "cache":
-        args["paged_kv_cache"] = pb.cache.cpu()
+        args["paged_kv_cache"] = pb.cache.to(HOST)
     elif name in args:
-        args[name] = args[name].cpu()
+        args[name] = args[name].to(HOST)
     else:
-        kw[name] = kw[name].cpu()
+        kw[name] = kw[name].to(HOST)
     match = {"cache": "paged_kv_cache", "q": r"\bq\b|paged_kv_cache"}.get(name, name)
-    with mock.patch.object(kernels, "launch_block_sparse", _must_not_launch):
+    with _no_launch():
         with pytest.raises(ValueError, match=match):
-            block_sparse_attention_with_paged_kv_cache(*args.values(), **kw)
+            if entry == "oneshot":
+                block_sparse_attention_with_paged_kv_cache(*args.values(), **kw)
+            else:
+                w = BlockSparsePagedTSWrapper()
+                w.plan(args["paged_kv_indptr"], pb.sq, pb.max_seq_len_kv, pb.hq, pb.hkv, pb.d, 8, 8, pb.ps,
+                       max_blocks_per_row=pb.most_blocks, use_kv_valid_bits=True, seq_lens_kv=kw["seq_lens_kv"],
+                       q_data_type=BF16)
+                w.run(args["q"], args["paged_kv_cache"], args["paged_kv_indices"], args["block_indptr"],
+                      args["block_indices"], kv_valid_bits=kw["kv_valid_bits"], out=kw.get("out"))
 
 
 def test_tuple_v_on_the_host_refused():
     """The V pool of a (K, V) tuple on the host (K on the GPU): refused before any launch."""
-    from unittest import mock
-
-    from prims_ts.cuda import kernels
-
     pb = Problem([40, 9], 8, 8, 2, 128, 16, 8, 8, BF16, stable_seed("host_v"), form="tuple", poison=False)
-    with mock.patch.object(kernels, "launch_block_sparse", _must_not_launch):
+    cache = (pb.k, pb.v.to(HOST))
+    with _no_launch():
         with pytest.raises(ValueError, match="paged_kv_cache"):
             block_sparse_attention_with_paged_kv_cache(
-                pb.q, (pb.k, pb.v.cpu()), pb.indptr, pb.indices, pb.block_indptr, pb.block_indices, 8, 8,
+                pb.q, cache, pb.indptr, pb.indices, pb.block_indptr, pb.block_indices, 8, 8,
                 max_seq_len_kv=pb.max_seq_len_kv, seq_lens_kv=pb.seq_lens)
+        w = pb.plan(Tuning())
+        with pytest.raises(ValueError, match="paged_kv_cache"):
+            w.run(pb.q, cache, pb.indices, pb.block_indptr, pb.block_indices)
 
 
 @pytest.mark.parametrize("dtype,shift", [(BF16, 2), (FP32, 4)], ids=["bf16+2", "fp32+4"])
 def test_misaligned_out_refused(dtype, shift):
     """A contiguous out whose start the kernel's paired stores cannot use: refused before any launch (the
     launch is patched out, so a miss fails here instead of faulting the device)."""
-    from unittest import mock
-
-    from prims_ts.cuda import kernels
-
     pb = Problem([40, 9], 8, 8, 2, 128, 16, 8, 8, BF16, stable_seed("misaligned", shift), poison=False)
     n = pb.q.numel() * torch.empty(0, dtype=dtype).element_size()
     buf = torch.empty(n + 64, dtype=torch.uint8, device=DEVICE)
     start = (-buf.data_ptr()) % 16 + shift
     out = buf[start:start + n].view(dtype).view(pb.q.shape)
-    with mock.patch.object(kernels, "launch_block_sparse", _must_not_launch):
+    with _no_launch():
         with pytest.raises(ValueError, match=r"\bout\b"):
-            pb.call(out=out)
+            pb.call(out=out)  # the one-shot's output dtype is out's
+        w = pb.plan(Tuning(), out_dtype=dtype)
+        with pytest.raises(ValueError, match=r"\bout\b"):
+            pb.run(w, out=out)
 
 
-def test_math_constants():
+def test_math_constants(ring_variant):
     """The default scale is 1 / sqrt(D) on the GPU too."""
     pb = Problem([200, 33], 16, 8, 2, 256, 32, 8, 16, BF16, stable_seed("scale"))
-    a = pb.call(mask_type="causal", out=torch.empty(pb.q.shape, dtype=FP32, device=DEVICE))
-    b = pb.call(mask_type="causal", sm_scale=1.0 / math.sqrt(256), out=torch.empty(pb.q.shape, dtype=FP32,
-                                                                                     device=DEVICE))
+    w = pb.plan(ring_variant, "causal", FP32)
+    a = pb.run(w, out=torch.empty(pb.q.shape, dtype=FP32, device=DEVICE))
+    b = pb.run(w, sm_scale=1.0 / math.sqrt(256), out=torch.empty(pb.q.shape, dtype=FP32, device=DEVICE))
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if ring_variant == ONESHOT_TUNING:
+        a = pb.call(mask_type="causal", out=torch.empty(pb.q.shape, dtype=FP32, device=DEVICE))
+        b = pb.call(mask_type="causal", sm_scale=1.0 / math.sqrt(256),
+                    out=torch.empty(pb.q.shape, dtype=FP32, device=DEVICE))
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -9,9 +9,14 @@ opcheck runs, for each sample:
 
 The op signatures (``prims_ts/ops/block_sparse.py``):
   block_sparse_attention(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens,
-                         valid_bits, q_block_size, kv_block_size, mask_type, sm_scale, out_dtype) -> Tensor
+                         valid_bits, q_block_size, kv_block_size, mask_type, sm_scale, out_dtype: int,
+                         tuning: str = "") -> Tensor
   block_sparse_attention_out(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices,
-                             seq_lens, valid_bits, q_block_size, kv_block_size, mask_type, sm_scale) -> ()
+                             seq_lens, valid_bits, q_block_size, kv_block_size, mask_type, sm_scale,
+                             tuning: str = "") -> ()
+``out_dtype`` is the output dtype's int code (``prims_ts.ops._validate.dtype_code``: 0 fp16, 1 bf16,
+2 fp32); ``tuning`` an encoded ``prims_ts.Tuning`` ("" the default). Samples run without the
+tuning argument (its default), with "" and with a non-default encoded Tuning.
 Samples: 3 requests over a 9-page pool with repeated, non-identity page IDs and a spare CSR entry;
 routes at absolute offsets with a garbage entry between segments; K/V as two separate pools or as
 the two (strided) halves of one combined cache; valid bits absent, uint32 or int32.
@@ -22,6 +27,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
+import prims_ts
 from prims_ts.ops._validate import dtype_code
 import prims_ts.ops.block_sparse  # noqa: F401  (defines the ops)
 import prims_ts.meta.block_sparse  # noqa: F401  (registers their fakes)
@@ -92,17 +98,24 @@ def _reference(q, k, v, meta, scalars):
                                     compute_dtype=torch.float64)
 
 
+# the trailing tuning argument: left out (its default), "" and a non-default Tuning (the CPU kernel ignores it;
+# on CUDA it selects another kernel variant of the same op)
+NO_TUNING = ()
+TUNINGS = [NO_TUNING, ("",), (prims_ts.Tuning(loop=0, persistent=True).encode(),)]
+
 CASES = [("dense", BF16, BF16, None, False, 8), ("causal", FP16, FP32, "uint32", True, 16),
          ("causal", BF16, BF16, "int32", False, 32), ("dense", FP16, FP32, "uint32", True, 64),
          ("causal", BF16, FP16, None, True, 128), ("dense", BF16, FP32, "int32", False, 8)]
 IDS = [f"{m}-kv{kvb}-{b or 'nobits'}-{'combined' if c else 'pools'}" for m, _, _, b, c, kvb in CASES]
+CASE_TUNING = [TUNINGS[i % 3] for i in range(len(CASES))]  # every case one of the three forms
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mask,dtype,out_dtype,bits,combined,kv_block", CASES, ids=IDS)
-def test_opcheck_block_sparse_attention(mask, dtype, out_dtype, bits, combined, kv_block, device):
+@pytest.mark.parametrize("mask,dtype,out_dtype,bits,combined,kv_block,tuning",
+                         [c + (t,) for c, t in zip(CASES, CASE_TUNING)], ids=IDS)
+def test_opcheck_block_sparse_attention(mask, dtype, out_dtype, bits, combined, kv_block, tuning, device):
     q, k, v, meta, scalars = sample(mask, dtype, bits, combined, kv_block, device=device)
-    args = (q, k, v, *meta, *scalars, dtype_code(out_dtype))
+    args = (q, k, v, *meta, *scalars, dtype_code(out_dtype), *tuning)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.block_sparse_attention.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.block_sparse_attention(*args)
     assert res.dtype == out_dtype and res.shape == q.shape and res.device == q.device
@@ -110,11 +123,12 @@ def test_opcheck_block_sparse_attention(mask, dtype, out_dtype, bits, combined, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mask,dtype,out_dtype,bits,combined,kv_block", CASES, ids=IDS)
-def test_opcheck_block_sparse_attention_out(mask, dtype, out_dtype, bits, combined, kv_block, device):
+@pytest.mark.parametrize("mask,dtype,out_dtype,bits,combined,kv_block,tuning",
+                         [c + (t,) for c, t in zip(CASES, CASE_TUNING[1:] + CASE_TUNING[:1])], ids=IDS)
+def test_opcheck_block_sparse_attention_out(mask, dtype, out_dtype, bits, combined, kv_block, tuning, device):
     q, k, v, meta, scalars = sample(mask, dtype, bits, combined, kv_block, seed=10, device=device)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
-    args = (q, k, v, out, *meta, *scalars)
+    args = (q, k, v, out, *meta, *scalars, *tuning)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.block_sparse_attention_out.default, args,
                                   test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
@@ -153,3 +167,43 @@ def test_fake_tensor_shapes():
             assert res.shape == q.shape and res.dtype == FP16
             fout = torch.empty(q.shape, dtype=FP32)
             assert torch.ops.prims_ts.block_sparse_attention_out(fq, fk, fv, fout, *fmeta, *scalars) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tuning_argument(device):
+    """A non-default encoded Tuning is an ordinary op argument: opcheck passes with it (functional and out=),
+    and it never changes the result's shape, dtype or accuracy; the functional op's output dtype follows the
+    int code (each of the three)."""
+    tuning = prims_ts.Tuning(loop=0, persistent=True).encode()
+    assert tuning  # non-empty: not the default
+    q, k, v, meta, scalars = sample("causal", BF16, "uint32", True, 16, seed=40, device=device)
+    want = _reference(q, k, v, meta, scalars)
+    for odt in (FP16, BF16, FP32):
+        args = (q, k, v, *meta, *scalars, dtype_code(odt), tuning)
+        assert_opcheck_passed(opcheck(torch.ops.prims_ts.block_sparse_attention.default, args,
+                                      test_utils=OPCHECK_TESTS))
+        res = torch.ops.prims_ts.block_sparse_attention(*args)
+        assert res.dtype == odt and res.shape == q.shape
+        assert rel_err(res, want) <= TOLERANCE[BF16]
+    out = torch.full(q.shape, float("nan"), dtype=FP32, device=device)
+    args = (q, k, v, out, *meta, *scalars, tuning)
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.block_sparse_attention_out.default, args,
+                                  test_utils=OPCHECK_TESTS))
+    out.fill_(float("nan"))
+    torch.ops.prims_ts.block_sparse_attention_out(*args)
+    assert rel_err(out, want) <= TOLERANCE[BF16]
+
+
+@pytest.mark.parametrize("code", [-1, 3, 7])
+def test_out_dtype_code_out_of_range(code):
+    """The functional op and its fake refuse an output dtype code outside 0..2, naming out_dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, meta, scalars = sample("dense", BF16, None, False)
+    with pytest.raises(ValueError, match="out_dtype"):
+        torch.ops.prims_ts.block_sparse_attention(q, k, v, *meta, *scalars, code)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
+        with pytest.raises(ValueError, match="out_dtype"):
+            torch.ops.prims_ts.block_sparse_attention(fq, fk, fv, *fmeta, *scalars, code)

@@ -9,10 +9,15 @@ words as Python ints; K/V of each request are gathered by advanced indexing
 the valid bits), and does a plain float64 softmax; a row with no visible key is zero.
 
 ``prims_ts.reference.block_sparse_attention(..., compute_dtype=float64)`` must equal it to
-float64 round-off; the public one-shot ``block_sparse_attention_with_paged_kv_cache`` and
+float64 round-off; the public one-shot ``block_sparse_attention_with_paged_kv_cache`` (in
+both length forms: ``max_seq_len_kv`` + ``seq_lens_kv``, and FlashInfer's ``seq_len_kv``) and
 ``BlockSparsePagedTSWrapper.run`` on CPU tensors must match it within the project's
 tolerance (``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16), write every element of a
 NaN-poisoned ``out`` and return ``out`` itself.
+
+The wrapper's plan copies ``paged_kv_indptr`` and ``seq_lens_kv`` (changing them afterwards
+has no effect until the next plan); the page IDs, routes and valid bits are live run inputs
+(``test_wrapper_run_after_in_place_route_and_page_rewrite``, ``test_wrapper_plan_copies_*``).
 
 Every cache slot that no request uses (whole unused pages, the tail of each request's
 last page) holds NaN, CSR entries past a request's live pages hold garbage page IDs, and
@@ -190,22 +195,31 @@ class Sparse:
         self.block_indices.copy_(ip(flat))
         self.routes = routes
 
-    def oneshot(self, q=None, cache=None, **kw):
+    def oneshot(self, q=None, cache=None, bound="max_seq_len_kv", **kw):
+        """The one-shot with the live lengths and ``max_seq_len_kv`` (the seed's form) or, ``bound="seq_len_kv"``,
+        FlashInfer main's ``seq_len_kv`` bound."""
         return block_sparse_attention_with_paged_kv_cache(
             self.q if q is None else q, self.cache if cache is None else cache, self.indptr, self.indices,
-            self.block_indptr, self.block_indices, self.q_block, self.kv_block, max_seq_len_kv=self.max_seq_len_kv,
+            self.block_indptr, self.block_indices, self.q_block, self.kv_block, **{bound: self.max_seq_len_kv},
             seq_lens_kv=self.seq_lens, kv_valid_bits=self.bits, **kw)
 
-    def plan(self, mask_type="dense", sm_scale=None, **kw) -> BlockSparsePagedTSWrapper:
-        w = BlockSparsePagedTSWrapper()
-        w.plan(self.B, self.sq, self.hq, self.hkv, self.d, self.ps, self.q_block, self.kv_block, self.max_seq_len_kv,
-               use_valid_bits=self.bits is not None, mask_type=mask_type, sm_scale=sm_scale, q_data_type=self.dtype,
-               **kw)
+    def longest_row(self) -> int:
+        return max(len(row) for per_head in self.routes for rows in per_head for row in rows)
+
+    def plan(self, mask_type="dense", w=None, max_blocks_per_row=None, **kw) -> BlockSparsePagedTSWrapper:
+        """FlashInfer main's plan: the page offsets and the lengths (copied by the plan), the geometry,
+        ``max_blocks_per_row`` (default: the routes' longest row) and the valid-bits flag."""
+        w = w or BlockSparsePagedTSWrapper()
+        kw.setdefault("seq_lens_kv", self.seq_lens)
+        w.plan(self.indptr, self.sq, self.max_seq_len_kv, self.hq, self.hkv, self.d, self.q_block, self.kv_block,
+               self.ps, max_blocks_per_row=self.longest_row() if max_blocks_per_row is None else max_blocks_per_row,
+               use_kv_valid_bits=self.bits is not None, mask_type=mask_type, q_data_type=self.dtype, **kw)
         return w
 
     def run(self, w, q=None, **kw):
-        return w.run(self.q if q is None else q, self.cache, self.indptr, self.indices, self.block_indptr,
-                     self.block_indices, self.seq_lens, kv_valid_bits=self.bits, **kw)
+        """The live inputs: q, the cache, the page IDs, the routes and the valid bits."""
+        return w.run(self.q if q is None else q, self.cache, self.indices, self.block_indptr, self.block_indices,
+                     kv_valid_bits=self.bits, **kw)
 
     def ref(self, mask_type="dense", sm_scale=None, compute_dtype=F64):
         return R.block_sparse_attention(self.q, self.k_pool, self.v_pool, self.indptr, self.indices,
@@ -260,8 +274,9 @@ def oracle(pb: Sparse, mask_type="dense", sm_scale=None) -> torch.Tensor:
 
 
 def check_public(pb: Sparse, want: torch.Tensor, mask_type="dense", sm_scale=None, out_dtype=None):
-    """One-shot into a poisoned out (returned, fully written); the functional form and the wrapper
-    give the same values bit for bit."""
+    """One-shot into a poisoned out (returned, fully written); the functional form, the one-shot's
+    FlashInfer form (seq_len_kv) and the wrapper (planned with o_data_type, out= and functional) give
+    the same values bit for bit."""
     odt = out_dtype or pb.dtype
     tol = max(TOLERANCE[pb.dtype], TOLERANCE[odt])
     out = torch.full(pb.q.shape, NAN, dtype=odt)
@@ -271,10 +286,16 @@ def check_public(pb: Sparse, want: torch.Tensor, mask_type="dense", sm_scale=Non
         res = pb.oneshot(mask_type=mask_type, sm_scale=sm_scale)
         assert res.dtype == pb.dtype and res.shape == pb.q.shape
         torch.testing.assert_close(res, out, rtol=0, atol=0)
-    w = pb.plan(mask_type, sm_scale)
+    out1 = torch.full(pb.q.shape, NAN, dtype=odt)
+    assert pb.oneshot(mask_type=mask_type, sm_scale=sm_scale, out=out1, bound="seq_len_kv") is out1
+    torch.testing.assert_close(out1, out, rtol=0, atol=0)
+    w = pb.plan(mask_type, o_data_type=odt)
     out2 = torch.full(pb.q.shape, NAN, dtype=odt)
-    assert pb.run(w, out=out2) is out2
+    assert pb.run(w, sm_scale=sm_scale, out=out2) is out2
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    res2 = pb.run(w, sm_scale=sm_scale)
+    assert res2.dtype == odt
+    torch.testing.assert_close(res2, out, rtol=0, atol=0)
     return out
 
 
@@ -661,37 +682,97 @@ def test_inputs_not_modified():
 @pytest.mark.parametrize("bits", [None, "int32"])
 @pytest.mark.parametrize("mask", ["dense", "causal"])
 def test_wrapper_run_after_in_place_route_and_page_rewrite(mask, bits):
-    """A plan serves many runs: routes rewritten in place within block_indices' capacity, page IDs, lengths
-    (<= max_seq_len_kv) and valid bits rewritten in place; each run follows the new values."""
+    """A plan serves many runs: page IDs, routes (within block_indices' capacity and the planned
+    max_blocks_per_row) and valid bits are live run inputs, rewritten in place between runs; each run
+    follows the new values (and differs from the previous run's)."""
     lens, sq, q_block, kv_block = [40, 64, 17], 6, 2, 16
     g = gen(stable_seed("wrapper", mask, bits))
     pb = Sparse(lens, sq, 8, 2, 128, 16, q_block, kv_block, BF16, g, kind="perm", extra_pages=6, poison=False,
                 bits=bits, max_seq_len_kv=64, capacity=200, slack=[1, 0, 2])
-    w = pb.plan(mask, 0.1)
+    w = pb.plan(mask, max_blocks_per_row=4)  # ceil(64 / 16): any route fits
     out = torch.full(pb.q.shape, NAN, dtype=BF16)
-    assert pb.run(w, out=out) is out
-    assert rel_err(out, oracle(pb, mask, 0.1)) <= TOLERANCE[BF16]
-    for step, new_lens in enumerate(([64, 6, 33], [17, 40, 64])):
-        pb.lens = new_lens
-        pb.seq_lens.copy_(ip(new_lens))
+    assert pb.run(w, sm_scale=0.1, out=out) is out
+    prev = oracle(pb, mask, 0.1)
+    assert rel_err(out, prev) <= TOLERANCE[BF16]
+    counts = [int(pb.indptr[b + 1] - pb.indptr[b]) for b in range(3)]
+    off = cumsum0(counts)
+    for step in range(2):
         # new page IDs: each request keeps its CSR entry count; IDs anywhere in the cache, repeats allowed
-        counts = [int(pb.indptr[b + 1] - pb.indptr[b]) for b in range(3)]
-        assert all(c * 16 >= n for c, n in zip(counts, new_lens))
         new_ids = torch.randint(0, pb.num_pages, (pb.indices.numel(),), generator=g, dtype=I32)
         pb.indices.copy_(new_ids)
-        off = cumsum0(counts)
-        pb.live_pages = [new_ids[off[b]:off[b] + -(-n // 16)].tolist() for b, n in enumerate(new_lens)]
-        pb.set_routes(random_routes(new_lens, sq, 2, q_block, kv_block, g, density=0.6, diag=True),
+        pb.live_pages = [new_ids[off[b]:off[b] + -(-n // 16)].tolist() for b, n in enumerate(lens)]
+        pb.set_routes(random_routes(lens, sq, 2, q_block, kv_block, g, density=0.6, diag=True),
                       layout=("scattered", "compact")[step], g=g)
+        assert pb.longest_row() <= 4
         if bits is not None:
             pb.words = [[int(x) for x in torch.randint(0, 2**32, (2,), generator=g, dtype=torch.int64)]
                         for _ in range(3)]
             pb.bits.copy_(bits_tensor(pb.words, bits))
         out.fill_(NAN)
-        pb.run(w, out=out)
+        pb.run(w, sm_scale=0.1, out=out)
         want = oracle(pb, mask, 0.1)
         torch.testing.assert_close(pb.ref(mask, 0.1), want, rtol=1e-12, atol=1e-12)
-        assert rel_err(out, want) <= TOLERANCE[BF16], new_lens
+        assert rel_err(out, want) <= TOLERANCE[BF16], step
+        assert rel_err(out, prev) > 0.1, "the run did not follow the rewritten live inputs"
+        prev = want
+
+
+@pytest.mark.parametrize("bits", [None, "uint32"])
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+def test_wrapper_plan_copies_lengths_and_page_offsets(mask, bits):
+    """plan copies paged_kv_indptr and seq_lens_kv: rewriting the caller's tensors in place afterwards (to
+    another valid problem) changes nothing in a run, functional or out=; a new plan of the same tensors
+    follows the new values."""
+    old_lens, new_lens = [40, 64, 17], [16, 64, 33]
+    sq, q_block, kv_block = 6, 2, 16
+    g = gen(stable_seed("copies", mask, bits))
+    routes = random_routes([min(a, b) for a, b in zip(old_lens, new_lens)], sq, 2, q_block, kv_block, g,
+                           density=0.6, diag=mask == "causal")  # valid under both lengths
+    pb = Sparse(old_lens, sq, 8, 2, 128, 16, q_block, kv_block, BF16, g, kind="perm", extra_pages=8, poison=False,
+                bits=bits, max_seq_len_kv=64, slack=[1, 0, 4], routes=routes)
+    assert pb.indptr.tolist() == [0, 4, 8, 14]
+    for i in (3, 10, 11, 12, 13):  # the slack entries: valid page IDs, so that the new offsets are valid too
+        pb.indices[i] = int(torch.randint(0, pb.num_pages, (1,), generator=g))
+    w = pb.plan(mask)
+    planned = oracle(pb, mask)
+    out = torch.full(pb.q.shape, NAN, dtype=BF16)
+    pb.run(w, out=out)
+    assert rel_err(out, planned) <= TOLERANCE[BF16]
+    # the caller rewrites both in place: request 0 gets 1 page (16 keys), request 1 entries 1..4, request 2
+    # the last 9 entries (33 keys)
+    pb.indptr.copy_(ip([0, 1, 5, 14]))
+    pb.seq_lens.copy_(ip(new_lens))
+    new = R.block_sparse_attention(pb.q, pb.k_pool, pb.v_pool, pb.indptr, pb.indices, pb.block_indptr,
+                                   pb.block_indices, q_block, kv_block, pb.seq_lens, kv_valid_bits=pb.bits,
+                                   mask_type=mask, compute_dtype=F64)
+    assert rel_err(planned.float(), new) > 0.1  # the rewrite would matter
+    out2 = torch.full(pb.q.shape, NAN, dtype=BF16)
+    pb.run(w, out=out2)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    torch.testing.assert_close(pb.run(w), out, rtol=0, atol=0)
+    # a new plan reads the new values: the oracle of the new problem
+    w2 = pb.plan(mask)
+    pb.lens = new_lens
+    pb.live_pages = [pb.indices[o:o + -(-n // 16)].tolist() for o, n in zip([0, 1, 5], new_lens)]
+    want = oracle(pb, mask)
+    torch.testing.assert_close(new, want, rtol=1e-12, atol=1e-12)
+    assert rel_err(pb.run(w2), want) <= TOLERANCE[BF16]
+    torch.testing.assert_close(pb.run(w), out, rtol=0, atol=0)  # the first plan still runs its own copy
+
+
+def test_wrapper_sm_scale_is_a_run_argument():
+    """One plan, runs with different sm_scale values (and the default 1/sqrt(D)): each matches the oracle."""
+    g = gen(15)
+    pb = Sparse([50, 33], 5, 8, 2, 128, 16, 4, 16, FP16, g, bits="int32", diag=True)
+    w = pb.plan("causal", o_data_type=FP32)
+    outs = []
+    for scale in (0.02, None, 0.3):
+        out = torch.full(pb.q.shape, NAN, dtype=FP32)
+        assert pb.run(w, sm_scale=scale, out=out) is out
+        assert rel_err(out, oracle(pb, "causal", scale)) <= TOLERANCE[FP16], scale
+        outs.append(out)
+    assert rel_err(outs[0], outs[2].double()) > 0.05
+    torch.testing.assert_close(pb.run(w, sm_scale=1.0 / math.sqrt(128)), outs[1], rtol=0, atol=0)
 
 
 def test_wrapper_replan_and_functional_run():
@@ -700,16 +781,26 @@ def test_wrapper_replan_and_functional_run():
     b = Sparse([200], 3, 8, 1, 256, 64, 8, 64, FP16, g, kind="repeated", bits="uint32")
     w = BlockSparsePagedTSWrapper()
     for pb, mask in ((a, "causal"), (b, "dense"), (a, "dense")):
-        w.plan(pb.B, pb.sq, pb.hq, pb.hkv, pb.d, pb.ps, pb.q_block, pb.kv_block, pb.max_seq_len_kv,
-               use_valid_bits=pb.bits is not None, mask_type=mask, q_data_type=pb.dtype)
+        assert pb.plan(mask, w=w) is w
         res = pb.run(w)
         assert res.dtype == pb.dtype and res.shape == pb.q.shape
         assert rel_err(res, oracle(pb, mask)) <= TOLERANCE[pb.dtype]
 
 
-def test_wrapper_plan_with_length_snapshot():
-    """plan(seq_lens_kv=...) checks a snapshot; the run reads the live lengths."""
-    g = gen(14)
-    pb = Sparse([30, 60], 4, 4, 2, 128, 16, 4, 8, FP16, g, max_seq_len_kv=64, poison=False)
-    w = pb.plan("causal", seq_lens_kv=pb.seq_lens)
-    assert rel_err(pb.run(w), oracle(pb, "causal")) <= TOLERANCE[FP16]
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+def test_flashinfer_length_form(mask):
+    """FlashInfer main's form: seq_len_kv with no seq_lens_kv means every request has seq_len_kv keys; the
+    one-shot and a plan without lengths equal the seed's max_seq_len_kv + full seq_lens_kv, bit for bit."""
+    lens = [48, 48, 48]
+    g = gen(stable_seed("fi", mask))
+    pb = Sparse(lens, 7, 8, 2, 128, 16, 4, 16, BF16, g, bits="uint32", slack=[0, 2, 1], diag=True,
+                layout="scattered")
+    want = oracle(pb, mask)
+    out = torch.full(pb.q.shape, NAN, dtype=BF16)
+    assert block_sparse_attention_with_paged_kv_cache(
+        pb.q, pb.cache, pb.indptr, pb.indices, pb.block_indptr, pb.block_indices, pb.q_block, pb.kv_block,
+        seq_len_kv=48, kv_valid_bits=pb.bits, mask_type=mask, out=out) is out
+    assert rel_err(out, want) <= TOLERANCE[BF16]
+    torch.testing.assert_close(pb.oneshot(mask_type=mask), out, rtol=0, atol=0)
+    w = pb.plan(mask, seq_lens_kv=None)
+    torch.testing.assert_close(pb.run(w), out, rtol=0, atol=0)

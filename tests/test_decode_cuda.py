@@ -1,42 +1,59 @@
-"""prims_ts_batch_decode_with_kv_cache on the GPU against the float64 reference (issue 4's correctness grid).
+"""Paged decode on the GPU against the float64 reference (issue 4's correctness grid):
+``BatchDecodePagedTSWrapper``, ``prims_ts_batch_decode_with_kv_cache`` and the one-shot.
 
 Grid: every Q mode (``[B, Hq, D]``, ``[B, SQ, Hq, D]`` with SQ 2..4, packed ``[T, Hq, D]`` +
 ``qo_indptr``) x mask (dense, causal, causal + window 0 and 37) x D 64/128/256 x GQA 1/4/8/32;
 inside each (Q mode, mask) cell the page size (16/32/64/128), the cache form (combined
 ``[P, 2, Hkv, ps, D]`` or a ``(K, V)`` tuple), the dtype, the page-ID pattern (non-identity
 permutation / IDs repeated across and within requests) and the length set (long: split-KV;
-short: one split, both checked with ``kernels.decode_policy``) rotate so that every value of
-every axis appears. K/V lengths include 1 and are not page multiples. Further tests: B from 1
-to 512, one request of 131072 tokens, output dtypes and scales, the wrapper and the one-shot.
+short: one split, both checked with ``prims_ts.cuda.decode.decode_policy``) rotate so that
+every value of every axis appears. K/V lengths include 1 and are not page multiples. Further
+tests: B from 1 to 512, one request of 131072 tokens, output dtypes and scales, the wrapper's
+bound page IDs and the one-shot.
+
+Both split merges: every compute test takes ``split_merge`` (conftest: ``Tuning(merge_staged=...)``)
+and runs a ``BatchDecodePagedTSWrapper`` planned with it (the plan's policy, kernel key and
+merge flag must be the ones that tuning selects); under the default merge (register lanes,
+``Tuning()``) the standalone ``prims_ts_batch_decode_with_kv_cache`` (always the default
+tuning) runs the same problem too, over a CSR whose entries past each request's live pages
+hold garbage page IDs (it only requires *live* IDs to index the cache; the wrapper's plan
+checks every entry, so it gets the live pages only).
 
 Tolerance: ``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16 against
 ``prims_ts.reference.batch_decode(..., compute_dtype=torch.float64)``, over the whole output
 and per request; ``out`` is NaN-poisoned first and NaN never passes. Every cache slot that no
-request uses holds NaN and CSR entries past a request's live pages hold garbage page IDs
-(the seed only requires *live* IDs to index the cache), so a kernel that reads past a
-request's length, or an unused page, fails.
+request uses holds NaN, so a kernel that reads past a request's length, or an unused page, fails.
+
+``DEVICE`` (and ``HOST``, the other device of the device checks) are module globals: a dry run
+may set them to "cpu" (and "meta") and call the test functions with a Tuning directly.
 """
 from __future__ import annotations
 
+from unittest import mock
 
 import pytest
 import torch
 
 from prims_ts import (
     BatchDecodePagedTSWrapper,
+    Tuning,
     batch_decode_with_paged_kv_cache,
     get_prims_ts_batch_decode_workspace_size,
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
+from prims_ts.cuda.decode import DecodeKey, PreparedDecode, decode_policy
+from prims_ts.cuda.keys import DTYPE_CODES, device_limits
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, reference_must_not_run, rel_err, stable_seed
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("split_merge")]  # both split merges
+pytestmark = pytest.mark.cuda
 
 DEVICE = "cuda"
+HOST = "cpu"  # the device of the misplaced workspace in the device checks
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 NAN = float("nan")
+DEFAULT = Tuning()  # the standalone function's and the one-shot's tuning (split_merge "lanes")
 GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
 MASKS = [("dense", -1), ("causal", -1), ("causal", 0), ("causal", 37)]
 MASK_IDS = [f"{m}{w if w >= 0 else ''}" for m, w in MASKS]
@@ -49,14 +66,19 @@ FORMS = ["combined", "tuple"]
 LONG = [1, 17, 100, 257, 1033, 2500]
 SHORT = [1, 17, 100, 127, 45]
 Q_LENS = {"long": [1, 4, 2, 3, 1, 2], "short": [1, 4, 2, 3, 1]}
+LONGEST = 131072  # test_one_request_of_131072_tokens
 
 
-def sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+def sync():
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
 
 
 class Problem:
-    """A decode problem: CSR tables built on the host (CPU generator), data on the device."""
+    """A decode problem: CSR tables built on the host (CPU generator), data on the device.
+
+    ``indptr``/``indices`` (the standalone's): live pages then garbage IDs per request;
+    ``wr_indptr``/``wr_indices``/``last`` (the wrapper's FlashInfer CSR): the live pages only."""
 
     def __init__(self, seq_lens, hq, hkv, d, ps, dtype, seed, *, qmode="single", sq=1, q_lens=None,
                  max_seq_len_q=None, form="combined", kind="perm", slack=1, extra_pages=3, max_seq_len=None,
@@ -76,6 +98,9 @@ class Problem:
         self.indptr = torch.tensor(cumsum0([n + s for n, s in zip(n_live, slack_of)]), dtype=I32, device=DEVICE)
         self.indices = torch.tensor(indices, dtype=I32, device=DEVICE)
         self.seq_lens = torch.tensor(seq_lens, dtype=I32, device=DEVICE)
+        self.wr_indptr = torch.tensor(cumsum0(n_live), dtype=I32, device=DEVICE)
+        self.wr_indices = torch.tensor([p for row in live for p in row], dtype=I32, device=DEVICE)
+        self.last = torch.tensor([sk - (n - 1) * ps for sk, n in zip(seq_lens, n_live)], dtype=I32, device=DEVICE)
         if form == "combined":
             self.cache = torch.randn(P, 2, hkv, ps, d, generator=dg, device=DEVICE).to(dtype)
             self.k, self.v = self.cache[:, 0], self.cache[:, 1]
@@ -104,24 +129,37 @@ class Problem:
             self.max_seq_len_q = max_seq_len_q or max(q_lens)
             self.q = torch.randn(sum(q_lens), hq, d, generator=dg, device=DEVICE).to(dtype)
         self.max_seq_len = max_seq_len or max(seq_lens)
-        nbytes = get_prims_ts_batch_decode_workspace_size(B, hq, hkv, d, self.max_seq_len,
-                                                          max_seq_len_q=self.max_seq_len_q, device=DEVICE)
+        nbytes = get_prims_ts_batch_decode_workspace_size(B, hq, hkv, d, ps, self.max_seq_len, **self.q_mode(),
+                                                          q_dtype=dtype, device=DEVICE)
         self.workspace = torch.zeros(nbytes, dtype=torch.uint8, device=DEVICE)
 
-    def policy(self):
-        from prims_ts.cuda.kernels import decode_policy
+    def q_mode(self) -> dict:
+        """The query-mode keywords of the workspace size, the standalone call and the plan."""
+        if self.qmode == "fixed":
+            return dict(seq_len_q=self.seq_len_q)
+        if self.qmode == "packed":
+            return dict(qo_indptr=self.qo_indptr, max_seq_len_q=self.max_seq_len_q)
+        return {}
 
+    def policy(self):
+        _, sms, limit = device_limits(DEVICE)
         return decode_policy(self.B, self.hkv, self.hq // self.hkv, self.max_seq_len_q, self.d, self.max_seq_len,
-                             sm_count())
+                             sms, limit)
 
     def call(self, **kw):
-        extra = {}
-        if self.qmode == "fixed":
-            extra["seq_len_q"] = self.seq_len_q
-        elif self.qmode == "packed":
-            extra.update(qo_indptr=self.qo_indptr, max_seq_len_q=self.max_seq_len_q)
+        """The standalone function (the default tuning)."""
         return prims_ts_batch_decode_with_kv_cache(self.q, self.cache, self.workspace, self.indptr, self.indices,
-                                                   self.seq_lens, self.max_seq_len, **extra, **kw)
+                                                   self.seq_lens, self.max_seq_len, **self.q_mode(), **kw)
+
+    def plan(self, tuning, mask_type="dense", window_left=-1, out_dtype=None) -> BatchDecodePagedTSWrapper:
+        """A wrapper planned with `tuning` for the standalone's static problem (max_kv_len =
+        max_seq_len, the same max_seq_len_q: the same policy)."""
+        w = BatchDecodePagedTSWrapper("HND", tuning=tuning)
+        w.plan(self.wr_indptr, self.wr_indices, self.last, self.hq, self.hkv, self.d, self.ps, **self.q_mode(),
+               q_data_type=self.dtype, kv_data_type=self.dtype, o_data_type=out_dtype, mask_type=mask_type,
+               window_left=window_left, max_kv_len=self.max_seq_len)
+        check_plan(self, w, tuning, mask_type == "causal")
+        return w
 
     def ref(self, mask_type="dense", window_left=-1, bmm1_scale=None, bmm2_scale=1.0):
         return R.batch_decode(self.q, self.k, self.v, self.indptr, self.indices, self.seq_lens,
@@ -135,22 +173,48 @@ class Problem:
         return [slice(b, b + 1) for b in range(self.B)]
 
 
-def check(pb: Problem, mask="dense", window=-1, out_dtype=None, bmm1_scale=None, bmm2_scale=1.0, tol=None):
-    """Run into a NaN-poisoned out; compare with the float64 reference, whole and per request."""
+def check_plan(pb: Problem, w, tuning, causal: bool) -> None:
+    """The plan keeps `tuning`; on CUDA its prepared launch has the problem's policy, the key that
+    DecodeKey.of builds for that policy and tuning, and the tuning's split merge."""
+    plan = w._plan
+    assert plan.static.tuning == tuning and plan.tuning_code == tuning.encode()
+    arch = device_limits(plan.device)[0]
+    pol = pb.policy()
+    key = DecodeKey.of(DTYPE_CODES[pb.dtype], pb.d, causal, pol, arch, tuning)
+    if plan.launch is not None:
+        assert plan.launch.policy == pol, (plan.launch.policy, pol)
+        assert plan.launch.key == key, (plan.launch.key.name, key.name)
+        assert plan.launch.p.merge_staged == int(tuning.merge_staged)
+
+
+def compare(pb: Problem, results, ref, tol) -> None:
+    for label, out in results:
+        err = rel_err(out, ref)
+        assert err <= tol, f"{label}: rel err {err:.3e}"
+        for b, s in enumerate(pb.request_slices()):
+            e = rel_err(out[s], ref[s])
+            assert e <= tol, f"{label}, request {b} (len {pb.seq_lens_list[b]}, q {pb.q_lens[b]}): rel err {e:.3e}"
+
+
+def check(pb: Problem, tuning, mask="dense", window=-1, out_dtype=None, bmm1_scale=None, bmm2_scale=1.0, tol=None):
+    """Run into NaN-poisoned outs (the wrapper planned with `tuning`; under the default tuning the
+    standalone function too); compare with the float64 reference, whole and per request.
+    Returns ([(label, out)], ref)."""
     odt = out_dtype or pb.dtype
+    w = pb.plan(tuning, mask, window, out_dtype)
     out = torch.full(pb.q.shape, NAN, dtype=odt, device=DEVICE)
-    res = pb.call(mask_type=mask, window_left=window, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out,
-                  out_dtype=out_dtype)
-    assert res is out
-    torch.cuda.synchronize()
+    assert w.run(pb.q, pb.cache, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out) is out
+    results = [("wrapper", out)]
+    if tuning == DEFAULT:
+        one = torch.full(pb.q.shape, NAN, dtype=odt, device=DEVICE)
+        res = pb.call(mask_type=mask, window_left=window, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=one,
+                      out_dtype=out_dtype)
+        assert res is one
+        results.append(("standalone", one))
+    sync()
     ref = pb.ref(mask, window, bmm1_scale, bmm2_scale)
-    tol = tol or TOLERANCE[pb.dtype]
-    err = rel_err(out, ref)
-    assert err <= tol, f"rel err {err:.3e}"
-    for b, s in enumerate(pb.request_slices()):
-        e = rel_err(out[s], ref[s])
-        assert e <= tol, f"request {b} (len {pb.seq_lens_list[b]}, q {pb.q_lens[b]}): rel err {e:.3e}"
-    return out, ref
+    compare(pb, results, ref, tol or TOLERANCE[pb.dtype])
+    return results, ref
 
 
 # ----------------------------------------------------------------------------
@@ -181,7 +245,7 @@ def test_grid_rotation_covers_every_axis():
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("qmode", QMODES)
-def test_decode_grid(qmode, mask, window, d, group):
+def test_decode_grid(split_merge, qmode, mask, window, d, group):
     c = grid_cell(qmode, mask, window, d, group)
     hkv = 1 if group == 32 else 2
     lens = list(LONG if c["lengths"] == "long" else SHORT)
@@ -194,17 +258,17 @@ def test_decode_grid(qmode, mask, window, d, group):
                  kind=c["kind"], max_seq_len=max_len)
     pol = pb.policy()
     assert (pol.splits > 1) == (c["lengths"] == "long"), pol
-    check(pb, mask, window)
+    check(pb, split_merge, mask, window)
 
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("ps", PAGE_SIZES)
-def test_both_cache_forms_every_page_size(ps, form):
+def test_both_cache_forms_every_page_size(split_merge, ps, form):
     """Every page size with both cache forms (GQA 8, D 128, packed causal + window, split-KV)."""
     pb = Problem(LONG, 16, 2, 128, ps, BF16, stable_seed("forms", ps, form), qmode="packed", q_lens=Q_LENS["long"],
                  form=form, kind="repeated" if ps == 64 else "perm")
     assert pb.policy().splits > 1
-    check(pb, "causal", 300)
+    check(pb, split_merge, "causal", 300)
 
 
 # ----------------------------------------------------------------------------
@@ -215,7 +279,7 @@ def test_both_cache_forms_every_page_size(ps, form):
 @pytest.mark.parametrize("split", [True, False], ids=["split_kv", "one_split"])
 @pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("qmode", QMODES)
-def test_split_policies(qmode, mask, window, split):
+def test_split_policies(split_merge, qmode, mask, window, split):
     if split:  # few requests, long lengths
         lens, max_len = [20000, 1, 7777, 4096], 20000
     else:  # many requests (enough CTAs for the SMs), short lengths
@@ -231,7 +295,7 @@ def test_split_policies(qmode, mask, window, split):
         assert pol.splits > 1, pol
     else:
         assert pol.splits == 1, pol
-    check(pb, mask, window)
+    check(pb, split_merge, mask, window)
 
 
 # ----------------------------------------------------------------------------
@@ -241,7 +305,7 @@ def test_split_policies(qmode, mask, window, split):
 
 @pytest.mark.parametrize("B", [1, 2, 64, 512])
 @pytest.mark.parametrize("qmode", ["single", "packed"])
-def test_batch_sizes(B, qmode):
+def test_batch_sizes(split_merge, B, qmode):
     g = torch.Generator().manual_seed(B)
     lens = torch.randint(1, 700, (B,), generator=g).tolist()
     lens[0] = 1
@@ -250,26 +314,28 @@ def test_batch_sizes(B, qmode):
     q_lens = torch.randint(1, 4, (B,), generator=g).tolist()
     pb = Problem(lens, 16, 2, 128, 16, BF16, stable_seed("batch", B, qmode), qmode=qmode, q_lens=q_lens,
                  max_seq_len_q=3, max_seq_len=700, kind="repeated" if B == 64 else "perm")
-    check(pb, "dense")
+    check(pb, split_merge, "dense")
     # causal: every request's query count <= its length
     lens_c = [max(sk, ql) for sk, ql in zip(lens, q_lens)] if qmode == "packed" else lens
     pb = Problem(lens_c, 16, 2, 128, 16, BF16, stable_seed("batch", B, qmode, "causal"), qmode=qmode, q_lens=q_lens,
                  max_seq_len_q=3, max_seq_len=700)
-    check(pb, "causal", 64)
+    check(pb, split_merge, "causal", 64)
 
 
-def test_one_request_of_131072_tokens():
+def test_one_request_of_131072_tokens(split_merge):
     """D 128, GQA 4 (Hq 4, Hkv 1), page 64, bf16: one 131072-token request beside a 1-token one."""
-    lens = [131072, 1]
+    lens = [LONGEST, 1]
     pb = Problem(lens, 4, 1, 128, 64, BF16, stable_seed("131072"), qmode="single", slack=0)
     assert pb.policy().splits > 1
-    check(pb, "dense")
-    check(pb, "causal", 5000)
+    check(pb, split_merge, "dense")
+    check(pb, split_merge, "causal", 5000)
     del pb
     pk = Problem(lens[::-1], 4, 1, 128, 64, BF16, stable_seed("131072", "packed"), qmode="packed", q_lens=[1, 4],
                  max_seq_len_q=4, slack=0)
-    check(pk, "causal")
-    torch.cuda.empty_cache()
+    check(pk, split_merge, "causal")
+    del pk
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------
@@ -280,59 +346,92 @@ def test_one_request_of_131072_tokens():
 @pytest.mark.parametrize("out_dtype", [FP32, FP16, BF16])
 @pytest.mark.parametrize("lengths", ["long", "short"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-def test_out_dtype_and_scales(dtype, lengths, out_dtype):
+def test_out_dtype_and_scales(split_merge, dtype, lengths, out_dtype):
     lens = LONG if lengths == "long" else SHORT
     pb = Problem(lens, 8, 2, 128, 32, dtype, stable_seed("odt", str(dtype), lengths, str(out_dtype)), qmode="packed",
                  q_lens=Q_LENS[lengths], max_seq_len=2600 if lengths == "long" else 127)
     tol = max(TOLERANCE[dtype], TOLERANCE[BF16] if out_dtype == BF16 else TOLERANCE[FP16])
     for bmm1, bmm2 in [(0.05, 1.7), (None, 0.5), (0.3, 1.0)]:
-        out, _ = check(pb, "causal", -1, out_dtype=out_dtype, bmm1_scale=bmm1, bmm2_scale=bmm2, tol=tol)
-        assert out.dtype == out_dtype
-    res = pb.call(mask_type="causal", out_dtype=out_dtype)
-    assert res.dtype == out_dtype and res.shape == pb.q.shape
-    assert rel_err(res, pb.ref("causal")) <= tol
+        results, _ = check(pb, split_merge, "causal", -1, out_dtype=out_dtype, bmm1_scale=bmm1, bmm2_scale=bmm2,
+                           tol=tol)
+        assert all(out.dtype == out_dtype for _, out in results)
+    # the functional forms (no out): the wrapper's run, and (default tuning) the standalone
+    res = [("wrapper functional", pb.plan(split_merge, "causal", out_dtype=out_dtype).run(pb.q, pb.cache))]
+    if split_merge == DEFAULT:
+        res.append(("standalone functional", pb.call(mask_type="causal", out_dtype=out_dtype)))
+    sync()
+    for label, out in res:
+        assert out.dtype == out_dtype and out.shape == pb.q.shape, label
+    compare(pb, res, pb.ref("causal"), tol)
 
 
-def test_strided_query():
+def test_strided_query(split_merge):
     """Query heads sliced out of a fused projection (head stride > D)."""
     pb = Problem(LONG, 8, 2, 128, 16, BF16, stable_seed("strided"), poison=False)
     fused = torch.zeros(pb.B, 12, 128, dtype=BF16, device=DEVICE)
     fused[:, 2:10] = pb.q
     q = fused[:, 2:10]
     assert not q.is_contiguous()
+    w = pb.plan(split_merge, "causal")
     out = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
-    prims_ts_batch_decode_with_kv_cache(q, pb.cache, pb.workspace, pb.indptr, pb.indices, pb.seq_lens,
-                                        pb.max_seq_len, mask_type="causal", out=out)
-    torch.cuda.synchronize()
-    assert rel_err(out, pb.ref("causal")) <= TOLERANCE[BF16]
+    assert w.run(q, pb.cache, out=out) is out
+    results = [("wrapper", out)]
+    if split_merge == DEFAULT:
+        one = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
+        prims_ts_batch_decode_with_kv_cache(q, pb.cache, pb.workspace, pb.indptr, pb.indices, pb.seq_lens,
+                                            pb.max_seq_len, mask_type="causal", out=one)
+        results.append(("standalone", one))
+    sync()
+    compare(pb, results, pb.ref("causal"), TOLERANCE[BF16])
 
 
 # ----------------------------------------------------------------------------
-# Wrapper and one-shot
+# Wrapper (bound page IDs) and one-shot
 # ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
-def test_wrapper_and_oneshot(mask, window, form):
+def test_wrapper_and_oneshot(split_merge, mask, window, form):
     lens = [1, 33, 1000, 4097, 64]
     ps = 32
     pb = Problem(lens, 32, 8, 128, ps, FP16, stable_seed("wrapper", mask, window, form), form=form, slack=0)
-    last = torch.tensor([sk - ((sk + ps - 1) // ps - 1) * ps for sk in lens], dtype=I32, device=DEVICE)
-    w = BatchDecodePagedTSWrapper()
-    w.plan(pb.indptr, pb.indices, last, 32, 8, 128, ps, mask_type=mask, window_left=window, sm_scale=0.07,
-           output_scale=1.3, q_data_type=FP16, out_dtype=FP32)
+    w = BatchDecodePagedTSWrapper(tuning=split_merge)
+    # max_kv_len defaults to the longest request
+    w.plan(pb.wr_indptr, pb.wr_indices, pb.last, 32, 8, 128, ps, mask_type=mask, window_left=window,
+           q_data_type=FP16, o_data_type=FP32)
+    check_plan(pb, w, split_merge, mask == "causal")
     ref = pb.ref(mask, window, 0.07, 1.3)
     out = torch.full(pb.q.shape, NAN, dtype=FP32, device=DEVICE)
-    assert w.run(pb.q, pb.cache, out=out) is out
-    torch.cuda.synchronize()
-    assert rel_err(out, ref) <= TOLERANCE[FP16]
-    res = w.run(pb.q, pb.cache)
+    assert w.run(pb.q, pb.cache, bmm1_scale=0.07, bmm2_scale=1.3, out=out) is out
+    sync()
+    compare(pb, [("wrapper", out)], ref, TOLERANCE[FP16])
+    res = w.run(pb.q, pb.cache, bmm1_scale=0.07, bmm2_scale=1.3)
+    sync()
     assert res.dtype == FP32
-    assert rel_err(res, ref) <= TOLERANCE[FP16]
-    one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.indptr, pb.indices, last, mask_type=mask,
-                                           window_left=window, sm_scale=0.07, output_scale=1.3, out_dtype=FP32)
-    assert rel_err(one, ref) <= TOLERANCE[FP16]
+    compare(pb, [("wrapper functional", res)], ref, TOLERANCE[FP16])
+    # the one-shot: its own plan, the default tuning
+    one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.wr_indptr, pb.wr_indices, pb.last, mask_type=mask,
+                                           window_left=window, bmm1_scale=0.07, bmm2_scale=1.3, out_dtype=FP32)
+    sync()
+    compare(pb, [("one-shot", one)], ref, TOLERANCE[FP16])
+    # paged_kv_indices stays bound: move every page elsewhere in the pool and remap the IDs in place
+    perm = torch.randperm(pb.num_pages, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    if form == "combined":
+        moved = torch.empty_like(pb.cache)
+        moved[perm.long()] = pb.cache
+        k2, v2, cache2 = moved[:, 0], moved[:, 1], moved
+    else:
+        k2, v2 = torch.empty_like(pb.k), torch.empty_like(pb.v)
+        k2[perm.long()], v2[perm.long()] = pb.k, pb.v
+        cache2 = (k2, v2)
+    pb.wr_indices.copy_(perm[pb.wr_indices.long()].to(I32))
+    out.fill_(NAN)
+    assert w.run(pb.q, cache2, bmm1_scale=0.07, bmm2_scale=1.3, out=out) is out
+    sync()
+    ref2 = R.batch_decode(pb.q, k2, v2, pb.wr_indptr, pb.wr_indices, pb.seq_lens, mask_type=mask, window_left=window,
+                          sm_scale=0.07, output_scale=1.3, compute_dtype=torch.float64)
+    compare(pb, [("wrapper, remapped pages", out)], ref2, TOLERANCE[FP16])
 
 
 # ----------------------------------------------------------------------------
@@ -347,11 +446,8 @@ def _must_not_launch(*args, **kwargs):
 @pytest.mark.parametrize("name", ["query", "kv_cache", "paged_kv_indptr", "paged_kv_indices", "seq_lens", "out",
                                   "cpu_workspace"])
 def test_workspace_overlap_and_device_refused(name):
-    """The workspace must not share memory with any other argument (seed 003), and lives on the device."""
-    from unittest import mock
-
-    from prims_ts.cuda import kernels
-
+    """The standalone's workspace must not share memory with any other argument (seed 003), and
+    lives on the device."""
     pb = Problem([20, 5], 8, 2, 128, 16, BF16, stable_seed("ws_overlap", name), slack=0, poison=False)
     assert pb.workspace.numel() <= 4096
     args = dict(query=pb.q, kv_cache=pb.cache, workspace_buffer=pb.workspace, paged_kv_indptr=pb.indptr,
@@ -366,7 +462,7 @@ def test_workspace_overlap_and_device_refused(name):
         args["workspace_buffer"] = buf[:pb.workspace.numel()]
         kw["out"] = buf[pb.workspace.numel() - 16:][:pb.q.numel() * 2].view(BF16).view(pb.q.shape)
     elif name == "cpu_workspace":
-        args["workspace_buffer"] = pb.workspace.cpu()
+        args["workspace_buffer"] = pb.workspace.to(HOST)
     else:
         buf = torch.zeros(8192, dtype=torch.uint8, device=DEVICE)
         meta = args[name]
@@ -375,6 +471,6 @@ def test_workspace_overlap_and_device_refused(name):
         args[name] = view
         args["workspace_buffer"] = buf
     match = r"\bout\b|workspace_buffer" if name == "out" else "workspace_buffer"
-    with mock.patch.object(kernels, "launch_decode", _must_not_launch):
+    with mock.patch.object(PreparedDecode, "run", _must_not_launch), reference_must_not_run("batch_decode"):
         with pytest.raises(ValueError, match=match):
             prims_ts_batch_decode_with_kv_cache(*args.values(), **kw)

@@ -9,9 +9,13 @@ opcheck runs, for each sample:
 
 The op signatures (``prims_ts/ops/decode.py``):
   batch_decode(query, k_cache, v_cache, workspace, kv_indptr, kv_indices, seq_lens, qo_indptr, seq_len_q,
-               max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale, out_dtype) -> Tensor
+               max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale, out_dtype: int,
+               tuning: str = "") -> Tensor
   batch_decode_out(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
-                   seq_len_q, max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale) -> ()
+                   seq_len_q, max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale,
+                   tuning: str = "") -> ()
+``out_dtype`` is an output dtype code (``prims_ts.ops._validate.dtype_code``); ``tuning`` an encoded
+``prims_ts.Tuning`` (defaulted: calls without it are checked too).
 Samples: fixed [B, Hq, D], fixed [B, SQ, Hq, D] (SQ > 1) and packed [T, Hq, D] queries; K/V as two
 separate pools or as the two (strided) halves of one combined cache.
 """
@@ -23,7 +27,7 @@ from torch.library import opcheck
 
 from prims_ts.ops._validate import dtype_code
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
-from prims_ts import get_prims_ts_batch_decode_workspace_size
+from prims_ts import Tuning, get_prims_ts_batch_decode_workspace_size
 from prims_ts import reference as R
 from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed, rel_err
 
@@ -57,8 +61,9 @@ def sample(qmode, mask, window, dtype, seed=0, combined=False, max_seq_len=64):
     else:
         q, sq, msq = _randn((6, hq, D), dtype, seed), 1, 4  # q lens 2, 1, 3 under a bound of 4
         qo = torch.tensor([0, 2, 3, 6], dtype=I32)
-    ws = torch.zeros(get_prims_ts_batch_decode_workspace_size(3, hq, hkv, D, max_seq_len, max_seq_len_q=msq,
-                                                              device="cpu"), dtype=torch.uint8)
+    qkw = dict(qo_indptr=qo, max_seq_len_q=msq) if qo is not None else dict(seq_len_q=sq)
+    ws = torch.zeros(get_prims_ts_batch_decode_workspace_size(3, hq, hkv, D, PS, max_seq_len, **qkw, device="cpu"),
+                     dtype=torch.uint8)
     meta = (torch.tensor(indptr, dtype=I32), torch.tensor(indices, dtype=I32), torch.tensor(lens, dtype=I32), qo)
     scalars = (sq, msq, max_seq_len, mask, window, 0.09, 0.75)
     return q, k, v, ws, meta, scalars
@@ -135,5 +140,34 @@ def test_fake_tensor_shapes():
             fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
             res = torch.ops.prims_ts.batch_decode(fq, fk, fv, fws, *fmeta, *scalars, dtype_code(FP16))
             assert res.shape == q.shape and res.dtype == FP16
+            res = torch.ops.prims_ts.batch_decode(fq, fk, fv, fws, *fmeta, *scalars, dtype_code(BF16), STAGED)
+            assert res.shape == q.shape and res.dtype == BF16
             fout = torch.empty(q.shape, dtype=FP32)
             assert torch.ops.prims_ts.batch_decode_out(fq, fk, fv, fws, fout, *fmeta, *scalars) is None
+            assert torch.ops.prims_ts.batch_decode_out(fq, fk, fv, fws, fout, *fmeta, *scalars, STAGED) is None
+
+
+STAGED = Tuning(merge_staged=True).encode()  # a non-default tuning string: the ops carry it unchanged
+
+
+@pytest.mark.parametrize("qmode,mask,window", [("single", "causal", 2), ("fixed", "dense", -1),
+                                               ("packed", "causal", -1)])
+def test_opcheck_with_tuning_string(qmode, mask, window):
+    """The trailing ``tuning`` argument (an encoded Tuning) passes opcheck on both ops and leaves the
+    CPU result unchanged (on CPU every tuning runs the reference)."""
+    assert STAGED and Tuning.decode(STAGED) == Tuning(merge_staged=True)
+    q, k, v, ws, meta, scalars = sample(qmode, mask, window, FP16, seed=40, combined=qmode == "fixed",
+                                        max_seq_len=4096)
+    want = _reference(q, k, v, meta, scalars)
+    args = (q, k, v, ws, *meta, *scalars, dtype_code(FP32), STAGED)
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=OPCHECK_TESTS))
+    res = torch.ops.prims_ts.batch_decode(*args)
+    assert res.dtype == FP32 and rel_err(res, want) <= 5e-3
+    default = torch.ops.prims_ts.batch_decode(*args[:-1])  # tuning left at its default ""
+    torch.testing.assert_close(res, default, rtol=0, atol=0)
+    out = torch.full(q.shape, float("nan"), dtype=BF16)
+    args = (q, k, v, ws, out, *meta, *scalars, STAGED)
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode_out.default, args, test_utils=OPCHECK_TESTS))
+    out.fill_(float("nan"))
+    assert torch.ops.prims_ts.batch_decode_out(*args) is None
+    assert rel_err(out, want) <= 2e-2

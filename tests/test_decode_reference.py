@@ -34,7 +34,8 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
+from prims_ts.ops._validate import dtype_code
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, relative_error, stable_seed
 
 F64 = torch.float64
 I32 = torch.int32
@@ -55,9 +56,10 @@ def ip(values) -> torch.Tensor:
     return torch.tensor(values, dtype=I32)
 
 
-def ws_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=1):
-    return get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=max_seq_len_q,
-                                                    device="cpu")
+def ws_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=1, page_size=16):
+    """The workspace for a query bound of max_seq_len_q, asked in the fixed multi-token form."""
+    return get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, page_size, max_seq_len,
+                                                    seq_len_q=max_seq_len_q, device="cpu")
 
 
 # ----------------------------------------------------------------------------
@@ -123,7 +125,10 @@ class Decode:
         self.workspace = torch.zeros(self.ws_bytes(), dtype=torch.uint8)
 
     def ws_bytes(self):
-        return ws_size(len(self.seq_lens_list), self.hq, self.hkv, self.d, self.max_seq_len, self.max_seq_len_q)
+        """The workspace size for this problem's static arguments, asked in its own query form."""
+        return get_prims_ts_batch_decode_workspace_size(
+            len(self.seq_lens_list), self.hq, self.hkv, self.d, self.ps, self.max_seq_len, **self.qkw(),
+            q_dtype=self.dtype, device="cpu")
 
     def used_slots(self) -> torch.Tensor:
         used = torch.zeros(self.num_pages, self.ps, dtype=torch.bool)
@@ -444,71 +449,164 @@ def _last_page_len(pb: Decode):
     return ip([sk - ((sk + pb.ps - 1) // pb.ps - 1) * pb.ps for sk in pb.seq_lens_list])
 
 
-def _plan(pb: Decode, **kw) -> BatchDecodePagedTSWrapper:
-    w = BatchDecodePagedTSWrapper()
-    w.plan(pb.indptr, pb.indices, pb.last, pb.hq, pb.hkv, pb.d, pb.ps, q_data_type=pb.dtype, **kw)
+def _plan(pb: Decode, tuning=None, **kw) -> BatchDecodePagedTSWrapper:
+    """A wrapper planned over pb's CSR pages (pb.last: its last_page_len) in pb's query mode."""
+    w = BatchDecodePagedTSWrapper(tuning=tuning)
+    w.plan(pb.indptr, pb.indices, pb.last, pb.hq, pb.hkv, pb.d, pb.ps, q_data_type=pb.dtype, **pb.qkw(), **kw)
     return w
+
+
+def _ref_with_lens(pb: Decode, lens, *args):
+    """gathered_ref with other K/V lengths (pb's own are restored)."""
+    saved = pb.seq_lens.clone(), pb.seq_lens_list
+    pb.seq_lens.copy_(ip(lens))
+    pb.seq_lens_list = list(lens)
+    try:
+        return gathered_ref(pb, *args)
+    finally:
+        pb.seq_lens.copy_(saved[0])
+        pb.seq_lens_list = saved[1]
 
 
 @pytest.mark.parametrize("form", ["combined", "tuple"])
 @pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
-def test_wrapper_equals_standalone(mask, window, form):
-    g = gen(stable_seed("wrapper", mask, window, form))
-    pb = Decode([1, 33, 100, 64], 8, 2, 128, 32, FP16, g, form=form, kind=("perm", "repeated")[window > 0])
+@pytest.mark.parametrize("qmode", QMODES)
+def test_wrapper_equals_standalone(qmode, mask, window, form, split_merge):
+    """Single, fixed multi-token (seq_len_q) and packed (qo_indptr) queries through the wrapper: equal to
+    the standalone bit for bit and within tolerance of the oracle; the one-shot agrees."""
+    g = gen(stable_seed("wrapper", qmode, mask, window, form))
+    pb = Decode([3, 33, 100, 64], 8, 2, 128, 32, FP16, g, qmode=qmode, sq=3, q_lens=[1, 3, 2, 4],
+                max_seq_len_q=5 if qmode == "packed" else None, form=form, kind=("perm", "repeated")[window > 0])
     pb.last = _last_page_len(pb)
-    w = _plan(pb, mask_type=mask, window_left=window, sm_scale=0.05, output_scale=1.5, out_dtype=FP32)
+    w = _plan(pb, split_merge, mask_type=mask, window_left=window, o_data_type=FP32)
     want = gathered_ref(pb, mask, window, 0.05, 1.5)
     standalone = pb.call(mask_type=mask, window_left=window, bmm1_scale=0.05, bmm2_scale=1.5, out_dtype=FP32)
     out = torch.full(pb.q.shape, NAN, dtype=FP32)
     for _ in range(2):  # a plan serves many runs
         out.fill_(NAN)
-        assert w.run(pb.q, pb.cache, out=out) is out
+        assert w.run(pb.q, pb.cache, bmm1_scale=0.05, bmm2_scale=1.5, out=out) is out
         assert rel_err(out, want) <= TOLERANCE[FP16]
         torch.testing.assert_close(out, standalone, rtol=0, atol=0)
-    res = w.run(pb.q, pb.cache)
-    assert res.dtype == FP32
+    res = w.run(pb.q, pb.cache, bmm1_scale=0.05, bmm2_scale=1.5)
+    assert res.dtype == FP32 and res.shape == pb.q.shape
     torch.testing.assert_close(res, out, rtol=0, atol=0)
+    # scales are run arguments: another run of the same plan with other scales follows them
+    other = w.run(pb.q, pb.cache, bmm2_scale=0.5)
+    assert rel_err(other, gathered_ref(pb, mask, window, None, 0.5)) <= TOLERANCE[FP16]
     # the one-shot agrees
-    one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.indptr, pb.indices, pb.last, mask_type=mask,
-                                           window_left=window, sm_scale=0.05, output_scale=1.5, out_dtype=FP32)
+    one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.indptr, pb.indices, pb.last, **pb.qkw(),
+                                           mask_type=mask, window_left=window, bmm1_scale=0.05, bmm2_scale=1.5,
+                                           out_dtype=FP32)
     torch.testing.assert_close(one, out, rtol=0, atol=0)
     out2 = torch.full(pb.q.shape, NAN, dtype=FP32)
-    assert batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.indptr, pb.indices, pb.last, mask_type=mask,
-                                            window_left=window, sm_scale=0.05, output_scale=1.5, out=out2) is out2
+    assert batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.indptr, pb.indices, pb.last, **pb.qkw(),
+                                            mask_type=mask, window_left=window, bmm1_scale=0.05, bmm2_scale=1.5,
+                                            out=out2) is out2
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
-def test_wrapper_run_after_in_place_metadata_rewrite():
-    """last_page_len and page IDs rewritten in place (within the plan: lengths <= max_seq_len, IDs inside
-    the cache): run uses the new values."""
+@pytest.mark.parametrize("qmode", QMODES)
+def test_wrapper_run_reads_no_host_values_and_passes_its_plan(qmode):
+    """run does no host read; the op gets the bound paged_kv_indptr / paged_kv_indices / qo_indptr
+    themselves, the plan's own lengths (not the caller's last_page_len), the planned bounds and the
+    wrapper's tuning string."""
+    from prims_ts import Tuning
+    from prims_ts.testing import recording_no_host_reads
+
+    g = gen(stable_seed("recorded", qmode))
+    pb = Decode([20, 5, 40], 8, 2, 128, 16, BF16, g, qmode=qmode, sq=2, q_lens=[2, 1, 3], max_seq_len_q=4)
+    pb.last = _last_page_len(pb)
+    tuning = Tuning(merge_staged=True)
+    w = _plan(pb, tuning, mask_type="causal", max_kv_len=100, o_data_type=FP32)
+    out = torch.empty(pb.q.shape, dtype=FP32)
+    with recording_no_host_reads("batch_decode", "batch_decode") as rec:
+        assert w.run(pb.q, pb.cache).dtype == FP32
+        assert w.run(pb.q, pb.cache, out=out) is out
+    assert [c[0] for c in rec.calls] == ["batch_decode", "batch_decode_out"]
+    for name, call in rec.calls:
+        rest = call[4:] if name == "batch_decode" else call[5:]  # after (q, k, v, workspace[, out])
+        kv_indptr, kv_indices, seq_lens, qo_indptr, seq_len_q, max_seq_len_q, max_seq_len = rest[:7]
+        assert kv_indptr is pb.indptr and kv_indices is pb.indices and qo_indptr is pb.qo_indptr
+        assert seq_lens is not pb.last and torch.equal(seq_lens, pb.seq_lens)
+        assert (seq_len_q, max_seq_len_q, max_seq_len) == (pb.seq_len_q if qmode == "fixed" else 1, pb.max_seq_len_q,
+                                                          100)
+        assert call[-1] == tuning.encode()
+    assert rec.calls[0][1][-2] == dtype_code(FP32)
+
+
+def test_wrapper_derives_lengths_at_plan():
+    """plan derives each length (pages - 1) * page_size + last_page_len once: a later change to the
+    caller's last_page_len has no effect on run; a new plan picks it up."""
     g = gen(31)
     pb = Decode([40, 64, 17], 8, 2, 128, 16, BF16, g, kind="perm", extra_pages=6, poison=False)
     pb.last = _last_page_len(pb)
     w = _plan(pb, mask_type="causal", window_left=9)
+    want = gathered_ref(pb, "causal", 9)
     out = torch.full(pb.q.shape, NAN, dtype=BF16)
     w.run(pb.q, pb.cache, out=out)
-    assert rel_err(out, gathered_ref(pb, "causal", 9)) <= TOLERANCE[BF16]
+    assert rel_err(out, want) <= TOLERANCE[BF16]
+    pages = [3, 4, 2]
     for new_last in ([1, 16, 3], [8, 2, 16]):
+        new_lens = [(n - 1) * 16 + last for n, last in zip(pages, new_last)]
+        want_new = _ref_with_lens(pb, new_lens, "causal", 9)
+        assert relative_error(want_new, want) > 0.05  # the change would show
         pb.last.copy_(ip(new_last))
-        pb.seq_lens_list = [(n - 1) * 16 + l for n, l in zip([3, 4, 2], new_last)]
-        pb.seq_lens.copy_(ip(pb.seq_lens_list))
-        pb.indices.copy_(torch.randint(0, pb.num_pages, pb.indices.shape, generator=g, dtype=I32))
         out.fill_(NAN)
         w.run(pb.q, pb.cache, out=out)
-        want = gathered_ref(pb, "causal", 9)
-        torch.testing.assert_close(pb.ref(mask_type="causal", window_left=9), want, rtol=1e-12, atol=1e-12)
-        assert rel_err(out, want) <= TOLERANCE[BF16], new_last
+        assert rel_err(out, want) <= TOLERANCE[BF16], new_last  # still the planned lengths
+        w2 = _plan(pb, mask_type="causal", window_left=9)
+        assert rel_err(w2.run(pb.q, pb.cache), want_new) <= TOLERANCE[BF16], new_last
+
+
+@pytest.mark.parametrize("qmode", ["single", "packed"])
+def test_wrapper_reads_page_ids_live(qmode):
+    """paged_kv_indices is bound: page IDs remapped in place between runs (inside the cache) change the
+    result accordingly; moving pages' contents and remapping their IDs leaves it unchanged."""
+    g = gen(stable_seed("remap", qmode))
+    pb = Decode([40, 64, 17], 8, 2, 128, 16, BF16, g, qmode=qmode, q_lens=[3, 1, 2], kind="perm", extra_pages=9,
+                poison=False)
+    pb.last = _last_page_len(pb)
+    w = _plan(pb, mask_type="causal", window_left=20)
+    out = torch.full(pb.q.shape, NAN, dtype=BF16)
+    w.run(pb.q, pb.cache, out=out)
+    prev = out.clone()
+    assert rel_err(prev, gathered_ref(pb, "causal", 20)) <= TOLERANCE[BF16]
+    for shift in (1, 5):
+        pb.indices.copy_((pb.indices + shift) % pb.num_pages)  # every entry another page
+        want = gathered_ref(pb, "causal", 20)
+        out.fill_(NAN)
+        w.run(pb.q, pb.cache, out=out)
+        assert rel_err(out, want) <= TOLERANCE[BF16], shift
+        assert relative_error(out, prev) > 0.05, "the remap had no effect"
+        prev = out.clone()
+    # defragmentation: copy request 0's pages to unused pages, point its IDs there: the same bits
+    used = set(pb.indices.tolist())
+    free = [p for p in range(pb.num_pages) if p not in used]
+    n0 = int(pb.indptr[1])
+    assert len(free) >= n0
+    for j in range(n0):
+        src, dst = int(pb.indices[j]), free[j]
+        pb.k_pool[dst].copy_(pb.k_pool[src])
+        pb.v_pool[dst].copy_(pb.v_pool[src])
+        pb.indices[j] = dst
+    out.fill_(NAN)
+    w.run(pb.q, pb.cache, out=out)
+    torch.testing.assert_close(out, prev, rtol=0, atol=0)
 
 
 def test_wrapper_replan():
     g = gen(32)
     a = Decode([3, 50], 4, 2, 128, 16, BF16, g, kind="perm")
     b = Decode([200], 32, 1, 256, 64, FP16, g, kind="repeated")
+    c = Decode([9, 30, 4], 8, 2, 64, 32, BF16, g, qmode="packed", q_lens=[3, 1, 4])
     w = BatchDecodePagedTSWrapper()
-    for pb, mask in ((a, "causal"), (b, "dense"), (a, "dense")):
+    for pb, mask in ((a, "causal"), (b, "dense"), (c, "causal"), (a, "dense")):
         pb.last = _last_page_len(pb)
-        w.plan(pb.indptr, pb.indices, pb.last, pb.hq, pb.hkv, pb.d, pb.ps, mask_type=mask, q_data_type=pb.dtype)
-        assert rel_err(w.run(pb.q, pb.cache), gathered_ref(pb, mask)) <= TOLERANCE[pb.dtype]
+        w.plan(pb.indptr, pb.indices, pb.last, pb.hq, pb.hkv, pb.d, pb.ps, **pb.qkw(), mask_type=mask,
+               q_data_type=pb.dtype, kv_data_type=pb.dtype)
+        res = w.run(pb.q, pb.cache)
+        assert res.dtype == pb.dtype
+        assert rel_err(res, gathered_ref(pb, mask)) <= TOLERANCE[pb.dtype]
 
 
 # ----------------------------------------------------------------------------
@@ -525,10 +623,14 @@ def test_workspace_size_positive_int_and_deterministic():
             n = ws_size(b, hq, hkv, d, L, msq)
             assert type(n) is int and n > 0
             assert n == ws_size(b, hq, hkv, d, L, msq)
-            assert n == get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, L, max_seq_len_q=msq, device="cpu")
-    # the default max_seq_len_q is 1; a device string and a torch.device agree
+            assert n == get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, page_size=16, max_seq_len=L,
+                                                                 seq_len_q=msq, max_seq_len_q=msq, device="cpu")
+            packed = get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, 16, L, qo_indptr=ip(cumsum0([msq] * b)),
+                                                              max_seq_len_q=msq, device="cpu")
+            assert type(packed) is int and packed >= ws_size(b, hq, hkv, d, L, 1)
+    # the default query bound is 1; a device string and a torch.device agree
     assert ws_size(2, 8, 2, 128, 4096) == get_prims_ts_batch_decode_workspace_size(
-        2, 8, 2, 128, 4096, device=torch.device("cpu"))
+        2, 8, 2, 128, 16, 4096, device=torch.device("cpu"))
 
 
 def test_workspace_size_grows_with_max_seq_len_q():

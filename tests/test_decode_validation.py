@@ -10,8 +10,18 @@ the launch does not count.
 The standalone ``prims_ts_batch_decode_with_kv_cache`` trusts metadata *values*
 (no device-to-host synchronisation); only shapes, dtypes, devices, the workspace
 and scalars are checked — ``test_standalone_trusts_metadata_values`` checks that
-invalid values reach the op untouched and unread. ``BatchDecodePagedTSWrapper.plan``
-and the one-shot ``batch_decode_with_paged_kv_cache`` read and validate values.
+invalid values reach the op untouched and unread. Its static checks are cached per
+static key (shapes, dtypes, strides, devices and scalars); overlaps and the scales are
+checked on every call (``test_standalone_static_key_cache_*``). Every test here starts
+from an empty cache, so that each error case is refused by its own check.
+
+``BatchDecodePagedTSWrapper.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+num_qo_heads, num_kv_heads, head_dim, page_size, *, seq_len_q, qo_indptr, max_seq_len_q,
+q_data_type, kv_data_type, o_data_type, mask_type, window_left, max_kv_len)`` reads and
+validates the metadata values; ``run(q, paged_kv_cache, *, bmm1_scale, bmm2_scale, out)``
+checks the query, the cache, the scales and ``out`` against the plan. The one-shot
+``batch_decode_with_paged_kv_cache`` (the wrapper's plan + run) also checks every page ID
+against the cache.
 
 Devices: this file runs on a CPU-only machine, so "another device" is 'meta'.
 """
@@ -28,10 +38,14 @@ from prims_ts import (
     get_prims_ts_batch_decode_workspace_size,
     prims_ts_batch_decode_with_kv_cache,
 )
+import prims_ts
+import prims_ts.ops.decode as decode_ops
+from prims_ts.ops._validate import dtype_code
 from prims_ts.testing import huge_page_stride, recording_no_host_reads, reference_must_not_run
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, U8 = torch.int32, torch.uint8
+NAN = float("nan")
 D = 128
 HQ, HKV = 4, 2
 PS = 16
@@ -69,9 +83,17 @@ def make_pool(p=P, hkv=HKV, ps=PS, d=D, dtype=BF16, seed=3):
     return _rand(p, hkv, ps, d, dtype=dtype, seed=seed)
 
 
-def ws_bytes(batch=B, hq=HQ, hkv=HKV, d=D, max_seq_len=MAX_LEN, max_seq_len_q=1):
-    return get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=max_seq_len_q,
-                                                    device="cpu")
+def ws_bytes(batch=B, hq=HQ, hkv=HKV, d=D, max_seq_len=MAX_LEN, max_seq_len_q=1, page_size=PS):
+    """The workspace size for a query bound of max_seq_len_q (asked in the fixed multi-token form:
+    the size depends on the bound, not on how the queries are laid out)."""
+    return get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, page_size, max_seq_len,
+                                                    seq_len_q=max_seq_len_q, device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_static_checks(monkeypatch):
+    """An empty standalone check cache for each test (see the module docstring)."""
+    monkeypatch.setattr(decode_ops, "_CHECKED", {})
 
 
 def make_ws(nbytes=None, dtype=U8):
@@ -134,15 +156,18 @@ def _noncontig_inner(t):
     return view
 
 
-def _out_sharing(name):
-    """(metadata tensor holding the base values, out whose bytes start inside it)."""
-    values = {"paged_kv_indptr": INDPTR, "paged_kv_indices": INDICES, "seq_lens": LENS, "qo_indptr": QO}[name]
+def _out_sharing(name, values=None):
+    """(metadata tensor holding the base values, out sharing bytes with it): out is 16-byte aligned
+    (so that only the overlap is wrong); its last 4 bytes are the metadata's first."""
+    if values is None:
+        values = {"paged_kv_indptr": INDPTR, "paged_kv_indices": INDICES, "seq_lens": LENS, "qo_indptr": QO}[name]
     shape = _qp.shape if name == "qo_indptr" else _q.shape
-    n = math.prod(shape)
-    buf = torch.zeros(n * 2 + 64, dtype=U8)
-    meta = buf[:len(values) * 4].view(I32)
+    n = math.prod(shape) * 2
+    buf = torch.zeros(n + 256, dtype=U8)
+    out = buf[:n].view(BF16).view(shape)
+    meta = buf[n - 4:n - 4 + len(values) * 4].view(I32)
     meta.copy_(ip(values))
-    out = buf[4:4 + n * 2].view(BF16).view(shape)
+    assert out.data_ptr() % 16 == 0
     return meta, out
 
 
@@ -289,20 +314,23 @@ case("max_seq_len_bool", TypeError, "max_seq_len", lambda: base(max_seq_len=True
 case("max_seq_len_none", TypeError, "max_seq_len", lambda: base(max_seq_len=None))
 case("max_seq_len_tensor", TypeError, "max_seq_len", lambda: base(max_seq_len=torch.tensor(32)))
 # --- out overlapping an input, a metadata tensor or the workspace
-case("out_is_query", ValueError, r"\bout\b", lambda: base(out=_q))
+case("out_is_query", ValueError, r"\bout\b.*query", lambda: base(out=_q))
 _q3 = make_q(b=B + 1)
-case("out_in_query", ValueError, r"\bout\b", lambda: base(query=_q3[:B], out=_q3[1:B + 1]))
-case("out_in_combined_cache", ValueError, r"\bout\b", lambda: base(out=_kv.view(-1)[: _q.numel()].view(_q.shape)))
-case("out_tail_of_combined_cache", ValueError, r"\bout\b",
+case("out_in_query", ValueError, r"\bout\b.*query", lambda: base(query=_q3[:B], out=_q3[1:B + 1]))
+case("out_in_combined_cache", ValueError, r"\bout\b.*kv_cache",
+     lambda: base(out=_kv.view(-1)[: _q.numel()].view(_q.shape)))
+case("out_tail_of_combined_cache", ValueError, r"\bout\b.*kv_cache",
      lambda: base(out=_kv.view(-1)[-_q.numel():].view(_q.shape)))
-case("out_in_tuple_k", ValueError, r"\bout\b",
-     lambda: base(kv_cache=(_k, _v), out=_k.view(-1)[100:100 + _q.numel()].view(_q.shape)))
-case("out_in_tuple_v", ValueError, r"\bout\b",
+case("out_in_tuple_k", ValueError, r"\bout\b.*kv_cache",
+     lambda: base(kv_cache=(_k, _v), out=_k.view(-1)[128:128 + _q.numel()].view(_q.shape)))
+case("out_in_tuple_v", ValueError, r"\bout\b.*kv_cache",
      lambda: base(kv_cache=(_k, _v), out=_v.view(-1)[-_q.numel():].view(_q.shape)))
-case("out_overlaps_paged_kv_indptr", ValueError, r"\bout\b", lambda: _out_overlaps("paged_kv_indptr"))
-case("out_overlaps_paged_kv_indices", ValueError, r"\bout\b", lambda: _out_overlaps("paged_kv_indices"))
-case("out_overlaps_seq_lens", ValueError, r"\bout\b", lambda: _out_overlaps("seq_lens"))
-case("out_overlaps_qo_indptr", ValueError, r"\bout\b", lambda: _out_overlaps("qo_indptr"))
+case("out_overlaps_paged_kv_indptr", ValueError, r"\bout\b.*paged_kv_indptr",
+     lambda: _out_overlaps("paged_kv_indptr"))
+case("out_overlaps_paged_kv_indices", ValueError, r"\bout\b.*paged_kv_indices",
+     lambda: _out_overlaps("paged_kv_indices"))
+case("out_overlaps_seq_lens", ValueError, r"\bout\b.*seq_lens", lambda: _out_overlaps("seq_lens"))
+case("out_overlaps_qo_indptr", ValueError, r"\bout\b.*qo_indptr", lambda: _out_overlaps("qo_indptr"))
 case("out_overlaps_workspace", ValueError, r"\bout\b|workspace_buffer", lambda: _out_in_workspace())
 # --- out: shape, dtype, device, layout
 case("out_wrong_shape", ValueError, r"\bout\b", lambda: base(out=torch.empty(B, HQ, D + 128, dtype=BF16)))
@@ -405,7 +433,7 @@ def test_standalone_errors(exc, match, make):
 @pytest.mark.parametrize("name", ["query", "kv_cache", "paged_kv_indptr", "paged_kv_indices", "seq_lens"])
 def test_standalone_workspace_overlapping_an_input(name):
     args, kwargs = _ws_sharing(name)
-    expect(ValueError, "workspace_buffer", prims_ts_batch_decode_with_kv_cache, *args, **kwargs)
+    expect(ValueError, f"workspace_buffer.*{name}", prims_ts_batch_decode_with_kv_cache, *args, **kwargs)
 
 
 def test_error_leaves_out_and_workspace_untouched():
@@ -437,7 +465,8 @@ INVALID_VALUES = [
 @pytest.mark.parametrize("which", [0, 1])
 def test_standalone_trusts_metadata_values(mode, which):
     """Invalid metadata values (the caller's obligations per seed 003) raise nothing on the host: they
-    reach the op as the very same tensors, and no tensor value is read on the host on the way."""
+    reach the op as the very same tensors, and no tensor value is read on the host on the way. The
+    functional op gets the output dtype as its code and both ops the default tuning ("")."""
     mods = dict(INVALID_VALUES[which])
     if mode == "packed":
         mods["qo_indptr"] = [3, 1, 0]  # not starting at 0, decreasing, not ending at total_q
@@ -450,13 +479,19 @@ def test_standalone_trusts_metadata_values(mode, which):
     with recording_no_host_reads("batch_decode", "batch_decode") as rec:
         res = prims_ts_batch_decode_with_kv_cache(*args, **kw)
         res_out = prims_ts_batch_decode_with_kv_cache(*args, out=out, **kw)
-    assert res.shape == args[0].shape
+        res16 = prims_ts_batch_decode_with_kv_cache(*args, out_dtype=FP16, **kw)
+    assert res.shape == args[0].shape and res.dtype == args[0].dtype
     assert res_out is out
-    assert [c[0] for c in rec.calls] == ["batch_decode", "batch_decode_out"]
+    assert res16.dtype == FP16
+    assert [c[0] for c in rec.calls] == ["batch_decode", "batch_decode_out", "batch_decode"]
     for _, call in rec.calls:
         names = {id(call[i]) for i in range(len(call)) if isinstance(call[i], torch.Tensor)}
         for meta in (args[3], args[4], args[5]) + ((kw["qo_indptr"],) if "qo_indptr" in kw else ()):
             assert id(meta) in names, "a metadata tensor was copied or replaced before the op"
+        assert call[-1] == "", "the standalone runs the default tuning"
+    (_, functional), (_, with_out), (_, functional16) = rec.calls
+    assert functional[-2] == dtype_code(args[0].dtype) and functional16[-2] == dtype_code(FP16)
+    assert with_out[4] is out
 
 
 def test_standalone_does_not_modify_metadata():
@@ -468,7 +503,93 @@ def test_standalone_does_not_modify_metadata():
 
 
 # ----------------------------------------------------------------------------
-# get_prims_ts_batch_decode_workspace_size
+# The standalone's static checks are cached per static key; per-call facts are not
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def counted_static_checks(monkeypatch):
+    """Counts the standalone's static-check passes (the cache misses)."""
+    calls = []
+    real = decode_ops._standalone_checks
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(decode_ops, "_standalone_checks", counting)
+    return calls
+
+
+def test_standalone_static_key_cache_still_checks_per_call_inputs(counted_static_checks):
+    """A second call with the same static key skips the static checks, yet every per-call input that
+    is not part of the key is still refused: an out (of the cached layout) whose bytes are the query's,
+    the cache's, a metadata tensor's or the workspace's, a workspace (of the cached size) inside the
+    cache, and non-positive or non-finite scales. A refused call leaves the poisoned out untouched."""
+    out = torch.full(_q.shape, NAN, dtype=BF16)
+    args, kw = base(out=out)
+    assert prims_ts_batch_decode_with_kv_cache(*args, **kw) is out
+    assert not torch.isnan(out).any()
+    assert len(counted_static_checks) == 1
+    args, kw = base(out=out)  # new tensors, the same static facts
+    assert prims_ts_batch_decode_with_kv_cache(*args, **kw) is out
+    assert len(counted_static_checks) == 1  # the same static key: no second check pass
+    in_ws = torch.zeros(ws_bytes() + _q.numel() * 2, dtype=U8)
+    meta, out_in_meta = _out_sharing("paged_kv_indices")
+    per_call = [
+        (r"\bout\b.*query", base(out=_q)),
+        (r"\bout\b.*kv_cache", base(out=_kv.view(-1)[:_q.numel()].view(_q.shape))),
+        (r"\bout\b.*paged_kv_indices", base(paged_kv_indices=meta, out=out_in_meta)),
+        (r"\bout\b|workspace_buffer",
+         base(workspace_buffer=in_ws[:ws_bytes()], out=in_ws[ws_bytes() - 16:][:_q.numel() * 2].view(BF16)
+              .view(_q.shape))),
+        ("workspace_buffer.*kv_cache", base(workspace_buffer=_kv.view(-1).view(U8)[:ws_bytes()], out=out)),
+        ("bmm1_scale", base(bmm1_scale=0.0, out=out)),
+        ("bmm1_scale", base(bmm1_scale=-0.5, out=out)),
+        ("bmm1_scale", base(bmm1_scale=math.nan, out=out)),
+        ("bmm2_scale", base(bmm2_scale=math.inf, out=out)),
+        ("bmm2_scale", base(bmm2_scale=0.0, out=out)),
+    ]
+    for match, (a, k) in per_call:
+        out.fill_(NAN)
+        assert decode_ops._meta(k["out"]) == decode_ops._meta(out)  # the cached static key
+        expect(ValueError, match, prims_ts_batch_decode_with_kv_cache, *a, **k)
+        assert torch.isnan(out).all(), match
+    args, kw = base(bmm1_scale="0.1", out=out)
+    expect(TypeError, "bmm1_scale", prims_ts_batch_decode_with_kv_cache, *args, **kw)
+    assert len(counted_static_checks) == 1, "a per-call refusal re-ran the static checks"
+
+
+def test_standalone_static_key_cache_rechecks_a_changed_static_fact(counted_static_checks):
+    """Another dtype, shape or scalar is another static key: its static checks run (and refuse)."""
+    args, kw = base()
+    prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    assert len(counted_static_checks) == 1
+    changed = [
+        ("query|kv_cache", base(query=_q.half())),  # another query dtype, the cache's still bf16
+        ("kv_cache|query", base(kv_cache=_kv.half())),  # another cache dtype
+        ("out_dtype", base(out_dtype=torch.float64)),
+        (r"\bout\b", base(out=torch.empty(_q.shape, dtype=torch.float64))),
+        ("workspace_buffer", base(workspace_buffer=make_ws(ws_bytes() - 16))),  # another (too small) size
+        ("workspace_buffer", base(max_seq_len=4096)),  # another bound: a split-KV key needs more workspace
+        ("window_left", base(window_left=3)),
+        ("paged_kv_indices", base(paged_kv_indices=ip(INDICES, torch.int64))),
+    ]
+    for i, (match, (a, k)) in enumerate(changed):
+        expect(ValueError, match, prims_ts_batch_decode_with_kv_cache, *a, **k)
+        assert len(counted_static_checks) == 2 + i, match
+    # a valid new key (fp16 throughout) is checked once, then cached; the old key is still cached
+    args16, kw16 = base(query=_q.half(), kv_cache=_kv.half())
+    n = len(counted_static_checks)
+    for _ in range(2):
+        assert prims_ts_batch_decode_with_kv_cache(*args16, **kw16).dtype == FP16
+    prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    assert len(counted_static_checks) == n + 1
+
+
+# ----------------------------------------------------------------------------
+# get_prims_ts_batch_decode_workspace_size(batch_size, num_qo_heads, num_kv_heads, head_dim, page_size,
+#                                          max_seq_len, *, seq_len_q, qo_indptr, max_seq_len_q, ...)
 # ----------------------------------------------------------------------------
 
 WS_CASES = [
@@ -479,21 +600,65 @@ WS_CASES = [
     ("heads_not_multiple", ValueError, "num_qo_heads|num_kv_heads", dict(num_qo_heads=3)),
     ("head_dim_96", ValueError, "head_dim", dict(head_dim=96)),
     ("head_dim_str", TypeError, "head_dim", dict(head_dim="128")),
+    ("page_size_8", ValueError, "page_size", dict(page_size=8)),
+    ("page_size_48", ValueError, "page_size", dict(page_size=48)),
+    ("page_size_str", TypeError, "page_size", dict(page_size="16")),
+    # the old positional order (max_seq_len 5th) lands a length in page_size: refused, not misread
+    ("old_positional_order", ValueError, "page_size", dict(page_size=MAX_LEN * 128)),
     ("max_seq_len_0", ValueError, "max_seq_len", dict(max_seq_len=0)),
     ("max_seq_len_past_bound", ValueError, "max_seq_len", dict(max_seq_len=BOUND + 1)),
     ("max_seq_len_float", TypeError, "max_seq_len", dict(max_seq_len=32.0)),
     ("max_seq_len_q_0", ValueError, "max_seq_len_q", dict(max_seq_len_q=0)),
+    ("max_seq_len_q_vs_seq_len_q", ValueError, "max_seq_len_q", dict(seq_len_q=2, max_seq_len_q=3)),
+    ("max_seq_len_q_without_qo", ValueError, "max_seq_len_q", dict(max_seq_len_q=3)),
+    ("seq_len_q_0", ValueError, "seq_len_q", dict(seq_len_q=0)),
+    ("seq_len_q_float", TypeError, "seq_len_q", dict(seq_len_q=2.0)),
+    ("packed_without_max_seq_len_q", ValueError, "max_seq_len_q", dict(qo_indptr=ip(QO))),
+    ("packed_seq_len_q_2", ValueError, "seq_len_q", dict(qo_indptr=ip(QO), max_seq_len_q=3, seq_len_q=2)),
+    ("packed_qo_vs_batch", ValueError, "qo_indptr", dict(qo_indptr=ip([0, 1, 3, 5]), max_seq_len_q=3)),
+    ("packed_qo_int64", ValueError, "qo_indptr", dict(qo_indptr=ip(QO, torch.int64), max_seq_len_q=3)),
+    ("q_dtype_float32", ValueError, "q_dtype", dict(q_dtype=FP32)),
+    ("q_dtype_str", TypeError, "q_dtype", dict(q_dtype="float16")),
+    ("kv_dtype_vs_q_dtype", ValueError, "kv_dtype", dict(q_dtype=FP16, kv_dtype=BF16)),
+    ("kv_dtype_float32", ValueError, "kv_dtype", dict(kv_dtype=FP32)),
+    ("out_dtype_float64", ValueError, "out_dtype", dict(out_dtype=torch.float64)),
+    ("out_dtype_str", TypeError, "out_dtype", dict(out_dtype="float32")),
+    ("mask_unknown", ValueError, "mask_type", dict(mask_type="full")),
+    ("window_without_causal", ValueError, "window_left", dict(window_left=3)),
+    ("window_minus_2", ValueError, "window_left", dict(mask_type="causal", window_left=-2)),
+    ("kv_layout_NHD", ValueError, "kv_layout", dict(kv_layout="NHD")),
+    ("kv_layout_none", TypeError, "kv_layout", dict(kv_layout=None)),
+    ("packed_qo_list", TypeError, "qo_indptr", dict(qo_indptr=list(QO), max_seq_len_q=3)),
 ]
 
 
-@pytest.mark.parametrize("exc,match,mods", [c[1:] for c in WS_CASES], ids=[c[0] for c in WS_CASES])
+def _params(cases):
+    """(id, exc, match, make-or-mods[, marks]) rows as pytest params."""
+    return [pytest.param(*c[1:4], marks=c[4] if len(c) > 4 else (), id=c[0]) for c in cases]
+
+
+@pytest.mark.parametrize("exc,match,mods", _params(WS_CASES))
 def test_workspace_size_errors(exc, match, mods):
-    kw = dict(batch_size=B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq_len=MAX_LEN)
+    kw = dict(batch_size=B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS, max_seq_len=MAX_LEN)
     kw.update(mods)
     with pytest.raises(exc, match=match):
         get_prims_ts_batch_decode_workspace_size(kw.pop("batch_size"), kw.pop("num_qo_heads"),
-                                                 kw.pop("num_kv_heads"), kw.pop("head_dim"), kw.pop("max_seq_len"),
-                                                 device="cpu", **kw)
+                                                 kw.pop("num_kv_heads"), kw.pop("head_dim"), kw.pop("page_size"),
+                                                 kw.pop("max_seq_len"), device="cpu", **kw)
+
+
+def test_workspace_size_accepts_every_query_form():
+    """Single, fixed multi-token and packed forms (packed with its explicit bound); page_size is the
+    5th positional argument and may be given by name."""
+    one = get_prims_ts_batch_decode_workspace_size(B, HQ, HKV, D, PS, 4096, device="cpu")
+    assert one == get_prims_ts_batch_decode_workspace_size(B, HQ, HKV, D, max_seq_len=4096, page_size=PS,
+                                                           device="cpu")
+    fixed3 = get_prims_ts_batch_decode_workspace_size(B, HQ, HKV, D, PS, 4096, seq_len_q=3, max_seq_len_q=3,
+                                                      device="cpu")
+    packed3 = get_prims_ts_batch_decode_workspace_size(B, HQ, HKV, D, PS, 4096, qo_indptr=ip(QO), max_seq_len_q=3,
+                                                       q_dtype=BF16, kv_dtype=BF16, out_dtype=FP32,
+                                                       mask_type="causal", window_left=4, device="cpu")
+    assert min(one, fixed3, packed3) >= 256 and fixed3 >= one and packed3 >= one
 
 
 # ----------------------------------------------------------------------------
@@ -507,32 +672,42 @@ HEADS = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS)
 def plan_args(indptr=INDPTR, indices=INDICES, last=LAST, **kw):
     conv = [ip(x) if isinstance(x, list) else x for x in (indptr, indices, last)]
     args = dict(HEADS)
+    for key in ("qo_indptr",):
+        if isinstance(kw.get(key), list):
+            kw[key] = ip(kw[key])
     args.update(kw)
     args = {k: v for k, v in args.items() if v is not DROP}
     return tuple(conv), args
 
 
 PLAN_CASES = [
-    ("indptr_not_start_0", ValueError, "indptr", lambda: plan_args(indptr=[1, 2, 3])),
-    ("indptr_not_strict", ValueError, "indptr", lambda: plan_args(indptr=[0, 3, 3])),
-    ("indptr_zero_pages_first", ValueError, "indptr", lambda: plan_args(indptr=[0, 0, 3])),
-    ("indptr_decreasing", ValueError, "indptr", lambda: plan_args(indptr=[0, 3, 2], last=[4, 5])),
-    ("indptr_end_short", ValueError, "indptr", lambda: plan_args(indptr=[0, 1, 2])),
-    ("indptr_end_past", ValueError, "indptr", lambda: plan_args(indptr=[0, 2, 4])),
-    ("indptr_int64", ValueError, "indptr", lambda: plan_args(indptr=ip(INDPTR, torch.int64))),
-    ("indptr_single_entry", ValueError, "indptr|last_page_len",
+    # --- CSR page metadata
+    ("indptr_not_start_0", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=[1, 2, 3])),
+    ("indptr_not_strict", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=[0, 3, 3])),
+    ("indptr_zero_pages_first", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=[0, 0, 3])),
+    ("indptr_decreasing", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=[0, 3, 2], last=[4, 5])),
+    ("indptr_end_short", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=[0, 1, 2])),
+    ("indptr_end_past", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=[0, 2, 4])),
+    ("indptr_int64", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=ip(INDPTR, torch.int64))),
+    ("indptr_rank2", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=ip([INDPTR]))),
+    ("indptr_noncontig", ValueError, "paged_kv_indptr", lambda: plan_args(indptr=ip([0, 9, 2, 9, 3, 9])[::2])),
+    ("indptr_single_entry", ValueError, "paged_kv_indptr|last_page_len",
      lambda: plan_args(indptr=[0], indices=[], last=[])),
-    ("indptr_list", TypeError, "indptr", lambda: plan_args(indptr=tuple(INDPTR))),
-    ("last_page_len_0", ValueError, "last_page_len", lambda: plan_args(last=[0, 5])),
-    ("last_page_len_gt_page_size", ValueError, "last_page_len", lambda: plan_args(last=[4, PS + 1])),
-    ("last_page_len_negative", ValueError, "last_page_len", lambda: plan_args(last=[-3, 5])),
-    ("last_page_len_wrong_length", ValueError, "last_page_len", lambda: plan_args(last=[4, 5, 6])),
-    ("last_page_len_int64", ValueError, "last_page_len", lambda: plan_args(last=ip(LAST, torch.int64))),
+    ("indptr_list", TypeError, "paged_kv_indptr", lambda: plan_args(indptr=tuple(INDPTR))),
+    ("indptr_meta", ValueError, "paged_kv_indptr|paged_kv_indices", lambda: plan_args(indptr=ip(INDPTR).to("meta"))),
+    ("last_page_len_0", ValueError, "paged_kv_last_page_len", lambda: plan_args(last=[0, 5])),
+    ("last_page_len_gt_page_size", ValueError, "paged_kv_last_page_len", lambda: plan_args(last=[4, PS + 1])),
+    ("last_page_len_negative", ValueError, "paged_kv_last_page_len", lambda: plan_args(last=[-3, 5])),
+    ("last_page_len_wrong_length", ValueError, "paged_kv_last_page_len", lambda: plan_args(last=[4, 5, 6])),
+    ("last_page_len_int64", ValueError, "paged_kv_last_page_len", lambda: plan_args(last=ip(LAST, torch.int64))),
     ("last_page_len_meta", ValueError, "last_page_len|indptr", lambda: plan_args(last=ip(LAST).to("meta"))),
-    ("page_id_negative", ValueError, "indices", lambda: plan_args(indices=[3, -1, 5])),
-    ("page_id_min_int", ValueError, "indices", lambda: plan_args(indices=[3, 1, -2**31])),
-    ("indices_int64", ValueError, "indices", lambda: plan_args(indices=ip(INDICES, torch.int64))),
+    ("last_page_len_list", TypeError, "paged_kv_last_page_len", lambda: plan_args(last=tuple(LAST))),
+    ("page_id_negative", ValueError, "paged_kv_indices", lambda: plan_args(indices=[3, -1, 5])),
+    ("page_id_min_int", ValueError, "paged_kv_indices", lambda: plan_args(indices=[3, 1, -2**31])),
+    ("indices_int64", ValueError, "paged_kv_indices", lambda: plan_args(indices=ip(INDICES, torch.int64))),
     ("indices_meta", ValueError, "indices|indptr", lambda: plan_args(indices=ip(INDICES).to("meta"))),
+    ("indices_tuple", TypeError, "paged_kv_indices", lambda: plan_args(indices=tuple(INDICES))),
+    # --- static arguments
     ("page_size_8", ValueError, "page_size", lambda: plan_args(page_size=8)),
     ("page_size_48", ValueError, "page_size", lambda: plan_args(page_size=48)),
     ("page_size_256", ValueError, "page_size", lambda: plan_args(page_size=256)),
@@ -541,10 +716,17 @@ PLAN_CASES = [
     ("q_data_type_str", TypeError, "q_data_type", lambda: plan_args(q_data_type="bfloat16")),
     ("q_data_type_none", TypeError, "q_data_type", lambda: plan_args(q_data_type=None)),
     ("q_data_type_float32", ValueError, "q_data_type", lambda: plan_args(q_data_type=FP32)),
-    ("max_seq_len_below_longest", ValueError, "max_seq_len", lambda: plan_args(max_seq_len=19)),
-    ("max_seq_len_0", ValueError, "max_seq_len", lambda: plan_args(max_seq_len=0)),
-    ("max_seq_len_past_bound", ValueError, "max_seq_len", lambda: plan_args(max_seq_len=BOUND + 1)),
-    ("max_seq_len_float", TypeError, "max_seq_len", lambda: plan_args(max_seq_len=32.0)),
+    ("kv_data_type_vs_q_data_type", ValueError, "kv_data_type", lambda: plan_args(q_data_type=BF16,
+                                                                                 kv_data_type=FP16)),
+    ("kv_data_type_fp8", ValueError, "kv_data_type", lambda: plan_args(kv_data_type=torch.float8_e4m3fn)),
+    ("kv_data_type_str", TypeError, "kv_data_type", lambda: plan_args(kv_data_type="float16")),
+    ("o_data_type_float64", ValueError, "o_data_type", lambda: plan_args(o_data_type=torch.float64)),
+    ("o_data_type_int32", ValueError, "o_data_type", lambda: plan_args(o_data_type=I32)),
+    ("o_data_type_str", TypeError, "o_data_type", lambda: plan_args(o_data_type="float32")),
+    ("max_kv_len_below_longest", ValueError, "max_kv_len", lambda: plan_args(max_kv_len=19)),
+    ("max_kv_len_0", ValueError, "max_kv_len", lambda: plan_args(max_kv_len=0)),
+    ("max_kv_len_past_bound", ValueError, "max_kv_len", lambda: plan_args(max_kv_len=BOUND + 1)),
+    ("max_kv_len_float", TypeError, "max_kv_len", lambda: plan_args(max_kv_len=32.0)),
     ("num_qo_heads_zero", ValueError, "num_qo_heads", lambda: plan_args(num_qo_heads=0)),
     ("num_kv_heads_float", TypeError, "num_kv_heads", lambda: plan_args(num_kv_heads=2.0)),
     ("heads_not_multiple", ValueError, "num_qo_heads|num_kv_heads", lambda: plan_args(num_qo_heads=3)),
@@ -553,32 +735,66 @@ PLAN_CASES = [
     ("mask_unknown", ValueError, "mask_type", lambda: plan_args(mask_type="full")),
     ("window_without_causal", ValueError, "window_left", lambda: plan_args(window_left=3)),
     ("window_minus_2", ValueError, "window_left", lambda: plan_args(mask_type="causal", window_left=-2)),
-    ("sm_scale_inf", ValueError, "sm_scale", lambda: plan_args(sm_scale=math.inf)),
-    ("sm_scale_str", TypeError, "sm_scale", lambda: plan_args(sm_scale="0.1")),
-    ("output_scale_zero", ValueError, "output_scale", lambda: plan_args(output_scale=0.0)),
-    ("output_scale_negative", ValueError, "output_scale", lambda: plan_args(output_scale=-2.0)),
-    ("out_dtype_float64", ValueError, "out_dtype", lambda: plan_args(out_dtype=torch.float64)),
+    # --- query modes: fixed multi-token (seq_len_q) and packed (qo_indptr)
+    ("seq_len_q_0", ValueError, "seq_len_q", lambda: plan_args(seq_len_q=0)),
+    ("seq_len_q_float", TypeError, "seq_len_q", lambda: plan_args(seq_len_q=2.0)),
+    ("seq_len_q_none", TypeError, "seq_len_q", lambda: plan_args(seq_len_q=None)),
+    ("max_seq_len_q_vs_seq_len_q", ValueError, "max_seq_len_q", lambda: plan_args(seq_len_q=3, max_seq_len_q=4)),
+    ("max_seq_len_q_vs_default_seq_len_q", ValueError, "max_seq_len_q", lambda: plan_args(max_seq_len_q=2)),
+    ("max_seq_len_q_0", ValueError, "max_seq_len_q", lambda: plan_args(max_seq_len_q=0)),
+    ("max_seq_len_q_float", TypeError, "max_seq_len_q", lambda: plan_args(max_seq_len_q=1.0)),
+    ("causal_fixed_q_past_len", ValueError, "causal", lambda: plan_args(seq_len_q=6, mask_type="causal")),
+    ("packed_seq_len_q_2", ValueError, "seq_len_q", lambda: plan_args(qo_indptr=QO, seq_len_q=2)),
+    ("packed_max_seq_len_q_below_counts", ValueError, "max_seq_len_q",
+     lambda: plan_args(qo_indptr=QO, max_seq_len_q=2)),
+    ("packed_qo_not_start_0", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[1, 3, 5])),
+    ("packed_qo_decreasing", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0, 3, 2])),
+    ("packed_qo_empty_request", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0, 3, 3])),
+    ("packed_qo_wrong_length", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0, 1, 3, 5])),
+    ("packed_qo_int64", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=ip(QO, torch.int64))),
+    ("packed_qo_meta", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=ip(QO).to("meta"))),
+    ("packed_qo_list", TypeError, "qo_indptr", lambda: plan_args(qo_indptr=tuple(QO))),
+    ("causal_packed_q_past_len", ValueError, "causal",
+     lambda: plan_args(qo_indptr=QO, last=[4, 1], mask_type="causal")),  # request 1: 2 queries, 1 key
 ]
 
 
-@pytest.mark.parametrize("exc,match,make", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+@pytest.mark.parametrize("exc,match,make", _params(PLAN_CASES))
 def test_wrapper_plan_errors(exc, match, make):
     args, kwargs = make()
     expect(exc, match, BatchDecodePagedTSWrapper().plan, *args, **kwargs)
 
 
+def test_failed_plan_keeps_the_previous_plan():
+    """A refused plan changes nothing: the wrapper still runs its previous plan."""
+    w, _ = planned()
+    want = w.run(_q, _kv)
+    args, kwargs = plan_args(max_kv_len=19, q_data_type=BF16)
+    expect(ValueError, "max_kv_len", w.plan, *args, **kwargs)
+    torch.testing.assert_close(w.run(_q, _kv), want, rtol=0, atol=0)
+
+
 def test_wrapper_plan_accepts_edge_values():
-    """last_page_len == page_size, max_seq_len == the longest request, the largest bound."""
-    for kw in (dict(last=[PS, PS], max_seq_len=2 * PS), dict(last=[1, 1], max_seq_len=17), dict(max_seq_len=BOUND),
-               dict(max_seq_len=DROP)):
+    """last_page_len == page_size, max_kv_len == the longest request, the largest bound, explicit
+    defaults, a packed bound above the largest count, kv_data_type equal to q_data_type."""
+    for kw in (dict(last=[PS, PS], max_kv_len=2 * PS), dict(last=[1, 1], max_kv_len=17), dict(max_kv_len=BOUND),
+               dict(max_kv_len=DROP), dict(kv_data_type=BF16, o_data_type=FP32, seq_len_q=1, max_seq_len_q=1),
+               dict(mask_type="causal", window_left=0)):
         w = BatchDecodePagedTSWrapper()
         args, kwargs = plan_args(q_data_type=BF16, **kw)
         w.plan(*args, **kwargs)
         assert w.run(_q, _kv).shape == _q.shape
+    for kw, q in ((dict(seq_len_q=3, max_seq_len_q=3, mask_type="causal"), _q4),
+                  (dict(qo_indptr=QO, max_seq_len_q=7, mask_type="causal"), _qp),
+                  (dict(qo_indptr=QO, seq_len_q=1), _qp)):
+        w = BatchDecodePagedTSWrapper()
+        args, kwargs = plan_args(q_data_type=BF16, **kw)
+        w.plan(*args, **kwargs)
+        assert w.run(q, _kv).shape == q.shape
 
 
 # ----------------------------------------------------------------------------
-# BatchDecodePagedTSWrapper.run
+# BatchDecodePagedTSWrapper.run(q, paged_kv_cache, *, bmm1_scale, bmm2_scale, out)
 # ----------------------------------------------------------------------------
 
 
@@ -591,27 +807,32 @@ def planned(**kw):
 
 
 def test_wrapper_run_before_plan():
-    with pytest.raises((RuntimeError, ValueError), match="plan"):
+    with pytest.raises(RuntimeError, match=r"^plan\(\) must be called before run\(\)$"):
         BatchDecodePagedTSWrapper().run(_q, _kv)
+    with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
+        BatchDecodePagedTSWrapper(tuning=prims_ts.Tuning(merge_staged=True)).run(_q, (_k, _v), out=_q.clone())
 
 
 def test_wrapper_base_run_is_valid():
     w, _ = planned(mask_type="causal")
     out = torch.empty(_q.shape, dtype=BF16)
     assert w.run(_q, _kv, out=out) is out
-    # a cache with exactly max_page + 1 pages is enough; a tuple cache works too
+    # a cache with exactly max_page + 1 pages is enough; a tuple cache works too; scales at run
     max_page = max(INDICES)
     assert w.run(_q, _kv[:max_page + 1]).shape == _q.shape
-    assert w.run(_q, (_k, _v)).shape == _q.shape
+    assert w.run(_q, (_k, _v), bmm1_scale=0.05, bmm2_scale=2.0).shape == _q.shape
 
 
 RUN_CASES = [
+    # (id, plan kwargs, exc, match, make -> (q, cache[, out]) or (q, cache, out, run kwargs))
     ("q_other_batch", {}, ValueError, r"\bq\b", lambda: (make_q(b=3), _kv)),
     ("q_other_heads", {}, ValueError, r"\bq\b", lambda: (make_q(hq=2 * HQ), _kv)),
     ("q_other_head_dim", {}, ValueError, r"\bq\b", lambda: (make_q(d=256), make_cache(d=256))),
     ("q_rank4", {}, ValueError, r"\bq\b", lambda: (_q.unsqueeze(1), _kv)),
     ("q_fp16_vs_plan_bf16", {}, ValueError, r"\bq\b", lambda: (_q.half(), _kv.half())),
     ("q_bf16_vs_plan_fp16", dict(q_data_type=FP16), ValueError, r"\bq\b", lambda: (_q, _kv)),
+    ("q_float32", {}, ValueError, r"\bq\b", lambda: (_q.float(), _kv)),
+    ("q_not_tensor", {}, TypeError, r"\bq\b", lambda: (_q.tolist(), _kv)),
     ("cache_dtype_vs_q", {}, ValueError, r"query|\bq\b|cache", lambda: (_q, _kv.half())),
     ("cache_too_few_pages", {}, ValueError, "paged_kv_cache", lambda: (_q, _kv[:max(INDICES)])),
     ("tuple_cache_too_few_pages", {}, ValueError, "paged_kv_cache",
@@ -622,31 +843,77 @@ RUN_CASES = [
     ("cache_other_heads", {}, ValueError, "paged_kv_cache|heads", lambda: (_q, make_cache(hkv=1))),
     ("cache_dim1_3", {}, ValueError, "paged_kv_cache", lambda: (_q, make_cache(two=3))),
     ("cache_tuple_of_3", {}, ValueError, "paged_kv_cache", lambda: (_q, (_k, _v, _v))),
+    ("cache_tuple_dtypes_differ", {}, ValueError, "paged_kv_cache", lambda: (_q, (_k, _v.half()))),
+    ("cache_inner_noncontig", {}, ValueError, "paged_kv_cache", lambda: (_q, _noncontig_inner(_kv))),
+    ("cache_none", {}, TypeError, "paged_kv_cache", lambda: (_q, None)),
     ("out_is_q", {}, ValueError, r"\bout\b", lambda: (_q, _kv, _q)),
     ("out_in_cache", {}, ValueError, r"\bout\b", lambda: (_q, _kv, _kv.view(-1)[: _q.numel()].view(_q.shape))),
+    ("out_in_tuple_v", {}, ValueError, r"\bout\b",
+     lambda: (_q, (_k, _v), _v.view(-1)[-_q.numel():].view(_q.shape))),
     ("out_wrong_dtype", {}, ValueError, r"\bout\b", lambda: (_q, _kv, torch.empty(_q.shape, dtype=FP16))),
+    ("out_vs_o_data_type", dict(o_data_type=FP32), ValueError, r"\bout\b",
+     lambda: (_q, _kv, torch.empty(_q.shape, dtype=BF16))),
     ("out_wrong_shape", {}, ValueError, r"\bout\b", lambda: (_q, _kv, torch.empty(B, HQ, D + 1, dtype=BF16))),
+    ("out_noncontig", {}, ValueError, r"\bout\b",
+     lambda: (_q, _kv, torch.empty(B, D, HQ, dtype=BF16).transpose(1, 2))),
+    ("out_misaligned", {}, ValueError, r"\bout\b",
+     lambda: (_q, _kv, torch.empty(_q.numel() + 8, dtype=BF16)[1:1 + _q.numel()].view(_q.shape))),
+    ("out_meta", {}, ValueError, r"\bout\b", lambda: (_q, _kv, torch.empty(_q.shape, dtype=BF16, device="meta"))),
+    ("out_not_tensor", {}, TypeError, r"\bout\b", lambda: (_q, _kv, 0)),
     ("q_meta", {}, ValueError, r"\bq\b|query|cache|indptr", lambda: (_q.to("meta"), _kv)),
+    # --- multi-token and packed plans: the query must have the planned shape
+    ("fixed3_plan_single_q", dict(seq_len_q=3), ValueError, r"\bq\b", lambda: (_q, _kv)),
+    ("fixed3_plan_sq2_q", dict(seq_len_q=3), ValueError, r"\bq\b", lambda: (make_q(sq=2), _kv)),
+    ("fixed3_plan_packed_q", dict(seq_len_q=3), ValueError, r"\bq\b",
+     lambda: (_rand(B * 3, HQ, D, seed=7), _kv)),
+    ("fixed3_plan_out_single", dict(seq_len_q=3), ValueError, r"\bout\b",
+     lambda: (_q4, _kv, torch.empty(_q.shape, dtype=BF16))),
+    ("packed_plan_single_q", dict(qo_indptr=QO), ValueError, r"\bq\b", lambda: (_q, _kv)),
+    ("packed_plan_rows_4", dict(qo_indptr=QO), ValueError, r"\bq\b", lambda: (_qp[:4], _kv)),
+    ("packed_plan_rank4_q", dict(qo_indptr=QO), ValueError, r"\bq\b", lambda: (_qp.unsqueeze(0), _kv)),
+    ("packed_plan_out_rows_4", dict(qo_indptr=QO), ValueError, r"\bout\b",
+     lambda: (_qp, _kv, torch.empty(4, HQ, D, dtype=BF16))),
+    # --- scales are run arguments, checked on every run
+    ("bmm1_scale_zero", {}, ValueError, "bmm1_scale", lambda: (_q, _kv, None, dict(bmm1_scale=0.0))),
+    ("bmm1_scale_negative", {}, ValueError, "bmm1_scale", lambda: (_q, _kv, None, dict(bmm1_scale=-0.1))),
+    ("bmm1_scale_nan", {}, ValueError, "bmm1_scale", lambda: (_q, _kv, None, dict(bmm1_scale=math.nan))),
+    ("bmm1_scale_inf", {}, ValueError, "bmm1_scale", lambda: (_q, _kv, None, dict(bmm1_scale=math.inf))),
+    ("bmm1_scale_str", {}, TypeError, "bmm1_scale", lambda: (_q, _kv, None, dict(bmm1_scale="0.1"))),
+    ("bmm1_scale_tensor", {}, TypeError, "bmm1_scale",
+     lambda: (_q, _kv, None, dict(bmm1_scale=torch.tensor(0.1)))),
+    ("bmm2_scale_zero", {}, ValueError, "bmm2_scale", lambda: (_q, _kv, None, dict(bmm2_scale=0.0))),
+    ("bmm2_scale_negative", {}, ValueError, "bmm2_scale", lambda: (_q, _kv, None, dict(bmm2_scale=-2.0))),
+    ("bmm2_scale_inf", {}, ValueError, "bmm2_scale", lambda: (_q, _kv, None, dict(bmm2_scale=-math.inf))),
+    ("bmm2_scale_none", {}, TypeError, "bmm2_scale", lambda: (_q, _kv, None, dict(bmm2_scale=None))),
+    ("bmm2_scale_bool", {}, TypeError, "bmm2_scale", lambda: (_q, _kv, None, dict(bmm2_scale=True))),
+    # --- the query's layout (the old run went through the standalone, which refuses these on every device)
+    ("q_inner_noncontig", {}, ValueError, r"\bq\b|query", lambda: (_noncontig_inner(_q), _kv)),
+    ("q_misaligned", {}, ValueError, r"\bq\b|query",
+     lambda: (torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape), _kv)),
 ]
 
 
-@pytest.mark.parametrize("name,plan_kw,exc,match,make", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+@pytest.mark.parametrize("name,plan_kw,exc,match,make",
+                         [pytest.param(*c[:5], marks=c[5] if len(c) > 5 else (), id=c[0]) for c in RUN_CASES])
 def test_wrapper_run_errors(name, plan_kw, exc, match, make):
     w, _ = planned(**plan_kw)
     args = make()
-    kwargs = {"out": args[2]} if len(args) == 3 else {}
+    kwargs = dict(args[3]) if len(args) > 3 else {}
+    if len(args) > 2 and args[2] is not None:
+        kwargs["out"] = args[2]
     expect(exc, match, w.run, *args[:2], **kwargs)
 
 
-@pytest.mark.parametrize("which", ["indptr", "indices", "last_page_len"])
-def test_wrapper_run_out_overlapping_planned_metadata(which):
-    values = {"indptr": INDPTR, "indices": INDICES, "last_page_len": LAST}[which]
-    buf = torch.zeros(_q.numel() * 2 + 64, dtype=U8)
-    meta = buf[:len(values) * 4].view(I32)
-    meta.copy_(ip(values))
-    out = buf[4:4 + _q.numel() * 2].view(BF16).view(_q.shape)
-    w, _ = planned(**{{"indptr": "indptr", "indices": "indices", "last_page_len": "last"}[which]: meta})
-    expect(ValueError, r"\bout\b", w.run, _q, _kv, out=out)
+@pytest.mark.parametrize("which", ["paged_kv_indptr", "paged_kv_indices", "qo_indptr"])
+def test_wrapper_run_out_overlapping_bound_metadata(which):
+    """The plan binds paged_kv_indptr, paged_kv_indices and qo_indptr (run reads them): out must not
+    overlap them."""
+    q = _qp if which == "qo_indptr" else _q
+    meta, out = _out_sharing(which)
+    key = {"paged_kv_indptr": "indptr", "paged_kv_indices": "indices", "qo_indptr": "qo_indptr"}[which]
+    w, _ = planned(**{key: meta})
+    expect(ValueError, rf"\bout\b.*{which}", w.run, q, _kv, out=out)
+    assert w.run(q, _kv, out=torch.empty(q.shape, dtype=BF16)).shape == q.shape
 
 
 # ----------------------------------------------------------------------------
@@ -659,7 +926,7 @@ def oneshot_args(**mods):
                 paged_kv_last_page_len=ip(LAST))
     kwargs = {}
     for key, val in mods.items():
-        if isinstance(val, list) and key.startswith("paged_kv_") and key != "paged_kv_cache":
+        if isinstance(val, list) and (key.startswith("paged_kv_") or key == "qo_indptr") and key != "paged_kv_cache":
             val = ip(val)
         (args if key in args else kwargs)[key] = val
     return tuple(args.values()), kwargs
@@ -685,17 +952,35 @@ ONESHOT_WRAPPER_CASES = [
      lambda: oneshot_args(paged_kv_last_page_len=[4, PS + 1])),
     ("page_size_8", ValueError, "page_size|page size", lambda: oneshot_args(paged_kv_cache=make_cache(ps=8))),
     ("window_without_causal", ValueError, "window_left", lambda: oneshot_args(window_left=2)),
+    ("kv_layout_NHD", ValueError, "kv_layout", lambda: oneshot_args(kv_layout="NHD")),
     ("q_rank4", ValueError, r"\bq\b", lambda: oneshot_args(q=_q4)),
-    ("q_fp16_cache_bf16", ValueError, r"\bq\b|query|cache", lambda: oneshot_args(q=_q.half())),
+    ("q_fp16_cache_bf16", ValueError, r"\bq\b|query|cache|kv_data_type", lambda: oneshot_args(q=_q.half())),
     ("head_dim_96", ValueError, r"head|query|\bq\b", lambda: oneshot_args(q=make_q(d=96),
                                                                          paged_kv_cache=make_cache(d=96))),
-    ("sm_scale_nan", ValueError, "sm_scale", lambda: oneshot_args(sm_scale=math.nan)),
+    ("bmm1_scale_nan", ValueError, "bmm1_scale", lambda: oneshot_args(bmm1_scale=math.nan)),
+    ("bmm1_scale_zero", ValueError, "bmm1_scale", lambda: oneshot_args(bmm1_scale=0.0)),
+    ("bmm2_scale_negative", ValueError, "bmm2_scale", lambda: oneshot_args(bmm2_scale=-1.0)),
     ("out_is_q", ValueError, r"\bout\b", lambda: oneshot_args(out=_q)),
+    ("out_dtype_disagrees", ValueError, r"\bout\b|out_dtype",
+     lambda: oneshot_args(out=torch.empty(_q.shape, dtype=BF16), out_dtype=FP32)),
+    ("out_dtype_float64", ValueError, "out_dtype", lambda: oneshot_args(out_dtype=torch.float64)),
+    # --- multi-token and packed queries
+    ("fixed_seq_len_q_vs_q", ValueError, r"\bq\b|seq_len_q", lambda: oneshot_args(q=_q4, seq_len_q=2)),
+    ("fixed_max_seq_len_q_vs_seq_len_q", ValueError, "max_seq_len_q",
+     lambda: oneshot_args(q=_q4, seq_len_q=3, max_seq_len_q=4)),
+    ("fixed_causal_q_past_len", ValueError, "causal",
+     lambda: oneshot_args(q=make_q(sq=6), seq_len_q=6, mask_type="causal")),
+    ("packed_qo_not_start_0", ValueError, "qo_indptr", lambda: oneshot_args(q=_qp, qo_indptr=[1, 3, 5])),
+    ("packed_qo_vs_q_rows", ValueError, r"\bq\b", lambda: oneshot_args(q=_qp, qo_indptr=[0, 3, 4])),
+    ("packed_max_seq_len_q_below_counts", ValueError, "max_seq_len_q",
+     lambda: oneshot_args(q=_qp, qo_indptr=QO, max_seq_len_q=2)),
+    ("packed_seq_len_q_2", ValueError, "seq_len_q", lambda: oneshot_args(q=_qp, qo_indptr=QO, seq_len_q=2)),
+    ("packed_causal_q_past_len", ValueError, "causal",
+     lambda: oneshot_args(q=_qp, qo_indptr=QO, paged_kv_last_page_len=[4, 1], mask_type="causal")),
 ]
 
 
-@pytest.mark.parametrize("exc,match,make", [c[1:] for c in ONESHOT_WRAPPER_CASES],
-                         ids=[c[0] for c in ONESHOT_WRAPPER_CASES])
+@pytest.mark.parametrize("exc,match,make", _params(ONESHOT_WRAPPER_CASES))
 def test_oneshot_errors(exc, match, make):
     args, kwargs = make()
     expect(exc, match, batch_decode_with_paged_kv_cache, *args, **kwargs)
@@ -707,6 +992,10 @@ def test_oneshot_base_is_valid():
     args, kw = oneshot_args(paged_kv_cache=_kv[:max(INDICES) + 1])  # exactly enough pages
     out = torch.empty(_q.shape, dtype=FP32)
     assert batch_decode_with_paged_kv_cache(*args, out=out, **kw) is out
+    args, kw = oneshot_args(q=_q4, seq_len_q=3, mask_type="causal", bmm1_scale=0.1, bmm2_scale=2.0)
+    assert batch_decode_with_paged_kv_cache(*args, **kw).shape == _q4.shape
+    args, kw = oneshot_args(q=_qp, qo_indptr=QO, mask_type="causal", out_dtype=FP16)
+    assert batch_decode_with_paged_kv_cache(*args, **kw).dtype == FP16
 
 
 def test_workspace_case_premises():
@@ -714,6 +1003,9 @@ def test_workspace_case_premises():
     assert ws_bytes() == ws_bytes(max_seq_len_q=3) == 256
     assert ws_bytes(max_seq_len=4096) > ws_bytes()
     assert ws_bytes(max_seq_len=4096, max_seq_len_q=3) > ws_bytes(max_seq_len=4096)
+    packed3 = get_prims_ts_batch_decode_workspace_size(B, HQ, HKV, D, PS, 4096, qo_indptr=ip(QO), max_seq_len_q=3,
+                                                       device="cpu")
+    assert packed3 > ws_bytes(max_seq_len=4096)
 
 
 def test_batch_beyond_the_grid_is_refused():
@@ -729,18 +1021,30 @@ def test_batch_beyond_the_grid_is_refused():
     kw = dict(kw, qo_indptr=qo)
     with pytest.raises(ValueError, match="qo_indptr: batch size 65537"):
         prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    # the wrapper's plan: the batch comes from paged_kv_indptr
+    n = 65536
+    indptr, last = torch.arange(n + 1, dtype=I32), torch.ones(n, dtype=I32)
+    with pytest.raises(ValueError, match="paged_kv_indptr: batch size 65536"):
+        BatchDecodePagedTSWrapper().plan(indptr, torch.zeros(n, dtype=I32), last, HQ, HKV, D, PS)
 
 
 def test_row_tiles_beyond_the_grid_are_refused():
-    """(K/V head, row tile) blocks sit on the grid's y dimension: too many is an error before any launch."""
+    """(K/V head, row tile) blocks sit on the grid's y dimension: too many is an error before any launch,
+    for fixed multi-token (seq_len_q) and packed (max_seq_len_q) bounds alike."""
+    with pytest.raises(ValueError, match="seq_len_q"):
+        get_prims_ts_batch_decode_workspace_size(1, 32, 8, 128, PS, 4096, seq_len_q=200000)
     with pytest.raises(ValueError, match="max_seq_len_q"):
-        get_prims_ts_batch_decode_workspace_size(1, 32, 8, 128, 4096, max_seq_len_q=200000)
-    get_prims_ts_batch_decode_workspace_size(1, 32, 8, 128, 4096, max_seq_len_q=1000)
+        get_prims_ts_batch_decode_workspace_size(1, 32, 8, 128, PS, 4096, qo_indptr=ip([0, 1]),
+                                                 max_seq_len_q=200000)
+    get_prims_ts_batch_decode_workspace_size(1, 32, 8, 128, PS, 4096, seq_len_q=1000)
+    get_prims_ts_batch_decode_workspace_size(1, 32, 8, 128, PS, 4096, qo_indptr=ip([0, 1]), max_seq_len_q=1000)
 
 
 def test_mla_row_tiles_beyond_the_grid_are_refused():
     from prims_ts import get_prims_ts_batch_decode_mla_workspace_size
 
     with pytest.raises(ValueError, match="max_seq_len_q"):
-        get_prims_ts_batch_decode_mla_workspace_size(1, 128, 4096, max_seq_len_q=40000)
-    get_prims_ts_batch_decode_mla_workspace_size(1, 128, 4096, max_seq_len_q=64)
+        get_prims_ts_batch_decode_mla_workspace_size(1, 128, 512, 64, PS, 4096, max_seq_len_q=40000)
+    with pytest.raises(ValueError, match="seq_len_q"):
+        get_prims_ts_batch_decode_mla_workspace_size(1, 128, 512, 64, PS, 4096, seq_len_q=40000)
+    get_prims_ts_batch_decode_mla_workspace_size(1, 128, 512, 64, PS, 4096, max_seq_len_q=64)

@@ -9,9 +9,11 @@ opcheck runs, for each sample:
 
 The op signatures (``prims_ts/ops/mla.py``):
   batch_mla_decode(query, kv_cache, workspace, block_tables, seq_lens, qo_indptr, max_seq_len_q, max_seq_len,
-                   mask_type, sm_scale, output_scale, out_dtype) -> Tensor
+                   mask_type, sm_scale, output_scale, out_dtype: int, tuning: str = "") -> Tensor
   batch_mla_decode_out(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, max_seq_len_q,
-                       max_seq_len, mask_type, sm_scale, output_scale) -> ()
+                       max_seq_len, mask_type, sm_scale, output_scale, tuning: str = "") -> ()
+``out_dtype`` is an output dtype code (``prims_ts.ops._validate.dtype_code``); ``tuning`` an encoded
+``prims_ts.Tuning`` (defaulted: calls without it are checked too).
 ``kv_cache`` is the 3-D ``[P, page_size, 576]`` pool (the public functions view a 4-D cache as one).
 Samples: fixed [B, SQ, H, 576] (SQ 1 and 3) and packed [T, H, 576] queries, a padded (row-strided)
 block table with repeated page IDs and garbage past the live pages.
@@ -24,7 +26,7 @@ from torch.library import opcheck
 
 from prims_ts.ops._validate import dtype_code
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
-from prims_ts import get_prims_ts_batch_decode_mla_workspace_size
+from prims_ts import Tuning, get_prims_ts_batch_decode_mla_workspace_size
 from prims_ts import reference as R
 from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed, rel_err
 
@@ -54,8 +56,8 @@ def sample(qmode, mask, dtype, seed=0, h=8, max_seq_len=64):
     else:
         q, msq = _randn((6, h, DQK), dtype, seed), 4  # q lens 2, 1, 3 under a bound of 4
         qo = torch.tensor([0, 2, 3, 6], dtype=I32)
-    ws = torch.zeros(get_prims_ts_batch_decode_mla_workspace_size(3, h, max_seq_len, msq, device="cpu"),
-                     dtype=torch.uint8)
+    ws = torch.zeros(get_prims_ts_batch_decode_mla_workspace_size(3, h, DV, DQK - DV, PS, max_seq_len, seq_len_q=msq,
+                                                                  device="cpu"), dtype=torch.uint8)
     meta = (table, torch.tensor(lens, dtype=I32), qo)
     scalars = (msq, max_seq_len, mask, 0.04, 0.75)
     return q, cache, ws, meta, scalars
@@ -135,5 +137,32 @@ def test_fake_tensor_shapes():
             fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
             res = torch.ops.prims_ts.batch_mla_decode(fq, fc, fws, *fmeta, *scalars, dtype_code(FP16))
             assert res.shape == _out_shape(q) and res.dtype == FP16
+            res = torch.ops.prims_ts.batch_mla_decode(fq, fc, fws, *fmeta, *scalars, dtype_code(BF16), STAGED)
+            assert res.shape == _out_shape(q) and res.dtype == BF16
             fout = torch.empty(_out_shape(q), dtype=FP32)
             assert torch.ops.prims_ts.batch_mla_decode_out(fq, fc, fws, fout, *fmeta, *scalars) is None
+            assert torch.ops.prims_ts.batch_mla_decode_out(fq, fc, fws, fout, *fmeta, *scalars, STAGED) is None
+
+
+STAGED = Tuning(merge_staged=True, mla_swapped=not Tuning().mla_swapped).encode()  # a non-default tuning string
+
+
+@pytest.mark.parametrize("qmode,mask", [("single", "causal"), ("fixed", "dense"), ("packed", "causal")])
+def test_opcheck_with_tuning_string(qmode, mask):
+    """The trailing ``tuning`` argument (an encoded Tuning) passes opcheck on both ops and leaves the
+    CPU result unchanged (on CPU every tuning runs the reference)."""
+    assert STAGED and Tuning.decode(STAGED) != Tuning()
+    q, cache, ws, meta, scalars = sample(qmode, mask, FP16, seed=40, h=16, max_seq_len=4096)
+    want = _reference(q, cache, meta, scalars)
+    args = (q, cache, ws, *meta, *scalars, dtype_code(FP32), STAGED)
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_mla_decode.default, args, test_utils=OPCHECK_TESTS))
+    res = torch.ops.prims_ts.batch_mla_decode(*args)
+    assert res.dtype == FP32 and rel_err(res, want) <= 5e-3
+    default = torch.ops.prims_ts.batch_mla_decode(*args[:-1])  # tuning left at its default ""
+    torch.testing.assert_close(res, default, rtol=0, atol=0)
+    out = torch.full(_out_shape(q), float("nan"), dtype=BF16)
+    args = (q, cache, ws, out, *meta, *scalars, STAGED)
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_mla_decode_out.default, args, test_utils=OPCHECK_TESTS))
+    out.fill_(float("nan"))
+    assert torch.ops.prims_ts.batch_mla_decode_out(*args) is None
+    assert rel_err(out, want) <= 2e-2

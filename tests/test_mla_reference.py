@@ -33,13 +33,14 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, relative_error, stable_seed
 
 F64 = torch.float64
 I32 = torch.int32
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NAN = float("nan")
 DQK, DV = 576, 512
+RANK, ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim
 GARBAGE = (-1, 2**31 - 1, -2**31, 123456)  # block-table entries past a request's live pages
 SCALE = 1.0 / math.sqrt(DQK)
 
@@ -102,7 +103,8 @@ class MLA:
         return tuple(self.q.shape[:-1]) + (DV,)
 
     def ws_bytes(self):
-        return get_prims_ts_batch_decode_mla_workspace_size(self.B, self.h, self.max_seq_len, self.max_seq_len_q,
+        return get_prims_ts_batch_decode_mla_workspace_size(self.B, self.h, RANK, ROPE, self.ps, self.max_seq_len,
+                                                            max_seq_len_q=self.max_seq_len_q, q_dtype=self.dtype,
                                                             device="cpu")
 
     def used_slots(self) -> torch.Tensor:
@@ -118,9 +120,16 @@ class MLA:
 
     def call(self, q=None, cache=None, block_tables=None, **kw):
         return prims_ts_batch_decode_with_kv_cache_mla(
-            self.q if q is None else q, self.cache if cache is None else cache, self.workspace,
+            self.q if q is None else q, self.cache if cache is None else cache, self.workspace, RANK, ROPE,
             self.block_tables if block_tables is None else block_tables, self.seq_lens, self.max_seq_len,
             **self.qkw(), **kw)
+
+    def plan(self, w=None, **kw) -> BatchMLADecodePagedTSWrapper:
+        """A wrapper planned over (and bound to) this problem's metadata."""
+        w = w if w is not None else BatchMLADecodePagedTSWrapper()
+        w.plan(self.block_tables, self.seq_lens, self.h, RANK, ROPE, self.ps, qo_indptr=self.qo_indptr,
+               max_seq_len_q=self.max_seq_len_q, q_data_type=self.dtype, **kw)
+        return w
 
     def oneshot(self, **kw):
         return batch_mla_decode_with_paged_kv_cache(self.q, self.cache, self.block_tables, self.seq_lens,
@@ -181,27 +190,32 @@ def naive_mla(pb: MLA, mask_type="causal", sm_scale=1.0, output_scale=1.0) -> to
     return out.reshape(pb.out_shape)
 
 
-def check_public(pb: MLA, want: torch.Tensor, out_dtype=None, **kw):
-    """Standalone, one-shot and wrapper (both run modes) on CPU: a poisoned out is fully written and
-    returned, the functional forms give the same values, all within tolerance of the oracle."""
+def check_public(pb: MLA, want: torch.Tensor, out_dtype=None, mask_type="causal", **scales):
+    """Standalone, one-shot and wrapper (both run modes) on CPU: a poisoned out (of the output dtype:
+    out_dtype, default bfloat16) is fully written and returned, the functional forms give the same
+    values, all within tolerance of the oracle. ``scales``: bmm1_scale / bmm2_scale."""
     odt = out_dtype or BF16
     tol = max(TOLERANCE[pb.dtype], TOLERANCE[odt])
+    kw = dict(scales, mask_type=mask_type)
+    if out_dtype is not None:
+        kw["out_dtype"] = out_dtype
     out = torch.full(pb.out_shape, NAN, dtype=odt)
     assert pb.call(out=out, **kw) is out
     assert rel_err(out, want) <= tol
-    res = pb.call(out_dtype=odt, **kw)
+    res = pb.call(**kw)
     assert res.dtype == odt and res.shape == pb.out_shape
     torch.testing.assert_close(res, out, rtol=0, atol=0)
     one = torch.full(pb.out_shape, NAN, dtype=odt)
     assert pb.oneshot(out=one, max_seq_len_q=pb.max_seq_len_q, **kw) is one
     torch.testing.assert_close(one, out, rtol=0, atol=0)
-    w = BatchMLADecodePagedTSWrapper()
-    w.plan(pb.seq_lens, pb.h, pb.ps, qo_indptr=pb.qo_indptr, max_seq_len_q=pb.max_seq_len_q,
-           max_kv_len=pb.max_seq_len, q_data_type=pb.dtype, out_dtype=odt, **kw)
+    w = pb.plan(max_kv_len=pb.max_seq_len, o_data_type=odt, mask_type=mask_type)
     for validate in (True, False):
         got = torch.full(pb.out_shape, NAN, dtype=odt)
-        assert w.run(pb.q, pb.cache, pb.block_tables, pb.seq_lens, pb.qo_indptr, out=got, validate=validate) is got
+        assert w.run(pb.q, pb.cache, out=got, validate=validate, **scales) is got
         torch.testing.assert_close(got, out, rtol=0, atol=0)
+    res = w.run(pb.q, pb.cache, **scales)
+    assert res.dtype == odt
+    torch.testing.assert_close(res, out, rtol=0, atol=0)
     return out
 
 
@@ -251,7 +265,7 @@ def test_reference_matches_naive(qmode, mask, sq):
     got = pb.ref(mask_type=mask, sm_scale=0.05, output_scale=1.3)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     out = torch.full(pb.out_shape, NAN, dtype=FP32)
-    pb.call(mask_type=mask, bmm1_scale=0.05, bmm2_scale=1.3, out=out)
+    assert pb.call(mask_type=mask, bmm1_scale=0.05, bmm2_scale=1.3, out=out, out_dtype=FP32) is out
     assert rel_err(out, want) <= TOLERANCE[BF16]
 
 
@@ -276,18 +290,36 @@ def test_dtypes_and_out_dtypes(dtype, out_dtype):
     check_public(pb, gathered_oracle(pb, "causal", SCALE), out_dtype=out_dtype, bmm1_scale=SCALE)
 
 
-def test_out_dtype_from_out_and_default_bfloat16():
-    """Without out_dtype, the output is bfloat16 (even for fp16 inputs) unless out says otherwise."""
+def test_out_dtype_default_bfloat16_and_out_of_that_dtype():
+    """Without out_dtype (or with None), the output is bfloat16, even for fp16 inputs; an out must have
+    exactly the output dtype: its own dtype no longer decides (another one is refused)."""
     g = gen(41)
     pb = MLA([5, 40], 8, 16, FP16, g, sq=2)
     want = gathered_oracle(pb, "causal", SCALE)
     res = pb.call(bmm1_scale=SCALE)
     assert res.dtype == BF16 and rel_err(res, want) <= TOLERANCE[BF16]
+    assert pb.call(bmm1_scale=SCALE, out_dtype=None).dtype == BF16
     assert pb.oneshot(bmm1_scale=SCALE).dtype == BF16
+    assert pb.plan(o_data_type=None).run(pb.q, pb.cache, bmm1_scale=SCALE).dtype == BF16
+    out = torch.full(pb.out_shape, NAN, dtype=BF16)
+    assert pb.call(out=out, bmm1_scale=SCALE) is out  # bfloat16 out, default out_dtype
+    assert rel_err(out, want) <= TOLERANCE[BF16]
     for odt in (FP32, FP16):
         out = torch.full(pb.out_shape, NAN, dtype=odt)
-        assert pb.call(out=out, bmm1_scale=SCALE) is out
-        assert pb.oneshot(out=out, bmm1_scale=SCALE) is out
+        with pytest.raises(ValueError, match=r"\bout\b.*out_dtype"):
+            pb.call(out=out, bmm1_scale=SCALE)
+        with pytest.raises(ValueError, match=r"\bout\b.*out_dtype"):
+            pb.oneshot(out=out, bmm1_scale=SCALE)
+        with pytest.raises(ValueError, match=r"\bout\b"):
+            pb.plan().run(pb.q, pb.cache, out=out, bmm1_scale=SCALE)
+        assert torch.isnan(out).all()  # refused before anything was written
+        assert pb.call(out=out, out_dtype=odt, bmm1_scale=SCALE) is out
+        assert rel_err(out, want) <= TOLERANCE[FP16]
+        out.fill_(NAN)
+        assert pb.oneshot(out=out, out_dtype=odt, bmm1_scale=SCALE) is out
+        assert rel_err(out, want) <= TOLERANCE[FP16]
+        out.fill_(NAN)
+        assert pb.plan(o_data_type=odt).run(pb.q, pb.cache, out=out, bmm1_scale=SCALE) is out
         assert rel_err(out, want) <= TOLERANCE[FP16]
 
 
@@ -360,8 +392,11 @@ def test_seq_lens_shorter_than_table_capacity_and_static_bound():
     pb = MLA([5, 20, 3], 8, 16, FP16, g, cols=6, sq=3, max_seq_len=96)
     want = gathered_oracle(pb, "causal", SCALE)
     check_public(pb, want, bmm1_scale=SCALE)
-    out = pb.oneshot(max_kv_len=1000, bmm1_scale=SCALE)
+    # an explicit max_kv_len up to the table's capacity (6 columns of 16)
+    out = pb.oneshot(max_kv_len=pb.block_tables.shape[1] * pb.ps, bmm1_scale=SCALE)
     assert rel_err(out, want) <= TOLERANCE[FP16]
+    w = pb.plan(max_kv_len=96)
+    assert rel_err(w.run(pb.q, pb.cache, bmm1_scale=SCALE, validate=True), want) <= TOLERANCE[FP16]
 
 
 def test_three_and_four_dim_caches_agree():
@@ -426,16 +461,17 @@ def test_inputs_not_modified():
 
 @pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("qmode", ["fixed", "packed"])
-def test_wrapper_runs_with_rewritten_metadata(qmode, validate):
-    """Plan with room (max_kv_len, max_seq_len_q); rewrite seq_lens, page IDs and qo_indptr in place
-    within the plan; every run follows the live values."""
+def test_wrapper_runs_with_rewritten_metadata(qmode, validate, split_merge):
+    """plan binds block_tables, seq_lens and qo_indptr: plan with room (max_kv_len, max_seq_len_q), rewrite
+    lengths, page IDs and query offsets in place within the plan; every run follows the live values."""
     g = gen(stable_seed("rewrite", qmode, validate))
     pb = MLA([40, 17, 5], 16, 16, BF16, g, qmode=qmode, sq=2, q_lens=[2, 1, 3], cols=6, extra_pages=8,
              poison=False)
-    w = BatchMLADecodePagedTSWrapper()
-    w.plan(pb.seq_lens, 16, 16, qo_indptr=pb.qo_indptr, max_seq_len_q=4 if qmode == "packed" else 2, max_kv_len=96,
-           bmm1_scale=SCALE, out_dtype=FP32)
+    w = BatchMLADecodePagedTSWrapper(tuning=split_merge)
+    w.plan(pb.block_tables, pb.seq_lens, 16, RANK, ROPE, 16, qo_indptr=pb.qo_indptr,
+           max_seq_len_q=4 if qmode == "packed" else 2, max_kv_len=96, q_data_type=BF16, o_data_type=FP32)
     out = torch.full(pb.out_shape, NAN, dtype=FP32)
+    prev = None
     for step, (new_lens, new_q) in enumerate([(None, None), ([96, 2, 49], [1, 2, 3]), ([4, 80, 16], [4, 1, 1])]):
         if new_lens is not None:
             pb.seq_lens.copy_(ip(new_lens))
@@ -446,23 +482,26 @@ def test_wrapper_runs_with_rewritten_metadata(qmode, validate):
                 pb.qo_indptr.copy_(ip(cumsum0(new_q)))
                 pb.q_lens = new_q
         out.fill_(NAN)
-        assert w.run(pb.q, pb.cache, pb.block_tables, pb.seq_lens, pb.qo_indptr, out=out, validate=validate) is out
+        assert w.run(pb.q, pb.cache, bmm1_scale=SCALE, out=out, validate=validate) is out
         want = gathered_oracle(pb, "causal", SCALE)
         assert rel_err(out, want) <= TOLERANCE[BF16], step
+        if prev is not None:
+            assert relative_error(out, prev) > 0.05, "the rewrite had no effect"
+        prev = out.clone()
 
 
-def test_wrapper_replan_and_caller_workspace():
+def test_wrapper_replan():
+    """One wrapper, re-planned for other shapes, dtypes, masks and query modes."""
     g = gen(31)
     a = MLA([3, 50], 8, 16, BF16, g)
     b = MLA([200], 128, 64, FP16, g, qmode="packed", q_lens=[4], rank=4, kind="repeated")
-    ws = torch.zeros(get_prims_ts_batch_decode_mla_workspace_size(2, 128, 4096, 4, device="cpu"), dtype=torch.uint8)
-    for w in (BatchMLADecodePagedTSWrapper(), BatchMLADecodePagedTSWrapper(ws)):
-        for pb, mask in ((a, "causal"), (b, "dense"), (a, "dense"), (b, "causal")):
-            w.plan(pb.seq_lens, pb.h, pb.ps, qo_indptr=pb.qo_indptr, mask_type=mask, bmm1_scale=SCALE,
-                   q_data_type=pb.dtype, out_dtype=pb.dtype)
-            res = w.run(pb.q, pb.cache, pb.block_tables, pb.seq_lens, pb.qo_indptr)
-            assert res.dtype == pb.dtype
-            assert rel_err(res, gathered_oracle(pb, mask, SCALE)) <= TOLERANCE[pb.dtype]
+    c = MLA([20, 7, 33], 32, 32, BF16, g, sq=3, kind="repeated")
+    w = BatchMLADecodePagedTSWrapper()
+    for pb, mask in ((a, "causal"), (b, "dense"), (a, "dense"), (c, "causal"), (b, "causal")):
+        pb.plan(w, mask_type=mask, o_data_type=pb.dtype)
+        res = w.run(pb.q, pb.cache, bmm1_scale=SCALE)
+        assert res.dtype == pb.dtype
+        assert rel_err(res, gathered_oracle(pb, mask, SCALE)) <= TOLERANCE[pb.dtype]
 
 
 def test_oneshot_derives_bounds():
@@ -473,6 +512,7 @@ def test_oneshot_derives_bounds():
     a = batch_mla_decode_with_paged_kv_cache(pb.q, pb.cache, pb.block_tables, pb.seq_lens, qo_indptr=pb.qo_indptr,
                                              bmm1_scale=SCALE)
     b = batch_mla_decode_with_paged_kv_cache(pb.q, pb.cache, pb.block_tables, pb.seq_lens, qo_indptr=pb.qo_indptr,
-                                             max_seq_len_q=9, max_kv_len=5000, bmm1_scale=SCALE)
+                                             max_seq_len_q=9, max_kv_len=pb.block_tables.shape[1] * pb.ps,
+                                             bmm1_scale=SCALE)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert rel_err(a, gathered_oracle(pb, "causal", SCALE)) <= TOLERANCE[BF16]

@@ -7,14 +7,20 @@ argument. On CPU the "kernel" of ``prims_ts::batch_mla_decode(_out)`` is
 a function that fails the test if it is ever reached, so an error raised *after* the
 launch does not count.
 
-* ``prims_ts_batch_decode_with_kv_cache_mla`` (standalone) checks shapes, dtypes, devices,
-  the workspace and scalars, and trusts metadata *values* (no device-to-host
+* ``prims_ts_batch_decode_with_kv_cache_mla(query, kv_cache, workspace_buffer, kv_lora_rank,
+  qk_rope_head_dim, block_tables, seq_lens, max_seq_len, *, ...)`` (standalone) checks shapes,
+  dtypes, devices, the workspace and scalars, and trusts metadata *values* (no device-to-host
   synchronisation): ``test_standalone_trusts_metadata_values`` checks that invalid values
-  reach the op untouched and unread.
-* ``BatchMLADecodePagedTSWrapper.plan`` reads ``seq_lens``/``qo_indptr`` once;
-  ``run(validate=True)`` reads and checks the live metadata; ``run(validate=False)`` trusts
-  it like the standalone (also tested for no host reads).
+  reach the op untouched and unread. Its static checks are cached per static key; overlaps
+  and scales are checked on every call. Every test here starts from an empty cache.
+* ``BatchMLADecodePagedTSWrapper.plan(block_tables, seq_lens, num_heads, kv_lora_rank,
+  qk_rope_head_dim, page_size, *, ...)`` reads ``seq_lens``/``qo_indptr`` once and binds
+  ``block_tables``, ``seq_lens`` and ``qo_indptr``; ``run(query, kv_cache, *, bmm1_scale,
+  bmm2_scale, out, validate=False)`` reads them live: ``validate=True`` checks their live values
+  on the host first, ``validate=False`` (the default) trusts them like the standalone (also
+  tested for no host reads).
 * The one-shot ``batch_mla_decode_with_paged_kv_cache`` reads and checks everything.
+* ``out`` must have exactly the output dtype (``out_dtype``, default bfloat16).
 
 Devices: this file runs on a CPU-only machine, so "another device" is 'meta'.
 """
@@ -27,16 +33,22 @@ import torch
 
 from prims_ts import (
     BatchMLADecodePagedTSWrapper,
+    batch_decode_mla_with_paged_kv_cache,
     batch_mla_decode_with_paged_kv_cache,
     get_prims_ts_batch_decode_mla_workspace_size,
     prims_ts_batch_decode_with_kv_cache_mla,
 )
+import prims_ts.ops.mla as mla_ops
+from prims_ts import Tuning
+from prims_ts.ops._validate import dtype_code
 from prims_ts.testing import huge_page_stride, reference_must_not_run
 from prims_ts.testing import recording_no_host_reads as _recording
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, U8 = torch.int32, torch.uint8
+NAN = float("nan")
 DQK, DV = 576, 512
+RANK, ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim
 H = 8
 PS = 16
 P = 8
@@ -78,8 +90,15 @@ def make_cache(p=P, ps=PS, d=DQK, dtype=BF16, four=False, seed=2):
     return c.unsqueeze(1) if four else c
 
 
-def ws_bytes(batch=B, h=H, max_seq_len=MAX_LEN, max_seq_len_q=1):
-    return get_prims_ts_batch_decode_mla_workspace_size(batch, h, max_seq_len, max_seq_len_q, device="cpu")
+def ws_bytes(batch=B, h=H, max_seq_len=MAX_LEN, max_seq_len_q=1, page_size=PS):
+    return get_prims_ts_batch_decode_mla_workspace_size(batch, h, RANK, ROPE, page_size, max_seq_len,
+                                                        max_seq_len_q=max_seq_len_q, device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_static_checks(monkeypatch):
+    """An empty standalone check cache for each test (see the module docstring)."""
+    monkeypatch.setattr(mla_ops, "_CHECKED", {})
 
 
 def make_ws(nbytes=None, dtype=U8):
@@ -105,8 +124,8 @@ META = ("block_tables", "seq_lens", "qo_indptr")
 
 def base(**mods):
     """Valid standalone arguments (fixed SQ=1, causal by default) with modifications: (args, kwargs)."""
-    args = dict(query=_q, kv_cache=_kv, workspace_buffer=make_ws(), block_tables=block_tables(), seq_lens=ip(LENS),
-                max_seq_len=MAX_LEN)
+    args = dict(query=_q, kv_cache=_kv, workspace_buffer=make_ws(), kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
+                block_tables=block_tables(), seq_lens=ip(LENS), max_seq_len=MAX_LEN)
     kwargs = {}
     for key, val in mods.items():
         if isinstance(val, list) and key in META:
@@ -209,7 +228,7 @@ def test_base_inputs_are_valid():
     args, kw = base()
     res = prims_ts_batch_decode_with_kv_cache_mla(*args, **kw)
     assert res.shape == (B, 1, H, DV) and res.dtype == BF16
-    args, kw = base(kv_cache=_kv4, mask_type="dense", bmm1_scale=0.05, bmm2_scale=2.0)
+    args, kw = base(kv_cache=_kv4, mask_type="dense", bmm1_scale=0.05, bmm2_scale=2.0, out_dtype=FP32)
     out = torch.empty(B, 1, H, DV, dtype=FP32)
     assert prims_ts_batch_decode_with_kv_cache_mla(*args, out=out, **kw) is out
     args, kw = packed()
@@ -225,16 +244,17 @@ def test_base_inputs_are_valid():
     # max_seq_len at the representable bound (with a workspace sized for it); explicit defaults
     args, kw = base(max_seq_len=BOUND, workspace_buffer=make_ws(ws_bytes(max_seq_len=BOUND)))
     prims_ts_batch_decode_with_kv_cache_mla(*args, **kw)
-    args, kw = base(kv_lora_rank=512, qk_rope_head_dim=64, out_dtype=None)
+    args, kw = base(out_dtype=None)  # None: the default bfloat16
     assert prims_ts_batch_decode_with_kv_cache_mla(*args, **kw).dtype == BF16
-    # out.dtype decides the output dtype when out_dtype is left at its default
+    # an out of exactly out_dtype (the default bfloat16, or the one asked for)
+    args, kw = base()
+    out = torch.empty(B, 1, H, DV, dtype=BF16)
+    assert prims_ts_batch_decode_with_kv_cache_mla(*args, out=out, **kw) is out
     for odt in (FP16, FP32, BF16):
-        args, kw = base()
+        args, kw = base(out_dtype=odt)
         out = torch.empty(B, 1, H, DV, dtype=odt)
         assert prims_ts_batch_decode_with_kv_cache_mla(*args, out=out, **kw) is out
-        args, kw = base(out_dtype=odt)
-        assert prims_ts_batch_decode_with_kv_cache_mla(*args, out=torch.empty(B, 1, H, DV, dtype=odt), **kw).dtype \
-            == odt
+        assert prims_ts_batch_decode_with_kv_cache_mla(*args, **kw).dtype == odt
 
 
 STANDALONE = []  # (id, exc, match, make)
@@ -406,16 +426,16 @@ case("ws_sized_for_fewer_heads", ValueError, "workspace_buffer",
 case("ws_not_tensor", TypeError, "workspace_buffer", lambda: base(workspace_buffer=bytearray(4096)))
 case("ws_none", TypeError, "workspace_buffer", lambda: base(workspace_buffer=None))
 # --- out overlapping an input, a metadata tensor or the workspace
-case("out_is_query_view", ValueError, r"\bout\b",
+case("out_is_query_view", ValueError, r"\bout\b.*query",
      lambda: base(out=_q.view(-1)[:B * H * DV].view(B, 1, H, DV)))
-case("out_in_query", ValueError, r"\bout\b",
+case("out_in_query", ValueError, r"\bout\b.*query",
      lambda: base(out=_q.view(-1)[-B * H * DV:].view(B, 1, H, DV)))
-case("out_in_cache", ValueError, r"\bout\b", lambda: base(out=_kv.view(-1)[:B * H * DV].view(B, 1, H, DV)))
-case("out_tail_of_cache4d", ValueError, r"\bout\b",
+case("out_in_cache", ValueError, r"\bout\b.*kv_cache", lambda: base(out=_kv.view(-1)[:B * H * DV].view(B, 1, H, DV)))
+case("out_tail_of_cache4d", ValueError, r"\bout\b.*kv_cache",
      lambda: base(kv_cache=_kv4, out=_kv4.view(-1)[-B * H * DV:].view(B, 1, H, DV)))
-case("out_overlaps_block_tables", ValueError, r"\bout\b", lambda: _out_overlaps("block_tables"))
-case("out_overlaps_seq_lens", ValueError, r"\bout\b", lambda: _out_overlaps("seq_lens"))
-case("out_overlaps_qo_indptr", ValueError, r"\bout\b", lambda: _out_overlaps("qo_indptr"))
+case("out_overlaps_block_tables", ValueError, r"\bout\b.*block_tables", lambda: _out_overlaps("block_tables"))
+case("out_overlaps_seq_lens", ValueError, r"\bout\b.*seq_lens", lambda: _out_overlaps("seq_lens"))
+case("out_overlaps_qo_indptr", ValueError, r"\bout\b.*qo_indptr", lambda: _out_overlaps("qo_indptr"))
 case("out_overlaps_workspace", ValueError, r"\bout\b|workspace_buffer", lambda: _out_in_workspace())
 # --- out: shape, dtype, device, layout
 case("out_query_shape", ValueError, r"\bout\b", lambda: base(out=torch.empty(B, 1, H, DQK, dtype=BF16)))
@@ -435,6 +455,15 @@ case("out_not_tensor", TypeError, r"\bout\b", lambda: base(out=0))
 case("out_dtype_float64", ValueError, "out_dtype", lambda: base(out_dtype=torch.float64))
 case("out_dtype_int32", ValueError, "out_dtype", lambda: base(out_dtype=I32))
 case("out_dtype_str", TypeError, "out_dtype", lambda: base(out_dtype="bfloat16"))
+# --- out's dtype must equal out_dtype (default bfloat16): out.dtype no longer decides
+case("out_fp32_default_out_dtype", ValueError, r"\bout\b.*out_dtype",
+     lambda: base(out=torch.empty(B, 1, H, DV, dtype=FP32)))
+case("out_fp16_default_out_dtype", ValueError, r"\bout\b.*out_dtype",
+     lambda: base(out=torch.empty(B, 1, H, DV, dtype=FP16)))
+case("out_fp32_out_dtype_none", ValueError, r"\bout\b.*out_dtype",
+     lambda: base(out=torch.empty(B, 1, H, DV, dtype=FP32), out_dtype=None))
+case("out_fp32_packed_default_out_dtype", ValueError, r"\bout\b.*out_dtype",
+     lambda: packed(out=torch.empty(QO[-1], H, DV, dtype=FP32)))
 
 
 @pytest.mark.parametrize("exc,match,make", [c[1:] for c in STANDALONE], ids=[c[0] for c in STANDALONE])
@@ -447,7 +476,7 @@ def test_standalone_errors(exc, match, make):
 def test_standalone_workspace_overlapping_an_input(name):
     """The workspace must not share memory with the query, the cache or a metadata tensor."""
     args, kwargs = _ws_sharing(name)
-    expect(ValueError, "workspace_buffer", prims_ts_batch_decode_with_kv_cache_mla, *args, **kwargs)
+    expect(ValueError, f"workspace_buffer.*{name}", prims_ts_batch_decode_with_kv_cache_mla, *args, **kwargs)
 
 
 def test_error_leaves_out_and_workspace_untouched():
@@ -478,12 +507,16 @@ INVALID_VALUES = [
 ]
 
 
-def _check_recorded(rec, meta):
+def _check_recorded(rec, meta, tuning="", out_dtype=BF16):
+    """One functional call then one out call; the metadata tensors reach both ops as themselves; the
+    functional op gets the output dtype's code, both the tuning string, last."""
     assert [c[0] for c in rec.calls] == ["batch_mla_decode", "batch_mla_decode_out"]
     for _, call in rec.calls:
         ids = {id(a) for a in call if isinstance(a, torch.Tensor)}
         for m in meta:
             assert id(m) in ids, "a metadata tensor was copied or replaced before the op"
+        assert call[-1] == tuning
+    assert rec.calls[0][1][-2] == dtype_code(out_dtype)
 
 
 @pytest.mark.parametrize("mode", ["fixed1", "fixed3", "packed"])
@@ -501,41 +534,131 @@ def test_standalone_trusts_metadata_values(mode, which):
         args, kw = base(**mods)
     out = torch.empty(tuple(args[0].shape[:-1]) + (DV,), dtype=FP32)
     with recording_no_host_reads() as rec:
-        res = prims_ts_batch_decode_with_kv_cache_mla(*args, **kw)
-        res_out = prims_ts_batch_decode_with_kv_cache_mla(*args, out=out, **kw)
-    assert res.shape == tuple(args[0].shape[:-1]) + (DV,)
+        res = prims_ts_batch_decode_with_kv_cache_mla(*args, out_dtype=FP16, **kw)
+        res_out = prims_ts_batch_decode_with_kv_cache_mla(*args, out=out, out_dtype=FP32, **kw)
+    assert res.shape == tuple(args[0].shape[:-1]) + (DV,) and res.dtype == FP16
     assert res_out is out
-    _check_recorded(rec, (args[3], args[4]) + ((kw["qo_indptr"],) if "qo_indptr" in kw else ()))
+    _check_recorded(rec, (args[5], args[6]) + ((kw["qo_indptr"],) if "qo_indptr" in kw else ()), out_dtype=FP16)
+    assert rec.calls[1][1][3] is out
 
 
 def test_standalone_does_not_modify_metadata():
     args, kw = packed()
-    before = [t.clone() for t in args[3:5]] + [kw["qo_indptr"].clone()]
+    before = [t.clone() for t in args[5:7]] + [kw["qo_indptr"].clone()]
     prims_ts_batch_decode_with_kv_cache_mla(*args, **kw)
-    for a, b in zip(before, list(args[3:5]) + [kw["qo_indptr"]]):
+    for a, b in zip(before, list(args[5:7]) + [kw["qo_indptr"]]):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("mode", ["fixed", "packed"])
 def test_wrapper_run_unvalidated_trusts_metadata_values(mode):
-    """run(validate=False): the planned wrapper does no host read of the live metadata either."""
-    w = BatchMLADecodePagedTSWrapper()
-    if mode == "packed":
-        w.plan(ip(LENS), H, PS, qo_indptr=ip(QO))
-        q, qo = _qp, ip([3, 1, 0])
-    else:
-        w.plan(ip(LENS), H, PS)
-        q, qo = _q, None
-    bt, lens = block_tables(INVALID_VALUES[0]["block_tables"]), ip(INVALID_VALUES[1]["seq_lens"])
-    out = torch.empty(tuple(q.shape[:-1]) + (DV,), dtype=BF16)
+    """run(validate=False), the default: the bound metadata, rewritten in place after plan with values
+    that break every obligation, reach the op as the bound tensors themselves, unread on the host;
+    the plan's tuning reaches the op."""
+    tuning = Tuning(merge_staged=True)
+    w = BatchMLADecodePagedTSWrapper(tuning=tuning)
+    bt, lens = block_tables(), ip(LENS)
+    qo = ip(QO) if mode == "packed" else None
+    w.plan(bt, lens, H, RANK, ROPE, PS, qo_indptr=qo, o_data_type=FP32)
+    q = _qp if mode == "packed" else _q
+    bt.copy_(ip(INVALID_VALUES[0]["block_tables"]))
+    lens.copy_(ip(INVALID_VALUES[1]["seq_lens"]))
+    if qo is not None:
+        qo.copy_(ip([3, 1, 0]))
+    out = torch.empty(tuple(q.shape[:-1]) + (DV,), dtype=FP32)
     with recording_no_host_reads() as rec:
-        w.run(q, _kv, bt, lens, qo, validate=False)
-        assert w.run(q, _kv, bt, lens, qo, out=out, validate=False) is out
-    _check_recorded(rec, (bt, lens) + ((qo,) if qo is not None else ()))
+        w.run(q, _kv)
+        assert w.run(q, _kv, out=out, validate=False) is out
+    _check_recorded(rec, (bt, lens) + ((qo,) if qo is not None else ()), tuning=tuning.encode(), out_dtype=FP32)
 
 
 # ----------------------------------------------------------------------------
-# get_prims_ts_batch_decode_mla_workspace_size
+# The standalone's static checks are cached per static key; per-call facts are not
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def counted_static_checks(monkeypatch):
+    """Counts the standalone's static-check passes (the cache misses)."""
+    calls = []
+    real = mla_ops._standalone_checks
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(mla_ops, "_standalone_checks", counting)
+    return calls
+
+
+def test_standalone_static_key_cache_still_checks_per_call_inputs(counted_static_checks):
+    """A second call with the same static key skips the static checks, yet every per-call input that is
+    not part of the key is still refused: an out (of the cached layout) whose bytes are the query's, the
+    cache's, a metadata tensor's or the workspace's, a workspace (of the cached size) inside the cache,
+    and non-positive or non-finite scales. A refused call leaves the poisoned out untouched."""
+    out = torch.full((B, 1, H, DV), NAN, dtype=BF16)
+    args, kw = base(out=out)
+    assert prims_ts_batch_decode_with_kv_cache_mla(*args, **kw) is out
+    assert not torch.isnan(out).any()
+    args, kw = base(out=out)
+    assert prims_ts_batch_decode_with_kv_cache_mla(*args, **kw) is out
+    assert len(counted_static_checks) == 1  # the same static key: one check pass
+    n = B * H * DV
+    meta, out_in_meta = _out_sharing("seq_lens")
+    in_ws = torch.zeros(ws_bytes() + n * 2, dtype=U8)
+    per_call = [
+        (r"\bout\b.*query", base(out=_q.view(-1)[:n].view(B, 1, H, DV))),
+        (r"\bout\b.*kv_cache", base(out=_kv.view(-1)[-n:].view(B, 1, H, DV))),
+        (r"\bout\b.*seq_lens", base(seq_lens=meta, out=out_in_meta)),
+        (r"\bout\b|workspace_buffer",
+         base(workspace_buffer=in_ws[:ws_bytes()], out=in_ws[ws_bytes() - 16:][:n * 2].view(BF16).view(B, 1, H, DV))),
+        ("workspace_buffer.*kv_cache", base(workspace_buffer=_kv.view(-1).view(U8)[:ws_bytes()], out=out)),
+        ("bmm1_scale", base(bmm1_scale=0.0, out=out)),
+        ("bmm1_scale", base(bmm1_scale=-1.0, out=out)),
+        ("bmm1_scale", base(bmm1_scale=math.inf, out=out)),
+        ("bmm2_scale", base(bmm2_scale=math.nan, out=out)),
+        ("bmm2_scale", base(bmm2_scale=0.0, out=out)),
+    ]
+    for match, (a, k) in per_call:
+        out.fill_(NAN)
+        assert mla_ops._meta(k["out"]) == mla_ops._meta(out)  # the cached static key
+        expect(ValueError, match, prims_ts_batch_decode_with_kv_cache_mla, *a, **k)
+        assert torch.isnan(out).all(), match
+    a, k = base(bmm2_scale=None, out=out)
+    expect(TypeError, "bmm2_scale", prims_ts_batch_decode_with_kv_cache_mla, *a, **k)
+    assert len(counted_static_checks) == 1, "a per-call refusal re-ran the static checks"
+
+
+def test_standalone_static_key_cache_rechecks_a_changed_static_fact(counted_static_checks):
+    """Another dtype, shape or scalar is another static key: its static checks run (and refuse)."""
+    args, kw = base()
+    prims_ts_batch_decode_with_kv_cache_mla(*args, **kw)
+    assert len(counted_static_checks) == 1
+    changed = [
+        ("query|kv_cache", base(query=_q.half())),  # another query dtype, the cache's still bf16
+        ("kv_cache|query", base(kv_cache=_kv.half())),
+        (r"\bout\b.*out_dtype", base(out=torch.empty(B, 1, H, DV, dtype=FP32))),  # an out of another dtype
+        ("out_dtype", base(out_dtype=torch.float64)),
+        ("workspace_buffer", base(workspace_buffer=make_ws(ws_bytes() - 16))),
+        ("workspace_buffer", base(max_seq_len=4096)),  # a split-KV key needs more workspace
+        ("kv_lora_rank", base(kv_lora_rank=256)),
+        ("mask_type", base(mask_type="full")),
+        ("block_tables", base(block_tables=ip(BT, torch.int64))),
+    ]
+    for i, (match, (a, k)) in enumerate(changed):
+        expect(ValueError, match, prims_ts_batch_decode_with_kv_cache_mla, *a, **k)
+        assert len(counted_static_checks) == 2 + i, match
+    args16, kw16 = base(query=_q.half(), kv_cache=_kv.half(), out_dtype=FP16)
+    n = len(counted_static_checks)
+    for _ in range(2):
+        assert prims_ts_batch_decode_with_kv_cache_mla(*args16, **kw16).dtype == FP16
+    prims_ts_batch_decode_with_kv_cache_mla(*args, **kw)
+    assert len(counted_static_checks) == n + 1
+
+
+# ----------------------------------------------------------------------------
+# get_prims_ts_batch_decode_mla_workspace_size(batch_size, num_heads, kv_lora_rank, qk_rope_head_dim,
+#                                              page_size, max_seq_len, *, seq_len_q, max_seq_len_q, ...)
 # ----------------------------------------------------------------------------
 
 WS_CASES = [
@@ -545,43 +668,65 @@ WS_CASES = [
     ("heads_12", ValueError, "num_heads", dict(num_heads=12)),
     ("heads_256", ValueError, "num_heads", dict(num_heads=256)),
     ("heads_float", TypeError, "num_heads", dict(num_heads=8.0)),
+    ("kv_lora_rank_256", ValueError, "kv_lora_rank", dict(kv_lora_rank=256)),
+    ("kv_lora_rank_float", TypeError, "kv_lora_rank", dict(kv_lora_rank=512.0)),
+    ("qk_rope_head_dim_32", ValueError, "qk_rope_head_dim", dict(qk_rope_head_dim=32)),
+    ("qk_rope_head_dim_str", TypeError, "qk_rope_head_dim", dict(qk_rope_head_dim="64")),
+    # the old positional order (batch, heads, max_seq_len, max_seq_len_q, ...) lands a length in kv_lora_rank
+    ("old_positional_order", ValueError, "kv_lora_rank", dict(kv_lora_rank=MAX_LEN, qk_rope_head_dim=1)),
+    ("page_size_8", ValueError, "page_size", dict(page_size=8)),
+    ("page_size_48", ValueError, "page_size", dict(page_size=48)),
+    ("page_size_str", TypeError, "page_size", dict(page_size="16")),
     ("max_seq_len_0", ValueError, "max_seq_len", dict(max_seq_len=0)),
     ("max_seq_len_past_bound", ValueError, "max_seq_len", dict(max_seq_len=BOUND + 1)),
     ("max_seq_len_float", TypeError, "max_seq_len", dict(max_seq_len=32.0)),
     ("max_seq_len_q_0", ValueError, "max_seq_len_q", dict(max_seq_len_q=0)),
-    ("max_seq_len_q_none", TypeError, "max_seq_len_q", dict(max_seq_len_q=None)),
+    ("max_seq_len_q_float", TypeError, "max_seq_len_q", dict(max_seq_len_q=1.0)),
+    ("seq_len_q_0", ValueError, "seq_len_q", dict(seq_len_q=0)),
+    ("seq_len_q_vs_max_seq_len_q", ValueError, "max_seq_len_q|seq_len_q", dict(seq_len_q=2, max_seq_len_q=3)),
+    ("q_dtype_float32", ValueError, "q_dtype", dict(q_dtype=FP32)),
+    ("q_dtype_str", TypeError, "q_dtype", dict(q_dtype="bfloat16")),
+    ("kv_dtype_vs_q_dtype", ValueError, "kv_dtype", dict(kv_dtype=FP16)),
+    ("out_dtype_float64", ValueError, "out_dtype", dict(out_dtype=torch.float64)),
+    ("out_dtype_str", TypeError, "out_dtype", dict(out_dtype="float32")),
+    ("mask_unknown", ValueError, "mask_type", dict(mask_type="full")),
 ]
 
 
 @pytest.mark.parametrize("exc,match,mods", [c[1:] for c in WS_CASES], ids=[c[0] for c in WS_CASES])
 def test_workspace_size_errors(exc, match, mods):
-    kw = dict(batch_size=B, num_heads=H, max_seq_len=MAX_LEN, max_seq_len_q=1)
+    kw = dict(batch_size=B, num_heads=H, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, page_size=PS, max_seq_len=MAX_LEN)
     kw.update(mods)
     with pytest.raises(exc, match=match):
-        get_prims_ts_batch_decode_mla_workspace_size(**kw, device="cpu")
+        get_prims_ts_batch_decode_mla_workspace_size(
+            kw.pop("batch_size"), kw.pop("num_heads"), kw.pop("kv_lora_rank"), kw.pop("qk_rope_head_dim"),
+            kw.pop("page_size"), kw.pop("max_seq_len"), device="cpu", **kw)
 
 
 def test_workspace_size_properties():
     """A positive int, deterministic, at least 256, the same for a device string and a torch.device,
-    never shrinking as max_seq_len or max_seq_len_q grows, and the minimum for a one-split key."""
+    never shrinking as max_seq_len or the query bound grows, and the minimum for a one-split key."""
+    G = get_prims_ts_batch_decode_mla_workspace_size
     for b in (1, 2, 7, 64):
         for h in (8, 16, 32, 64, 128):
             for msq in (1, 2, 4):
                 prev = 0
                 for L in (1, 64, 127, 128, 500, 1000, 4096, 8192, 65536, 131072, BOUND):
-                    n = get_prims_ts_batch_decode_mla_workspace_size(b, h, L, msq, device="cpu")
+                    n = G(b, h, RANK, ROPE, PS, L, max_seq_len_q=msq, device="cpu")
                     assert type(n) is int and n >= 256
-                    assert n == get_prims_ts_batch_decode_mla_workspace_size(b, h, L, msq, torch.device("cpu"))
+                    assert n == G(b, h, RANK, ROPE, PS, L, seq_len_q=msq, device=torch.device("cpu"))
                     assert n >= prev, (b, h, msq, L)
                     prev = n
                     if msq > 1:
-                        assert n >= get_prims_ts_batch_decode_mla_workspace_size(b, h, L, msq - 1, device="cpu")
+                        assert n >= G(b, h, RANK, ROPE, PS, L, max_seq_len_q=msq - 1, device="cpu")
     assert ws_bytes() == ws_bytes(max_seq_len_q=3) == 256  # premises of the workspace cases above
     assert ws_bytes(max_seq_len=4096) > ws_bytes()
     assert ws_bytes(max_seq_len=4096, max_seq_len_q=3) > ws_bytes(max_seq_len=4096)
     assert ws_bytes(max_seq_len=4096, h=32) > ws_bytes(max_seq_len=4096)
-    # the default max_seq_len_q is 1; positional arguments work
-    assert get_prims_ts_batch_decode_mla_workspace_size(B, H, 4096, device="cpu") == ws_bytes(max_seq_len=4096)
+    # the default query bound is 1 (seq_len_q and max_seq_len_q left out, or None); positional arguments work
+    assert G(B, H, RANK, ROPE, PS, 4096, device="cpu") == ws_bytes(max_seq_len=4096)
+    assert G(B, H, RANK, ROPE, PS, 4096, seq_len_q=None, max_seq_len_q=None, q_dtype=FP16, kv_dtype=FP16,
+             out_dtype=FP32, mask_type="dense", device="cpu") == ws_bytes(max_seq_len=4096)
 
 
 # ----------------------------------------------------------------------------
@@ -607,7 +752,7 @@ def oneshot_packed(**mods):
 
 def test_oneshot_base_is_valid():
     for args, kw in (oneshot(), oneshot(kv_cache=_kv4, mask_type="dense"), oneshot_packed(),
-                     oneshot_packed(max_seq_len_q=7, max_kv_len=4096), oneshot(query=_q3, max_seq_len_q=3),
+                     oneshot_packed(max_seq_len_q=7, max_kv_len=3 * PS), oneshot(query=_q3, max_seq_len_q=3),
                      # lengths at the block-table row capacity (3 pages of 16)
                      oneshot(block_tables=[[3, 1, 7], [5, 0, 2]], seq_lens=[48, 48]),
                      oneshot(kv_cache=_kv[:6]),  # exactly max used page ID + 1 pages
@@ -616,20 +761,22 @@ def test_oneshot_base_is_valid():
         res = batch_mla_decode_with_paged_kv_cache(*args, **kw)
         assert res.shape == tuple(args[0].shape[:-1]) + (DV,) and res.dtype == BF16
         assert torch.isfinite(res).all()
-    args, kw = oneshot()
+    args, kw = oneshot(out_dtype=FP32)
     out = torch.empty(B, 1, H, DV, dtype=FP32)
     assert batch_mla_decode_with_paged_kv_cache(*args, out=out, **kw) is out
+    assert batch_decode_mla_with_paged_kv_cache is batch_mla_decode_with_paged_kv_cache
 
 
 ONESHOT_CASES = [
     # --- seq_lens < 1 or beyond the block-table row (or the explicit max_kv_len)
     ("seq_lens_0", ValueError, "seq_lens", lambda: oneshot(seq_lens=[0, 5])),
     ("seq_lens_negative", ValueError, "seq_lens", lambda: oneshot(seq_lens=[20, -1])),
-    ("seq_lens_past_row", ValueError, "seq_lens", lambda: oneshot(seq_lens=[20, 3 * PS + 1])),
-    ("seq_lens_past_narrow_row", ValueError, "seq_lens",
+    ("seq_lens_past_row", ValueError, "seq_lens|block_tables", lambda: oneshot(seq_lens=[20, 3 * PS + 1])),
+    ("seq_lens_past_narrow_row", ValueError, "seq_lens|block_tables",
      lambda: oneshot(block_tables=[[3], [5]], seq_lens=[PS + 1, 5])),
     ("seq_lens_past_max_kv_len", ValueError, "seq_lens", lambda: oneshot(max_kv_len=19)),
     ("seq_lens_int_max", ValueError, "seq_lens", lambda: oneshot(seq_lens=[20, 2**31 - 1])),
+    ("max_kv_len_past_table_columns", ValueError, "block_tables", lambda: oneshot(max_kv_len=3 * PS + 1)),
     # --- a used page ID out of range
     ("page_id_eq_num_pages", ValueError, "block_tables", lambda: oneshot(block_tables=[[3, P, -1], [5, 0, 0]])),
     ("page_id_past_smaller_cache", ValueError, "block_tables", lambda: oneshot(kv_cache=_kv[:5])),
@@ -642,8 +789,8 @@ ONESHOT_CASES = [
     ("qo_not_start_0", ValueError, "qo_indptr", lambda: oneshot_packed(qo_indptr=[1, 3, 5])),
     ("qo_decreasing", ValueError, "qo_indptr", lambda: oneshot_packed(qo_indptr=[0, 4, 3])),
     ("qo_empty_request", ValueError, "qo_indptr", lambda: oneshot_packed(qo_indptr=[0, 0, 5])),
-    ("qo_end_short", ValueError, "qo_indptr", lambda: oneshot_packed(qo_indptr=[0, 2, 4])),
-    ("qo_end_past", ValueError, "qo_indptr", lambda: oneshot_packed(qo_indptr=[0, 3, 6])),
+    ("qo_end_short", ValueError, "qo_indptr|query", lambda: oneshot_packed(qo_indptr=[0, 2, 4])),
+    ("qo_end_past", ValueError, "qo_indptr|query", lambda: oneshot_packed(qo_indptr=[0, 3, 6])),
     ("qo_negative", ValueError, "qo_indptr", lambda: oneshot_packed(qo_indptr=[0, -1, 5])),
     ("qo_wrong_length", ValueError, "qo_indptr|block_tables|seq_lens",
      lambda: oneshot_packed(qo_indptr=[0, 1, 3, 5])),
@@ -678,11 +825,12 @@ ONESHOT_CASES = [
     ("query_float32", ValueError, "query", lambda: oneshot(query=_q.float(), kv_cache=_kv.float())),
     ("query_heads_12", ValueError, "query", lambda: oneshot(query=make_q(h=12))),
     ("query_rank3_without_qo", ValueError, "query", lambda: oneshot(query=_q[:, 0])),
+    ("query_misaligned", ValueError, "query", lambda: oneshot(query=_misaligned(_q))),
     ("block_tables_int64", ValueError, "block_tables", lambda: oneshot(block_tables=ip(BT, torch.int64))),
     ("block_tables_rows_overlap", ValueError, "block_tables", lambda: oneshot(block_tables=_overlapping_rows())),
     ("block_tables_rows", ValueError, "block_tables|seq_lens", lambda: oneshot(block_tables=BT[:1])),
     ("seq_lens_int64", ValueError, "seq_lens", lambda: oneshot(seq_lens=ip(LENS, torch.int64))),
-    ("seq_lens_length", ValueError, "seq_lens", lambda: oneshot(seq_lens=[20])),
+    ("seq_lens_length", ValueError, "seq_lens|block_tables", lambda: oneshot(seq_lens=[20])),
     ("seq_lens_meta", ValueError, "seq_lens", lambda: oneshot(seq_lens=ip(LENS).to("meta"))),
     ("mask_unknown", ValueError, "mask_type", lambda: oneshot(mask_type="sliding")),
     ("bmm1_scale_nan", ValueError, "bmm1_scale", lambda: oneshot(bmm1_scale=math.nan)),
@@ -690,17 +838,24 @@ ONESHOT_CASES = [
     ("out_dtype_float64", ValueError, "out_dtype", lambda: oneshot(out_dtype=torch.float64)),
     ("out_dtype_str", TypeError, "out_dtype", lambda: oneshot(out_dtype="float32")),
     # --- overlapping out
-    ("out_in_query", ValueError, r"\bout\b", lambda: oneshot(out=_q.view(-1)[:B * H * DV].view(B, 1, H, DV))),
-    ("out_in_cache", ValueError, r"\bout\b", lambda: oneshot(out=_kv.view(-1)[-B * H * DV:].view(B, 1, H, DV))),
-    ("out_over_block_tables", ValueError, r"\bout\b",
+    ("out_in_query", ValueError, r"\bout\b.*query",
+     lambda: oneshot(out=_q.view(-1)[:B * H * DV].view(B, 1, H, DV))),
+    ("out_in_cache", ValueError, r"\bout\b.*kv_cache",
+     lambda: oneshot(out=_kv.view(-1)[-B * H * DV:].view(B, 1, H, DV))),
+    ("out_over_block_tables", ValueError, r"\bout\b.*block_tables",
      lambda: oneshot(**dict(zip(("block_tables", "out"), _out_sharing("block_tables"))))),
-    ("out_over_seq_lens", ValueError, r"\bout\b",
+    ("out_over_seq_lens", ValueError, r"\bout\b.*seq_lens",
      lambda: oneshot(**dict(zip(("seq_lens", "out"), _out_sharing("seq_lens"))))),
-    ("out_over_qo_indptr", ValueError, r"\bout\b",
+    ("out_over_qo_indptr", ValueError, r"\bout\b.*qo_indptr",
      lambda: oneshot_packed(**dict(zip(("qo_indptr", "out"), _out_sharing("qo_indptr"))))),
     ("out_wrong_shape", ValueError, r"\bout\b", lambda: oneshot(out=torch.empty(B, 1, H, DQK, dtype=BF16))),
     ("out_dtype_disagrees", ValueError, r"\bout\b",
      lambda: oneshot(out=torch.empty(B, 1, H, DV, dtype=FP16), out_dtype=FP32)),
+    # --- out's dtype must equal out_dtype (default bfloat16)
+    ("out_fp32_default_out_dtype", ValueError, r"\bout\b.*out_dtype",
+     lambda: oneshot(out=torch.empty(B, 1, H, DV, dtype=FP32))),
+    ("out_fp16_packed_default_out_dtype", ValueError, r"\bout\b.*out_dtype",
+     lambda: oneshot_packed(out=torch.empty(QO[-1], H, DV, dtype=FP16))),
 ]
 
 
@@ -711,36 +866,76 @@ def test_oneshot_errors(exc, match, make):
 
 
 # ----------------------------------------------------------------------------
-# BatchMLADecodePagedTSWrapper: __init__, plan
+# BatchMLADecodePagedTSWrapper(*, tuning): plan(block_tables, seq_lens, num_heads, kv_lora_rank,
+#                                                qk_rope_head_dim, page_size, *, ...)
 # ----------------------------------------------------------------------------
 
 
-def plan_args(seq_lens=LENS, num_heads=H, page_size=PS, **kw):
+
+def plan_args(block_tables_=BT, seq_lens=LENS, num_heads=H, page_size=PS, **kw):
+    bt = block_tables(block_tables_) if isinstance(block_tables_, list) else block_tables_
     sl = ip(seq_lens) if isinstance(seq_lens, list) else seq_lens
     if isinstance(kw.get("qo_indptr"), list):
         kw["qo_indptr"] = ip(kw["qo_indptr"])
-    return (sl, num_heads, page_size), {k: v for k, v in kw.items() if v is not DROP}
+    args = dict(block_tables=bt, seq_lens=sl, num_heads=num_heads, kv_lora_rank=RANK, qk_rope_head_dim=ROPE,
+                page_size=page_size)
+    for key in ("kv_lora_rank", "qk_rope_head_dim"):
+        if key in kw:
+            args[key] = kw.pop(key)
+    return tuple(args.values()), {k: v for k, v in kw.items() if v is not DROP}
 
 
 PLAN_CASES = [
+    # --- seq_lens (read once at plan)
     ("seq_lens_0", ValueError, "seq_lens", lambda: plan_args(seq_lens=[0, 5])),
     ("seq_lens_negative", ValueError, "seq_lens", lambda: plan_args(seq_lens=[-4, 5])),
-    ("seq_lens_past_max_kv_len", ValueError, "seq_lens", lambda: plan_args(max_kv_len=19)),
-    ("seq_lens_empty", ValueError, "seq_lens", lambda: plan_args(seq_lens=[])),
+    ("seq_lens_past_max_kv_len", ValueError, "seq_lens|max_kv_len", lambda: plan_args(max_kv_len=19)),
+    ("seq_lens_past_bound", ValueError, "seq_lens", lambda: plan_args(seq_lens=[20, 2**31 - 1])),
+    ("seq_lens_empty", ValueError, "seq_lens", lambda: plan_args(block_tables_=ip(BT)[:0], seq_lens=[])),
     ("seq_lens_int64", ValueError, "seq_lens", lambda: plan_args(seq_lens=ip(LENS, torch.int64))),
     ("seq_lens_rank2", ValueError, "seq_lens", lambda: plan_args(seq_lens=ip([LENS]))),
+    ("seq_lens_noncontig", ValueError, "seq_lens", lambda: plan_args(seq_lens=ip([20, 9, 5, 9])[::2])),
     ("seq_lens_list", TypeError, "seq_lens", lambda: plan_args(seq_lens=tuple(LENS))),
+    ("seq_lens_meta", ValueError, "seq_lens", lambda: plan_args(seq_lens=ip(LENS).to("meta"))),
+    # --- block_tables (bound: run reads it live)
+    ("block_tables_int64", ValueError, "block_tables", lambda: plan_args(block_tables_=ip(BT, torch.int64))),
+    ("block_tables_uint32", ValueError, "block_tables", lambda: plan_args(block_tables_=ip(BT).view(torch.uint32))),
+    ("block_tables_rank1", ValueError, "block_tables", lambda: plan_args(block_tables_=ip(BT[0]))),
+    ("block_tables_rank3", ValueError, "block_tables", lambda: plan_args(block_tables_=ip([BT]))),
+    ("block_tables_rows_B_plus_1", ValueError, "block_tables", lambda: plan_args(block_tables_=BT + [[0, 0, 0]])),
+    ("block_tables_rows_B_minus_1", ValueError, "block_tables", lambda: plan_args(block_tables_=BT[:1])),
+    ("block_tables_no_columns", ValueError, "block_tables", lambda: plan_args(block_tables_=ip(BT)[:, :0])),
+    ("block_tables_column_stride_2", ValueError, "block_tables",
+     lambda: plan_args(block_tables_=ip([[3, 0, 1, 0, 7, 0], [5, 0, 0, 0, 2, 0]])[:, ::2])),
+    ("block_tables_rows_overlap", ValueError, "block_tables", lambda: plan_args(block_tables_=_overlapping_rows())),
+    ("block_tables_meta", ValueError, "block_tables", lambda: plan_args(block_tables_=ip(BT).to("meta"))),
+    ("block_tables_tuple", TypeError, "block_tables", lambda: plan_args(block_tables_=tuple(map(tuple, BT)))),
+    ("block_tables_columns_below_longest", ValueError, "block_tables",
+     lambda: plan_args(block_tables_=[[3], [5]])),  # request 0 (20 tokens) needs 2 pages
+    ("block_tables_columns_below_max_kv_len", ValueError, "block_tables",
+     lambda: plan_args(max_kv_len=3 * PS + 1)),  # 4 pages of 16; the table has 3 columns
+    # --- qo_indptr (read once, bound)
     ("qo_not_start_0", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[1, 3, 5])),
     ("qo_decreasing", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0, 3, 2])),
     ("qo_empty_request", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0, 3, 3])),
     ("qo_wrong_length", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0, 1, 3, 5])),
     ("qo_int64", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=ip(QO, torch.int64))),
     ("qo_meta", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=ip(QO).to("meta"))),
+    ("qo_tuple", TypeError, "qo_indptr", lambda: plan_args(qo_indptr=tuple(QO))),
+    ("packed_seq_len_q_2", ValueError, "seq_len_q", lambda: plan_args(qo_indptr=QO, seq_len_q=2)),
     ("max_seq_len_q_below_qo", ValueError, "max_seq_len_q", lambda: plan_args(qo_indptr=QO, max_seq_len_q=2)),
+    ("packed_max_seq_len_q_zero", ValueError, "max_seq_len_q", lambda: plan_args(qo_indptr=QO, max_seq_len_q=0)),
+    # --- a fixed query's SQ: seq_len_q or its alias max_seq_len_q (which must agree)
     ("max_seq_len_q_zero", ValueError, "max_seq_len_q", lambda: plan_args(max_seq_len_q=0)),
     ("max_seq_len_q_float", TypeError, "max_seq_len_q", lambda: plan_args(max_seq_len_q=1.0)),
+    ("seq_len_q_zero", ValueError, "seq_len_q", lambda: plan_args(seq_len_q=0)),
+    ("seq_len_q_float", TypeError, "seq_len_q", lambda: plan_args(seq_len_q=2.0)),
+    ("seq_len_q_vs_max_seq_len_q", ValueError, "max_seq_len_q|seq_len_q",
+     lambda: plan_args(seq_len_q=2, max_seq_len_q=3)),
     ("causal_fixed_sq_past_len", ValueError, "causal", lambda: plan_args(max_seq_len_q=6)),
+    ("causal_fixed_seq_len_q_past_len", ValueError, "causal", lambda: plan_args(seq_len_q=6)),
     ("causal_packed_q_past_len", ValueError, "causal", lambda: plan_args(seq_lens=[2, 5], qo_indptr=QO)),
+    # --- static arguments
     ("max_kv_len_0", ValueError, "max_kv_len", lambda: plan_args(max_kv_len=0)),
     ("max_kv_len_past_bound", ValueError, "max_kv_len", lambda: plan_args(max_kv_len=BOUND + 1)),
     ("max_kv_len_str", TypeError, "max_kv_len", lambda: plan_args(max_kv_len="32")),
@@ -751,193 +946,230 @@ PLAN_CASES = [
     ("page_size_48", ValueError, "page_size", lambda: plan_args(page_size=48)),
     ("page_size_str", TypeError, "page_size", lambda: plan_args(page_size="16")),
     ("kv_lora_rank_256", ValueError, "kv_lora_rank", lambda: plan_args(kv_lora_rank=256)),
+    ("kv_lora_rank_none", TypeError, "kv_lora_rank", lambda: plan_args(kv_lora_rank=None)),
     ("qk_rope_head_dim_32", ValueError, "qk_rope_head_dim", lambda: plan_args(qk_rope_head_dim=32)),
     ("mask_unknown", ValueError, "mask_type", lambda: plan_args(mask_type="full")),
-    ("bmm1_scale_inf", ValueError, "bmm1_scale", lambda: plan_args(bmm1_scale=math.inf)),
-    ("bmm2_scale_negative", ValueError, "bmm2_scale", lambda: plan_args(bmm2_scale=-2.0)),
     ("q_data_type_str", TypeError, "q_data_type", lambda: plan_args(q_data_type="bfloat16")),
     ("q_data_type_float32", ValueError, "q_data_type", lambda: plan_args(q_data_type=FP32)),
-    ("out_dtype_float64", ValueError, "out_dtype", lambda: plan_args(out_dtype=torch.float64)),
-    ("out_dtype_str", TypeError, "out_dtype", lambda: plan_args(out_dtype="float32")),
+    ("kv_data_type_vs_q_data_type", ValueError, "kv_data_type", lambda: plan_args(kv_data_type=FP16)),
+    ("kv_data_type_str", TypeError, "kv_data_type", lambda: plan_args(kv_data_type="bfloat16")),
+    ("o_data_type_float64", ValueError, "o_data_type", lambda: plan_args(o_data_type=torch.float64)),
+    ("o_data_type_str", TypeError, "o_data_type", lambda: plan_args(o_data_type="float32")),
 ]
 
 
-@pytest.mark.parametrize("exc,match,make", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+@pytest.mark.parametrize("exc,match,make",
+                         [pytest.param(*c[1:4], marks=c[4] if len(c) > 4 else (), id=c[0]) for c in PLAN_CASES])
 def test_wrapper_plan_errors(exc, match, make):
     args, kwargs = make()
     expect(exc, match, BatchMLADecodePagedTSWrapper().plan, *args, **kwargs)
 
 
-def test_wrapper_init_and_workspace_errors():
-    with pytest.raises(ValueError, match="workspace_buffer"):
-        BatchMLADecodePagedTSWrapper(torch.zeros(64, dtype=FP32))
-    with pytest.raises(ValueError, match="workspace_buffer"):
-        BatchMLADecodePagedTSWrapper(torch.zeros(512, dtype=U8)[::2])
-    with pytest.raises(ValueError, match="workspace_buffer.*16-byte"):
-        BatchMLADecodePagedTSWrapper(torch.zeros(512, dtype=U8)[4:])
-    with pytest.raises(TypeError, match="workspace_buffer"):
-        BatchMLADecodePagedTSWrapper(bytearray(256))
-    with pytest.raises(ValueError, match="device"):
-        BatchMLADecodePagedTSWrapper(torch.zeros(256, dtype=U8), device="meta")
-    # a caller workspace too small for the planned key: refused at plan
-    w = BatchMLADecodePagedTSWrapper(make_ws(ws_bytes()))
-    w.plan(ip(LENS), H, PS)  # a one-split key: the minimum is enough
-    with pytest.raises(ValueError, match="workspace_buffer"):
-        w.plan(ip(LENS), H, PS, max_kv_len=4096)
-    # plan reads values: metadata on the meta device cannot be planned from
-    with pytest.raises(ValueError, match="seq_lens"):
-        BatchMLADecodePagedTSWrapper(make_ws()).plan(ip(LENS).to("meta"), H, PS)
+def test_wrapper_constructor_and_device_rules():
+    """The wrapper owns its workspace: the old positional workspace_buffer is refused (not ignored).
+    plan reads values (metadata on the meta device cannot be planned from) and binds its tensors,
+    which must share a device; run refuses a query or cache on another device than the plan's."""
+    with pytest.raises(TypeError):
+        BatchMLADecodePagedTSWrapper(torch.zeros(256, dtype=U8))
+    expect(ValueError, "seq_lens", BatchMLADecodePagedTSWrapper().plan, ip(BT).to("meta"), ip(LENS).to("meta"), H,
+           RANK, ROPE, PS)
+    expect(ValueError, "block_tables|seq_lens", BatchMLADecodePagedTSWrapper().plan, block_tables(),
+           ip(LENS).to("meta"), H, RANK, ROPE, PS)
+    expect(ValueError, "qo_indptr", BatchMLADecodePagedTSWrapper().plan, block_tables(), ip(LENS), H, RANK, ROPE, PS,
+           qo_indptr=ip(QO).to("meta"))
+    w = planned()
+    expect(ValueError, "query|kv_cache", w.run, _q.to("meta"), _kv)
+    expect(ValueError, "query", w.run, _q.to("meta"), _kv.to("meta"))
+    expect(ValueError, "kv_cache|query", w.run, _q, _kv.to("meta"))
 
 
-def test_wrapper_device_rules():
-    """plan binds nothing, so host metadata is fine where the device is known (workspace or device=);
-    run refuses a query on another device than the wrapper's workspace, naming the query."""
-    w = BatchMLADecodePagedTSWrapper(device="meta")
-    w.plan(ip(LENS), H, PS)  # host metadata, a workspace on the wrapper's device
-    assert w.workspace_buffer.device.type == "meta"
-    expect(ValueError, "query", w.run, _q, _kv, block_tables(), ip(LENS))
-    w = BatchMLADecodePagedTSWrapper(torch.zeros(256, dtype=U8, device="meta"))
-    w.plan(ip(LENS), H, PS)
-    expect(ValueError, "query", w.run, _q, _kv, block_tables(), ip(LENS), validate=False)
-
-
-def test_wrapper_plan_zeroes_the_caller_workspace():
-    """The key's bytes of a caller workspace are zeroed at plan (the kernel's first-use contract);
-    bytes past them are left alone."""
-    need = ws_bytes(max_seq_len=4096)
-    ws = torch.full((need + 100,), 0xA5, dtype=U8)
-    w = BatchMLADecodePagedTSWrapper(ws)
-    w.plan(ip(LENS), H, PS, max_kv_len=4096)
-    assert (ws[:need] == 0).all() and (ws[need:] == 0xA5).all()
-    assert w.workspace_buffer is ws
-    ws8 = torch.full((256,), -3, dtype=torch.int8)
-    w = BatchMLADecodePagedTSWrapper(ws8)
-    w.plan(ip(LENS), H, PS)
-    assert (ws8 == 0).all()
-
-
-def test_wrapper_owns_its_workspace():
+def test_wrapper_owns_a_zeroed_workspace_large_enough():
+    """Each plan allocates (zeroed) at least the standalone's workspace for its key."""
+    for kw, need in ((dict(), ws_bytes()), (dict(max_kv_len=3 * PS), ws_bytes(max_seq_len=3 * PS)),
+                     (dict(qo_indptr=QO, max_seq_len_q=3), ws_bytes(max_seq_len_q=3))):
+        w = BatchMLADecodePagedTSWrapper()
+        args, kwargs = plan_args(**kw)
+        w.plan(*args, **kwargs)
+        ws = w._plan.workspace
+        assert ws.dtype == U8 and ws.numel() >= need and not ws.any()
+    wide = block_tables([[3, 1, 7] + [0] * 253, [5, 2, 0] + [0] * 253])
     w = BatchMLADecodePagedTSWrapper()
-    assert w.workspace_buffer is None
-    w.plan(ip(LENS), H, PS, max_kv_len=4096)
-    ws = w.workspace_buffer
-    assert ws.dtype == U8 and ws.numel() >= ws_bytes(max_seq_len=4096) and (ws == 0).all()
-    w.plan(ip(LENS), H, PS)  # a smaller key reuses (and re-zeroes) the buffer
-    assert w.workspace_buffer is ws
-    w.plan(ip(LENS), 64, PS, max_kv_len=8192)  # a larger one gets a new one
-    assert w.workspace_buffer.numel() >= ws_bytes(h=64, max_seq_len=8192)
+    w.plan(wide, ip(LENS), 64, RANK, ROPE, PS, max_kv_len=4096)
+    assert w._plan.workspace.numel() >= ws_bytes(h=64, max_seq_len=4096) > 256
 
 
 def test_wrapper_plan_accepts_edge_values():
-    for args, kw in (plan_args(max_kv_len=20), plan_args(max_kv_len=BOUND), plan_args(qo_indptr=QO, max_seq_len_q=3),
-                     plan_args(qo_indptr=QO, max_seq_len_q=40), plan_args(max_seq_len_q=5),
-                     plan_args(max_seq_len_q=6, mask_type="dense"), plan_args(seq_lens=[1], max_kv_len=1),
-                     plan_args(q_data_type=FP16, out_dtype=FP32)):
+    for args, kw in (plan_args(max_kv_len=20), plan_args(max_kv_len=3 * PS),
+                     plan_args(qo_indptr=QO, max_seq_len_q=3), plan_args(qo_indptr=QO, max_seq_len_q=40),
+                     plan_args(qo_indptr=QO, seq_len_q=1), plan_args(max_seq_len_q=5), plan_args(seq_len_q=5),
+                     plan_args(seq_len_q=5, max_seq_len_q=5), plan_args(max_seq_len_q=6, mask_type="dense"),
+                     plan_args(block_tables_=[[3]], seq_lens=[1], max_kv_len=1),
+                     plan_args(block_tables_=[[3], [5]], seq_lens=[16, 5]),  # one column holds 16 tokens
+                     plan_args(q_data_type=FP16, kv_data_type=FP16, o_data_type=FP32),
+                     plan_args(o_data_type=None), plan_args(block_tables_=ip(BT))):
         BatchMLADecodePagedTSWrapper().plan(*args, **kw)
 
 
+def test_failed_plan_keeps_the_previous_plan():
+    w = planned()
+    want = w.run(_q, _kv)
+    args, kwargs = plan_args(max_kv_len=3 * PS + 1)
+    expect(ValueError, "block_tables", w.plan, *args, **kwargs)
+    torch.testing.assert_close(w.run(_q, _kv), want, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------
-# BatchMLADecodePagedTSWrapper.run
+# BatchMLADecodePagedTSWrapper.run(query, kv_cache, *, bmm1_scale, bmm2_scale, out, validate=False)
 # ----------------------------------------------------------------------------
 
 
-def planned(packed_q=False, **kw):
+def planned(packed_q=False, bound=None, **kw):
+    """A planned wrapper (plan_args() metadata); ``bound``, when given, receives the bound tensors."""
     w = BatchMLADecodePagedTSWrapper()
     if packed_q:
         kw.setdefault("qo_indptr", QO)
     args, kwargs = plan_args(**kw)
     w.plan(*args, **kwargs)
+    if bound is not None:
+        bound.update(block_tables=args[0], seq_lens=args[1], qo_indptr=kwargs.get("qo_indptr"))
     return w
 
 
 def run_args(**mods):
-    """(query, kv_cache, block_tables, seq_lens) + kwargs for a plan_args() wrapper."""
-    args = dict(query=_q, kv_cache=_kv, block_tables=block_tables(), seq_lens=ip(LENS))
+    """(query, kv_cache) + run kwargs for a plan_args() wrapper."""
+    args = dict(query=_q, kv_cache=_kv)
     kw = {}
     for key, val in mods.items():
-        if isinstance(val, list) and key in META:
-            val = block_tables(val) if key == "block_tables" else ip(val)
         (args if key in args else kw)[key] = val
     return tuple(args.values()), kw
 
 
 def test_wrapper_run_before_plan():
-    with pytest.raises(RuntimeError, match="plan"):
-        BatchMLADecodePagedTSWrapper().run(_q, _kv, block_tables(), ip(LENS))
+    with pytest.raises(RuntimeError, match=r"^plan\(\) must be called before run\(\)$"):
+        BatchMLADecodePagedTSWrapper().run(_q, _kv)
+    with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
+        BatchMLADecodePagedTSWrapper(tuning=Tuning(merge_staged=True)).run(_q, _kv, validate=True)
 
 
 def test_wrapper_base_runs_are_valid():
     w = planned()
     for validate in (True, False):
         out = torch.empty(B, 1, H, DV, dtype=BF16)
-        assert w.run(_q, _kv, block_tables(), ip(LENS), out=out, validate=validate) is out
-        assert w.run(_q, _kv4[:6], ip(BT), ip(LENS), validate=validate).shape == (B, 1, H, DV)
+        assert w.run(_q, _kv, out=out, validate=validate) is out
+        assert w.run(_q, _kv4[:6], validate=validate, bmm1_scale=0.05, bmm2_scale=2.0).shape == (B, 1, H, DV)
     wp = planned(packed_q=True)
     for validate in (True, False):
-        assert wp.run(_qp, _kv, block_tables(), ip(LENS), ip(QO), validate=validate).shape == (QO[-1], H, DV)
-    # live metadata different from the plan's, within its bounds
-    w = planned(max_kv_len=48)
-    w.run(_q, _kv, block_tables([[3, 1, 7], [5, 2, 0]]), ip([48, 33]))
+        assert wp.run(_qp, _kv, validate=validate).shape == (QO[-1], H, DV)
+    # live metadata different from the plan's, within its bounds (rewritten in place)
+    bound = {}
+    w = planned(max_kv_len=48, bound=bound)
+    bound["block_tables"].copy_(ip([[3, 1, 7], [5, 2, 0]]))
+    bound["seq_lens"].copy_(ip([48, 33]))
+    assert w.run(_q, _kv, validate=True).shape == (B, 1, H, DV)
 
 
 RUN_CASES = [
-    # (id, plan kwargs, exc, match, run mods)
-    ("seq_lens_0", {}, ValueError, "seq_lens", dict(seq_lens=[0, 5])),
-    ("seq_lens_past_planned_max_kv_len", {}, ValueError, "seq_lens", dict(seq_lens=[21, 5])),
-    ("seq_lens_past_row", dict(max_kv_len=1000), ValueError, "seq_lens", dict(seq_lens=[20, 3 * PS + 1])),
-    ("page_id_past_cache", {}, ValueError, "block_tables", dict(kv_cache=_kv[:5])),
-    ("page_id_negative", {}, ValueError, "block_tables", dict(block_tables=[[3, -1, 0], [5, 0, 0]])),
-    ("page_id_in_longer_request", dict(max_kv_len=48), ValueError, "block_tables", dict(seq_lens=[20, 17])),
-    ("causal_sq_past_len", dict(max_seq_len_q=3), ValueError, "causal", dict(query=_q3, seq_lens=[20, 2])),
-    ("qo_end", dict(packed_q=True), ValueError, "qo_indptr", dict(query=_qp, qo_indptr=[0, 3, 4])),
-    ("qo_not_start_0", dict(packed_q=True), ValueError, "qo_indptr", dict(query=_qp, qo_indptr=[1, 3, 5])),
+    # (id, plan kwargs, exc, match, in-place rewrites of the bound metadata, run mods)
+    ("seq_lens_0", {}, ValueError, "seq_lens", dict(seq_lens=[0, 5]), {}),
+    ("seq_lens_past_planned_max_kv_len", {}, ValueError, "seq_lens", dict(seq_lens=[21, 5]), {}),
+    ("seq_lens_past_explicit_max_kv_len", dict(max_kv_len=40), ValueError, "seq_lens", dict(seq_lens=[20, 41]), {}),
+    ("page_id_past_cache", {}, ValueError, "block_tables", {}, dict(kv_cache=_kv[:5])),
+    ("page_id_past_cache4d", {}, ValueError, "block_tables", {}, dict(kv_cache=_kv4[:3])),
+    ("page_id_negative", {}, ValueError, "block_tables", dict(block_tables=[[3, -1, 0], [5, 0, 0]]), {}),
+    ("page_id_in_longer_request", dict(max_kv_len=48), ValueError, "block_tables", dict(seq_lens=[20, 17]), {}),
+    ("causal_sq_past_len", dict(max_seq_len_q=3), ValueError, "causal", dict(seq_lens=[20, 2]), dict(query=_q3)),
+    ("qo_end", dict(packed_q=True), ValueError, "qo_indptr", dict(qo_indptr=[0, 3, 4]), dict(query=_qp)),
+    ("qo_not_start_0", dict(packed_q=True), ValueError, "qo_indptr", dict(qo_indptr=[1, 3, 5]), dict(query=_qp)),
+    ("qo_decreasing", dict(packed_q=True), ValueError, "qo_indptr", dict(qo_indptr=[0, 4, 3]), dict(query=_qp)),
     ("qo_past_planned_max_seq_len_q", dict(packed_q=True), ValueError, "qo_indptr",
-     dict(query=_qp, qo_indptr=[0, 1, 5])),
+     dict(qo_indptr=[0, 1, 5]), dict(query=_qp)),
     ("qo_causal_past_len", dict(packed_q=True), ValueError, "causal",
-     dict(query=_qp, qo_indptr=[0, 2, 5], seq_lens=[20, 2])),
+     dict(qo_indptr=[0, 2, 5], seq_lens=[20, 2]), dict(query=_qp)),
 ]
 
 
-@pytest.mark.parametrize("plan_kw,exc,match,mods", [c[1:] for c in RUN_CASES], ids=[c[0] for c in RUN_CASES])
-def test_wrapper_run_validate_errors(plan_kw, exc, match, mods):
-    """run(validate=True) checks the live metadata values; run(validate=False) trusts them."""
-    w = planned(**plan_kw)
+@pytest.mark.parametrize("plan_kw,exc,match,rewrite,mods", [c[1:] for c in RUN_CASES], ids=[c[0] for c in RUN_CASES])
+def test_wrapper_run_validate_errors(plan_kw, exc, match, rewrite, mods):
+    """run(validate=True) checks the live values of the bound metadata (rewritten in place after plan);
+    run(validate=False) trusts them."""
+    bound = {}
+    w = planned(bound=bound, **plan_kw)
     args, kw = run_args(**mods)
-    expect(exc, match, w.run, *args, **kw)
+    if rewrite:
+        w.run(*args, validate=True, **kw)  # the planned values pass; the rewrite below breaks them
+    for key, values in rewrite.items():
+        bound[key].copy_(ip(values))
+    expect(exc, match, w.run, *args, validate=True, **kw)
     with recording_no_host_reads():
         w.run(*args, **kw, validate=False)  # accepted unread
+        w.run(*args, **kw)  # validate defaults to False
 
 
 STATIC_RUN_CASES = [
-    ("qo_missing_for_packed_plan", dict(packed_q=True), ValueError, "qo_indptr", dict(query=_qp)),
-    ("qo_given_for_fixed_plan", {}, ValueError, "qo_indptr", dict(qo_indptr=QO)),
+    ("packed_plan_fixed_query", dict(packed_q=True), ValueError, "query", dict(query=_q)),
+    ("packed_plan_rows_4", dict(packed_q=True), ValueError, "query", dict(query=_qp[:4])),
+    ("fixed_plan_packed_query", {}, ValueError, "query", dict(query=_qp)),
     ("query_heads_vs_plan", {}, ValueError, "query", dict(query=make_q(h=16))),
     ("query_sq_vs_plan", {}, ValueError, "query", dict(query=_q3)),
+    ("query_batch_vs_plan", {}, ValueError, "query", dict(query=make_q(b=3))),
     ("query_fp16_vs_plan", {}, ValueError, "query", dict(query=_q.half(), kv_cache=_kv.half())),
     ("query_bf16_vs_plan_fp16", dict(q_data_type=FP16), ValueError, "query", {}),
+    ("query_last_dim_512", {}, ValueError, "query", dict(query=make_q(d=512))),
+    ("query_not_tensor", {}, TypeError, "query", dict(query=_q.tolist())),
     ("cache_dtype_vs_query", {}, ValueError, "query|kv_cache", dict(kv_cache=_kv.half())),
     ("cache_page_size_vs_plan", {}, ValueError, "kv_cache|page", dict(kv_cache=make_cache(ps=32))),
     ("cache_last_dim_512", {}, ValueError, "kv_cache", dict(kv_cache=make_cache(d=512))),
     ("cache_rank2", {}, ValueError, "kv_cache", dict(kv_cache=_kv[0])),
-    ("seq_lens_length_vs_plan", {}, ValueError, "seq_lens", dict(seq_lens=[20, 5, 5])),
-    ("block_tables_rows_vs_plan", {}, ValueError, "block_tables", dict(block_tables=BT + [[0, 0, 0]])),
-    ("block_tables_int64", {}, ValueError, "block_tables", dict(block_tables=ip(BT, torch.int64))),
+    ("cache4d_dim1_2", {}, ValueError, "kv_cache", dict(kv_cache=_kv.view(P // 2, 2, PS, DQK))),
+    ("cache_misaligned", {}, ValueError, "kv_cache", dict(kv_cache=_misaligned(_kv))),
+    ("cache_inner_noncontig", {}, ValueError, "kv_cache", dict(kv_cache=_noncontig_inner(_kv))),
+    ("cache_tuple", {}, TypeError, "kv_cache", dict(kv_cache=(_kv, _kv))),
     ("out_dtype_vs_plan", {}, ValueError, r"\bout\b", dict(out=torch.empty(B, 1, H, DV, dtype=FP32))),
-    ("out_dtype_vs_plan_fp32", dict(out_dtype=FP32), ValueError, r"\bout\b",
+    ("out_dtype_vs_plan_fp32", dict(o_data_type=FP32), ValueError, r"\bout\b",
      dict(out=torch.empty(B, 1, H, DV, dtype=BF16))),
-    ("out_in_query", {}, ValueError, r"\bout\b", dict(out=_q.view(-1)[:B * H * DV].view(B, 1, H, DV))),
+    ("out_in_query", {}, ValueError, r"\bout\b.*query", dict(out=_q.view(-1)[:B * H * DV].view(B, 1, H, DV))),
+    ("out_in_cache", {}, ValueError, r"\bout\b.*kv_cache", dict(out=_kv.view(-1)[-B * H * DV:].view(B, 1, H, DV))),
     ("out_wrong_shape", {}, ValueError, r"\bout\b", dict(out=torch.empty(B, 1, H, DQK, dtype=BF16))),
+    ("out_packed_rows_4", dict(packed_q=True), ValueError, r"\bout\b",
+     dict(query=_qp, out=torch.empty(4, H, DV, dtype=BF16))),
+    ("out_noncontig", {}, ValueError, r"\bout\b", dict(out=torch.empty(B, 1, DV, H, dtype=BF16).transpose(2, 3))),
+    ("out_misaligned", {}, ValueError, r"\bout\b",
+     dict(out=torch.empty(B * H * DV + 8, dtype=BF16)[1:1 + B * H * DV].view(B, 1, H, DV))),
+    ("out_not_tensor", {}, TypeError, r"\bout\b", dict(out=0)),
     ("validate_not_bool", {}, TypeError, "validate", dict(validate=1)),
+    # --- scales are run arguments, checked on every run
+    ("bmm1_scale_zero", {}, ValueError, "bmm1_scale", dict(bmm1_scale=0.0)),
+    ("bmm1_scale_nan", {}, ValueError, "bmm1_scale", dict(bmm1_scale=math.nan)),
+    ("bmm1_scale_negative", {}, ValueError, "bmm1_scale", dict(bmm1_scale=-0.1)),
+    ("bmm1_scale_none", {}, TypeError, "bmm1_scale", dict(bmm1_scale=None)),
+    ("bmm1_scale_str", {}, TypeError, "bmm1_scale", dict(bmm1_scale="0.1")),
+    ("bmm2_scale_inf", {}, ValueError, "bmm2_scale", dict(bmm2_scale=math.inf)),
+    ("bmm2_scale_zero", {}, ValueError, "bmm2_scale", dict(bmm2_scale=0.0)),
+    ("bmm2_scale_tensor", {}, TypeError, "bmm2_scale", dict(bmm2_scale=torch.tensor(1.0))),
+    # --- the query's layout (the old run went through the standalone, which refuses these on every device)
+    ("query_inner_noncontig", {}, ValueError, "query", dict(query=_noncontig_inner(_q))),
+    ("query_misaligned", {}, ValueError, "query", dict(query=_misaligned(_q))),
 ]
 
 
-@pytest.mark.parametrize("plan_kw,exc,match,mods", [c[1:] for c in STATIC_RUN_CASES],
-                         ids=[c[0] for c in STATIC_RUN_CASES])
+@pytest.mark.parametrize("plan_kw,exc,match,mods",
+                         [pytest.param(*c[1:5], marks=c[5] if len(c) > 5 else (), id=c[0]) for c in STATIC_RUN_CASES])
 @pytest.mark.parametrize("validate", [True, False])
 def test_wrapper_run_static_errors(plan_kw, exc, match, mods, validate):
-    """Shapes, dtypes and the plan's bounds are checked on both run paths."""
+    """Shapes, dtypes, devices, scales, out and the plan's bounds are checked on both run paths."""
     w = planned(**plan_kw)
     mods = dict(mods)
     mods.setdefault("validate", validate)
     args, kw = run_args(**mods)
     expect(exc, match, w.run, *args, **kw)
+
+
+@pytest.mark.parametrize("which", ["block_tables", "seq_lens", "qo_indptr"])
+def test_wrapper_run_out_overlapping_bound_metadata(which):
+    """The plan binds block_tables, seq_lens and qo_indptr (run reads them): out must not overlap them."""
+    meta, out = _out_sharing(which)
+    w = planned(packed_q=which == "qo_indptr", **{{"block_tables": "block_tables_"}.get(which, which): meta})
+    q = _qp if which == "qo_indptr" else _q
+    for validate in (True, False):
+        expect(ValueError, rf"\bout\b.*{which}", w.run, q, _kv, out=out, validate=validate)
+    assert w.run(q, _kv, out=torch.empty(out.shape, dtype=BF16)).shape == out.shape

@@ -11,9 +11,11 @@ All four apply to both ops, so every test below runs the full default set
 
 The op signatures (``prims_ts/ops/prefill.py``):
   batch_prefill(q, k, v, qo_indptr, kv_indptr, window_starts, window_ends, work, mask_type,
-                window_left, sm_scale, output_scale, max_q_len, out_dtype) -> Tensor
+                window_left, sm_scale, output_scale, max_q_len, out_dtype, tuning="") -> Tensor
   batch_prefill_out(q, k, v, out, qo_indptr, kv_indptr, window_starts, window_ends, work, mask_type,
-                    window_left, sm_scale, output_scale, max_q_len) -> ()
+                    window_left, sm_scale, output_scale, max_q_len, tuning="") -> ()
+``out_dtype`` is an int code (``prims_ts.ops._validate.dtype_code``); ``tuning`` an encoded
+``prims_ts.Tuning`` (defaulted: samples below pass it left out, empty, and non-empty).
 """
 from __future__ import annotations
 
@@ -25,12 +27,17 @@ from torch.library import opcheck
 
 from prims_ts.ops._validate import dtype_code
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
+from prims_ts import Tuning
 from prims_ts import reference as R
 from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 D = 128
+OMIT = None  # tuning left out: the op's default ("")
+LOOP1 = Tuning(loop=1).encode()
+PERSISTENT = Tuning(persistent=True, persistent_ctas=3, copy_tpr=8).encode()
+assert LOOP1 and PERSISTENT
 
 
 def _randn(shape, dtype, seed):
@@ -70,16 +77,20 @@ def packed_sample(mask, window, dtype, out_dtype, seed=0, with_work=False):
     return q, k, v, meta, scalars
 
 
-def functional_args(q, k, v, meta, scalars, out_dtype):
+def _tuning(tuning):
+    return () if tuning is OMIT else (tuning,)
+
+
+def functional_args(q, k, v, meta, scalars, out_dtype, tuning=OMIT):
     return (q, k, v, meta["qo_indptr"], meta["kv_indptr"], meta["window_starts"], meta["window_ends"], meta["work"],
             scalars["mask_type"], scalars["window_left"], scalars["sm_scale"], scalars["output_scale"],
-            scalars["max_q_len"], dtype_code(out_dtype))
+            scalars["max_q_len"], dtype_code(out_dtype)) + _tuning(tuning)
 
 
-def out_args(q, k, v, out, meta, scalars):
+def out_args(q, k, v, out, meta, scalars, tuning=OMIT):
     return (q, k, v, out, meta["qo_indptr"], meta["kv_indptr"], meta["window_starts"], meta["window_ends"],
             meta["work"], scalars["mask_type"], scalars["window_left"], scalars["sm_scale"],
-            scalars["output_scale"], scalars["max_q_len"])
+            scalars["output_scale"], scalars["max_q_len"]) + _tuning(tuning)
 
 
 def _reference(q, k, v, meta, scalars):
@@ -90,15 +101,20 @@ def _reference(q, k, v, meta, scalars):
                            compute_dtype=torch.float64)
 
 
-FIXED = [("dense", -1, BF16, BF16), ("causal", -1, FP16, FP32), ("causal", 2, BF16, FP16),
-         ("variable_window", -1, FP16, FP16)]
-PACKED = [("dense", -1, BF16, FP32, False), ("causal", -1, FP16, FP16, True), ("causal", 0, BF16, BF16, False)]
+# the last field: the tuning argument (OMIT: left out)
+FIXED = [("dense", -1, BF16, BF16, OMIT), ("causal", -1, FP16, FP32, LOOP1), ("causal", 2, BF16, FP16, ""),
+         ("variable_window", -1, FP16, FP16, PERSISTENT)]
+PACKED = [("dense", -1, BF16, FP32, False, OMIT), ("causal", -1, FP16, FP16, True, LOOP1),
+          ("causal", 0, BF16, BF16, False, PERSISTENT)]
+FIXED_IDS = [f"{m}{w if w >= 0 else ''}-tuning_{'omitted' if t is OMIT else t or 'empty'}" for m, w, _, _, t in FIXED]
+PACKED_IDS = [f"{m}{w if w >= 0 else ''}{'-work' if ww else ''}-tuning_{'omitted' if t is OMIT else t or 'empty'}"
+              for m, w, _, _, ww, t in PACKED]
 
 
-@pytest.mark.parametrize("mask,window,dtype,out_dtype", FIXED, ids=[f"{m}{w if w >= 0 else ''}" for m, w, *_ in FIXED])
-def test_opcheck_batch_prefill_fixed(mask, window, dtype, out_dtype):
+@pytest.mark.parametrize("mask,window,dtype,out_dtype,tuning", FIXED, ids=FIXED_IDS)
+def test_opcheck_batch_prefill_fixed(mask, window, dtype, out_dtype, tuning):
     q, k, v, meta, scalars = fixed_sample(mask, window, dtype, out_dtype)
-    args = functional_args(q, k, v, meta, scalars, out_dtype)
+    args = functional_args(q, k, v, meta, scalars, out_dtype, tuning)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_prefill(*args)
     assert res.dtype == out_dtype and res.shape == q.shape
@@ -106,39 +122,37 @@ def test_opcheck_batch_prefill_fixed(mask, window, dtype, out_dtype):
     assert ((res.double() - ref).norm() / ref.norm()).item() <= 2e-2
 
 
-@pytest.mark.parametrize("mask,window,dtype,out_dtype,with_work", PACKED,
-                         ids=[f"{m}{w if w >= 0 else ''}{'-work' if ww else ''}" for m, w, _, _, ww in PACKED])
-def test_opcheck_batch_prefill_packed(mask, window, dtype, out_dtype, with_work):
+@pytest.mark.parametrize("mask,window,dtype,out_dtype,with_work,tuning", PACKED, ids=PACKED_IDS)
+def test_opcheck_batch_prefill_packed(mask, window, dtype, out_dtype, with_work, tuning):
     q, k, v, meta, scalars = packed_sample(mask, window, dtype, out_dtype, with_work=with_work)
-    args = functional_args(q, k, v, meta, scalars, out_dtype)
+    args = functional_args(q, k, v, meta, scalars, out_dtype, tuning)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_prefill(*args)
     ref = _reference(q, k, v, meta, scalars)
     assert res.dtype == out_dtype and ((res.double() - ref).norm() / ref.norm()).item() <= 2e-2
 
 
-@pytest.mark.parametrize("mask,window,dtype,out_dtype", FIXED, ids=[f"{m}{w if w >= 0 else ''}" for m, w, *_ in FIXED])
-def test_opcheck_batch_prefill_out_fixed(mask, window, dtype, out_dtype):
+@pytest.mark.parametrize("mask,window,dtype,out_dtype,tuning", FIXED, ids=FIXED_IDS)
+def test_opcheck_batch_prefill_out_fixed(mask, window, dtype, out_dtype, tuning):
     q, k, v, meta, scalars = fixed_sample(mask, window, dtype, out_dtype, seed=10)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype)
-    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_out.default, out_args(q, k, v, out, meta, scalars),
-                   test_utils=OPCHECK_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_out.default,
+                                  out_args(q, k, v, out, meta, scalars, tuning), test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
-    assert torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars)) is None
+    assert torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars, tuning)) is None
     ref = _reference(q, k, v, meta, scalars)
     assert not torch.isnan(out).any()
     assert ((out.double() - ref).norm() / ref.norm()).item() <= 2e-2
 
 
-@pytest.mark.parametrize("mask,window,dtype,out_dtype,with_work", PACKED,
-                         ids=[f"{m}{w if w >= 0 else ''}{'-work' if ww else ''}" for m, w, _, _, ww in PACKED])
-def test_opcheck_batch_prefill_out_packed(mask, window, dtype, out_dtype, with_work):
+@pytest.mark.parametrize("mask,window,dtype,out_dtype,with_work,tuning", PACKED, ids=PACKED_IDS)
+def test_opcheck_batch_prefill_out_packed(mask, window, dtype, out_dtype, with_work, tuning):
     q, k, v, meta, scalars = packed_sample(mask, window, dtype, out_dtype, seed=20, with_work=with_work)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype)
-    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_out.default, out_args(q, k, v, out, meta, scalars),
-                   test_utils=OPCHECK_TESTS))
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_out.default,
+                                  out_args(q, k, v, out, meta, scalars, tuning), test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
-    torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars))
+    torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars, tuning))
     ref = _reference(q, k, v, meta, scalars)
     assert not torch.isnan(out).any()
     assert ((out.double() - ref).norm() / ref.norm()).item() <= 2e-2
@@ -154,7 +168,7 @@ def test_opcheck_with_requires_grad_inputs():
     """
     q, k, v, meta, scalars = fixed_sample("causal", -1, FP32, FP32, seed=30)
     q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
-    args = functional_args(q, k, v, meta, scalars, BF16)
+    args = functional_args(q, k, v, meta, scalars, BF16, LOOP1)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor")),
                   ("test_schema", "test_autograd_registration", "test_faketensor"))
@@ -176,10 +190,10 @@ def test_fake_tensor_shapes():
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         fmeta = {key: (mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) for key, t in meta.items()}
-        res = torch.ops.prims_ts.batch_prefill(*functional_args(fq, fk, fv, fmeta, scalars, FP16))
+        res = torch.ops.prims_ts.batch_prefill(*functional_args(fq, fk, fv, fmeta, scalars, FP16, LOOP1))
         assert res.shape == q.shape and res.dtype == FP16
         fout = torch.empty(q.shape, dtype=FP32)
-        assert torch.ops.prims_ts.batch_prefill_out(*out_args(fq, fk, fv, fout, fmeta, scalars)) is None
+        assert torch.ops.prims_ts.batch_prefill_out(*out_args(fq, fk, fv, fout, fmeta, scalars, LOOP1)) is None
 
 
 def test_out_dtype_code_error_names_the_argument():
@@ -188,7 +202,26 @@ def test_out_dtype_code_error_names_the_argument():
     q, k, v, meta, scalars = fixed_sample("dense", -1, BF16, BF16)
     args = functional_args(q, k, v, meta, scalars, BF16)[:-1]
     for bad in (3, -1):
-        with pytest.raises(ValueError, match="out_dtype"):
-            torch.ops.prims_ts.batch_prefill(*args, bad)
-        with pytest.raises(ValueError, match="out_dtype"):
-            torch.ops.prims_ts.batch_prefill(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args), bad)
+        for tuning in (_tuning(OMIT), (LOOP1,)):
+            with pytest.raises(ValueError, match="out_dtype"):
+                torch.ops.prims_ts.batch_prefill(*args, bad, *tuning)
+            with pytest.raises(ValueError, match="out_dtype"):
+                torch.ops.prims_ts.batch_prefill(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args),
+                                                 bad, *tuning)
+
+
+def test_tuning_argument_is_in_the_schemas():
+    """Both ops end with ``tuning: str = ""`` and accept it by name; on CPU the result does not depend on it
+    (the tuning chooses CUDA kernel variants)."""
+    for op in (torch.ops.prims_ts.batch_prefill.default, torch.ops.prims_ts.batch_prefill_out.default):
+        last = op._schema.arguments[-1]
+        assert last.name == "tuning" and str(last.type) == "str" and last.default_value == ""
+    q, k, v, meta, scalars = packed_sample("causal", 1, BF16, FP32, seed=40)
+    args = functional_args(q, k, v, meta, scalars, FP32)
+    plain = torch.ops.prims_ts.batch_prefill(*args)
+    tuned = torch.ops.prims_ts.batch_prefill(*args, tuning=PERSISTENT)
+    assert not torch.isnan(plain).any()
+    torch.testing.assert_close(tuned, plain, rtol=0, atol=0)
+    out = torch.full(q.shape, float("nan"), dtype=FP32)
+    torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars), tuning=LOOP1)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)

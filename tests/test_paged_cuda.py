@@ -1,4 +1,5 @@
-"""batch_prefill_with_paged_kv_cache on the GPU against the float64 reference (issue 3's correctness grid).
+"""batch_prefill_with_paged_kv_cache and BatchPrefillPagedTSWrapper on the GPU against the
+float64 reference (issue 3's correctness grid).
 
 Grid: page size 16/32/64/128 x mask (dense, causal, causal + window 0 and 100) x D 128/256
 x GQA 1/4/8 x bf16/fp16; each cell runs three block tables (non-identity permutation,
@@ -8,6 +9,16 @@ tokens long. Tolerance: ``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16 agai
 ``prims_ts.reference.batch_prefill_paged(..., compute_dtype=torch.float64)``; ``out``
 is NaN-poisoned first and NaN never passes. Every pool slot that no request uses holds
 NaN, so a kernel that reads past a request's length (or an unused page) fails.
+
+Every compute test takes ``ring_variant`` (conftest: a ``prims_ts.Tuning`` of the producer
+ring) and runs a ``BatchPrefillPagedTSWrapper`` planned with it over FlashInfer's CSR page
+metadata built from the grid's block table (the planned kernel key must be the one
+``PrefillKey.choose(..., paged=True, tuning=...)`` builds); under the first variant
+(``loop0``, the one every device runs) the one-shot (the default tuning) runs the same cells
+over the block table itself (padded, row-strided views included).
+
+``DEVICE`` (and ``HOST``, the other device of the device checks) are module globals: a dry run
+may set them to "cpu" (and "meta") and call the test functions with a Tuning directly.
 """
 from __future__ import annotations
 
@@ -21,11 +32,15 @@ import torch
 import prims_ts
 from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, rel_err, stable_seed
+from prims_ts.cuda.catalog import RING_VARIANTS
+from prims_ts.cuda.keys import device_limits
+from prims_ts.cuda.prefill import PreparedPrefill, PrefillKey
+from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, reference_must_not_run, rel_err, stable_seed
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("ring_variant")]  # every producer-ring variant
+pytestmark = pytest.mark.cuda
 
 DEVICE = "cuda"
+HOST = "cpu"  # the device of the one misplaced tensor in the device checks
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 NAN = float("nan")
@@ -35,6 +50,14 @@ KINDS = ("perm", "repeated", "padded")
 # (q len, kv len) per request; kv lengths are not page multiples (except 1); dense adds Sq > Sk
 REQUESTS = [(1, 1), (17, 17), (37, 100), (129, 129), (1000, 1033)]
 DENSE_EXTRA = [(50, 20)]
+MANY_REQUESTS_MAX_LEN = 400
+# the ring variant whose cells also run the one-shot (the default tuning): every device runs it
+ONESHOT_TUNING = RING_VARIANTS["loop0"]
+
+
+def sync():
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def tables(kind: str, kv_lens: Sequence[int], ps: int, g: torch.Generator, extra_pages: int = 5):
@@ -94,6 +117,76 @@ def ref64(q, k, v, qo, bt, sl, **kw):
     return R.batch_prefill_paged(q, k, v, qo, bt, sl, compute_dtype=torch.float64, **kw)
 
 
+def csr(bt: torch.Tensor, sl: torch.Tensor, ps: int):
+    """FlashInfer's CSR page metadata (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+    of a block table's used prefix, on the table's device: request b's pages are
+    bt[b, :ceil(sl[b] / ps)], its last page holds sl[b] - (pages - 1) * ps keys."""
+    table, lens = bt.cpu(), sl.cpu().tolist()
+    n = [(s + ps - 1) // ps for s in lens]
+    indices = torch.cat([table[b, :n[b]] for b in range(len(lens))]).to(I32)
+    last = [s - (nb - 1) * ps for s, nb in zip(lens, n)]
+    assert all(1 <= x <= ps for x in last)
+    return (torch.tensor(cumsum0(n), dtype=I32, device=bt.device), indices.to(bt.device),
+            torch.tensor(last, dtype=I32, device=bt.device))
+
+
+def check_key(w, dtype, d, mask, tuning):
+    """The plan keeps `tuning`, and (on CUDA) its prepared launch is the paged kernel that
+    PrefillKey.choose builds for it; on sm_90a that key takes the tuning's ring choices."""
+    plan = w._plan
+    assert plan.static.tuning == tuning and plan.static.paged
+    assert plan.tuning_code == tuning.encode()
+    arch = device_limits(plan.device)[0]
+    key = PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning)
+    assert key.paged
+    if arch == "sm_90a":
+        assert key.arch == 90 and key.loop == tuning.loop_for(d) and key.copy_tpr == tuning.copy_for(d), key.name
+        assert key.persistent == tuning.persistent, key.name
+    if plan.launch is not None:
+        assert plan.launch.key == key, (plan.launch.key.name, key.name)
+
+
+def plan_wrapper(tuning, q, k, v, qo, bt, sl, ps, **kw) -> BatchPrefillPagedTSWrapper:
+    """A wrapper planned with `tuning` over the CSR form of (bt, sl); `kw`: plan's keywords."""
+    w = BatchPrefillPagedTSWrapper(tuning=tuning)
+    w.plan(q, k, v, qo, *csr(bt, sl, ps), page_size=ps, **kw)
+    check_key(w, q.dtype, q.shape[-1], kw.get("mask_type", "dense"), tuning)
+    return w
+
+
+def run_entries(tuning, q, k, v, qo, bt, sl, ps, *, out_dtype=None, **kw):
+    """[(label, out)]: the wrapper planned with `tuning` (run into a NaN-poisoned out) and,
+    under ONESHOT_TUNING, the one-shot over the block table (the default tuning) the same way."""
+    odt = out_dtype or q.dtype
+    w = plan_wrapper(tuning, q, k, v, qo, bt, sl, ps, out_dtype=out_dtype, **kw)
+    out = torch.full(q.shape, NAN, dtype=odt, device=q.device)
+    assert w.run(q, k, v, out=out) is out
+    results = [("wrapper", out)]
+    if tuning == ONESHOT_TUNING:
+        one = torch.full(q.shape, NAN, dtype=odt, device=q.device)
+        res = batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=ps, out_dtype=out_dtype, out=one,
+                                                **kw)
+        assert res is one
+        results.append(("one-shot", one))
+    sync()
+    return results
+
+
+def assert_close_to(results, ref, tol, qo=None, requests=None, what=""):
+    """Each result against the reference, whole and (with qo) per request: a small request must
+    not hide behind the 1033-token one."""
+    qo_l = qo.tolist() if qo is not None else None
+    for label, out in results:
+        err = rel_err(out, ref)
+        assert err <= tol, f"{label} {what}: rel err {err:.3e}"
+        if qo_l is None:
+            continue
+        for b in range(len(qo_l) - 1):
+            s = slice(qo_l[b], qo_l[b + 1])
+            e = rel_err(out[s], ref[s])
+            assert e <= tol, f"{label} {what}, request {b} {requests[b] if requests else ''}: rel err {e:.3e}"
+
+
 # ----------------------------------------------------------------------------
 # The grid
 # ----------------------------------------------------------------------------
@@ -104,29 +197,18 @@ def ref64(q, k, v, qo, bt, sl, **kw):
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("mask,window", MASKS, ids=[f"{m}{w if w >= 0 else ''}" for m, w in MASKS])
 @pytest.mark.parametrize("ps", [16, 32, 64, 128])
-def test_paged_grid(ps, mask, window, d, group, dtype):
+def test_paged_grid(ring_variant, ps, mask, window, d, group, dtype):
     hkv = 2
     hq = hkv * group
     requests = REQUESTS + (DENSE_EXTRA if mask == "dense" else [])
-    for i, kind in enumerate(KINDS):
+    for kind in KINDS:
         seed = stable_seed(ps, mask, window, d, group, str(dtype), kind)
         q, k, v, qo, bt, sl = make_problem(requests, hq, hkv, d, ps, dtype, kind, seed)
         if kind == "padded":
             assert bt.stride(0) > bt.shape[1]
-        out = torch.full_like(q, NAN)
-        res = batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=ps, mask_type=mask,
-                                                window_left=window, out=out)
-        assert res is out
-        torch.cuda.synchronize()
+        results = run_entries(ring_variant, q, k, v, qo, bt, sl, ps, mask_type=mask, window_left=window)
         ref = ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window)
-        err = rel_err(out, ref)
-        assert err <= TOLERANCE[dtype], f"{kind} table: rel err {err:.3e}"
-        # per request too: a small request must not hide behind the 1033-token one
-        qo_l = qo.tolist()
-        for b in range(len(requests)):
-            s = slice(qo_l[b], qo_l[b + 1])
-            e = rel_err(out[s], ref[s])
-            assert e <= TOLERANCE[dtype], f"{kind} table, request {b} {requests[b]}: rel err {e:.3e}"
+        assert_close_to(results, ref, TOLERANCE[dtype], qo, requests, f"{kind} table")
 
 
 # ----------------------------------------------------------------------------
@@ -136,20 +218,35 @@ def test_paged_grid(ps, mask, window, d, group, dtype):
 
 @pytest.mark.parametrize("out_dtype", [FP32, FP16, BF16])
 @pytest.mark.parametrize("ps", [16, 128])
-def test_out_dtype_and_scales(ps, out_dtype):
+def test_out_dtype_and_scales(ring_variant, ps, out_dtype):
     q, k, v, qo, bt, sl = make_problem([(300, 333), (5, 700), (64, 64)], 8, 2, 128, ps, BF16, "padded", seed=3)
     for sm_scale, output_scale in [(0.05, 1.7), (None, 0.5)]:
-        res = batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=ps, mask_type="causal",
-                                                sm_scale=sm_scale, output_scale=output_scale, out_dtype=out_dtype)
-        assert res.dtype == out_dtype and res.shape == q.shape
-        ref = ref64(q, k, v, qo, bt, sl, mask_type="causal", sm_scale=sm_scale, output_scale=output_scale)
-        assert rel_err(res, ref) <= 2e-2
-    out = torch.full(q.shape, NAN, dtype=out_dtype, device=DEVICE)
-    assert batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=ps, out=out) is out
-    assert rel_err(out, ref64(q, k, v, qo, bt, sl)) <= 2e-2
+        kw = dict(mask_type="causal", sm_scale=sm_scale, output_scale=output_scale)
+        ref = ref64(q, k, v, qo, bt, sl, **kw)
+        results = run_entries(ring_variant, q, k, v, qo, bt, sl, ps, out_dtype=out_dtype, **kw)
+        assert all(out.dtype == out_dtype for _, out in results)
+        assert_close_to(results, ref, 2e-2, qo)
+        # the functional forms (no out)
+        w = plan_wrapper(ring_variant, q, k, v, qo, bt, sl, ps, out_dtype=out_dtype, **kw)
+        res = [("wrapper functional", w.run(q, k, v))]
+        if ring_variant == ONESHOT_TUNING:
+            res.append(("one-shot functional", batch_prefill_with_paged_kv_cache(
+                q, k, v, qo, bt, sl, page_size=ps, out_dtype=out_dtype, **kw)))
+        sync()
+        assert all(out.dtype == out_dtype and out.shape == q.shape for _, out in res)
+        assert_close_to(res, ref, 2e-2)
+    # the output dtype from out alone (the one-shot), or from the plan (the wrapper)
+    ref = ref64(q, k, v, qo, bt, sl)
+    results = run_entries(ring_variant, q, k, v, qo, bt, sl, ps, out_dtype=out_dtype)
+    if ring_variant == ONESHOT_TUNING:
+        out = torch.full(q.shape, NAN, dtype=out_dtype, device=DEVICE)
+        assert batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=ps, out=out) is out
+        results.append(("one-shot, dtype of out", out))
+    sync()
+    assert_close_to(results, ref, 2e-2)
 
 
-def test_strided_q_and_pools_from_combined_cache():
+def test_strided_q_and_pools_from_combined_cache(ring_variant):
     """q sliced from a fused projection; K/V pools as the halves of one [P, 2, Hkv, ps, D] cache."""
     q0, k0, v0, qo, bt, sl = make_problem([(100, 257), (129, 129)], 4, 2, 128, 32, FP16, "perm", seed=4,
                                           poison=False)
@@ -159,63 +256,84 @@ def test_strided_q_and_pools_from_combined_cache():
     combined = torch.stack([k0, v0], dim=1)
     k, v = combined[:, 0], combined[:, 1]
     assert not q.is_contiguous() and not k.is_contiguous()
-    out = torch.full(q.shape, NAN, dtype=FP16, device=DEVICE)
-    batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=32, mask_type="causal", out=out)
-    assert rel_err(out, ref64(q0, k0, v0, qo, bt, sl, mask_type="causal")) <= TOLERANCE[FP16]
+    results = run_entries(ring_variant, q, k, v, qo, bt, sl, 32, mask_type="causal")
+    assert_close_to(results, ref64(q0, k0, v0, qo, bt, sl, mask_type="causal"), TOLERANCE[FP16], qo)
 
 
 @pytest.mark.parametrize("ps", [16, 64])
-def test_many_requests(ps):
+def test_many_requests(ring_variant, ps):
     """40 requests of random lengths (heavy-first work list over many items)."""
     g = torch.Generator().manual_seed(ps)
     requests = []
     for _ in range(40):
-        sk = int(torch.randint(1, 400, (1,), generator=g))
+        sk = int(torch.randint(1, MANY_REQUESTS_MAX_LEN, (1,), generator=g))
         sq = int(torch.randint(1, sk + 1, (1,), generator=g))
         requests.append((sq, sk))
     q, k, v, qo, bt, sl = make_problem(requests, 8, 1, 128, ps, BF16, "repeated", seed=ps + 1)
     for mask, window in (("causal", -1), ("causal", 31), ("dense", -1)):
-        out = torch.full_like(q, NAN)
-        batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=ps, mask_type=mask, window_left=window,
-                                          out=out)
-        assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window)) <= TOLERANCE[BF16]
+        results = run_entries(ring_variant, q, k, v, qo, bt, sl, ps, mask_type=mask, window_left=window)
+        ref = ref64(q, k, v, qo, bt, sl, mask_type=mask, window_left=window)
+        assert_close_to(results, ref, TOLERANCE[BF16], qo, requests, f"{mask}{window}")
 
 
-def test_large_scores_no_overflow():
+def test_large_scores_no_overflow(ring_variant):
     q, k, v, qo, bt, sl = make_problem([(200, 500)], 4, 4, 128, 64, BF16, "perm", seed=5, poison=False)
     q, k = q * 8, k * 8
-    out = batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=64)
-    assert rel_err(out, ref64(q, k, v, qo, bt, sl)) <= TOLERANCE[BF16]
+    results = run_entries(ring_variant, q, k, v, qo, bt, sl, 64)
+    assert_close_to(results, ref64(q, k, v, qo, bt, sl), TOLERANCE[BF16])
 
 
 # ----------------------------------------------------------------------------
-# Wrapper (graph capture and replay: compile_tests/test_paged_compile.py)
+# Wrapper: snapshot page metadata, bound qo_indptr (graph capture and replay:
+# compile_tests/test_paged_compile.py)
 # ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [128, 256])
-def test_wrapper_run_and_rewrites(d, dtype):
+def test_wrapper_run_and_rewrites(ring_variant, d, dtype):
     ps = 32
     q, k, v, qo, bt, sl = make_problem([(100, 130), (1, 9), (300, 1100)], 8, 2, d, ps, dtype, "padded", seed=6,
                                        poison=False)
-    w = BatchPrefillPagedTSWrapper()
-    w.plan(qo, bt, sl, num_qo_heads=8, num_kv_heads=2, head_dim=d, page_size=ps, mask_type="causal",
-           max_q_len=320, q_data_type=dtype)
+    ip, ids, last = csr(bt, sl, ps)
+    w = BatchPrefillPagedTSWrapper("HND", tuning=ring_variant)
+    w.plan(q, k, v, qo, ip, ids, last, page_size=ps, mask_type="causal")
+    check_key(w, dtype, d, "causal", ring_variant)
     out = torch.full_like(q, NAN)
     assert w.run(q, k, v, out=out) is out
-    assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[dtype]
+    sync()
+    ref = ref64(q, k, v, qo, bt, sl, mask_type="causal")
+    assert_close_to([("planned", out)], ref, TOLERANCE[dtype], qo)
     res = w.run(q, k, v)
+    sync()
     torch.testing.assert_close(res, out, rtol=0, atol=0)
-    # rewrite page IDs, Q offsets and K/V lengths in place within the planned bounds
-    C, P = bt.shape[1], k.shape[0]
+    # the plan snapshot the page metadata: rewriting the caller's tensors changes nothing
+    P = k.shape[0]
     g = torch.Generator().manual_seed(7)
-    bt.copy_(torch.randint(0, P, tuple(bt.shape), generator=g, dtype=I32).to(DEVICE))
-    qo.copy_(torch.tensor([0, 320, 380, 401], dtype=I32))
-    sl.copy_(torch.tensor([min(C * ps, 1000), 60, 21], dtype=I32))
+    ids.copy_(torch.randint(0, P, tuple(ids.shape), generator=g, dtype=I32).to(ids.device))
+    last.fill_(1)
+    ip.copy_(torch.arange(ip.shape[0], dtype=I32).to(ip.device))
     out.fill_(NAN)
     w.run(q, k, v, out=out)
-    assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[dtype]
+    sync()
+    torch.testing.assert_close(out, res, rtol=0, atol=0)
+    # qo_indptr stays bound: queries move between requests in place (the planned total, each
+    # count within the planned longest 300, causal Sq <= Sk against the planned lengths 130/9/1100)
+    qo.copy_(torch.tensor([0, 130, 139, 401], dtype=I32))
+    out.fill_(NAN)
+    w.run(q, k, v, out=out)
+    sync()
+    assert_close_to([("moved queries", out)], ref64(q, k, v, qo, bt, sl, mask_type="causal"), TOLERANCE[dtype], qo)
+    # new page metadata takes a new plan
+    C = bt.shape[1]
+    bt2 = torch.randint(0, P, (3, C), generator=g, dtype=I32).to(DEVICE)
+    sl2 = torch.tensor([min(C * ps, 1000), 60, 300], dtype=I32, device=DEVICE)
+    w.plan(q, k, v, qo, *csr(bt2, sl2, ps), page_size=ps, mask_type="causal")
+    check_key(w, dtype, d, "causal", ring_variant)
+    out.fill_(NAN)
+    assert w.run(q, k, v, out=out) is out
+    sync()
+    assert_close_to([("replanned", out)], ref64(q, k, v, qo, bt2, sl2, mask_type="causal"), TOLERANCE[dtype], qo)
 
 
 # ----------------------------------------------------------------------------
@@ -223,41 +341,58 @@ def test_wrapper_run_and_rewrites(d, dtype):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("which", ["qo_indptr", "block_tables", "seq_lens_kv", "k_cache", "out"])
-def test_cpu_tensor_with_cuda_call_is_refused(which):
+def _must_not_launch(*a, **k):
+    raise AssertionError("the CUDA kernel was launched although validation should have failed first")
+
+
+ONESHOT_MISPLACED = ["qo_indptr", "block_tables", "seq_lens_kv", "k_cache", "out"]
+WRAPPER_MISPLACED = ["qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "k_cache", "out"]
+
+
+@pytest.mark.parametrize("entry,which", [("oneshot", n) for n in ONESHOT_MISPLACED]
+                         + [("wrapper", n) for n in WRAPPER_MISPLACED])
+def test_cpu_tensor_with_cuda_call_is_refused(entry, which):
+    """One tensor on the host, the rest on the GPU: refused (naming it) before any launch."""
     q, k, v, qo, bt, sl = make_problem([(5, 20), (3, 40)], 4, 2, 128, 16, BF16, "perm", seed=8)
-    args = dict(q=q, k_cache=k, v_cache=v, qo_indptr=qo, block_tables=bt, seq_lens_kv=sl)
-    kwargs = dict(page_size=16)
-    if which == "out":
-        kwargs["out"] = torch.empty(q.shape, dtype=BF16)
-    elif which == "k_cache":
-        args["k_cache"], args["v_cache"] = k.cpu(), v.cpu()
+    out = None
+    if entry == "oneshot":
+        args = dict(q=q, k_cache=k, v_cache=v, qo_indptr=qo, block_tables=bt, seq_lens_kv=sl)
     else:
-        args[which] = args[which].cpu()
-    from prims_ts.cuda import kernels
-
-    def must_not_launch(*a, **k):
-        raise AssertionError("the CUDA kernel was launched although validation should have failed first")
-
-    with mock.patch.object(kernels, "launch_prefill_paged", must_not_launch):
+        ip, ids, last = csr(bt, sl, 16)
+        args = dict(q=q, k_cache=k, v_cache=v, qo_indptr=qo, paged_kv_indptr=ip, paged_kv_indices=ids,
+                    paged_kv_last_page_len=last)
+    if which == "out":
+        out = torch.empty(q.shape, dtype=BF16, device=HOST)
+    elif which == "k_cache":
+        args["k_cache"], args["v_cache"] = k.to(HOST), v.to(HOST)
+    else:
+        args[which] = args[which].to(HOST)
+    with mock.patch.object(PreparedPrefill, "run", _must_not_launch), reference_must_not_run("batch_prefill_paged"):
         with pytest.raises(ValueError, match=which):
-            batch_prefill_with_paged_kv_cache(*args.values(), **kwargs)
+            if entry == "oneshot":
+                batch_prefill_with_paged_kv_cache(*args.values(), page_size=16, out=out)
+            else:
+                w = BatchPrefillPagedTSWrapper()
+                w.plan(*args.values(), page_size=16)
+                w.run(q, k, v, out=out)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_second_device():
+def test_second_device(ring_variant):
     global DEVICE
     saved = DEVICE
     DEVICE = "cuda:1"
     try:
         q, k, v, qo, bt, sl = make_problem([(130, 140), (1, 300)], 8, 2, 128, 16, BF16, "padded", seed=9)
-        assert q.device == torch.device("cuda:1")
+        assert q.device == torch.device(DEVICE)
+        ref = ref64(q, k, v, qo, bt, sl, mask_type="causal")
         out = batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=16, mask_type="causal")
         assert out.device == q.device
-        assert rel_err(out, ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[BF16]
-        w = BatchPrefillPagedTSWrapper()
-        w.plan(qo, bt, sl, num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16, mask_type="causal")
-        assert rel_err(w.run(q, k, v), ref64(q, k, v, qo, bt, sl, mask_type="causal")) <= TOLERANCE[BF16]
+        assert rel_err(out, ref) <= TOLERANCE[BF16]
+        w = plan_wrapper(ring_variant, q, k, v, qo, bt, sl, 16, mask_type="causal")
+        res = w.run(q, k, v)
+        assert res.device == q.device
+        assert rel_err(res, ref) <= TOLERANCE[BF16]
     finally:
         DEVICE = saved
 
@@ -268,4 +403,6 @@ def test_sm_scale_default_is_inverse_sqrt_d():
     b = batch_prefill_with_paged_kv_cache(q, k, v, qo, bt, sl, page_size=16, sm_scale=1.0 / math.sqrt(256),
                                           out_dtype=FP32)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+    w = plan_wrapper(prims_ts.Tuning(), q, k, v, qo, bt, sl, 16, out_dtype=FP32)
+    torch.testing.assert_close(w.run(q, k, v), a, rtol=0, atol=0)  # the same kernel and problem
     assert prims_ts.batch_prefill_with_paged_kv_cache is batch_prefill_with_paged_kv_cache

@@ -9,9 +9,12 @@ opcheck runs, for each sample:
 
 The op signatures (``prims_ts/ops/prefill_paged.py``):
   batch_prefill_paged(q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, work, mask_type,
-                      window_left, sm_scale, output_scale, max_q_len, out_dtype) -> Tensor
+                      window_left, sm_scale, output_scale, max_q_len, out_dtype, tuning="") -> Tensor
   batch_prefill_paged_out(q, k_cache, v_cache, out, qo_indptr, block_tables, seq_lens_kv, work,
-                          mask_type, window_left, sm_scale, output_scale, max_q_len) -> ()
+                          mask_type, window_left, sm_scale, output_scale, max_q_len, tuning="") -> ()
+``out_dtype`` is an int code (``prims_ts.ops._validate.dtype_code``); ``tuning`` an encoded
+``prims_ts.Tuning`` (defaulted: the samples below pass it left out, empty, and non-empty). The
+wrappers' plans build these arguments (a CSR plan's own block table and lengths).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from torch.library import opcheck
 
 from prims_ts.ops._validate import dtype_code
 import prims_ts  # noqa: F401  (registers the ops and their fakes)
+from prims_ts import Tuning
 from prims_ts import reference as R
 from prims_ts.testing import OPCHECK_TESTS, assert_opcheck_passed, rel_err
 
@@ -28,6 +32,14 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 D = 128
 PS = 16
+OMIT = None  # tuning left out: the op's default ("")
+LOOP1 = Tuning(loop=1).encode()
+PERSISTENT = Tuning(persistent=True, persistent_ctas=3).encode()
+assert LOOP1 and PERSISTENT
+
+
+def _tuning(tuning):
+    return () if tuning is OMIT else (tuning,)
 
 
 def _randn(shape, dtype, seed):
@@ -62,27 +74,28 @@ def _reference(q, k, v, meta, scalars):
                                  sm_scale=sm_scale, output_scale=output_scale, compute_dtype=torch.float64)
 
 
-CASES = [("dense", -1, BF16, BF16, False, False), ("causal", -1, FP16, FP32, True, False),
-         ("causal", 2, BF16, FP16, False, True), ("causal", 0, FP16, FP16, True, True)]
+# the last field: the tuning argument (OMIT: left out)
+CASES = [("dense", -1, BF16, BF16, False, False, OMIT), ("causal", -1, FP16, FP32, True, False, LOOP1),
+         ("causal", 2, BF16, FP16, False, True, ""), ("causal", 0, FP16, FP16, True, True, PERSISTENT)]
 IDS = [f"{m}{w if w >= 0 else ''}-{'padded' if p else 'dense_table'}{'-work' if ww else ''}"
-       for m, w, _, _, p, ww in CASES]
+       f"-tuning_{'omitted' if t is OMIT else t or 'empty'}" for m, w, _, _, p, ww, t in CASES]
 
 
-@pytest.mark.parametrize("mask,window,dtype,out_dtype,padded,with_work", CASES, ids=IDS)
-def test_opcheck_batch_prefill_paged(mask, window, dtype, out_dtype, padded, with_work):
+@pytest.mark.parametrize("mask,window,dtype,out_dtype,padded,with_work,tuning", CASES, ids=IDS)
+def test_opcheck_batch_prefill_paged(mask, window, dtype, out_dtype, padded, with_work, tuning):
     q, k, v, meta, scalars = sample(mask, window, dtype, padded=padded, with_work=with_work)
-    args = (q, k, v, *meta, *scalars, dtype_code(out_dtype))
+    args = (q, k, v, *meta, *scalars, dtype_code(out_dtype), *_tuning(tuning))
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_prefill_paged(*args)
     assert res.dtype == out_dtype and res.shape == q.shape
     assert rel_err(res, _reference(q, k, v, meta, scalars)) <= 2e-2
 
 
-@pytest.mark.parametrize("mask,window,dtype,out_dtype,padded,with_work", CASES, ids=IDS)
-def test_opcheck_batch_prefill_paged_out(mask, window, dtype, out_dtype, padded, with_work):
+@pytest.mark.parametrize("mask,window,dtype,out_dtype,padded,with_work,tuning", CASES, ids=IDS)
+def test_opcheck_batch_prefill_paged_out(mask, window, dtype, out_dtype, padded, with_work, tuning):
     q, k, v, meta, scalars = sample(mask, window, dtype, seed=10, padded=padded, with_work=with_work)
     out = torch.full(q.shape, float("nan"), dtype=out_dtype)
-    args = (q, k, v, out, *meta, *scalars)
+    args = (q, k, v, out, *meta, *scalars, *_tuning(tuning))
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged_out.default, args, test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
     assert torch.ops.prims_ts.batch_prefill_paged_out(*args) is None
@@ -95,7 +108,7 @@ def test_opcheck_with_requires_grad_inputs():
     so test_aot_dispatch_dynamic (which would trace the backward) is left out; the backward must fail."""
     q, k, v, meta, scalars = sample("causal", -1, FP32, seed=30)
     q, k, v = (t.to(BF16).requires_grad_() for t in (q, k, v))
-    args = (q, k, v, *meta, *scalars, dtype_code(BF16))
+    args = (q, k, v, *meta, *scalars, dtype_code(BF16), LOOP1)
     names = ("test_schema", "test_autograd_registration", "test_faketensor")
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=names), names)
     res = torch.ops.prims_ts.batch_prefill_paged(*args)
@@ -116,7 +129,48 @@ def test_fake_tensor_shapes():
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
-        res = torch.ops.prims_ts.batch_prefill_paged(fq, fk, fv, *fmeta, *scalars, dtype_code(FP16))
+        res = torch.ops.prims_ts.batch_prefill_paged(fq, fk, fv, *fmeta, *scalars, dtype_code(FP16), LOOP1)
         assert res.shape == q.shape and res.dtype == FP16
         fout = torch.empty(q.shape, dtype=FP32)
-        assert torch.ops.prims_ts.batch_prefill_paged_out(fq, fk, fv, fout, *fmeta, *scalars) is None
+        assert torch.ops.prims_ts.batch_prefill_paged_out(fq, fk, fv, fout, *fmeta, *scalars, LOOP1) is None
+
+
+def test_tuning_argument_is_in_the_schemas():
+    """Both ops end with ``tuning: str = ""`` and accept it by name; on CPU the result does not depend on it
+    (the tuning chooses CUDA kernel variants)."""
+    for op in (torch.ops.prims_ts.batch_prefill_paged.default, torch.ops.prims_ts.batch_prefill_paged_out.default):
+        last = op._schema.arguments[-1]
+        assert last.name == "tuning" and str(last.type) == "str" and last.default_value == ""
+    q, k, v, meta, scalars = sample("causal", 1, BF16, seed=40, padded=True)
+    plain = torch.ops.prims_ts.batch_prefill_paged(q, k, v, *meta, *scalars, dtype_code(FP32))
+    assert not torch.isnan(plain).any()
+    tuned = torch.ops.prims_ts.batch_prefill_paged(q, k, v, *meta, *scalars, dtype_code(FP32), tuning=PERSISTENT)
+    torch.testing.assert_close(tuned, plain, rtol=0, atol=0)
+    out = torch.full(q.shape, float("nan"), dtype=FP32)
+    torch.ops.prims_ts.batch_prefill_paged_out(q, k, v, out, *meta, *scalars, tuning=LOOP1)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+
+
+def test_opcheck_with_a_wrapper_plans_arguments():
+    """The arguments a BatchPrefillPagedTSWrapper plan over CSR page metadata hands the op (its own block
+    table and lengths, the bound qo_indptr, its tuning) pass opcheck and give the reference's answer."""
+    from prims_ts import BatchPrefillPagedTSWrapper
+
+    q, k, v, meta, _ = sample("causal", 2, FP16, seed=50)
+    qo = meta[0]
+    # sample()'s pages as CSR: request b's used pages and its last page's fill
+    indptr = torch.tensor([0, 2, 3, 6], dtype=I32)
+    indices = torch.tensor([7, 2, 2, 5, 8, 2], dtype=I32)
+    last = torch.tensor([4, 1, 1], dtype=I32)
+    w = BatchPrefillPagedTSWrapper(tuning=Tuning(loop=1))
+    w.plan(q, k, v, qo, indptr, indices, last, page_size=PS, mask_type="causal", window_left=2, sm_scale=0.09,
+           output_scale=0.75, out_dtype=FP32)
+    plan = w._plan
+    args = (q, k, v, *plan.op_args(), dtype_code(FP32), plan.tuning_code)
+    assert args[3] is qo and plan.tuning_code == LOOP1
+    assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_prefill_paged.default, args, test_utils=OPCHECK_TESTS))
+    ref = _reference(q, k, v, meta, ("causal", 2, 0.09, 0.75, 5))
+    out = torch.full(q.shape, float("nan"), dtype=FP32)
+    assert w.run(q, k, v, out=out) is out
+    assert rel_err(out, ref) <= 5e-3
+    assert rel_err(torch.ops.prims_ts.batch_prefill_paged(*args), ref) <= 5e-3

@@ -11,7 +11,8 @@ Two independent oracles:
 
 ``prims_ts.reference.batch_prefill_paged(..., compute_dtype=float64)`` must equal
 both to float64 round-off. The public ``batch_prefill_with_paged_kv_cache`` and
-``BatchPrefillPagedTSWrapper`` on CPU tensors must match them within the project's
+``BatchPrefillPagedTSWrapper`` (planned over the CSR form of the same pages, which it
+snapshots; ``qo_indptr`` stays bound) on CPU tensors must match them within the project's
 tolerance (``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16), write every
 element of a NaN-poisoned ``out`` and return ``out`` itself.
 
@@ -319,14 +320,25 @@ def test_inputs_not_modified():
 
 
 # ----------------------------------------------------------------------------
-# BatchPrefillPagedTSWrapper on CPU
+# BatchPrefillPagedTSWrapper on CPU: plan over FlashInfer's CSR page metadata, run
 # ----------------------------------------------------------------------------
+
+
+def csr(table: torch.Tensor, lens: Sequence[int], ps: int):
+    """FlashInfer's CSR page metadata (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len) of a
+    block table's used prefix: request b's pages are table[b, :ceil(lens[b] / ps)], its last page holds
+    lens[b] - (pages - 1) * ps keys."""
+    n = [(sk + ps - 1) // ps for sk in lens]
+    indices = torch.cat([table[b, :n[b]] for b in range(len(lens))]).to(I32).contiguous()
+    last = [sk - (nb - 1) * ps for sk, nb in zip(lens, n)]
+    assert all(1 <= x <= ps for x in last)
+    return ip(cumsum0(n)), indices, ip(last)
 
 
 def _plan(pb: Paged, mask, window, **kw) -> BatchPrefillPagedTSWrapper:
     w = BatchPrefillPagedTSWrapper()
-    w.plan(*pb.meta(), num_qo_heads=pb.hq, num_kv_heads=pb.hkv, head_dim=pb.d, page_size=pb.ps, mask_type=mask,
-           window_left=window, q_data_type=pb.dtype, **kw)
+    w.plan(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, *csr(pb.block_tables, pb.seq_lens.tolist(), pb.ps),
+           page_size=pb.ps, mask_type=mask, window_left=window, **kw)
     return w
 
 
@@ -345,6 +357,9 @@ def test_wrapper_plan_run(mask, window, kind):
     res = w.run(pb.q, pb.k_cache, pb.v_cache)
     assert res.dtype == FP32
     torch.testing.assert_close(res, out, rtol=0, atol=0)
+    # the CSR plan means what the one-shot's block table means
+    torch.testing.assert_close(pb.call(mask_type=mask, window_left=window, sm_scale=0.05, output_scale=1.5,
+                                       out_dtype=FP32), out, rtol=0, atol=0)
     # new data in the same pools and q, same metadata
     pb.q.copy_(randn(pb.q.shape, FP16, g))
     used = pb.used_slots()[:, None, :, None].expand_as(pb.k_cache)
@@ -354,54 +369,133 @@ def test_wrapper_plan_run(mask, window, kind):
     assert rel_err(out, gathered_ref(pb, mask, window, 0.05, 1.5)) <= TOLERANCE[FP16]
 
 
-@pytest.mark.parametrize("kind", ["perm", "padded"])
-def test_wrapper_run_after_page_remap(kind):
-    """Move every page to a new physical slot (pool contents and table values rewritten in place):
-    the logical problem, hence the output, is unchanged."""
-    g = gen(11 if kind == "perm" else 12)
-    pb = Paged([5, 17, 40], [20, 50, 100], 4, 2, 128, 16, BF16, g, kind)
-    w = _plan(pb, "causal", -1)
+@pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", 3)])
+def test_wrapper_csr_lengths_from_last_page_len(mask, window):
+    """Request b's length is (pages - 1) * page_size + last_page_len[b]: full last pages, one-key last
+    pages and single-page requests, over pages in any order with repeated IDs."""
+    g = gen(stable_seed("last", mask, window))
+    ps = 32
+    pb = Paged([1, 9, 30, 5], [1, 32, 64 + 1, 96], 4, 2, 128, ps, BF16, g, "repeated")
+    indptr, indices, last = csr(pb.block_tables, pb.seq_lens.tolist(), ps)
+    assert last.tolist() == [1, 32, 1, 32]
+    w = _plan(pb, mask, window)
     out = torch.full(pb.q.shape, NAN, dtype=BF16)
     w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
-    before = out.clone()
+    assert rel_err(out, gathered_ref(pb, mask, window)) <= TOLERANCE[BF16]
+
+
+@pytest.mark.parametrize("what", ["paged_kv_indices", "paged_kv_last_page_len", "paged_kv_indptr"])
+def test_wrapper_snapshots_pages_at_plan(what):
+    """plan copies the pages and lengths: rewriting the caller's CSR tensors in place afterwards (to
+    values that would give another answer) changes nothing until the next plan."""
+    g = gen(stable_seed("snapshot", what))
+    pb = Paged([5, 17, 9], [20, 50, 40], 4, 2, 128, 16, BF16, g, "perm", extra_pages=4, poison=False)
+    indptr, indices, last = csr(pb.block_tables, pb.seq_lens.tolist(), pb.ps)
+    w = BatchPrefillPagedTSWrapper()
+    w.plan(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, indptr, indices, last, page_size=pb.ps, mask_type="causal")
+    out = torch.full(pb.q.shape, NAN, dtype=BF16)
+    w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
     want = gathered_ref(pb, "causal")
+    assert rel_err(out, want) <= TOLERANCE[BF16]
+    before = out.clone()
+
+    if what == "paged_kv_indices":  # other pages of the pool
+        indices.copy_(torch.randperm(pb.num_pages, generator=g)[:indices.numel()].to(I32))
+    elif what == "paged_kv_last_page_len":  # shorter requests (still Sq <= Sk)
+        last.copy_(ip([5, 2, 9]))
+    else:  # the pages moved between requests (same total)
+        indptr.copy_(ip([0, 3, 5, 9]))
+    new_table = torch.zeros(3, 8, dtype=I32)
+    new_lens = []
+    ipl, idl, lal = indptr.tolist(), indices.tolist(), last.tolist()
+    for b in range(3):
+        pages = idl[ipl[b]:ipl[b + 1]]
+        new_table[b, :len(pages)] = ip(pages)
+        new_lens.append((len(pages) - 1) * pb.ps + lal[b])
+    ref_new = R.batch_prefill_paged(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, new_table, ip(new_lens),
+                                    mask_type="causal", compute_dtype=F64)
+    assert rel_err(ref_new, want) > 0.1, "the rewrite must change the answer for this test to bite"
+
+    out.fill_(NAN)
+    w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
+    torch.testing.assert_close(out, before, rtol=0, atol=0)
+    # a new plan takes the rewritten metadata
+    w.plan(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, indptr, indices, last, page_size=pb.ps, mask_type="causal")
+    out.fill_(NAN)
+    w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
+    assert rel_err(out, ref_new) <= TOLERANCE[BF16]
+
+
+@pytest.mark.parametrize("kind", ["perm", "repeated"])
+def test_wrapper_run_after_page_remap(kind):
+    """Move every page to a new physical slot (pool contents moved, the caller's paged_kv_indices
+    rewritten in place): the planned snapshot still names the old slots, so run reads the old IDs from
+    the moved pools until a new plan, whose output is the unchanged logical problem's."""
+    g = gen(11 if kind == "perm" else 12)
+    pb = Paged([5, 17, 40], [20, 50, 100], 4, 2, 128, 16, BF16, g, kind, poison=False)
+    indptr, indices, last = csr(pb.block_tables, pb.seq_lens.tolist(), pb.ps)
+    w = BatchPrefillPagedTSWrapper()
+    w.plan(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, indptr, indices, last, page_size=pb.ps, mask_type="causal")
+    out = torch.full(pb.q.shape, NAN, dtype=BF16)
+    w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
+    want = gathered_ref(pb, "causal")
+    assert rel_err(out, want) <= TOLERANCE[BF16]
+    before = out.clone()
 
     P = pb.num_pages
     new_of_old = torch.randperm(P, generator=g)
+    if torch.equal(new_of_old, torch.arange(P)):
+        new_of_old = new_of_old.flip(0)
     for cache in (pb.k_cache, pb.v_cache):
         moved = torch.empty_like(cache)
         moved[new_of_old] = cache
         cache.copy_(moved)
+    old_table = pb.block_tables.clone()
+    indices.copy_(new_of_old[indices.long()].to(I32))
     n_used = [(sk + pb.ps - 1) // pb.ps for sk in pb.seq_lens.tolist()]
-    for b, n in enumerate(n_used):  # only the used prefix: padding keeps its garbage
+    for b, n in enumerate(n_used):  # the oracle's table: only the used prefix
         pb.block_tables[b, :n] = new_of_old[pb.block_tables[b, :n].long()].to(I32)
     torch.testing.assert_close(gathered_ref(pb, "causal"), want, rtol=0, atol=0)
+
+    # no new plan: the old page IDs over the moved pools
+    stale = R.batch_prefill_paged(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, old_table, pb.seq_lens,
+                                  mask_type="causal", compute_dtype=F64)
+    assert rel_err(stale, want) > 0.1, "the remap must change what the stale plan reads for this test to bite"
+    out.fill_(NAN)
+    w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
+    assert rel_err(out, stale) <= TOLERANCE[BF16]
+    # a new plan over the rewritten indices: the logical problem, hence the output, is unchanged
+    w.plan(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, indptr, indices, last, page_size=pb.ps, mask_type="causal")
     out.fill_(NAN)
     w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
     assert rel_err(out, want) <= TOLERANCE[BF16]
     torch.testing.assert_close(out, before, rtol=0, atol=0)
 
 
-def test_wrapper_run_after_new_table_offsets_and_lengths():
-    """Rewrite page IDs (a different logical problem), Q offsets and K/V lengths in place within the
-    planned bounds (q lens <= max_q_len, same total, lengths <= C * page_size, IDs in [0, P), Sq <= Sk)."""
+def test_wrapper_run_after_new_q_offsets():
+    """qo_indptr stays bound: rewriting its values in place within the planned bounds (same total, each
+    count within the planned longest, Sq <= Sk) changes the next run's problem, while the caller's CSR
+    page metadata, rewritten in place too, does not (the plan snapshotted it)."""
     g = gen(13)
-    pb = Paged([10, 20, 6], [40, 60, 20], 4, 1, 128, 16, FP16, g, "padded", extra_pages=6, poison=False)
-    w = _plan(pb, "causal", -1, max_q_len=24)
+    pb = Paged([10, 20, 6], [40, 60, 20], 4, 1, 128, 16, FP16, g, "perm", extra_pages=6, poison=False)
+    indptr, indices, last = csr(pb.block_tables, pb.seq_lens.tolist(), pb.ps)
+    w = BatchPrefillPagedTSWrapper()
+    w.plan(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, indptr, indices, last, page_size=pb.ps, mask_type="causal")
     out = torch.full(pb.q.shape, NAN, dtype=FP16)
     w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
     assert rel_err(out, pb.ref(mask_type="causal")) <= TOLERANCE[FP16]
-    C = pb.block_tables.shape[1]
-    for new_q, new_kv in [([24, 8, 4], [24, 9, 60]), ([1, 24, 11], [64, 24, 11])]:
-        assert max(new_q) <= 24 and sum(new_q) == 36 and max(new_kv) <= C * pb.ps
+    for new_q in ([20, 10, 6], [1, 20, 15], [16, 18, 2]):
+        assert max(new_q) <= 20 and sum(new_q) == 36 and all(a <= b for a, b in zip(new_q, pb.kv_lens))
+        ref_before = pb.ref(mask_type="causal")
         pb.qo_indptr.copy_(ip(cumsum0(new_q)))
-        pb.seq_lens.copy_(ip(new_kv))
-        pb.block_tables.copy_(torch.randint(0, pb.num_pages, pb.block_tables.shape, generator=g, dtype=I32))
+        indices.copy_(torch.randint(0, pb.num_pages, indices.shape, generator=g, dtype=I32))
+        last.copy_(torch.randint(1, pb.ps + 1, last.shape, generator=g, dtype=I32))
+        want = gathered_ref(pb, "causal")  # the new Q offsets, the planned pages and lengths
+        torch.testing.assert_close(pb.ref(mask_type="causal"), want, rtol=1e-12, atol=1e-12)
+        assert rel_err(ref_before, want) > 0.1, "the rewrite must change the answer for this test to bite"
         out.fill_(NAN)
         w.run(pb.q, pb.k_cache, pb.v_cache, out=out)
-        want = gathered_ref(pb, "causal")
-        torch.testing.assert_close(pb.ref(mask_type="causal"), want, rtol=1e-12, atol=1e-12)
-        assert rel_err(out, want) <= TOLERANCE[FP16], (new_q, new_kv)
+        assert rel_err(out, want) <= TOLERANCE[FP16], new_q
 
 
 def test_wrapper_replan():
@@ -410,6 +504,6 @@ def test_wrapper_replan():
     b = Paged([9], [200], 8, 8, 256, 64, FP16, g, "padded")
     w = BatchPrefillPagedTSWrapper()
     for pb, mask in ((a, "causal"), (b, "dense"), (a, "dense")):
-        w.plan(*pb.meta(), num_qo_heads=pb.hq, num_kv_heads=pb.hkv, head_dim=pb.d, page_size=pb.ps,
-               mask_type=mask, q_data_type=pb.dtype)
+        w.plan(pb.q, pb.k_cache, pb.v_cache, pb.qo_indptr, *csr(pb.block_tables, pb.seq_lens.tolist(), pb.ps),
+               page_size=pb.ps, mask_type=mask)
         assert rel_err(w.run(pb.q, pb.k_cache, pb.v_cache), gathered_ref(pb, mask)) <= TOLERANCE[pb.dtype]

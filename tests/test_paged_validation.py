@@ -7,6 +7,11 @@ the argument, before any kernel runs. On CPU the "kernel" of the paged ops is
 replaced by a function that fails the test if it is ever reached, so an error
 raised *after* the launch does not count.
 
+The wrapper has FlashInfer main's signatures: ``BatchPrefillPagedTSWrapper(kv_layout, *, tuning)``,
+``plan(q, k_cache, v_cache, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+*, page_size, mask_type, window_left, sm_scale, output_scale, out_dtype)`` over FlashInfer's CSR
+page metadata, and ``run(q, k_cache, v_cache, *, out)``, which checks its tensors against the plan.
+
 Devices: this file runs on a CPU-only machine, so "another device" is 'meta'.
 """
 from __future__ import annotations
@@ -16,8 +21,9 @@ import math
 import pytest
 import torch
 
-from prims_ts import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
-from prims_ts.testing import huge_page_stride, reference_must_not_run
+from prims_ts import BatchPrefillPagedTSWrapper, Tuning, batch_prefill_with_paged_kv_cache
+from prims_ts.ops._validate import dtype_code
+from prims_ts.testing import huge_page_stride, recording_no_host_reads, reference_must_not_run
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
@@ -87,13 +93,14 @@ def _noncontig_inner(t):
 def _shared(first_name, nbytes_meta=64):
     """An out tensor that shares storage with a fresh metadata tensor holding the base values."""
     buf = torch.zeros(_q.numel() * 2 + nbytes_meta, dtype=torch.uint8)
-    out = buf[nbytes_meta:].view(BF16).view(_q.shape)
     values = {"qo_indptr": QO, "block_tables": TABLE, "seq_lens_kv": LENS}[first_name]
     t = ip(values)
-    meta = buf[:t.numel() * 4].view(I32).view(t.shape)
+    meta = buf[32:32 + t.numel() * 4].view(I32).view(t.shape)
     meta.copy_(t)
-    # make them overlap: out starts inside the metadata tensor's bytes
-    out = buf[4:4 + _q.numel() * 2].view(BF16).view(_q.shape)
+    # make them overlap: out (16-byte aligned, so that only the overlap is wrong with it) starts 16 bytes
+    # before the metadata tensor and covers it
+    out = buf[16:16 + _q.numel() * 2].view(BF16).view(_q.shape)
+    assert out.data_ptr() % 16 == 0
     return meta, out
 
 
@@ -150,177 +157,191 @@ _big_table = torch.zeros(2, 2 * C, dtype=I32)
 _big_table[:, ::2] = ip(TABLE)
 
 
-def _out_overlaps(name):
+def _out_overlaps(name, b=base):
     meta, out = _shared(name)
-    return base(**{name: meta, "out": out})
+    return b(**{name: meta, "out": out})
 
 
-ONESHOT_CASES = [
+# Cases of the pools, q, qo_indptr, page_size, scalars and out: the wrapper's plan + run takes the same
+# arguments and refuses them too. `make(b)`: b is base (the one-shot) or plan_args (the wrapper).
+COMMON_CASES = [
     # page_size
-    ("page_size_8", ValueError, "page_size", lambda: base(page_size=8, k_cache=make_pool(ps=8),
+    ("page_size_8", ValueError, "page_size", lambda b: b(page_size=8, k_cache=make_pool(ps=8),
                                                           v_cache=make_pool(ps=8, seed=3))),
-    ("page_size_256", ValueError, "page_size", lambda: base(page_size=256, k_cache=make_pool(p=1, ps=256),
+    ("page_size_256", ValueError, "page_size", lambda b: b(page_size=256, k_cache=make_pool(p=1, ps=256),
                                                             v_cache=make_pool(p=1, ps=256, seed=3))),
-    ("page_size_48", ValueError, "page_size", lambda: base(page_size=48)),
-    ("page_size_0", ValueError, "page_size", lambda: base(page_size=0)),
-    ("page_size_neg", ValueError, "page_size", lambda: base(page_size=-16)),
-    ("page_size_not_pool", ValueError, "page_size", lambda: base(page_size=32)),
-    ("page_size_default_not_pool", ValueError, "page_size", lambda: base(page_size=DROP)),  # default 32 vs 16
+    ("page_size_48", ValueError, "page_size", lambda b: b(page_size=48)),
+    ("page_size_0", ValueError, "page_size", lambda b: b(page_size=0)),
+    ("page_size_neg", ValueError, "page_size", lambda b: b(page_size=-16)),
+    ("page_size_not_pool", ValueError, "page_size", lambda b: b(page_size=32)),
+    ("page_size_default_not_pool", ValueError, "page_size", lambda b: b(page_size=DROP)),  # default 32 vs 16
     ("pool_page_size_differs_64", ValueError, "page_size",
-     lambda: base(k_cache=make_pool(ps=64), v_cache=make_pool(ps=64, seed=3))),
-    ("page_size_float", TypeError, "page_size", lambda: base(page_size=16.0)),
-    ("page_size_str", TypeError, "page_size", lambda: base(page_size="16")),
-    ("page_size_bool", TypeError, "page_size", lambda: base(page_size=True)),
-    ("page_size_none", TypeError, "page_size", lambda: base(page_size=None)),
-    # kv_layout
-    ("kv_layout_NHD", ValueError, "kv_layout", lambda: base(kv_layout="NHD")),
-    ("kv_layout_lower", ValueError, "kv_layout", lambda: base(kv_layout="hnd")),
-    ("kv_layout_none", TypeError, "kv_layout", lambda: base(kv_layout=None)),
+     lambda b: b(k_cache=make_pool(ps=64), v_cache=make_pool(ps=64, seed=3))),
+    ("page_size_float", TypeError, "page_size", lambda b: b(page_size=16.0)),
+    ("page_size_str", TypeError, "page_size", lambda b: b(page_size="16")),
+    ("page_size_bool", TypeError, "page_size", lambda b: b(page_size=True)),
+    ("page_size_none", TypeError, "page_size", lambda b: b(page_size=None)),
     # pools
-    ("v_fewer_pages", ValueError, "v_cache", lambda: base(v_cache=make_pool(p=P - 1))),
-    ("v_more_pages", ValueError, "v_cache", lambda: base(v_cache=make_pool(p=P + 1))),
-    ("v_other_heads", ValueError, "v_cache", lambda: base(v_cache=make_pool(hkv=1))),
-    ("v_other_page_size", ValueError, "v_cache|page_size", lambda: base(v_cache=make_pool(ps=32))),
-    ("v_other_head_dim", ValueError, "v_cache|head dim", lambda: base(v_cache=make_pool(d=256))),
-    ("k_rank3", ValueError, "k_cache", lambda: base(k_cache=_k[0], v_cache=_v[0])),
-    ("v_rank3", ValueError, "v_cache", lambda: base(v_cache=_v[:, 0])),
+    ("v_fewer_pages", ValueError, "v_cache", lambda b: b(v_cache=make_pool(p=P - 1))),
+    ("v_more_pages", ValueError, "v_cache", lambda b: b(v_cache=make_pool(p=P + 1))),
+    ("v_other_heads", ValueError, "v_cache", lambda b: b(v_cache=make_pool(hkv=1))),
+    ("v_other_page_size", ValueError, "v_cache|page_size", lambda b: b(v_cache=make_pool(ps=32))),
+    ("v_other_head_dim", ValueError, "v_cache|head dim", lambda b: b(v_cache=make_pool(d=256))),
+    ("k_rank3", ValueError, "k_cache", lambda b: b(k_cache=_k[0], v_cache=_v[0])),
+    ("v_rank3", ValueError, "v_cache", lambda b: b(v_cache=_v[:, 0])),
     ("k_combined_rank5", ValueError, "k_cache",
-     lambda: base(k_cache=torch.stack([_k, _v], 1), v_cache=torch.stack([_k, _v], 1))),
+     lambda b: b(k_cache=torch.stack([_k, _v], 1), v_cache=torch.stack([_k, _v], 1))),
     ("pools_head_dim_differs_from_q", ValueError, "k_cache",
-     lambda: base(k_cache=make_pool(d=256), v_cache=make_pool(d=256, seed=3))),
-    ("k_inner_noncontig", ValueError, "k_cache", lambda: base(k_cache=_noncontig_inner(_k))),
-    ("v_inner_noncontig", ValueError, "v_cache", lambda: base(v_cache=_noncontig_inner(_v))),
-    ("pools_empty", ValueError, "k_cache", lambda: base(k_cache=make_pool(p=0), v_cache=make_pool(p=0))),
-    ("k_not_tensor", TypeError, "k_cache", lambda: base(k_cache=_k.tolist())),
-    ("k_page_stride_beyond_int32", ValueError, "k_cache: page stride", lambda: base(k_cache=huge_page_stride(_k))),
-    ("v_page_stride_beyond_int32", ValueError, "v_cache: page stride", lambda: base(v_cache=huge_page_stride(_v))),
-    ("v_none", TypeError, "v_cache", lambda: base(v_cache=None)),
-    # block_tables: dtype, rank, strides, rows
-    ("bt_int64", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE, torch.int64))),
-    ("bt_int16", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE, torch.int16))),
-    ("bt_float32", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE, torch.float32))),
-    ("bt_uint32", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE).view(torch.uint32))),
-    ("bt_rank1", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE).flatten())),
-    ("bt_rank3", ValueError, "block_tables", lambda: base(block_tables=ip([TABLE]))),
-    ("bt_inner_stride_2", ValueError, "block_tables", lambda: base(block_tables=_big_table[:, ::2])),
-    ("bt_column_major", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE).t().contiguous().t())),
-    ("bt_expanded_rows", ValueError, "block_tables",
-     lambda: base(block_tables=ip(TABLE[0]).unsqueeze(0).expand(2, C), seq_lens_kv=[20, 20])),
-    ("bt_too_many_rows", ValueError, "block_tables|qo_indptr", lambda: base(block_tables=TABLE + [[4, 4, 4]])),
-    ("bt_too_few_rows", ValueError, "block_tables|qo_indptr", lambda: base(block_tables=TABLE[:1])),
-    ("bt_no_columns", ValueError, "block_tables", lambda: base(block_tables=torch.zeros(2, 0, dtype=I32))),
-    ("bt_list", TypeError, "block_tables", lambda: base(block_tables=tuple(map(tuple, TABLE)))),
-    # seq_lens_kv
-    ("len_zero", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=[20, 0])),
-    ("len_negative", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=[-5, 5])),
-    ("len_past_table_row", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=[C * PS + 1, 5])),
-    ("len_far_past_table_row", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=[20, 10**6])),
-    ("len_int64", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=ip(LENS, torch.int64))),
-    ("len_wrong_length", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=LENS + [5])),
-    ("len_rank2", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=[LENS])),
-    ("len_noncontig", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=ip([20, 9, 5, 9])[::2])),
-    ("len_list", TypeError, "seq_lens_kv", lambda: base(seq_lens_kv=tuple(LENS))),
-    # used page IDs outside [0, P)
-    ("page_negative", ValueError, "block_tables", lambda: base(block_tables=[[3, -1, 7], [5, 0, 2]])),
-    ("page_min_int", ValueError, "block_tables", lambda: base(block_tables=[[3, 1, 7], [-2**31, 0, 2]])),
-    ("page_eq_P", ValueError, "block_tables", lambda: base(block_tables=[[3, P, 7], [5, 0, 2]])),
-    ("page_gt_P", ValueError, "block_tables", lambda: base(block_tables=[[3, 1, 7], [1000, 0, 2]])),
-    ("page_max_int", ValueError, "block_tables", lambda: base(block_tables=[[2**31 - 1, 1, 7], [5, 0, 2]])),
-    ("page_in_last_partial_page", ValueError, "block_tables",
-     lambda: base(seq_lens_kv=[20, 33], block_tables=[[3, 1, 7], [5, 0, P]])),
+     lambda b: b(k_cache=make_pool(d=256), v_cache=make_pool(d=256, seed=3))),
+    ("k_inner_noncontig", ValueError, "k_cache", lambda b: b(k_cache=_noncontig_inner(_k))),
+    ("v_inner_noncontig", ValueError, "v_cache", lambda b: b(v_cache=_noncontig_inner(_v))),
+    ("pools_empty", ValueError, "k_cache", lambda b: b(k_cache=make_pool(p=0), v_cache=make_pool(p=0))),
+    ("k_not_tensor", TypeError, "k_cache", lambda b: b(k_cache=_k.tolist())),
+    ("k_page_stride_beyond_int32", ValueError, "k_cache: page stride", lambda b: b(k_cache=huge_page_stride(_k))),
+    ("v_page_stride_beyond_int32", ValueError, "v_cache: page stride", lambda b: b(v_cache=huge_page_stride(_v))),
+    ("v_none", TypeError, "v_cache", lambda b: b(v_cache=None)),
     # qo_indptr
-    ("qo_int64", ValueError, "qo_indptr", lambda: base(qo_indptr=ip(QO, torch.int64))),
-    ("qo_float", ValueError, "qo_indptr", lambda: base(qo_indptr=ip(QO, torch.float32))),
-    ("qo_rank2", ValueError, "qo_indptr", lambda: base(qo_indptr=[QO])),
-    ("qo_noncontig", ValueError, "qo_indptr", lambda: base(qo_indptr=ip([0, 9, 3, 9, 5, 9])[::2])),
+    ("qo_int64", ValueError, "qo_indptr", lambda b: b(qo_indptr=ip(QO, torch.int64))),
+    ("qo_float", ValueError, "qo_indptr", lambda b: b(qo_indptr=ip(QO, torch.float32))),
+    ("qo_rank2", ValueError, "qo_indptr", lambda b: b(qo_indptr=[QO])),
+    ("qo_noncontig", ValueError, "qo_indptr", lambda b: b(qo_indptr=ip([0, 9, 3, 9, 5, 9])[::2])),
+    ("qo_not_start_0", ValueError, "qo_indptr", lambda b: b(qo_indptr=[1, 3, 5])),
+    ("qo_not_strict", ValueError, "qo_indptr", lambda b: b(qo_indptr=[0, 0, 5])),
+    ("qo_not_strict_end", ValueError, "qo_indptr", lambda b: b(qo_indptr=[0, 5, 5])),
+    ("qo_not_end_at_q", ValueError, "qo_indptr", lambda b: b(qo_indptr=[0, 3, 4])),
+    ("qo_past_end", ValueError, "qo_indptr", lambda b: b(qo_indptr=[0, 3, 6])),
+    ("qo_list", TypeError, "qo_indptr", lambda b: b(qo_indptr=tuple(QO))),
+    # dtypes
+    ("k_fp16_q_bf16", ValueError, "k_cache", lambda b: b(k_cache=_k.half())),
+    ("v_fp16_q_bf16", ValueError, "v_cache", lambda b: b(v_cache=_v.half())),
+    ("q_fp16_pools_bf16", ValueError, r"\bq\b|k_cache", lambda b: b(q=_q.half())),
+    ("all_float32", ValueError, r"\bq\b", lambda b: b(q=_q.float(), k_cache=_k.float(), v_cache=_v.float())),
+    ("all_float64", ValueError, r"\bq\b", lambda b: b(q=_q.double(), k_cache=_k.double(), v_cache=_v.double())),
+    ("k_int8", ValueError, "k_cache", lambda b: b(k_cache=_k.to(torch.int8))),
+    # devices ('meta' stands for another device)
+    ("q_meta", ValueError, r"\bq\b|k_cache", lambda b: b(q=_q.to("meta"))),
+    ("k_meta", ValueError, "k_cache", lambda b: b(k_cache=_k.to("meta"))),
+    ("v_meta", ValueError, "v_cache", lambda b: b(v_cache=_v.to("meta"))),
+    ("qo_meta", ValueError, "qo_indptr", lambda b: b(qo_indptr=ip(QO).to("meta"))),
+    ("out_meta", ValueError, r"\bout\b", lambda b: b(out=torch.empty(_q.shape, dtype=BF16, device="meta"))),
+    # head dims and heads
+    ("head_dim_64", ValueError, r"\bq\b", lambda b: b(q=make_q(d=64), k_cache=make_pool(d=64),
+                                                       v_cache=make_pool(d=64, seed=3))),
+    ("head_dim_96", ValueError, r"\bq\b", lambda b: b(q=make_q(d=96), k_cache=make_pool(d=96),
+                                                       v_cache=make_pool(d=96, seed=3))),
+    ("q_head_dim_differs", ValueError, r"\bq\b|k_cache", lambda b: b(q=make_q(d=256))),
+    ("hq_not_multiple", ValueError, r"\bq\b|k_cache|heads", lambda b: b(q=make_q(hq=3))),
+    ("hkv_gt_hq", ValueError, r"\bq\b|k_cache|heads", lambda b: b(q=make_q(hq=1))),
+    # q rank, strides, type
+    ("q_rank4", ValueError, r"\bq\b", lambda b: b(q=_q.unsqueeze(0))),
+    ("q_rank2", ValueError, r"\bq\b", lambda b: b(q=_q[:, 0])),
+    ("q_inner_noncontig", ValueError, r"\bq\b", lambda b: b(q=_noncontig_inner(_q))),
+    ("q_misaligned", ValueError, r"\bq\b",
+     lambda b: b(q=torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape))),
+    ("q_not_tensor", TypeError, r"\bq\b", lambda b: b(q=_q.tolist())),
+    # out
+    ("out_wrong_shape", ValueError, r"\bout\b", lambda b: b(out=torch.empty(5, HQ, D + 128, dtype=BF16))),
+    ("out_fixed_shape", ValueError, r"\bout\b", lambda b: b(out=torch.empty(1, 5, HQ, D, dtype=BF16))),
+    ("out_dtype_disagrees", ValueError, r"\bout\b",
+     lambda b: b(out=torch.empty(_q.shape, dtype=BF16), out_dtype=FP32)),
+    ("out_float64", ValueError, r"\bout\b", lambda b: b(out=torch.empty(_q.shape, dtype=torch.float64))),
+    ("out_int32", ValueError, r"\bout\b", lambda b: b(out=torch.empty(_q.shape, dtype=I32))),
+    ("out_noncontig", ValueError, r"\bout\b", lambda b: b(out=torch.empty(5, D, HQ, dtype=BF16).transpose(1, 2))),
+    ("out_is_q", ValueError, r"\bout must not overlap q\b", lambda b: b(out=_q)),
+    ("out_in_k_cache", ValueError, r"\bout\b", lambda b: b(out=_k.view(-1)[: _q.numel()].view(_q.shape))),
+    ("out_tail_of_v_cache", ValueError, r"\bout\b", lambda b: b(out=_v.view(-1)[-_q.numel():].view(_q.shape))),
+    ("out_overlaps_qo_indptr", ValueError, r"\bout must not overlap qo_indptr\b",
+     lambda b: _out_overlaps("qo_indptr", b)),
+    ("out_not_tensor", TypeError, r"\bout\b", lambda b: b(out=0)),
+    ("out_dtype_float64", ValueError, "out_dtype", lambda b: b(out_dtype=torch.float64)),
+    ("out_dtype_int32", ValueError, "out_dtype", lambda b: b(out_dtype=I32)),
+    ("out_dtype_str", TypeError, "out_dtype", lambda b: b(out_dtype="float32")),
+    # masks and windows
+    ("window_without_causal", ValueError, "window_left", lambda b: b(window_left=4)),
+    ("window_zero_without_causal", ValueError, "window_left", lambda b: b(window_left=0)),
+    ("window_minus_2", ValueError, "window_left", lambda b: b(mask_type="causal", window_left=-2)),
+    ("window_float", TypeError, "window_left", lambda b: b(mask_type="causal", window_left=2.0)),
+    ("mask_variable_window", ValueError, "mask_type", lambda b: b(mask_type="variable_window")),
+    ("mask_unknown", ValueError, "mask_type", lambda b: b(mask_type="causal_lower")),
+    ("mask_none", TypeError, "mask_type", lambda b: b(mask_type=None)),
+    # scales
+    ("sm_scale_nan", ValueError, "sm_scale", lambda b: b(sm_scale=math.nan)),
+    ("sm_scale_inf", ValueError, "sm_scale", lambda b: b(sm_scale=math.inf)),
+    ("sm_scale_zero", ValueError, "sm_scale", lambda b: b(sm_scale=0.0)),
+    ("sm_scale_negative", ValueError, "sm_scale", lambda b: b(sm_scale=-0.1)),
+    ("sm_scale_str", TypeError, "sm_scale", lambda b: b(sm_scale="0.1")),
+    ("output_scale_zero", ValueError, "output_scale", lambda b: b(output_scale=0.0)),
+    ("output_scale_nan", ValueError, "output_scale", lambda b: b(output_scale=math.nan)),
+    ("output_scale_negative", ValueError, "output_scale", lambda b: b(output_scale=-1.0)),
+    ("output_scale_none", TypeError, "output_scale", lambda b: b(output_scale=None)),
+]
+
+# Cases of the block table, seq_lens_kv and kv_layout: the one-shot's own arguments.
+TABLE_CASES = [
+    # kv_layout
+    ("kv_layout_NHD", ValueError, "kv_layout", lambda b: b(kv_layout="NHD")),
+    ("kv_layout_lower", ValueError, "kv_layout", lambda b: b(kv_layout="hnd")),
+    ("kv_layout_none", TypeError, "kv_layout", lambda b: b(kv_layout=None)),
+    # block_tables: dtype, rank, strides, rows
+    ("bt_int64", ValueError, "block_tables", lambda b: b(block_tables=ip(TABLE, torch.int64))),
+    ("bt_int16", ValueError, "block_tables", lambda b: b(block_tables=ip(TABLE, torch.int16))),
+    ("bt_float32", ValueError, "block_tables", lambda b: b(block_tables=ip(TABLE, torch.float32))),
+    ("bt_uint32", ValueError, "block_tables", lambda b: b(block_tables=ip(TABLE).view(torch.uint32))),
+    ("bt_rank1", ValueError, "block_tables", lambda b: b(block_tables=ip(TABLE).flatten())),
+    ("bt_rank3", ValueError, "block_tables", lambda b: b(block_tables=ip([TABLE]))),
+    ("bt_inner_stride_2", ValueError, "block_tables", lambda b: b(block_tables=_big_table[:, ::2])),
+    ("bt_column_major", ValueError, "block_tables", lambda b: b(block_tables=ip(TABLE).t().contiguous().t())),
+    ("bt_expanded_rows", ValueError, "block_tables",
+     lambda b: b(block_tables=ip(TABLE[0]).unsqueeze(0).expand(2, C), seq_lens_kv=[20, 20])),
+    ("bt_too_many_rows", ValueError, "block_tables|qo_indptr", lambda b: b(block_tables=TABLE + [[4, 4, 4]])),
+    ("bt_too_few_rows", ValueError, "block_tables|qo_indptr", lambda b: b(block_tables=TABLE[:1])),
+    ("bt_no_columns", ValueError, "block_tables", lambda b: b(block_tables=torch.zeros(2, 0, dtype=I32))),
+    ("bt_list", TypeError, "block_tables", lambda b: b(block_tables=tuple(map(tuple, TABLE)))),
+    # seq_lens_kv
+    ("len_zero", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=[20, 0])),
+    ("len_negative", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=[-5, 5])),
+    ("len_past_table_row", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=[C * PS + 1, 5])),
+    ("len_far_past_table_row", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=[20, 10**6])),
+    ("len_int64", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=ip(LENS, torch.int64))),
+    ("len_wrong_length", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=LENS + [5])),
+    ("len_rank2", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=[LENS])),
+    ("len_noncontig", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=ip([20, 9, 5, 9])[::2])),
+    ("len_list", TypeError, "seq_lens_kv", lambda b: b(seq_lens_kv=tuple(LENS))),
+    # used page IDs outside [0, P)
+    ("page_negative", ValueError, "block_tables", lambda b: b(block_tables=[[3, -1, 7], [5, 0, 2]])),
+    ("page_min_int", ValueError, "block_tables", lambda b: b(block_tables=[[3, 1, 7], [-2**31, 0, 2]])),
+    ("page_eq_P", ValueError, "block_tables", lambda b: b(block_tables=[[3, P, 7], [5, 0, 2]])),
+    ("page_gt_P", ValueError, "block_tables", lambda b: b(block_tables=[[3, 1, 7], [1000, 0, 2]])),
+    ("page_max_int", ValueError, "block_tables", lambda b: b(block_tables=[[2**31 - 1, 1, 7], [5, 0, 2]])),
+    ("page_in_last_partial_page", ValueError, "block_tables",
+     lambda b: b(seq_lens_kv=[20, 33], block_tables=[[3, 1, 7], [5, 0, P]])),
+    # qo_indptr
     ("qo_single_entry", ValueError, "qo_indptr|block_tables",
-     lambda: base(qo_indptr=[0], block_tables=torch.zeros(0, C, dtype=I32), seq_lens_kv=ip([]))),
-    ("qo_not_start_0", ValueError, "qo_indptr", lambda: base(qo_indptr=[1, 3, 5])),
-    ("qo_not_strict", ValueError, "qo_indptr", lambda: base(qo_indptr=[0, 0, 5])),
-    ("qo_not_strict_end", ValueError, "qo_indptr", lambda: base(qo_indptr=[0, 5, 5])),
+     lambda b: b(qo_indptr=[0], block_tables=torch.zeros(0, C, dtype=I32), seq_lens_kv=ip([]))),
     ("qo_decreasing", ValueError, "qo_indptr",
-     lambda: base(qo_indptr=[0, 4, 3, 5], block_tables=TABLE + [[4, 4, 4]], seq_lens_kv=LENS + [5])),
-    ("qo_not_end_at_q", ValueError, "qo_indptr", lambda: base(qo_indptr=[0, 3, 4])),
-    ("qo_past_end", ValueError, "qo_indptr", lambda: base(qo_indptr=[0, 3, 6])),
-    ("qo_len_vs_table_rows", ValueError, "qo_indptr|block_tables", lambda: base(qo_indptr=[0, 1, 3, 5])),
-    ("qo_list", TypeError, "qo_indptr", lambda: base(qo_indptr=tuple(QO))),
+     lambda b: b(qo_indptr=[0, 4, 3, 5], block_tables=TABLE + [[4, 4, 4]], seq_lens_kv=LENS + [5])),
+    ("qo_len_vs_table_rows", ValueError, "qo_indptr|block_tables", lambda b: b(qo_indptr=[0, 1, 3, 5])),
     # causal Sq > Sk
     ("causal_sq_gt_sk", ValueError, r"qo_indptr|seq_lens_kv|Sq",
-     lambda: base(seq_lens_kv=[2, 5], mask_type="causal")),
+     lambda b: b(seq_lens_kv=[2, 5], mask_type="causal")),
     ("causal_window_sq_gt_sk", ValueError, r"qo_indptr|seq_lens_kv|Sq",
-     lambda: base(seq_lens_kv=[20, 1], mask_type="causal", window_left=3)),
-    # dtypes
-    ("k_fp16_q_bf16", ValueError, "k_cache", lambda: base(k_cache=_k.half())),
-    ("v_fp16_q_bf16", ValueError, "v_cache", lambda: base(v_cache=_v.half())),
-    ("q_fp16_pools_bf16", ValueError, r"\bq\b|k_cache", lambda: base(q=_q.half())),
-    ("all_float32", ValueError, r"\bq\b", lambda: base(q=_q.float(), k_cache=_k.float(), v_cache=_v.float())),
-    ("all_float64", ValueError, r"\bq\b", lambda: base(q=_q.double(), k_cache=_k.double(), v_cache=_v.double())),
-    ("k_int8", ValueError, "k_cache", lambda: base(k_cache=_k.to(torch.int8))),
+     lambda b: b(seq_lens_kv=[20, 1], mask_type="causal", window_left=3)),
     # devices ('meta' stands for another device)
-    ("q_meta", ValueError, r"\bq\b|k_cache", lambda: base(q=_q.to("meta"))),
-    ("k_meta", ValueError, "k_cache", lambda: base(k_cache=_k.to("meta"))),
-    ("v_meta", ValueError, "v_cache", lambda: base(v_cache=_v.to("meta"))),
-    ("qo_meta", ValueError, "qo_indptr", lambda: base(qo_indptr=ip(QO).to("meta"))),
-    ("bt_meta", ValueError, "block_tables", lambda: base(block_tables=ip(TABLE).to("meta"))),
-    ("lens_meta", ValueError, "seq_lens_kv", lambda: base(seq_lens_kv=ip(LENS).to("meta"))),
-    ("out_meta", ValueError, r"\bout\b", lambda: base(out=torch.empty(_q.shape, dtype=BF16, device="meta"))),
-    # head dims and heads
-    ("head_dim_64", ValueError, r"\bq\b", lambda: base(q=make_q(d=64), k_cache=make_pool(d=64),
-                                                       v_cache=make_pool(d=64, seed=3))),
-    ("head_dim_96", ValueError, r"\bq\b", lambda: base(q=make_q(d=96), k_cache=make_pool(d=96),
-                                                       v_cache=make_pool(d=96, seed=3))),
-    ("q_head_dim_differs", ValueError, r"\bq\b|k_cache", lambda: base(q=make_q(d=256))),
-    ("hq_not_multiple", ValueError, r"\bq\b|k_cache|heads", lambda: base(q=make_q(hq=3))),
-    ("hkv_gt_hq", ValueError, r"\bq\b|k_cache|heads", lambda: base(q=make_q(hq=1))),
-    # q rank, strides, type
-    ("q_rank4", ValueError, r"\bq\b", lambda: base(q=_q.unsqueeze(0))),
-    ("q_rank2", ValueError, r"\bq\b", lambda: base(q=_q[:, 0])),
-    ("q_inner_noncontig", ValueError, r"\bq\b", lambda: base(q=_noncontig_inner(_q))),
-    ("q_misaligned", ValueError, r"\bq\b",
-     lambda: base(q=torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape))),
-    ("q_not_tensor", TypeError, r"\bq\b", lambda: base(q=_q.tolist())),
+    ("bt_meta", ValueError, "block_tables", lambda b: b(block_tables=ip(TABLE).to("meta"))),
+    ("lens_meta", ValueError, "seq_lens_kv", lambda b: b(seq_lens_kv=ip(LENS).to("meta"))),
     # out
-    ("out_wrong_shape", ValueError, r"\bout\b", lambda: base(out=torch.empty(5, HQ, D + 128, dtype=BF16))),
-    ("out_fixed_shape", ValueError, r"\bout\b", lambda: base(out=torch.empty(1, 5, HQ, D, dtype=BF16))),
-    ("out_dtype_disagrees", ValueError, r"\bout\b",
-     lambda: base(out=torch.empty(_q.shape, dtype=BF16), out_dtype=FP32)),
-    ("out_float64", ValueError, r"\bout\b", lambda: base(out=torch.empty(_q.shape, dtype=torch.float64))),
-    ("out_int32", ValueError, r"\bout\b", lambda: base(out=torch.empty(_q.shape, dtype=I32))),
-    ("out_noncontig", ValueError, r"\bout\b", lambda: base(out=torch.empty(5, D, HQ, dtype=BF16).transpose(1, 2))),
-    ("out_is_q", ValueError, r"\bout\b", lambda: base(out=_q)),
-    ("out_in_k_cache", ValueError, r"\bout\b", lambda: base(out=_k.view(-1)[: _q.numel()].view(_q.shape))),
-    ("out_tail_of_v_cache", ValueError, r"\bout\b", lambda: base(out=_v.view(-1)[-_q.numel():].view(_q.shape))),
-    ("out_overlaps_qo_indptr", ValueError, r"\bout\b", lambda: _out_overlaps("qo_indptr")),
-    ("out_overlaps_block_tables", ValueError, r"\bout\b", lambda: _out_overlaps("block_tables")),
-    ("out_overlaps_seq_lens_kv", ValueError, r"\bout\b", lambda: _out_overlaps("seq_lens_kv")),
-    ("out_not_tensor", TypeError, r"\bout\b", lambda: base(out=0)),
-    ("out_dtype_float64", ValueError, "out_dtype", lambda: base(out_dtype=torch.float64)),
-    ("out_dtype_int32", ValueError, "out_dtype", lambda: base(out_dtype=I32)),
-    ("out_dtype_str", TypeError, "out_dtype", lambda: base(out_dtype="float32")),
-    # masks and windows
-    ("window_without_causal", ValueError, "window_left", lambda: base(window_left=4)),
-    ("window_zero_without_causal", ValueError, "window_left", lambda: base(window_left=0)),
-    ("window_minus_2", ValueError, "window_left", lambda: base(mask_type="causal", window_left=-2)),
-    ("window_float", TypeError, "window_left", lambda: base(mask_type="causal", window_left=2.0)),
-    ("mask_variable_window", ValueError, "mask_type", lambda: base(mask_type="variable_window")),
-    ("mask_unknown", ValueError, "mask_type", lambda: base(mask_type="causal_lower")),
-    ("mask_none", TypeError, "mask_type", lambda: base(mask_type=None)),
-    # scales
-    ("sm_scale_nan", ValueError, "sm_scale", lambda: base(sm_scale=math.nan)),
-    ("sm_scale_inf", ValueError, "sm_scale", lambda: base(sm_scale=math.inf)),
-    ("sm_scale_zero", ValueError, "sm_scale", lambda: base(sm_scale=0.0)),
-    ("sm_scale_negative", ValueError, "sm_scale", lambda: base(sm_scale=-0.1)),
-    ("sm_scale_str", TypeError, "sm_scale", lambda: base(sm_scale="0.1")),
-    ("output_scale_zero", ValueError, "output_scale", lambda: base(output_scale=0.0)),
-    ("output_scale_nan", ValueError, "output_scale", lambda: base(output_scale=math.nan)),
-    ("output_scale_negative", ValueError, "output_scale", lambda: base(output_scale=-1.0)),
-    ("output_scale_none", TypeError, "output_scale", lambda: base(output_scale=None)),
+    ("out_overlaps_block_tables", ValueError, r"\bout must not overlap block_tables\b",
+     lambda b: _out_overlaps("block_tables")),
+    ("out_overlaps_seq_lens_kv", ValueError, r"\bout must not overlap seq_lens_kv\b",
+     lambda b: _out_overlaps("seq_lens_kv")),
 ]
+
+ONESHOT_CASES = COMMON_CASES + TABLE_CASES
 
 
 @pytest.mark.parametrize("exc,match,make", [c[1:] for c in ONESHOT_CASES], ids=[c[0] for c in ONESHOT_CASES])
 def test_oneshot_errors(exc, match, make):
-    args, kwargs = make()
+    args, kwargs = make(base)
     expect(exc, match, batch_prefill_with_paged_kv_cache, *args, **kwargs)
 
 
@@ -342,31 +363,76 @@ def test_metadata_not_modified():
 
 
 # ----------------------------------------------------------------------------
-# BatchPrefillPagedTSWrapper.plan
+# BatchPrefillPagedTSWrapper: plan(q, k_cache, v_cache, qo_indptr, paged_kv_indptr, paged_kv_indices,
+# paged_kv_last_page_len, ...) then run(q, k_cache, v_cache, out=...)
 # ----------------------------------------------------------------------------
 
-HEADS = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS)
+# The base problem's pages as FlashInfer's CSR metadata: TABLE's used prefix and LENS
+# (request 0: pages 3, 1 and 20 = 16 + 4 keys; request 1: page 5 and 5 keys).
+INDPTR, INDICES, LAST = [0, 2, 3], [3, 1, 5], [4, 5]
+MAX_PAGE = max(INDICES)
+CSR_KEYS = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
 
-def plan_args(qo=QO, table=TABLE, lens=LENS, **kw):
-    conv = [ip(x) if isinstance(x, list) else x for x in (qo, table, lens)]
-    args = dict(HEADS)
-    args.update(kw)
-    return tuple(conv), args
+def plan_args(**mods):
+    """Valid wrapper plan arguments with modifications applied: (args, kwargs); ``out`` (a run
+    argument) stays in kwargs for _plan_run."""
+    args = dict(q=_q, k_cache=_k, v_cache=_v, qo_indptr=ip(QO), paged_kv_indptr=ip(INDPTR),
+                paged_kv_indices=ip(INDICES), paged_kv_last_page_len=ip(LAST))
+    kwargs = dict(page_size=PS)
+    for key, val in mods.items():
+        if isinstance(val, list) and key in CSR_KEYS:
+            val = ip(val)
+        (args if key in args else kwargs)[key] = val
+    kwargs = {key: val for key, val in kwargs.items() if val is not DROP}
+    return tuple(args.values()), kwargs
 
 
+def _plan_run(q, k_cache, v_cache, *meta, out=None, **kw):
+    """The wrapper form of a call: plan over these tensors and metadata, run them into ``out``."""
+    w = BatchPrefillPagedTSWrapper()
+    w.plan(q, k_cache, v_cache, *meta, **kw)
+    return w.run(q, k_cache, v_cache, out=out)
+
+
+def test_wrapper_base_inputs_are_valid():
+    """The CSR form of the base problem is accepted and means what the one-shot's block table means."""
+    args, kw = plan_args(mask_type="causal", window_left=1)
+    out = torch.full(_q.shape, float("nan"), dtype=BF16)
+    assert _plan_run(*args, out=out, **kw) is out
+    one_args, one_kw = base(mask_type="causal", window_left=1)
+    torch.testing.assert_close(out, batch_prefill_with_paged_kv_cache(*one_args, **one_kw), rtol=0, atol=0)
+    # full last pages, the largest valid page ID, page IDs repeated across requests
+    args, kw = plan_args(paged_kv_indptr=[0, 3, 4], paged_kv_indices=[0, P - 1, 2, P - 1],
+                         paged_kv_last_page_len=[PS, 1], out_dtype=FP32)
+    assert _plan_run(*args, **kw).dtype == FP32
+
+
+@pytest.mark.parametrize("exc,match,make", [c[1:] for c in COMMON_CASES], ids=[c[0] for c in COMMON_CASES])
+def test_wrapper_refuses_common_cases(exc, match, make):
+    """The one-shot's cases of q, the pools, qo_indptr, page_size, scalars and out, in plan + run."""
+    args, kwargs = make(plan_args)
+    expect(exc, match, _plan_run, *args, **kwargs)
+
+
+# Refused by plan itself. The old plan's cases (block_tables / seq_lens_kv / num_*_heads / head_dim /
+# q_data_type) are here in the new signature; the CSR page metadata's are new.
 PLAN_CASES = [
     ("page_size_8", ValueError, "page_size", lambda: plan_args(page_size=8)),
     ("page_size_48", ValueError, "page_size", lambda: plan_args(page_size=48)),
     ("page_size_512", ValueError, "page_size", lambda: plan_args(page_size=512)),
     ("page_size_str", TypeError, "page_size", lambda: plan_args(page_size="16")),
-    ("kv_layout_NHD", ValueError, "kv_layout", lambda: plan_args(kv_layout="NHD")),
-    ("num_qo_heads_zero", ValueError, "num_qo_heads", lambda: plan_args(num_qo_heads=0)),
-    ("num_kv_heads_float", TypeError, "num_kv_heads", lambda: plan_args(num_kv_heads=2.0)),
-    ("heads_not_multiple", ValueError, "num_qo_heads|num_kv_heads", lambda: plan_args(num_qo_heads=3)),
-    ("head_dim_64", ValueError, "head_dim", lambda: plan_args(head_dim=64)),
-    ("head_dim_float", TypeError, "head_dim", lambda: plan_args(head_dim=128.0)),
-    ("q_data_type_float32", ValueError, "q_data_type", lambda: plan_args(q_data_type=FP32)),
+    ("page_size_not_pool", ValueError, "page_size", lambda: plan_args(page_size=32)),
+    ("page_size_default_not_pool", ValueError, "page_size", lambda: plan_args(page_size=DROP)),
+    # shapes and dtypes come from q and the pools (were num_qo_heads, num_kv_heads, head_dim, q_data_type)
+    ("q_no_heads", ValueError, r"\bq\b", lambda: plan_args(q=make_q(hq=0))),
+    ("heads_not_multiple", ValueError, r"\bq\b|k_cache", lambda: plan_args(q=make_q(hq=3))),
+    ("k_cache_list", TypeError, "k_cache", lambda: plan_args(k_cache=_k.tolist())),
+    ("head_dim_64", ValueError, r"\bq\b",
+     lambda: plan_args(q=make_q(d=64), k_cache=make_pool(d=64), v_cache=make_pool(d=64, seed=3))),
+    ("all_float32", ValueError, r"\bq\b", lambda: plan_args(q=_q.float(), k_cache=_k.float(), v_cache=_v.float())),
+    ("q_str", TypeError, r"\bq\b", lambda: plan_args(q="bfloat16")),
+    ("q_none", TypeError, r"\bq\b", lambda: plan_args(q=None)),
     ("mask_variable_window", ValueError, "mask_type", lambda: plan_args(mask_type="variable_window")),
     ("mask_unknown", ValueError, "mask_type", lambda: plan_args(mask_type="full")),
     ("window_without_causal", ValueError, "window_left", lambda: plan_args(window_left=3)),
@@ -374,65 +440,156 @@ PLAN_CASES = [
     ("sm_scale_inf", ValueError, "sm_scale", lambda: plan_args(sm_scale=math.inf)),
     ("output_scale_zero", ValueError, "output_scale", lambda: plan_args(output_scale=0.0)),
     ("out_dtype_float64", ValueError, "out_dtype", lambda: plan_args(out_dtype=torch.float64)),
-    ("max_q_len_too_small", ValueError, "max_q_len", lambda: plan_args(max_q_len=2)),
-    ("max_q_len_float", TypeError, "max_q_len", lambda: plan_args(max_q_len=4.0)),
-    ("qo_int64", ValueError, "qo_indptr", lambda: plan_args(qo=ip(QO, torch.int64))),
-    ("qo_list", TypeError, "qo_indptr", lambda: plan_args(qo=tuple(QO))),
-    ("qo_not_start_0", ValueError, "qo_indptr", lambda: plan_args(qo=[1, 3, 5])),
-    ("qo_not_strict", ValueError, "qo_indptr", lambda: plan_args(qo=[0, 3, 3])),
-    ("qo_len_vs_table_rows", ValueError, "qo_indptr|block_tables", lambda: plan_args(qo=[0, 1, 3, 5])),
-    ("bt_int64", ValueError, "block_tables", lambda: plan_args(table=ip(TABLE, torch.int64))),
-    ("bt_rank1", ValueError, "block_tables", lambda: plan_args(table=ip(TABLE).flatten())),
-    ("bt_inner_stride_2", ValueError, "block_tables", lambda: plan_args(table=_big_table[:, ::2])),
-    ("bt_list", TypeError, "block_tables", lambda: plan_args(table=tuple(map(tuple, TABLE)))),
-    ("page_negative", ValueError, "block_tables", lambda: plan_args(table=[[3, 1, 7], [-1, 0, 2]])),
-    ("len_zero", ValueError, "seq_lens_kv", lambda: plan_args(lens=[0, 5])),
-    ("len_past_table_row", ValueError, "seq_lens_kv", lambda: plan_args(lens=[20, C * PS + 1])),
-    ("len_int64", ValueError, "seq_lens_kv", lambda: plan_args(lens=ip(LENS, torch.int64))),
-    ("len_wrong_length", ValueError, "seq_lens_kv", lambda: plan_args(lens=[20])),
-    ("causal_sq_gt_sk", ValueError, r"qo_indptr|seq_lens_kv|Sq",
-     lambda: plan_args(lens=[2, 5], mask_type="causal")),
-    ("bt_meta", ValueError, "block_tables", lambda: plan_args(table=ip(TABLE).to("meta"))),
-    ("lens_meta", ValueError, "seq_lens_kv", lambda: plan_args(lens=ip(LENS).to("meta"))),
+    # qo_indptr
+    ("qo_int64", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=ip(QO, torch.int64))),
+    ("qo_list", TypeError, "qo_indptr", lambda: plan_args(qo_indptr=tuple(QO))),
+    ("qo_single_entry", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0])),
+    ("qo_not_start_0", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[1, 3, 5])),
+    ("qo_not_strict", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0, 3, 3])),
+    ("qo_not_end_at_q", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=[0, 3, 4])),
+    ("qo_len_vs_indptr", ValueError, "qo_indptr|paged_kv_indptr", lambda: plan_args(qo_indptr=[0, 1, 3, 5])),
+    ("qo_meta", ValueError, "qo_indptr", lambda: plan_args(qo_indptr=ip(QO).to("meta"))),
+    # causal Sq > Sk: request 1 has 2 queries and (pages - 1) * 16 + 1 = 1 key
+    ("causal_sq_gt_sk", ValueError, r"qo_indptr|Sq", lambda: plan_args(paged_kv_last_page_len=[4, 1],
+                                                                        mask_type="causal")),
+    ("causal_window_sq_gt_sk", ValueError, r"qo_indptr|Sq",
+     lambda: plan_args(paged_kv_indptr=[0, 1, 3], paged_kv_last_page_len=[2, 5], mask_type="causal",
+                       window_left=3)),
+    # paged_kv_indptr: dtype, rank, strides, length, type, device
+    ("indptr_int64", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=ip(INDPTR, torch.int64))),
+    ("indptr_float", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=ip(INDPTR, torch.float32))),
+    ("indptr_rank2", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=[INDPTR])),
+    ("indptr_noncontig", ValueError, "paged_kv_indptr",
+     lambda: plan_args(paged_kv_indptr=ip([0, 9, 2, 9, 3, 9])[::2])),
+    ("indptr_too_short", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=[0, 3])),
+    ("indptr_too_long", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=[0, 1, 2, 3])),
+    ("indptr_list", TypeError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=tuple(INDPTR))),
+    ("indptr_meta", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=ip(INDPTR).to("meta"))),
+    # paged_kv_indptr values: start at zero, strictly increasing (a page per request), end at indices.numel()
+    ("indptr_not_start_0", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=[1, 2, 3])),
+    ("indptr_negative_start", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=[-1, 2, 3])),
+    ("indptr_request_without_pages", ValueError, "paged_kv_indptr",
+     lambda: plan_args(paged_kv_indptr=[0, 3, 3], paged_kv_last_page_len=[4, 5])),
+    ("indptr_first_request_without_pages", ValueError, "paged_kv_indptr",
+     lambda: plan_args(paged_kv_indptr=[0, 0, 3])),
+    ("indptr_decreasing", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=[0, 4, 3])),
+    ("indptr_ends_short", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=[0, 1, 2])),
+    ("indptr_ends_past", ValueError, "paged_kv_indptr", lambda: plan_args(paged_kv_indptr=[0, 2, 4])),
+    ("indices_more_than_indptr", ValueError, "paged_kv_indptr",
+     lambda: plan_args(paged_kv_indices=INDICES + [0])),
+    ("indices_empty", ValueError, "paged_kv_indptr|paged_kv_indices",
+     lambda: plan_args(paged_kv_indices=torch.zeros(0, dtype=I32))),
+    # paged_kv_indices: dtype, rank, strides, type, device
+    ("indices_int64", ValueError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=ip(INDICES, torch.int64))),
+    ("indices_uint32", ValueError, "paged_kv_indices",
+     lambda: plan_args(paged_kv_indices=ip(INDICES).view(torch.uint32))),
+    ("indices_rank2", ValueError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=[INDICES])),
+    ("indices_noncontig", ValueError, "paged_kv_indices",
+     lambda: plan_args(paged_kv_indices=ip([3, 9, 1, 9, 5, 9])[::2])),
+    ("indices_list", TypeError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=tuple(INDICES))),
+    ("indices_meta", ValueError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=ip(INDICES).to("meta"))),
+    # page IDs outside the pool [0, P)
+    ("page_negative", ValueError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=[3, -1, 5])),
+    ("page_min_int", ValueError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=[3, 1, -2**31])),
+    ("page_eq_P", ValueError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=[3, P, 5])),
+    ("page_gt_P", ValueError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=[1000, 1, 5])),
+    ("page_max_int", ValueError, "paged_kv_indices", lambda: plan_args(paged_kv_indices=[3, 1, 2**31 - 1])),
+    ("page_in_last_partial_page", ValueError, "paged_kv_indices",
+     lambda: plan_args(paged_kv_indptr=[0, 2, 4], paged_kv_indices=[3, 1, 5, P], paged_kv_last_page_len=[4, 1])),
+    # paged_kv_last_page_len: values in [1, page_size], dtype, rank, length, type, device
+    ("last_zero", ValueError, "paged_kv_last_page_len", lambda: plan_args(paged_kv_last_page_len=[4, 0])),
+    ("last_negative", ValueError, "paged_kv_last_page_len", lambda: plan_args(paged_kv_last_page_len=[-4, 5])),
+    ("last_past_page_size", ValueError, "paged_kv_last_page_len",
+     lambda: plan_args(paged_kv_last_page_len=[PS + 1, 5])),
+    ("last_max_int", ValueError, "paged_kv_last_page_len",
+     lambda: plan_args(paged_kv_last_page_len=[4, 2**31 - 1])),
+    ("last_int64", ValueError, "paged_kv_last_page_len",
+     lambda: plan_args(paged_kv_last_page_len=ip(LAST, torch.int64))),
+    ("last_rank2", ValueError, "paged_kv_last_page_len", lambda: plan_args(paged_kv_last_page_len=[LAST])),
+    ("last_too_short", ValueError, "paged_kv_last_page_len", lambda: plan_args(paged_kv_last_page_len=[4])),
+    ("last_too_long", ValueError, "paged_kv_last_page_len",
+     lambda: plan_args(paged_kv_last_page_len=LAST + [1])),
+    ("last_list", TypeError, "paged_kv_last_page_len", lambda: plan_args(paged_kv_last_page_len=tuple(LAST))),
+    ("last_meta", ValueError, "paged_kv_last_page_len",
+     lambda: plan_args(paged_kv_last_page_len=ip(LAST).to("meta"))),
 ]
 
 
 @pytest.mark.parametrize("exc,match,make", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
 def test_wrapper_plan_errors(exc, match, make):
     args, kwargs = make()
-    expect(exc, match, BatchPrefillPagedTSWrapper().plan, *args, **kwargs)
-
-
-@pytest.mark.parametrize("value", ["bfloat16", None], ids=["str", "none"])
-def test_wrapper_plan_q_data_type_wrong_python_type(value):
-    args, kwargs = plan_args(q_data_type=value)
-    expect(TypeError, "q_data_type", BatchPrefillPagedTSWrapper().plan, *args, **kwargs)
-
-
-# ----------------------------------------------------------------------------
-# BatchPrefillPagedTSWrapper.run
-# ----------------------------------------------------------------------------
-
-
-def planned(**kw):
     w = BatchPrefillPagedTSWrapper()
-    args, kwargs = plan_args(**kw)
+    expect(exc, match, w.plan, *args, **kwargs)
+    # a refused plan leaves no plan behind
+    with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
+        w.run(_q, _k, _v)
+
+
+def test_wrapper_plan_names_the_bad_csr_entry():
+    """The CSR errors say which entry is wrong and what the bound is (the brief's wording)."""
+    for mods, match in [
+        (dict(paged_kv_indptr=[2, 2, 3]), r"paged_kv_indptr: must start at zero, got 2"),
+        (dict(paged_kv_indptr=[0, 3, 3]), r"paged_kv_indptr: must be strictly increasing.*entries 1 and 2 are 3 and 3"),
+        (dict(paged_kv_indptr=[0, 1, 2]), r"paged_kv_indptr: .*paged_kv_indices\.numel\(\) = 3, got 2"),
+        (dict(paged_kv_last_page_len=[4, PS + 1]), rf"paged_kv_last_page_len: request 1 has {PS + 1}.*\[1, {PS}\]"),
+        (dict(paged_kv_indices=[3, 1, P]), rf"paged_kv_indices: entry 2 is page ID {P}.*\[0, {P}\)"),
+    ]:
+        args, kw = plan_args(**mods)
+        expect(ValueError, match, BatchPrefillPagedTSWrapper().plan, *args, **kw)
+
+
+@pytest.mark.parametrize("kv_layout,exc", [("NHD", ValueError), ("hnd", ValueError), (None, TypeError),
+                                           (torch.device("cpu"), TypeError)], ids=["NHD", "lower", "none", "device"])
+def test_wrapper_kv_layout(kv_layout, exc):
+    """kv_layout is the constructor's (FlashInfer's); the old constructor's device argument is no layout."""
+    with pytest.raises(exc, match="kv_layout"):
+        BatchPrefillPagedTSWrapper(kv_layout)
+
+
+def test_wrapper_old_forms_are_gone():
+    """FlashInfer main's plan: no block-table form with head counts, no kv_layout or max_q_len at plan."""
+    with reference_must_not_run("batch_prefill_paged"):
+        with pytest.raises(TypeError):
+            BatchPrefillPagedTSWrapper().plan(ip(QO), ip(TABLE), ip(LENS), num_qo_heads=HQ, num_kv_heads=HKV,
+                                              head_dim=D, page_size=PS)
+        for extra in (dict(kv_layout="HND"), dict(max_q_len=4), dict(q_data_type=BF16)):
+            args, kw = plan_args(**extra)
+            with pytest.raises(TypeError):
+                BatchPrefillPagedTSWrapper().plan(*args, **kw)
+
+
+@pytest.mark.parametrize("tuning", ["loop=1", 1], ids=["str", "int"])
+def test_wrapper_tuning_must_be_a_tuning(tuning):
+    """tuning= takes a prims_ts.Tuning (None: the default); anything else is a TypeError naming tuning,
+    raised by the constructor, plan or run, before any launch."""
+    args, kw = plan_args()
+    with reference_must_not_run("batch_prefill_paged"):
+        with pytest.raises(TypeError, match=r"\btuning\b"):
+            w = BatchPrefillPagedTSWrapper(tuning=tuning)
+            w.plan(*args, **kw)
+            w.run(_q, _k, _v)
+
+
+def planned(**mods):
+    w = BatchPrefillPagedTSWrapper()
+    args, kwargs = plan_args(**mods)
     w.plan(*args, **kwargs)
     return w, args
 
 
 def test_wrapper_run_before_plan():
-    with pytest.raises((RuntimeError, ValueError), match="plan"):
-        BatchPrefillPagedTSWrapper().run(_q, _k, _v)
+    with reference_must_not_run("batch_prefill_paged"):
+        with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
+            BatchPrefillPagedTSWrapper().run(_q, _k, _v)
 
 
 def test_wrapper_base_run_is_valid():
-    w, _ = planned(mask_type="causal", q_data_type=BF16)
+    w, _ = planned(mask_type="causal")
     out = torch.empty(_q.shape, dtype=BF16)
     assert w.run(_q, _k, _v, out=out) is out
-    # pools with exactly max_page + 1 pages are enough
-    max_page = max(3, 1, 5)
-    assert w.run(_q, _k[:max_page + 1], _v[:max_page + 1]).shape == _q.shape
+    # pools with exactly max_page + 1 pages are enough, and so are pools with more pages than planned
+    assert w.run(_q, _k[:MAX_PAGE + 1], _v[:MAX_PAGE + 1]).shape == _q.shape
+    assert w.run(_q, make_pool(p=2 * P), make_pool(p=2 * P, seed=3)).shape == _q.shape
 
 
 def _run_args(**mods):
@@ -443,27 +600,46 @@ def _run_args(**mods):
     return tuple(args.values()), kwargs
 
 
+def _out_overlapping_pool(pool):
+    """An aligned out inside a pool's storage."""
+    return pool.view(-1)[256: 256 + _q.numel()].view(_q.shape)
+
+
 RUN_CASES = [
+    # q against the plan
     ("q_other_total", {}, ValueError, r"\bq\b", lambda: _run_args(q=make_q(tq=6))),
     ("q_fewer_tokens", {}, ValueError, r"\bq\b", lambda: _run_args(q=make_q(tq=4))),
     ("q_other_heads", {}, ValueError, r"\bq\b|heads", lambda: _run_args(q=make_q(hq=2 * HQ))),
+    ("q_fp16_vs_plan", {}, ValueError, r"\bq\b",
+     lambda: _run_args(q=_q.half(), k_cache=_k.half(), v_cache=_v.half())),
+    ("q_rank4", {}, ValueError, r"\bq\b", lambda: _run_args(q=_q.unsqueeze(0))),
+    ("q_inner_noncontig", {}, ValueError, r"\bq\b", lambda: _run_args(q=_noncontig_inner(_q))),
+    ("q_misaligned", {}, ValueError, r"\bq\b",
+     lambda: _run_args(q=torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape))),
+    ("q_not_tensor", {}, TypeError, r"\bq\b", lambda: _run_args(q=_q.tolist())),
+    # pools against the plan
     ("pools_other_heads", {}, ValueError, r"k_cache|heads",
      lambda: _run_args(k_cache=make_pool(hkv=1), v_cache=make_pool(hkv=1, seed=3))),
     ("head_dim_256", {}, ValueError, r"\bq\b|head",
      lambda: _run_args(q=make_q(d=256), k_cache=make_pool(d=256), v_cache=make_pool(d=256, seed=3))),
-    ("q_fp16_vs_plan", {}, ValueError, r"\bq\b",
-     lambda: _run_args(q=_q.half(), k_cache=_k.half(), v_cache=_v.half())),
     ("k_fp16", {}, ValueError, "k_cache", lambda: _run_args(k_cache=_k.half())),
-    ("q_rank4", {}, ValueError, r"\bq\b", lambda: _run_args(q=_q.unsqueeze(0))),
+    ("pools_fp16", {}, ValueError, r"k_cache|\bq\b", lambda: _run_args(k_cache=_k.half(), v_cache=_v.half())),
     ("pool_fewer_pages_than_plan", {}, ValueError, "k_cache",
-     lambda: _run_args(k_cache=_k[:5], v_cache=_v[:5])),  # plan's largest page ID is 5
+     lambda: _run_args(k_cache=_k[:MAX_PAGE], v_cache=_v[:MAX_PAGE])),  # the plan's largest page ID is 5
     ("pool_other_page_size", {}, ValueError, "page_size|k_cache",
      lambda: _run_args(k_cache=make_pool(ps=32), v_cache=make_pool(ps=32, seed=3))),
     ("v_other_shape", {}, ValueError, "v_cache", lambda: _run_args(v_cache=_v[:P - 1])),
-    ("q_meta", {}, ValueError, r"\bq\b|k_cache|qo_indptr", lambda: _run_args(q=_q.to("meta"))),
+    ("k_inner_noncontig", {}, ValueError, "k_cache", lambda: _run_args(k_cache=_noncontig_inner(_k))),
+    ("v_inner_noncontig", {}, ValueError, "v_cache", lambda: _run_args(v_cache=_noncontig_inner(_v))),
+    ("k_page_stride_beyond_int32", {}, ValueError, "k_cache: page stride",
+     lambda: _run_args(k_cache=huge_page_stride(_k), v_cache=huge_page_stride(_v))),
+    ("v_none", {}, TypeError, "v_cache", lambda: _run_args(v_cache=None)),
+    # devices
+    ("q_meta", {}, ValueError, r"\bq\b|k_cache", lambda: _run_args(q=_q.to("meta"))),
     ("k_meta", {}, ValueError, "k_cache", lambda: _run_args(k_cache=_k.to("meta"))),
-    ("all_meta", {}, ValueError, r"qo_indptr|block_tables|seq_lens_kv|\bq\b",
+    ("all_meta", {}, ValueError, r"\bq\b",
      lambda: _run_args(q=_q.to("meta"), k_cache=_k.to("meta"), v_cache=_v.to("meta"))),
+    # out
     ("out_wrong_shape", {}, ValueError, r"\bout\b", lambda: _run_args(out=torch.empty(5, HQ, D + 1, dtype=BF16))),
     ("out_wrong_dtype", {}, ValueError, r"\bout\b", lambda: _run_args(out=torch.empty(_q.shape, dtype=FP32))),
     ("out_wrong_dtype_vs_plan_fp32", dict(out_dtype=FP32), ValueError, r"\bout\b",
@@ -472,10 +648,12 @@ RUN_CASES = [
      lambda: _run_args(out=torch.empty(_q.shape, dtype=BF16, device="meta"))),
     ("out_noncontig", {}, ValueError, r"\bout\b",
      lambda: _run_args(out=torch.empty(5, D, HQ, dtype=BF16).transpose(1, 2))),
-    ("out_is_q", {}, ValueError, r"\bout\b", lambda: _run_args(out=_q)),
-    ("out_in_k_cache", {}, ValueError, r"\bout\b",
-     lambda: _run_args(out=_k.view(-1)[: _q.numel()].view(_q.shape))),
-    ("out_in_v_cache", {}, ValueError, r"\bout\b",
+    ("out_misaligned", {}, ValueError, r"\bout\b",
+     lambda: _run_args(out=torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape))),
+    ("out_is_q", {}, ValueError, r"\bout must not overlap q\b", lambda: _run_args(out=_q)),
+    ("out_in_k_cache", {}, ValueError, r"\bout must not overlap k_cache\b",
+     lambda: _run_args(out=_out_overlapping_pool(_k))),
+    ("out_in_v_cache", {}, ValueError, r"\bout must not overlap v_cache\b",
      lambda: _run_args(out=_v.view(-1)[-_q.numel():].view(_q.shape))),
     ("out_not_tensor", {}, TypeError, r"\bout\b", lambda: _run_args(out=[0.0])),
 ]
@@ -488,19 +666,49 @@ def test_wrapper_run_errors(name, plan_kw, exc, match, make):
     expect(exc, match, w.run, *args, **kwargs)
 
 
-@pytest.mark.parametrize("which", ["qo_indptr", "block_tables", "seq_lens_kv"])
-def test_wrapper_run_out_overlapping_planned_metadata(which):
-    meta, out = _shared(which)
-    w, _ = planned(**{{"qo_indptr": "qo", "block_tables": "table", "seq_lens_kv": "lens"}[which]: meta})
-    expect(ValueError, r"\bout\b", w.run, _q, _k, _v, out=out)
+def test_wrapper_run_out_overlapping_bound_qo_indptr():
+    """qo_indptr stays bound (run reads it): out must not overlap it."""
+    meta, out = _shared("qo_indptr")
+    w, _ = planned(qo_indptr=meta)
+    expect(ValueError, r"\bout must not overlap qo_indptr\b", w.run, _q, _k, _v, out=out)
+
+
+def test_wrapper_run_reads_nothing_on_the_host():
+    """run hands the op the caller's qo_indptr (bound), the plan's own snapshot of the pages and
+    lengths (a block table and seq_lens_kv that share no storage with the caller's CSR tensors)
+    and the plan's tuning, reading no tensor value on the host."""
+    tuning = Tuning(loop=1)
+    w = BatchPrefillPagedTSWrapper(tuning=tuning)
+    args, kw = plan_args(mask_type="causal")
+    w.plan(*args, **kw)
+    qo, indptr, indices, last = args[3:]
+    out = torch.full(_q.shape, float("nan"), dtype=BF16)
+    with recording_no_host_reads("batch_prefill_paged", "batch_prefill_paged") as rec:
+        assert w.run(_q, _k, _v, out=out) is out
+        w.run(_q, _k, _v)
+    assert [c[0] for c in rec.calls] == ["batch_prefill_paged_out", "batch_prefill_paged"]
+    (_, out_args), (_, fn_args) = rec.calls
+    assert out_args[3] is out
+    for got in (out_args[:3] + out_args[4:5], fn_args[:4]):
+        assert all(a is b for a, b in zip(got, (_q, _k, _v, qo))), got
+    for table, lens in ((out_args[5], out_args[6]), (fn_args[4], fn_args[5])):
+        assert lens.tolist() == LENS
+        assert table[0, :2].tolist() == INDICES[:2] and table[1, 0].item() == INDICES[2]
+        for caller in (indptr, indices, last):
+            for own in (table, lens):
+                assert own.untyped_storage().data_ptr() != caller.untyped_storage().data_ptr()
+    assert out_args[-1] == fn_args[-1] == tuning.encode() != ""
+    assert fn_args[-2] == dtype_code(BF16)
 
 
 def test_wrapper_failed_plan_keeps_previous_plan_usable():
     """A refused re-plan must not leave a half-written plan behind that run would then use."""
     w, _ = planned(mask_type="causal")
     ref = w.run(_q, _k, _v)
-    args, kw = plan_args(table=[[3, 1, 7], [-1, 0, 2]], mask_type="dense")
-    expect(ValueError, "block_tables", w.plan, *args, **kw)
-    args, kw = plan_args(head_dim=64)
-    expect(ValueError, "head_dim", w.plan, *args, **kw)
+    args, kw = plan_args(paged_kv_indices=[3, -1, 5], mask_type="dense")
+    expect(ValueError, "paged_kv_indices", w.plan, *args, **kw)
+    args, kw = plan_args(paged_kv_last_page_len=[4, PS + 1])
+    expect(ValueError, "paged_kv_last_page_len", w.plan, *args, **kw)
+    args, kw = plan_args(q=make_q(d=64), k_cache=make_pool(d=64), v_cache=make_pool(d=64, seed=3))
+    expect(ValueError, r"\bq\b", w.plan, *args, **kw)
     torch.testing.assert_close(w.run(_q, _k, _v), ref, rtol=0, atol=0)

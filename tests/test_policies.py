@@ -1,23 +1,35 @@
-"""Host-side launch policies: split-KV choice and the heavy-first work list."""
+"""Host-side launch policies: split-KV choice, the heavy-first work list, tile choice per
+engine, the tuning value, the kernel catalogue, and plans that agree with their runs."""
+import dataclasses
 import itertools
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
-from prims_ts.cuda import kernels
+import prims_ts
+from prims_ts import Tuning
+from prims_ts.cuda import block_sparse, catalog, decode, keys, prefill
+from prims_ts.cuda.block_sparse import BlockSparseKey
+from prims_ts.cuda.decode import MLA_DIM_QK, MLA_DIM_V, DecodeKey, decode_policy
+from prims_ts.cuda.prefill import PrefillKey
 from prims_ts.ops.prefill import work_list
+
+I32 = torch.int32
 
 
 @pytest.mark.parametrize("batch,hkv,group,sq,d,length",
                          list(itertools.product([1, 7, 128, 512], [1, 8], [1, 4, 32], [1, 3], [64, 128, 256],
                                                 [1, 63, 64, 4097, 131072])))
 def test_decode_policy_covers_every_key_once(batch, hkv, group, sq, d, length):
-    pol = kernels.decode_policy(batch, hkv, group, sq, d, length, sm_count=132)
+    pol = decode_policy(batch, hkv, group, sq, d, length, sm_count=132)
     assert pol.bm in (16, 32, 64) and pol.rows_max == group * sq
     assert pol.row_tiles * pol.bm >= pol.rows_max > (pol.row_tiles - 1) * pol.bm
     assert pol.chunk % pol.bn == 0, "split boundaries must fall on K/V tile boundaries"
     assert pol.splits >= 1 and pol.splits * pol.chunk >= length, "every key belongs to a split"
     assert pol.splits <= 128
-    ws = kernels.decode_workspace_bytes(batch, hkv, group, sq, d, length, sm_count=132)
+    ws = decode.decode_workspace_bytes(batch, hkv, group, sq, d, length, sm_count=132)
     if pol.splits > 1:
         rows = batch * hkv * pol.splits * pol.rows_max
         assert ws >= rows * (d + 1) * 4
@@ -27,19 +39,19 @@ def test_decode_policy_covers_every_key_once(batch, hkv, group, sq, d, length):
 
 def test_decode_workspace_never_shrinks_as_max_seq_len_grows():
     for batch, hkv, group in ((1, 1, 1), (1, 8, 4), (16, 8, 4)):
-        sizes = [kernels.decode_workspace_bytes(batch, hkv, group, 1, 128, n, 132) for n in range(1, 20000, 37)]
+        sizes = [decode.decode_workspace_bytes(batch, hkv, group, 1, 128, n, 132) for n in range(1, 20000, 37)]
         assert sizes == sorted(sizes)
 
 
 def test_decode_policy_splits_long_single_requests():
-    pol = kernels.decode_policy(1, 8, 4, 1, 128, 131072, sm_count=132)
+    pol = decode_policy(1, 8, 4, 1, 128, 131072, sm_count=132)
     assert pol.splits > 1
-    assert kernels.decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132).splits == 1
+    assert decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132).splits == 1
 
 
 def test_work_list_heavy_first_and_complete():
     q_lens, kv_lens = [1, 300, 129, 1000], [5, 300, 500, 1000]
-    items = work_list(q_lens, kv_lens, "causal", -1, 128)
+    items = [tuple(x) for x in work_list(torch.tensor(q_lens), torch.tensor(kv_lens), "causal", -1, 128).tolist()]
     expected = {(b, t) for b, n in enumerate(q_lens) for t in range((n + 127) // 128)}
     assert set(items) == expected and len(items) == len(expected)
 
@@ -50,321 +62,357 @@ def test_work_list_heavy_first_and_complete():
 
     costs = [cost(i) for i in items]
     assert costs == sorted(costs, reverse=True)
+    ties = [i for i in items if cost(i) == costs[0]]
+    assert ties == sorted(ties), "equal costs: request, then tile order"
+
+
+def test_work_list_window_and_dense():
+    """With a left window the cost is the band (window + tile rows), not the causal prefix;
+    dense costs are the key counts; an empty batch gives an empty list."""
+    q_lens, kv_lens = torch.tensor([256, 256]), torch.tensor([256, 4096])
+    items = work_list(q_lens, kv_lens, "causal", 10, 128).tolist()
+    assert items[:2] == [[0, 0], [0, 1]] or items[0][0] == 0  # both requests' bands are 128 + 10 wide
+    dense = work_list(q_lens, kv_lens, "dense", -1, 128).tolist()
+    assert [b for b, _ in dense[:2]] == [1, 1] and len(dense) == 4
+    assert work_list(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), "dense", -1,
+                     128).shape == (0, 2)
 
 
 @pytest.mark.parametrize("batch,heads,sq,length", list(itertools.product([1, 64, 128], [8, 16, 32, 64, 128], [1, 4],
                                                                             [1, 63, 4097, 131072])))
 def test_mla_policy_is_the_decode_policy_of_one_latent_head(batch, heads, sq, length):
     """MLA decode = the decode kernel with Hkv = 1, group = H, 576-wide K, 512-wide V."""
-    pol = kernels.decode_policy(batch, 1, heads, sq, kernels.MLA_DIM_QK, length, sm_count=132)
+    pol = decode_policy(batch, 1, heads, sq, MLA_DIM_QK, length, sm_count=132)
     assert pol.split_o and pol.rows_max == heads * sq and pol.splits * pol.chunk >= length
-    assert pol.bn % (16 * pol.warps_n) == 0 and (kernels.MLA_DIM_V // 8 // pol.warps_n) % 2 == 0
+    assert pol.bn % (16 * pol.warps_n) == 0 and (MLA_DIM_V // 8 // pol.warps_n) % 2 == 0
     for arch in ("sm_80", "sm_90a"):
-        key = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, True, pol, arch)
-        assert key.dv == kernels.MLA_DIM_V and key.shared_kv and key.smem <= 227 * 1024
+        key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, arch)
+        assert key.dv == MLA_DIM_V and key.shared_kv and key.smem <= 227 * 1024
         assert key.arch == (90 if arch == "sm_90a" else 80)  # rows of 16/32: the swapped tile
         assert key.swap == (arch == "sm_90a" and pol.bm < 64)
-    ws = kernels.mla_workspace_bytes(batch, heads, sq, length, 132)
+    ws = decode.mla_workspace_bytes(batch, heads, sq, length, 132)
     if pol.splits > 1:
-        assert ws >= batch * pol.splits * pol.rows_max * (kernels.MLA_DIM_V + 1) * 4
+        assert ws >= batch * pol.splits * pol.rows_max * (MLA_DIM_V + 1) * 4
 
 
 @pytest.mark.parametrize("heads,sq", [(8, 1), (8, 4), (16, 1), (16, 2), (32, 1)])
-def test_mla_swapped_tile_key(monkeypatch, heads, sq):
+def test_mla_swapped_tile_key(heads, sq):
     """Rows of 16/32 on sm_90a: the swapped-operand key (one MMA warpgroup + the producer, BN 64
-    so the policy's split chunks stay whole tiles) once selected; never on other archs."""
-    pol = kernels.decode_policy(64, 1, heads, sq, kernels.MLA_DIM_QK, 8192, sm_count=132)
-    assert pol.bm in (16, 32) and pol.bn == kernels.SWAP_BN and pol.chunk % kernels.SWAP_BN == 0
-    monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", True)
-    key = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a")
-    assert key.swap and key.bm == pol.bm and key.threads == 256 and key.smem <= kernels.smem_limit("sm_90a")
-    assert "SwapConfig" in key.source().source and key.name.endswith(f"_swap_cp{kernels.kv_copy_tpr(kernels.MLA_DIM_QK)}")
-    assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_80").swap
+    so the policy's split chunks stay whole tiles) by default; Tuning(mla_swapped=False) takes
+    the mma.sync tile; never swapped on other archs."""
+    pol = decode_policy(64, 1, heads, sq, MLA_DIM_QK, 8192, sm_count=132)
+    assert pol.bm in (16, 32) and pol.bn == decode.SWAP_BN and pol.chunk % decode.SWAP_BN == 0
+    key = DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a")
+    assert key.swap and key.bm == pol.bm and key.threads == 256 and key.smem <= keys.smem_limit("sm_90a")
+    assert "SwapConfig" in key.source().source and key.name.endswith(f"_swap_cp{Tuning().copy_for(MLA_DIM_QK)}")
+    assert not DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_80").swap
     assert key.stages == 2 and f", {key.stages}, {key.copy_tpr}>" in key.source().source  # two whole tiles
-    monkeypatch.setattr(kernels, "MLA_SWAPPED_TILE", False)
-    assert not kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a").swap
+    assert not DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", Tuning(mla_swapped=False)).swap
+
+
+# ----------------------------------------------------------------------------
+# The tuning value
+# ----------------------------------------------------------------------------
+
+
+def test_tuning_encodes_and_decodes():
+    """Ops carry a Tuning as a string: the default is "", every other value round-trips;
+    unknown fields and bad values are errors naming tuning."""
+    assert Tuning().encode() == "" and Tuning.decode("") == Tuning()
+    for t in list(catalog.VARIANTS) + [Tuning(copy_tpr=8, probe=1), Tuning(loop=0, flip_copy=True)]:
+        assert Tuning.decode(t.encode()) == t, t
+    with pytest.raises(ValueError, match="tuning"):
+        Tuning.decode("looop=1")
+    with pytest.raises(ValueError, match="tuning"):
+        Tuning.decode("loop=fast")
+    for bad in (dict(loop=3), dict(copy_tpr=6), dict(probe=5), dict(persistent_ctas=0)):
+        with pytest.raises(ValueError, match="tuning"):
+            Tuning(**bad)
+
+
+def test_tuning_defaults_are_the_measured_choices():
+    """The consumer loop per head dim (pingpong at D128, plain at D256) and the producer copy per
+    row width (4 threads a row at D128, 8 at D256 and for MLA's 576-wide rows); flip_copy takes
+    the other copy; persistence, the staged merge and the probe are off."""
+    t = Tuning()
+    assert (t.loop_for(128), t.loop_for(256)) == (2, 0)
+    assert (t.copy_for(128), t.copy_for(256), t.copy_for(MLA_DIM_QK)) == (4, 8, 8)
+    flip = Tuning(flip_copy=True)
+    assert (flip.copy_for(128), flip.copy_for(256), flip.copy_for(MLA_DIM_QK)) == (8, 4, 4)
+    assert Tuning(copy_tpr=8, flip_copy=True).copy_for(128) == 4
+    assert not (t.persistent or t.merge_staged or t.probe) and t.mla_swapped
 
 
 @pytest.mark.parametrize("loop", [0, 1, 2])
-def test_consumer_loop_switch(monkeypatch, loop):
-    """FMHA_LOOP picks the producer ring's consumer loop of the sm_90a prefill-family keys
+def test_consumer_loop_choice(loop):
+    """Tuning.loop picks the producer ring's consumer loop of the sm_90a prefill-family keys
     (pingpong needs two MMA warpgroups: BM 64 block-sparse tiles stay at loop 1); the
-    portable keys have no ring and keep loop 0; every loop is compiled by warmup/CI."""
-    import dataclasses
-
-    import torch
-
-    monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
+    portable keys have no ring and keep loop 0; every loop is in the variants' catalogue."""
+    t = Tuning(loop=loop)
     for d in (128, 256):
-        key = kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a")
+        key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t)
         assert key.loop == loop and ("_l%d" % loop in key.name) == (loop > 0)
-        assert f", {loop}, {kernels.kv_copy_tpr(d)}>" in key.source().source
-        assert kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80").loop == 0
-    assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a").loop == loop
-    assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a").loop == min(loop, 1)
-    names = {ks.name for ks in kernels.all_keys("sm_90a")}
-    for lp in kernels.FMHA_LOOPS:
-        base = kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a")
-        assert dataclasses.replace(base, loop=lp).name in names
+        assert f", {loop}, {t.copy_for(d)}>" in key.source().source
+        assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", tuning=t).loop == 0
+    assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", t).loop == loop
+    assert BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a", t).loop == min(loop, 1)
+    names = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
+    base = PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a")
+    assert dataclasses.replace(base, loop=loop).name in names
 
 
-def test_consumer_loop_default(monkeypatch):
-    """FMHA_LOOP None (the default) takes the measured loop: pingpong at D128, the plain loop
-    at D256 (whose accumulator leaves the overlapped loops no registers); BM 64 block-sparse
-    tiles have one MMA warpgroup and take loop 1; PERSISTENT keeps each key's loop, and warmup
-    compiles those persistent kernels."""
-    import torch
-
-    monkeypatch.setattr(kernels, "FMHA_LOOP", None)
-    assert kernels.fmha_loop(128) == 2 and kernels.fmha_loop(256) == 0
+def test_consumer_loop_default_and_persistent():
+    """The default tuning takes the measured loop: pingpong at D128, the plain loop at D256; BM
+    64 block-sparse tiles take loop 1; persistent keys keep each key's loop, and the variants'
+    catalogue holds them."""
     for paged in (False, True):
-        assert kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", paged=paged).loop == 2
-        assert kernels.PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a", paged=paged).loop == 0
-        assert kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80", paged=paged).loop == 0
-    assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a").loop == 2
-    assert kernels.BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a").loop == 1
-    assert kernels.BlockSparseKey.choose("bf16", 256, False, 128, 512, "sm_90a").loop == 0
-    names = {ks.name for ks in kernels.all_keys("sm_90a")}
-    assert kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a").name in names
-    monkeypatch.setattr(kernels, "PERSISTENT", True)
-    chosen = [kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a"),
-              kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a", paged=True),
-              kernels.PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a"),
-              kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a"),
-              kernels.BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a")]
+        assert PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", paged=paged).loop == 2
+        assert PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a", paged=paged).loop == 0
+        assert PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80", paged=paged).loop == 0
+    assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a").loop == 2
+    assert BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a").loop == 1
+    assert BlockSparseKey.choose("bf16", 256, False, 128, 512, "sm_90a").loop == 0
+    defaults = {ks.name for ks in catalog.all_keys("sm_90a")}
+    assert PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a").name in defaults
+    names = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
+    p = Tuning(persistent=True)
+    chosen = [PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", tuning=p),
+              PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a", paged=True, tuning=p),
+              PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a", tuning=p),
+              BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", p),
+              BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a", p)]
     assert [(k.persistent, k.loop) for k in chosen] == [(True, 2), (True, 2), (True, 0), (True, 2), (True, 1)]
     assert {k.name for k in chosen} <= names
+    assert not {k.name for k in chosen} & defaults
 
 
 @pytest.mark.parametrize("tpr", [4, 8])
-def test_producer_copy_switch(monkeypatch, tpr):
-    """KV_COPY_TPR picks the producer's threads per K/V row in every producer-ring key
+def test_producer_copy_choice(tpr):
+    """Tuning.copy_tpr picks the producer's threads per K/V row in every producer-ring key
     (prefill, paged prefill, block-sparse, both MLA wgmma tiles) and names it; the portable
-    keys and paged decode keep 4; warmup compiles both."""
-    import dataclasses
-
-    import torch
-
-    monkeypatch.setattr(kernels, "KV_COPY_TPR", tpr)
-    keys = [kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a"),
-            kernels.PrefillKey.choose(torch.bfloat16, 256, "dense", "sm_90a", paged=True),
-            kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a")]
+    keys and paged decode keep 4; the variants' catalogue holds both."""
+    t = Tuning(copy_tpr=tpr)
+    chosen = [PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", tuning=t),
+              PrefillKey.choose(torch.bfloat16, 256, "dense", "sm_90a", paged=True, tuning=t),
+              BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", t)]
     for h in (16, 64):
-        pol = kernels.decode_policy(8, 1, h, 1, kernels.MLA_DIM_QK, 8192, sm_count=132)
-        keys.append(kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a"))
-    names = {ks.name for ks in kernels.all_keys("sm_90a")}
-    for key in keys:
+        pol = decode_policy(8, 1, h, 1, MLA_DIM_QK, 8192, sm_count=132)
+        chosen.append(DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", t))
+    names = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
+    for key in chosen:
         assert key.copy_tpr == tpr and (f"_cp{tpr}" in key.name) == (tpr != 4), key
         cfg = key.source().source.rsplit("pt::", 2)[-2:]
         assert any(f", {tpr}>" in c for c in cfg), key.name
-        assert {dataclasses.replace(key, copy_tpr=t).name for t in kernels.KV_COPY_TPRS} <= names, key.name
-    assert kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80").copy_tpr == 4
-    assert kernels.BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a").copy_tpr == 4
-    pol = kernels.decode_policy(8, 8, 4, 1, 128, 8192, sm_count=132)
-    assert kernels.DecodeKey.of("bf16", 128, False, pol, "sm_90a").copy_tpr == 4
-    assert not any("_cp" in n for n in {ks.name for ks in kernels.all_keys("sm_80")})
+        assert {dataclasses.replace(key, copy_tpr=c).name for c in keys.KV_COPY_TPRS} <= names, key.name
+    assert PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80", tuning=t).copy_tpr == 4
+    assert BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", t).copy_tpr == 4
+    pol = decode_policy(8, 8, 4, 1, 128, 8192, sm_count=132)
+    assert DecodeKey.of("bf16", 128, False, pol, "sm_90a", t).copy_tpr == 4
+    assert not any("_cp" in ks.name for ks in catalog.all_keys("sm_80", variants=True))
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_persistent_switch_and_grid(monkeypatch, persistent):
-    """PERSISTENT picks the persistent kernels of the sm_90a producer-ring keys (prefill,
-    paged prefill, block-sparse; never the variable window, never the portable engine),
-    and work_grid then caps the launch at the SMs (or PERSISTENT_CTAS); one CTA per item
-    otherwise; both kinds are compiled by warmup/CI."""
-    import dataclasses
-
-    import torch
-
-    monkeypatch.setattr(kernels, "PERSISTENT", persistent)
-    monkeypatch.setattr(kernels, "FMHA_LOOP", 0)
+def test_persistent_choice_and_grid(persistent):
+    """Tuning.persistent picks the persistent kernels of the sm_90a producer-ring keys (prefill,
+    paged prefill, block-sparse; never the variable window, never the portable engine), and
+    work_grid then caps the launch at the SMs (or persistent_ctas); one CTA per item otherwise."""
+    t = Tuning(persistent=persistent, loop=0)
     for d in (128, 256):
         for paged in (False, True):
-            key = kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=paged)
+            key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=paged, tuning=t)
             assert key.persistent == persistent and ("_pk" in key.name) == persistent
             assert key.source().source.rstrip().endswith(f", {str(persistent).lower()}>(p);\n}}")
-        assert not kernels.PrefillKey.choose(torch.bfloat16, d, "variable_window", "sm_90a").persistent
-        assert not kernels.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80").persistent
-    bsr = kernels.BlockSparseKey.choose("bf16", 128, True, 128, 512, "sm_90a")
+        assert not PrefillKey.choose(torch.bfloat16, d, "variable_window", "sm_90a", tuning=t).persistent
+        assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", tuning=t).persistent
+    bsr = BlockSparseKey.choose("bf16", 128, True, 128, 512, "sm_90a", t)
     assert bsr.persistent == persistent and bsr.name.endswith("_pk") == persistent
-    assert not kernels.BlockSparseKey.choose("bf16", 128, True, 32, 512, "sm_90a").persistent  # mma.sync engine
-    names = {ks.name for ks in kernels.all_keys("sm_90a")}
-    base = kernels.PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a")
-    assert {dataclasses.replace(base, persistent=p, loop=0).name for p in (False, True)} <= names
-    assert not any("_pk" in n for n in {ks.name for ks in kernels.all_keys("sm_80")})
+    assert not BlockSparseKey.choose("bf16", 128, True, 32, 512, "sm_90a", t).persistent  # mma.sync engine
+    assert not any("_pk" in ks.name for ks in catalog.all_keys("sm_80", variants=True))
+    assert keys.work_grid(5000, True, 132) == 132 and keys.work_grid(40, True, 132) == 40
+    assert keys.work_grid(5000, False, 132) == 5000 and keys.work_grid(0, True, 132) == 0
+    assert keys.work_grid(5000, True, 132, cap=3) == 3 and keys.work_grid(5000, False, 132, cap=3) == 5000
 
-    monkeypatch.setattr(kernels, "FMHA_LOOP", 1)  # any consumer loop: the key keeps it
-    for key in (kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a"),
-                kernels.BlockSparseKey.choose("bf16", 128, True, 128, 512, "sm_90a")):
-        assert key.persistent == persistent and key.loop == 1
-    monkeypatch.setattr(kernels, "FMHA_LOOP", 0)
 
-    assert kernels.work_grid(5000, True, 132) == 132 and kernels.work_grid(40, True, 132) == 40
-    assert kernels.work_grid(5000, False, 132) == 5000 and kernels.work_grid(0, True, 132) == 0
-    monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
-    assert kernels.work_grid(5000, True, 132) == 3 and kernels.work_grid(5000, False, 132) == 5000
+def test_catalogue_defaults_and_variants():
+    """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
+    tuning of catalog.VARIANTS builds at least one key the default does not, except the staged
+    split merge, a runtime choice); the portable engine has no variants."""
+    default = {ks.name for ks in catalog.all_keys("sm_90a")}
+    every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
+    assert default < every
+    for t in catalog.VARIANTS:
+        own = {k.name for k in catalog.default_keys("sm_90a", t)}
+        assert own <= every
+        assert bool(own - default) == (t != Tuning(merge_staged=True)), t
+    assert {ks.name for ks in catalog.all_keys("sm_80")} == {ks.name for ks in catalog.all_keys("sm_80", True)}
 
 
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
-    import re
-    from pathlib import Path
-
-    header = (Path(kernels.__file__).parent / "include" / "pt_decode.cuh").read_text()
-    assert int(re.search(r"constexpr int DECODE_MAX_SPLITS = (\d+);", header).group(1)) == kernels.DECODE_MAX_SPLITS
+    header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()
+    assert int(re.search(r"constexpr int DECODE_MAX_SPLITS = (\d+);", header).group(1)) == decode.DECODE_MAX_SPLITS
 
 
 def test_mla_workspace_never_shrinks():
     for batch, heads in ((1, 16), (64, 16), (2, 128)):
-        sizes = [kernels.mla_workspace_bytes(batch, heads, 1, n, 132) for n in range(1, 20000, 97)]
+        sizes = [decode.mla_workspace_bytes(batch, heads, 1, n, 132) for n in range(1, 20000, 97)]
         assert sizes == sorted(sizes)
-        assert [kernels.mla_workspace_bytes(batch, heads, q, 8192, 132) for q in range(1, 6)] == sorted(
-            kernels.mla_workspace_bytes(batch, heads, q, 8192, 132) for q in range(1, 6))
+        assert [decode.mla_workspace_bytes(batch, heads, q, 8192, 132) for q in range(1, 6)] == sorted(
+            decode.mla_workspace_bytes(batch, heads, q, 8192, 132) for q in range(1, 6))
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_86", "sm_89"])
 def test_every_kernel_fits_its_arch_shared_memory(arch):
     """Every key the APIs can launch on `arch` fits that arch's per-block shared memory."""
-    limit = kernels.smem_limit(arch)
-    keys = []
-    for dtype in ("bf16",):
-        for d in kernels.DECODE_HEAD_DIMS + (kernels.MLA_DIM_QK,):
-            for group, sq in itertools.product([1, 4, 16, 32, 128], [1, 4]):
-                if d != kernels.MLA_DIM_QK and group > 32:
-                    continue
-                pol = kernels.decode_policy(8, 1, group, sq, d, 4096, 132, limit)
-                keys.append(kernels.DecodeKey.of(dtype, d, True, pol, arch))
-    import torch
-
+    limit = keys.smem_limit(arch)
+    chosen = []
+    for d in decode.HEAD_DIMS + (MLA_DIM_QK,):
+        for group, sq in itertools.product([1, 4, 16, 32, 128], [1, 4]):
+            if d != MLA_DIM_QK and group > 32:
+                continue
+            pol = decode_policy(8, 1, group, sq, d, 4096, 132, limit)
+            chosen.append(DecodeKey.of("bf16", d, True, pol, arch))
     for d in (128, 256):
         for mask in ("dense", "causal", "variable_window"):
-            keys.append(kernels.PrefillKey.choose(torch.bfloat16, d, mask, arch))
+            chosen.append(PrefillKey.choose(torch.bfloat16, d, mask, arch))
         for kvb, rows in itertools.product([8, 16, 32, 64, 128], [32, 64, 512]):
-            keys.append(kernels.BlockSparseKey.choose("bf16", d, False, kvb, rows, arch))
-    too_big = [(k.name, k.smem) for k in keys if k.smem > limit]
+            chosen.append(BlockSparseKey.choose("bf16", d, False, kvb, rows, arch))
+    too_big = [(k.name, k.smem) for k in chosen if k.smem > limit]
     assert not too_big, f"{arch} allows {limit} bytes per block: {too_big}"
 
 
 def test_smaller_shared_memory_changes_only_the_tile():
     """The H200's choice is the preferred tile; a smaller limit picks a smaller one, same coverage."""
-    for d, group in ((128, 4), (256, 8), (kernels.MLA_DIM_QK, 128)):
-        big = kernels.decode_policy(4, 1, group, 1, d, 8192, 132)
-        small = kernels.decode_policy(4, 1, group, 1, d, 8192, 132, kernels.smem_limit("sm_86"))
+    for d, group in ((128, 4), (256, 8), (MLA_DIM_QK, 128)):
+        big = decode_policy(4, 1, group, 1, d, 8192, 132)
+        small = decode_policy(4, 1, group, 1, d, 8192, 132, keys.smem_limit("sm_86"))
         assert small.rows_max == big.rows_max and small.row_tiles * small.bm >= small.rows_max
         assert small.splits * small.chunk >= 8192
-        assert kernels.decode_tile_smem(d, small.bm, small.bn, small.stages, small.warps_n, small.split_o) <= \
-            kernels.smem_limit("sm_86")
+        assert decode.decode_tile_smem(d, small.bm, small.bn, small.stages, small.warps_n, small.split_o) <= \
+            keys.smem_limit("sm_86")
 
 
-def test_prefill_tile_m_follows_the_device_arch(monkeypatch):
-    """Work lists count the q tiles of the kernel that will run: on sm_90a 128 rows at D256
-    too (the portable engine's 64 only elsewhere; a CPU plan counts sm_80's)."""
-    import torch
-
-    monkeypatch.setattr(kernels, "_device", lambda dev: ("sm_90a", 132, kernels.SM90_SMEM_LIMIT))
-    cuda = torch.device("cuda", 0)
-    assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal", cuda) == 128
-    assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal", torch.device("cpu")) == 64
-    assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal") == 64
-    monkeypatch.setattr(kernels, "_device", lambda dev: ("sm_86", 84, 101376))
-    assert kernels.prefill_tile_m(torch.bfloat16, 256, "causal", cuda) == 64
-
-
-def test_wrapper_plans_load_the_kernel_their_runs_launch(monkeypatch):
-    """SPEC: plan chooses and compiles the kernels. Each wrapper's plan loads (through
-    kernels.preload) the very key its runs pick from the same static arguments; here the
-    plan's device is made to look like an H200 and preload records instead of loading."""
-    import torch
-
-    import prims_ts
-
-    loaded = []
-    monkeypatch.setattr(kernels, "_cuda_index", lambda device: 0)
-    monkeypatch.setattr(kernels, "_device", lambda dev: ("sm_90a", 132, kernels.SM90_SMEM_LIMIT))
-    monkeypatch.setattr(kernels, "preload", lambda device, keys: loaded.extend(keys))
-    i32 = dict(dtype=torch.int32)
-
-    w = prims_ts.BatchDecodePagedTSWrapper()
-    w.plan(torch.tensor([0, 2, 5], **i32), torch.arange(5, **i32), torch.tensor([3, 16], **i32), 32, 8, 128, 16,
-           mask_type="causal", q_data_type=torch.float16)
-    assert loaded.pop() == kernels.decode_key(torch.float16, 128, True, 2, 8, 4, 1, 48, 0)[1]
-
-    w = prims_ts.BatchMLADecodePagedTSWrapper(device="cpu")
-    w.plan(torch.tensor([100, 3000], **i32), 16, 64, max_seq_len_q=2)
-    assert loaded.pop() == kernels.decode_key(torch.bfloat16, 576, True, 2, 1, 16, 2, 3000, 0)[1]
-
-    w = prims_ts.BatchPrefillPagedTSWrapper()
-    w.plan(torch.tensor([0, 3, 7], **i32), torch.arange(8, **i32).view(2, 4), torch.tensor([40, 60], **i32),
-           num_qo_heads=8, num_kv_heads=2, head_dim=256, page_size=16, mask_type="causal")
-    key = loaded.pop()
-    assert key == kernels.prefill_key(torch.bfloat16, 256, "causal", 0, paged=True) and key.bm == 128
-
-    w = prims_ts.BatchPrefillTSWrapper(device="cpu")
-    w.plan(torch.tensor([0, 3, 7], **i32), torch.tensor([0, 5, 9], **i32), num_qo_heads=8, num_kv_heads=8,
-           head_dim=128, mask_type="dense")
-    assert loaded.pop() == kernels.prefill_key(torch.bfloat16, 128, "dense", 0)
-
-    w = prims_ts.BlockSparsePagedTSWrapper(device="cpu")
-    w.plan(2, 300, 32, 8, 128, 64, 64, 128, 4096, mask_type="causal")
-    assert loaded.pop() == kernels.block_sparse_key(torch.bfloat16, 128, True, 128, 64 * 4, 0)
-    assert not loaded
-
-
-def test_a_plan_that_fails_to_load_leaves_the_previous_plan_whole(monkeypatch):
-    """The kernel is loaded before a plan changes any state: if loading fails, the wrapper
-    keeps its previous plan entirely (no mix of the old checks and the new metadata)."""
-    import torch
-
-    import prims_ts
-
-    i32 = dict(dtype=torch.int32)
-    w = prims_ts.BatchPrefillPagedTSWrapper()
-    w.plan(torch.tensor([0, 3, 7], **i32), torch.arange(8, **i32).view(2, 4), torch.tensor([40, 60], **i32),
-           num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
-    before = dict(vars(w))
-
-    def fail(*a, **k):
-        raise RuntimeError("NVRTC failed")
-
-    monkeypatch.setattr(kernels, "warm_prefill", fail)
-    with pytest.raises(RuntimeError, match="NVRTC"):
-        w.plan(torch.tensor([0, 5, 12], **i32), torch.arange(8, **i32).view(2, 4), torch.tensor([100, 120], **i32),
-               num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=32)
-    assert vars(w).keys() == before.keys() and all(vars(w)[k] is before[k] for k in before)
-
-
-def test_producer_copy_default_and_flip(monkeypatch):
-    """KV_COPY_TPR None (the default) takes the measured copy per K row width: 4 threads a
-    row at D128, 8 at D256 and for MLA's 576-wide rows; KV_COPY_FLIP takes the other one in
-    every producer-ring key, and warmup compiles both."""
-    import torch
-
-    monkeypatch.setattr(kernels, "KV_COPY_TPR", None)
-
-    def chosen():
-        keys = {"d128": kernels.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a"),
-                "d128_paged": kernels.PrefillKey.choose(torch.float16, 128, "dense", "sm_90a", paged=True),
-                "d256": kernels.PrefillKey.choose(torch.bfloat16, 256, "dense", "sm_90a"),
-                "bsr_d128": kernels.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a"),
-                "bsr_d256": kernels.BlockSparseKey.choose("bf16", 256, True, 64, 512, "sm_90a")}
-        for h in (16, 64):
-            pol = kernels.decode_policy(8, 1, h, 1, kernels.MLA_DIM_QK, 8192, sm_count=132)
-            keys[f"mla_h{h}"] = kernels.DecodeKey.of("bf16", kernels.MLA_DIM_QK, False, pol, "sm_90a")
-        return {k: v.copy_tpr for k, v in keys.items()}
-
-    want = {"d128": 4, "d128_paged": 4, "d256": 8, "bsr_d128": 4, "bsr_d256": 8, "mla_h16": 8, "mla_h64": 8}
-    assert chosen() == want
-    monkeypatch.setattr(kernels, "KV_COPY_FLIP", True)
-    assert chosen() == {k: 12 - v for k, v in want.items()}
-    monkeypatch.setattr(kernels, "KV_COPY_TPR", 8)  # forced, then flipped: 4 everywhere
-    assert set(chosen().values()) == {4}
+def test_prefill_tile_m_follows_the_arch():
+    """Work lists count the q tiles of the kernel that will run: on sm_90a 128 rows at D256 too
+    (the portable engine's 64 elsewhere)."""
+    assert prefill.prefill_tile_m(torch.bfloat16, 256, "causal", "sm_90a") == 128
+    assert prefill.prefill_tile_m(torch.bfloat16, 256, "causal", "sm_86") == 64
+    assert prefill.prefill_tile_m(torch.bfloat16, 128, "causal", "sm_80") == 128
 
 
 def test_no_kernel_the_library_compiles_defines_the_probe():
     """PT_PROBE (pt_fmha.cuh) is a measurement aid whose kernels compute wrong results
-    (kernels.PREFILL_PROBE, set by gpu_session.sh `probe`): no key's source defines it, and
+    (Tuning.probe, set by gpu_session.sh `probe`): no catalogued key's source defines it, and
     the header's default is off."""
     from prims_ts.cuda import runtime
 
     for arch in ("sm_90a", "sm_80"):
-        assert not [ks.name for ks in kernels.all_keys(arch) if "PT_PROBE" in ks.source]
+        assert not [ks.name for ks in catalog.all_keys(arch, variants=True) if "PT_PROBE" in ks.source]
     assert "#define PT_PROBE 0" in runtime.include_sources()["pt_fmha.cuh"]
+
+
+# ----------------------------------------------------------------------------
+# Plans and the ops they call: one static key, one prepared launch
+# ----------------------------------------------------------------------------
+
+
+def _r(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+def test_plans_and_ops_agree_on_the_prepared_launch(monkeypatch):
+    """A plan's static facts are exactly what its op rebuilds from the op's own arguments, so a
+    compiled, exported or captured call finds the plan's prepared launch (same key, same
+    kernel, same grid): for every wrapper, with a non-default tuning."""
+    from prims_ts.ops import block_sparse as obs
+    from prims_ts.ops import decode as odec
+    from prims_ts.ops import mla as omla
+    from prims_ts.ops import prefill as opre
+    from prims_ts.ops import prefill_paged as opag
+
+    t = Tuning(loop=1, merge_staged=True)
+    seen = {}
+
+    def spy(module, name):
+        def prepared(static, dev):
+            seen[name] = static
+            raise _Stop()
+        monkeypatch.setattr(module, "prepared", prepared)
+
+    class _Stop(Exception):
+        pass
+
+    from prims_ts.cuda import block_sparse as cbs
+    from prims_ts.cuda import decode as cdec
+    from prims_ts.cuda import prefill as cpre
+    spy(cpre, "prefill")
+    spy(cdec, "decode")
+    spy(cbs, "bsr")
+
+    def op_static(fn, *args):
+        """Run an op's CUDA branch on CPU tensors up to the prepared-launch lookup."""
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+            with pytest.raises(_Stop):
+                fn(*args)
+
+    # prefill (packed)
+    qo, kvo = torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, 5, 9], dtype=I32)
+    q, k, v = _r(7, 8, 128), _r(9, 2, 128), _r(9, 2, 128)
+    w = prims_ts.BatchPrefillTSWrapper(tuning=t)
+    w.plan(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type="causal")
+    plan = w._plan
+    op_static(opre._run, q, k, v, torch.empty_like(q), *plan.op_args(), plan.tuning_code)
+    assert seen["prefill"] == plan.static
+    # paged prefill
+    kc, vc = _r(6, 2, 16, 128), _r(6, 2, 16, 128)
+    w = prims_ts.BatchPrefillPagedTSWrapper(tuning=t)
+    w.plan(q, kc, vc, qo, torch.tensor([0, 1, 3], dtype=I32), torch.tensor([4, 2, 5], dtype=I32),
+           torch.tensor([9, 3], dtype=I32), page_size=16, mask_type="causal")
+    plan = w._plan
+    op_static(opag._run, q, kc, vc, torch.empty_like(q), *plan.op_args(), plan.tuning_code)
+    assert seen["prefill"] == plan.static
+    # decode (fixed multi-token)
+    w = prims_ts.BatchDecodePagedTSWrapper(tuning=t)
+    ip, ids, last = torch.tensor([0, 2, 5], dtype=I32), torch.arange(5, dtype=I32), torch.tensor([3, 16], dtype=I32)
+    w.plan(ip, ids, last, 32, 8, 128, 16, seq_len_q=2, mask_type="causal", q_data_type=torch.bfloat16)
+    plan, st = w._plan, w._plan.static
+    qd, kd = _r(2, 2, 32, 128), _r(6, 8, 16, 128)
+    op_static(odec._run, qd, kd, kd, plan.workspace, torch.empty_like(qd), ip, ids, plan.seq_lens, None,
+              st.seq_len_q, st.max_seq_len_q, st.max_seq_len, "causal", -1, 0.1, 1.0, plan.tuning_code)
+    assert seen["decode"] == st
+    # MLA (packed)
+    w = prims_ts.BatchMLADecodePagedTSWrapper(tuning=t)
+    table, lens = torch.arange(8, dtype=I32).view(2, 4), torch.tensor([40, 60], dtype=I32)
+    qom = torch.tensor([0, 1, 3], dtype=I32)
+    w.plan(table, lens, 16, 512, 64, 16, qo_indptr=qom)
+    plan, st = w._plan, w._plan.static
+    qm, cm = _r(3, 16, 576), _r(8, 16, 576)
+    op_static(omla._run, qm, cm, plan.workspace, torch.empty(3, 16, 512, dtype=torch.bfloat16), table, lens, qom,
+              st.max_seq_len_q, st.max_seq_len, "causal", 0.1, 1.0, plan.tuning_code)
+    assert seen["decode"] == st
+    # block-sparse
+    w = prims_ts.BlockSparsePagedTSWrapper(tuning=t)
+    w.plan(torch.tensor([0, 2, 4], dtype=I32), 32, 32, 8, 2, 128, 16, 16, 16, max_blocks_per_row=2,
+           use_kv_valid_bits=True, q_data_type=torch.bfloat16)
+    plan = w._plan
+    qb, kb = _r(2, 32, 8, 128), _r(6, 2, 16, 128)
+    bits = torch.zeros(2, 1, dtype=torch.int32)
+    op_static(obs._run, qb, kb, kb, torch.empty_like(qb), plan.kv_indptr, ids[:4], torch.zeros(2, 2, 3, dtype=I32),
+              torch.zeros(0, dtype=I32), plan.seq_lens, bits, 16, 16, "dense", 0.1, plan.tuning_code)
+    assert seen["bsr"] == plan.static
+
+
+def test_a_failed_plan_leaves_the_previous_plan_whole():
+    """A plan validates everything before it changes any state: when planning fails, the wrapper
+    keeps its previous plan entirely (no mix of the old checks and the new metadata)."""
+    w = prims_ts.BatchPrefillPagedTSWrapper()
+    q, kc = _r(7, 8, 128), _r(8, 2, 16, 128)
+    qo = torch.tensor([0, 3, 7], dtype=I32)
+    w.plan(q, kc, kc, qo, torch.tensor([0, 3, 6], dtype=I32), torch.arange(6, dtype=I32),
+           torch.tensor([8, 12], dtype=I32), page_size=16)
+    before = w._plan
+    with pytest.raises(ValueError, match="paged_kv_indices"):
+        w.plan(q, kc, kc, qo, torch.tensor([0, 3, 6], dtype=I32), torch.tensor([0, 1, 2, 3, 4, 99], dtype=I32),
+               torch.tensor([8, 12], dtype=I32), page_size=16)
+    assert w._plan is before

@@ -4,7 +4,8 @@
   float64 loop that lists the visible keys from the SPEC's mask rules and does the
   softmax by hand. ``prims_ts.reference.batch_prefill(..., compute_dtype=float64)``
   must equal it to float64 round-off.
-* The public ``batch_prefill`` and ``BatchPrefillTSWrapper`` on CPU tensors must
+* The public ``batch_prefill`` and ``BatchPrefillTSWrapper`` (``plan(q, k, v, ...)``, which
+  binds the offsets and variable-window bounds, then ``run(q, k, v, out=...)``) on CPU tensors must
   match the float64 reference within the project's tolerance
   (``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16), write every element of
   a NaN-poisoned ``out`` and return ``out`` itself.
@@ -359,7 +360,7 @@ def test_public_cpu_strided_inputs():
 
 
 # ----------------------------------------------------------------------------
-# BatchPrefillTSWrapper on CPU
+# BatchPrefillTSWrapper on CPU: plan(q, k, v, ...) over the actual tensors, run(q, k, v, out=...)
 # ----------------------------------------------------------------------------
 
 
@@ -368,25 +369,42 @@ def test_public_cpu_strided_inputs():
 def test_wrapper_fixed(mask, window, in_dtype):
     g = gen(zlib.crc32(repr((mask, window, str(in_dtype))).encode()))
     B, sq, sk, hq, hkv, d = 2, 4, 7, 4, 2, 128
-    w = BatchPrefillTSWrapper()
-    w.plan(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, batch_size=B, q_len=sq, kv_len=sk, mask_type=mask,
-           window_left=window, sm_scale=0.07, output_scale=1.5, q_data_type=in_dtype, out_dtype=FP32)
-    out = torch.full((B, sq, hq, d), float("nan"), dtype=FP32)
-    for it in range(2):  # a plan serves many runs with new values
-        q, k, v = randn((B, sq, hq, d), in_dtype, g), randn((B, sk, hkv, d), in_dtype, g), \
+
+    def inputs():
+        return randn((B, sq, hq, d), in_dtype, g), randn((B, sk, hkv, d), in_dtype, g), \
             randn((B, sk, hkv, d), in_dtype, g)
-        kw, rkw = {}, {}
-        if mask == "variable_window":
-            s, e = random_bounds(B, sq, sk, g)
-            kw = dict(variable_window_token_starts=s, variable_window_token_ends=e)
-            rkw = dict(window_starts=s, window_ends=e)
+
+    q, k, v = inputs()
+    s = e = None
+    kw = {}
+    if mask == "variable_window":  # the bounds are plan arguments, bound like the offsets
+        s, e = random_bounds(B, sq, sk, g)
+        kw = dict(variable_window_token_starts=s, variable_window_token_ends=e)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, mask_type=mask, window_left=window, sm_scale=0.07, output_scale=1.5, out_dtype=FP32, **kw)
+    out = torch.full((B, sq, hq, d), float("nan"), dtype=FP32)
+    for it in range(3):  # a plan serves many runs with new values
+        if it:
+            q, k, v = inputs()
+        if it == 2 and s is not None:  # new window bounds written in place into the planned tensors
+            ref_old = ref64(q, k, v, mask_type=mask, window_starts=s.clone(), window_ends=e.clone(), sm_scale=0.07,
+                            output_scale=1.5)
+            ns, ne = random_bounds(B, sq, sk, g)
+            s.copy_(ns)
+            e.copy_(ne)
+        rkw = dict(window_starts=s.clone(), window_ends=e.clone()) if s is not None else {}
         ref = ref64(q, k, v, mask_type=mask, window_left=window, sm_scale=0.07, output_scale=1.5, **rkw)
+        if it == 2 and s is not None:
+            assert rel_err(ref_old, ref) > 0.1, "the new bounds must change the answer for this test to bite"
         out.fill_(float("nan"))
-        assert w.run(q, k, v, out=out, **kw) is out
+        assert w.run(q, k, v, out=out) is out
         assert rel_err(out, ref) <= TOLERANCE[in_dtype]
-        res = w.run(q, k, v, **kw)
+        res = w.run(q, k, v)
         assert res.dtype == FP32
         torch.testing.assert_close(res, out, rtol=0, atol=0)
+        # the one-shot is this plan + run
+        torch.testing.assert_close(batch_prefill(q, k, v, mask_type=mask, window_left=window, sm_scale=0.07,
+                                                 output_scale=1.5, out_dtype=FP32, **kw), out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", -1), ("causal", 1)])
@@ -396,10 +414,9 @@ def test_wrapper_packed(mask, window, in_dtype):
     hq, hkv, d = 4, 1, 128
     qo = torch.tensor([0, 2, 7, 8], dtype=I32)
     kvo = torch.tensor([0, 3, 9, 13], dtype=I32)
-    w = BatchPrefillTSWrapper()
-    w.plan(qo, kvo, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, mask_type=mask, window_left=window,
-           q_data_type=in_dtype)
     q, k, v = randn((8, hq, d), in_dtype, g), randn((13, hkv, d), in_dtype, g), randn((13, hkv, d), in_dtype, g)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)
     ref = ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)
     out = torch.full(q.shape, float("nan"), dtype=in_dtype)
     assert w.run(q, k, v, out=out) is out
@@ -410,37 +427,44 @@ def test_wrapper_packed(mask, window, in_dtype):
     # same answer as the one-shot function
     torch.testing.assert_close(batch_prefill(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask,
                                              window_left=window), out, rtol=0, atol=0)
+    # new values in the planned q, k, v shapes
+    q2, k2, v2 = (randn(t.shape, in_dtype, g) for t in (q, k, v))
+    out.fill_(float("nan"))
+    w.run(q2, k2, v2, out=out)
+    assert rel_err(out, ref64(q2, k2, v2, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)) \
+        <= TOLERANCE[in_dtype]
 
 
-# (mask, window, max_q_len, planned qo/kv, rewritten qo/kv): same totals, each q length within its planned
-# length (or max_q_len), and Sq <= Sk per request for causal masks.
+# (mask, window, planned qo/kv, rewritten qo/kv): same totals, each q length within the planned longest,
+# and Sq <= Sk per request for causal masks.
 REWRITES = [
-    ("causal", -1, None, ([0, 3, 5], [0, 4, 9]), ([0, 3, 5], [0, 6, 9])),  # kv offsets only
-    ("causal", -1, 4, ([0, 3, 5], [0, 4, 9]), ([0, 2, 5], [0, 6, 9])),  # q lens (3,2) -> (2,3) <= 4
-    ("causal", 1, 4, ([0, 3, 5], [0, 4, 9]), ([0, 1, 5], [0, 3, 9])),
-    ("dense", -1, 6, ([0, 1, 4, 6], [0, 2, 4, 9]), ([0, 3, 4, 6], [0, 7, 8, 9])),
+    ("causal", -1, ([0, 3, 5], [0, 4, 9]), ([0, 3, 5], [0, 6, 9])),  # kv offsets only
+    ("causal", -1, ([0, 3, 5], [0, 4, 9]), ([0, 2, 5], [0, 6, 9])),  # q lens (3, 2) -> (2, 3) <= 3
+    ("causal", 1, ([0, 4, 5], [0, 4, 9]), ([0, 1, 5], [0, 3, 9])),  # q lens (4, 1) -> (1, 4) <= 4
+    ("dense", -1, ([0, 1, 4, 6], [0, 2, 4, 9]), ([0, 3, 4, 6], [0, 7, 8, 9])),
 ]
 
 
-@pytest.mark.parametrize("mask,window,max_q_len,planned,rewritten", REWRITES,
-                         ids=["kv_only", "q_and_kv", "window", "dense"])
-def test_wrapper_packed_run_after_inplace_indptr_rewrite(mask, window, max_q_len, planned, rewritten):
-    g = gen(zlib.crc32(repr((mask, window, str(max_q_len), str(rewritten))).encode()))
+@pytest.mark.parametrize("mask,window,planned,rewritten", REWRITES, ids=["kv_only", "q_and_kv", "window", "dense"])
+def test_wrapper_packed_run_after_inplace_indptr_rewrite(mask, window, planned, rewritten):
+    """plan binds qo_indptr and kv_indptr: run reads their values live."""
+    g = gen(zlib.crc32(repr((mask, window, str(rewritten))).encode()))
     hq, hkv, d = 4, 2, 128
     qo = torch.tensor(planned[0], dtype=I32)
     kvo = torch.tensor(planned[1], dtype=I32)
-    w = BatchPrefillTSWrapper()
-    w.plan(qo, kvo, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, mask_type=mask, window_left=window,
-           max_q_len=max_q_len, q_data_type=BF16)
     tq, tk = planned[0][-1], planned[1][-1]
     q, k, v = randn((tq, hq, d), BF16, g), randn((tk, hkv, d), BF16, g), randn((tk, hkv, d), BF16, g)
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)
     out = torch.full(q.shape, float("nan"), dtype=BF16)
     w.run(q, k, v, out=out)
     assert rel_err(out, ref64(q, k, v, qo_indptr=qo, kv_indptr=kvo, mask_type=mask, window_left=window)) \
         <= TOLERANCE[BF16]
 
-    # the caller rewrites the planned tensors' values in place (same totals)
+    # the caller rewrites the planned tensors' values in place (same totals, within the planned longest)
     assert rewritten[0][-1] == tq and rewritten[1][-1] == tk
+    longest = max(b - a for a, b in zip(planned[0], planned[0][1:]))
+    assert max(b - a for a, b in zip(rewritten[0], rewritten[0][1:])) <= longest
     qo.copy_(torch.tensor(rewritten[0], dtype=I32))
     kvo.copy_(torch.tensor(rewritten[1], dtype=I32))
     new_qo, new_kvo = qo.clone(), kvo.clone()
@@ -452,3 +476,18 @@ def test_wrapper_packed_run_after_inplace_indptr_rewrite(mask, window, max_q_len
     assert w.run(q, k, v, out=out) is out
     assert rel_err(out, ref_new) <= TOLERANCE[BF16]
     assert rel_err(w.run(q, k, v), ref_new) <= TOLERANCE[BF16]
+
+
+def test_wrapper_replan():
+    """One wrapper, planned again for other shapes, storage kinds and masks: each run follows its latest plan."""
+    g = gen(25)
+    fixed = [randn((2, 5, 4, 128), FP16, g), randn((2, 9, 2, 128), FP16, g), randn((2, 9, 2, 128), FP16, g)]
+    packed = [randn((9, 8, 256), BF16, g), randn((14, 8, 256), BF16, g), randn((14, 8, 256), BF16, g)]
+    meta = dict(qo_indptr=torch.tensor([0, 3, 4, 9], dtype=I32), kv_indptr=torch.tensor([0, 7, 8, 14], dtype=I32))
+    w = BatchPrefillTSWrapper()
+    for (q, k, v), kw, mask in ((fixed, {}, "causal"), (packed, meta, "dense"), (fixed, {}, "dense"),
+                                (packed, meta, "causal")):
+        w.plan(q, k, v, mask_type=mask, **kw)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+        assert w.run(q, k, v, out=out) is out
+        assert rel_err(out, ref64(q, k, v, mask_type=mask, **kw)) <= TOLERANCE[q.dtype]

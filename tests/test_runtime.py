@@ -1,7 +1,10 @@
 """The NVRTC runtime on the CPU machine: compile, disk cache, corrupt entries, errors."""
 import pytest
+import torch
 
-from prims_ts.cuda import kernels, runtime
+from prims_ts import Tuning
+from prims_ts.cuda import block_sparse, catalog, decode, prefill, runtime
+from prims_ts.cuda.keys import read_source
 
 
 @pytest.fixture
@@ -11,7 +14,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _small_key():
-    return kernels.PrefillKey.choose(kernels.torch.bfloat16, 128, "causal", "sm_90a").source()
+    return prefill.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a").source()
 
 
 def test_arch_for_capability():
@@ -22,7 +25,7 @@ def test_arch_for_capability():
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_compile_writes_cache_and_reuses_it(cache, arch):
-    ks = kernels.PrefillKey.choose(kernels.torch.float16, 128, "dense", arch).source()
+    ks = prefill.PrefillKey.choose(torch.float16, 128, "dense", arch).source()
     data = runtime.compile_cubin(ks, arch)
     assert data[:4] == b"\x7fELF"
     path = runtime.cache_path(ks, arch)
@@ -57,9 +60,11 @@ def test_compile_error_carries_key_and_log(cache):
 
 
 def test_every_key_names_a_distinct_kernel():
+    """One name per distinct key (names derive from the fields): the variants' keys too."""
     for arch in ("sm_90a", "sm_80"):
-        keys = kernels.keys_list(arch)
+        keys = catalog.all_keys(arch, variants=True)
         assert len({k.name for k in keys}) == len(keys)
+        assert len({k.source for k in keys}) == len(keys)
 
 
 SERIALISED_SRC = r'''
@@ -92,7 +97,7 @@ def test_serialised_wgmma_pipeline_is_reported(cache, monkeypatch):
 
     from prims_ts import cli
 
-    monkeypatch.setattr(cli, "_kernel_keys", lambda arch: [ks])
+    monkeypatch.setattr(cli, "_kernel_keys", lambda arch, variants=False: [ks])
     monkeypatch.setattr(runtime, "perf_notes", {})
     assert cli.main(["warmup", "--arch", "sm_90a"]) == 0  # reported, not fatal
     monkeypatch.setattr(runtime, "perf_notes", {})
@@ -101,12 +106,11 @@ def test_serialised_wgmma_pipeline_is_reported(cache, monkeypatch):
 
 
 def test_overlapped_consumer_loops_keep_the_wgmma_pipeline(cache, monkeypatch):
-    """The software-pipelined consumer loops (FMHA_LOOP 1, 2) read no accumulator in flight:
+    """The software-pipelined consumer loops (Tuning.loop 1, 2) read no accumulator in flight:
     ptxas serialised every wgmma of them while the first tile's waits sat under `if (it > 0)`."""
     monkeypatch.setattr(runtime, "perf_notes", {})
     for loop in (1, 2):
-        monkeypatch.setattr(kernels, "FMHA_LOOP", loop)
-        key = kernels.PrefillKey.choose(kernels.torch.bfloat16, 128, "causal", "sm_90a")
+        key = prefill.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", tuning=Tuning(loop=loop))
         assert key.loop == loop, key
         runtime.compile_cubin(key.source(), "sm_90a")
     assert not runtime.perf_notes, runtime.perf_notes
@@ -114,14 +118,13 @@ def test_overlapped_consumer_loops_keep_the_wgmma_pipeline(cache, monkeypatch):
 
 @pytest.mark.parametrize("probe", [1, 2])
 def test_prefill_probes_compile_and_probe_2_refuses_persistent_ctas(cache, monkeypatch, probe):
-    """kernels.PREFILL_PROBE (gpu_session.sh `probe`) defines PT_PROBE in the sm_90a prefill
-    keys (pt_fmha.cuh): each probe compiles for the default keys; probe 2 (one item per CTA)
+    """Tuning.probe (gpu_session.sh `probe`) defines PT_PROBE in the sm_90a prefill keys
+    (pt_fmha.cuh): each probe compiles for the default keys; probe 2 (one item per CTA)
     refuses the persistent kernels at compile time."""
     import dataclasses
 
-    monkeypatch.setattr(kernels, "PREFILL_PROBE", probe)
     for mask, paged in (("causal", False), ("dense", True)):
-        key = kernels.PrefillKey.choose(kernels.torch.bfloat16, 128, mask, "sm_90a", paged=paged)
+        key = prefill.PrefillKey.choose(torch.bfloat16, 128, mask, "sm_90a", paged=paged, tuning=Tuning(probe=probe))
         assert key.name.endswith(f"_probe{probe}") and key.source().source.startswith(f"#define PT_PROBE {probe}\n")
         assert runtime.compile_cubin(key.source(), "sm_90a")[:4] == b"\x7fELF"
     persistent = dataclasses.replace(key, persistent=True)
@@ -133,10 +136,10 @@ def test_prefill_probes_compile_and_probe_2_refuses_persistent_ctas(cache, monke
 
 
 @pytest.mark.parametrize("mirror,source,cname", [
-    ("PrefillParams", "fmha_prefill.cu", "pt::PrefillParams"),
-    ("DecodeParams", "fmha_decode.cu", "pt::DecodeParams"),
-    ("BlockSparseParams", "fmha_block_sparse.cu", "pt::BlockSparseParams"),
-])
+    (prefill.PrefillParams, "fmha_prefill.cu", "pt::PrefillParams"),
+    (decode.DecodeParams, "fmha_decode.cu", "pt::DecodeParams"),
+    (block_sparse.BlockSparseParams, "fmha_block_sparse.cu", "pt::BlockSparseParams"),
+], ids=["prefill", "decode", "block_sparse"])
 def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
     """Every field of a kernel's parameter struct sits where its ctypes mirror puts it: a
     probe kernel stores each field's offset and the struct's size (constants once compiled;
@@ -144,11 +147,11 @@ def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
     import ctypes
     import re
 
-    cls = getattr(kernels, mirror)
+    cls = mirror
     names = [n for n, _ in cls._fields_]
     body = "".join(f"  out[{i}] = (int)((const char*)&p.{n} - (const char*)&p);\n" for i, n in enumerate(names))
     body += f"  out[{len(names)}] = (int)sizeof({cname});\n"
-    src = (kernels._read(source) + f'\nextern "C" __global__ void pt_layout_probe(const __grid_constant__ {cname} p, '
+    src = (read_source(source) + f'\nextern "C" __global__ void pt_layout_probe(const __grid_constant__ {cname} p, '
            f"volatile int* out) {{\n{body}}}\n")
     nv = runtime._nvrtc()
     headers = runtime.include_sources()

@@ -1,5 +1,10 @@
 """Every bad input of batch_prefill / BatchPrefillTSWrapper is refused on the host.
 
+The wrapper has FlashInfer main's signatures: ``plan(q, k, v, *, qo_indptr, kv_indptr,
+mask_type, window_left, sm_scale, output_scale, out_dtype, variable_window_token_starts,
+variable_window_token_ends)`` takes the one-shot's arguments (so every refused one-shot call
+is refused by plan + run too), and ``run(q, k, v, *, out)`` checks its tensors against the plan.
+
 Contract (SPEC, "Errors"): anything outside the contract raises ``ValueError``
 (``TypeError`` for a wrong Python type) whose message names the argument, before
 any kernel runs. On CPU the "kernel" is ``prims_ts.reference.batch_prefill``;
@@ -15,8 +20,9 @@ import math
 import pytest
 import torch
 
-from prims_ts.testing import reference_must_not_run
-from prims_ts import BatchPrefillTSWrapper, batch_prefill
+from prims_ts import BatchPrefillTSWrapper, Tuning, batch_prefill
+from prims_ts.ops._validate import dtype_code
+from prims_ts.testing import recording_no_host_reads, reference_must_not_run
 
 BF16 = torch.bfloat16
 I32 = torch.int32
@@ -234,7 +240,7 @@ FIXED_CASES = [
     ("out_noncontig", ValueError, r"\bout\b",
      lambda: _f(out=torch.empty(B, SQ, D, HQ, dtype=BF16).transpose(2, 3))),
     ("out_noncontig_inner", ValueError, r"\bout\b", lambda: _f(out=_noncontig_inner(torch.empty_like(_q)))),
-    ("out_is_q", ValueError, r"\bout\b", lambda: _f(q=_q, out=_q)),
+    ("out_is_q", ValueError, r"\bout must not overlap q\b", lambda: _f(q=_q, out=_q)),
     ("out_list", TypeError, r"\bout\b", lambda: _f(out=torch.empty_like(_q).tolist())),
 ]
 
@@ -278,10 +284,11 @@ def _overlap_bounds():
 
 
 FIXED_CASES += [
-    ("out_overlaps_k", ValueError, r"\bout\b", _overlap_k),
-    ("out_is_v", ValueError, r"\bout\b", _overlap_v_exact),
-    ("out_overlaps_q_tail", ValueError, r"\bout\b", _overlap_q_tail),
-    ("out_overlaps_window_bounds", ValueError, r"\bout\b", _overlap_bounds),
+    ("out_overlaps_k", ValueError, r"\bout must not overlap k\b", _overlap_k),
+    ("out_is_v", ValueError, r"\bout must not overlap v\b", _overlap_v_exact),
+    ("out_overlaps_q_tail", ValueError, r"\bout must not overlap q\b", _overlap_q_tail),
+    ("out_overlaps_window_bounds", ValueError, r"\bout must not overlap variable_window_token_starts\b",
+     _overlap_bounds),
 ]
 
 
@@ -371,8 +378,8 @@ PACKED_CASES = [
     ("output_scale_zero", ValueError, "output_scale", lambda: _p(output_scale=0.0)),
     # out
     ("out_fixed_shape", ValueError, r"\bout\b", lambda: _p(out=torch.empty(1, 5, HQ, D, dtype=BF16))),
-    ("out_is_q", ValueError, r"\bout\b", lambda: _p(q=_qp, out=_qp)),
-    ("out_overlaps_qo_indptr", ValueError, r"\bout\b", _packed_out_overlaps_indptr),
+    ("out_is_q", ValueError, r"\bout must not overlap q\b", lambda: _p(q=_qp, out=_qp)),
+    ("out_overlaps_qo_indptr", ValueError, r"\bout must not overlap qo_indptr\b", _packed_out_overlaps_indptr),
 ]
 
 
@@ -422,108 +429,151 @@ def test_metadata_not_modified_by_validation():
 
 
 # ----------------------------------------------------------------------------
-# BatchPrefillTSWrapper.plan
+# BatchPrefillTSWrapper: plan(q, k, v, ...) then run(q, k, v, out=...)
 # ----------------------------------------------------------------------------
 
-HEADS = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
-FIXED_SHAPE = dict(batch_size=B, q_len=SQ, kv_len=SK)
+
+def _plan_run(q, k, v, *, out=None, **kw):
+    """The wrapper form of a one-shot call: plan over these tensors, run them into ``out``."""
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, **kw)
+    return w.run(q, k, v, out=out)
 
 
-def _plan_packed(qo=QO, kv=KV, **kw):
-    args = dict(HEADS)
-    args.update(kw)
-    return (ip(qo) if isinstance(qo, list) else qo, ip(kv) if isinstance(kv, list) else kv), args
+ONESHOT_CASES = [("fixed-" + c[0], *c[1:]) for c in FIXED_CASES] + [("packed-" + c[0], *c[1:]) for c in PACKED_CASES]
 
 
-def _plan_fixed(**kw):
-    args = dict(HEADS, **FIXED_SHAPE)
-    args.update(kw)
-    return (), args
+@pytest.mark.parametrize("exc,match,make", [c[1:] for c in ONESHOT_CASES], ids=[c[0] for c in ONESHOT_CASES])
+def test_wrapper_refuses_every_oneshot_case(exc, match, make):
+    """plan takes the one-shot's arguments (out goes to run): every refused one-shot call is refused."""
+    args, kwargs = make()
+    expect(exc, match, _plan_run, *args, **kwargs)
 
 
-def _drop(d, key):
-    d = dict(d)
-    d.pop(key)
-    return d
+def test_wrapper_base_inputs_are_valid():
+    q, k, v = fixed()
+    assert _plan_run(q, k, v, mask_type="causal").shape == q.shape
+    s, e = bounds()
+    assert _plan_run(q, k, v, mask_type="variable_window", variable_window_token_starts=s,
+                     variable_window_token_ends=e).shape == q.shape
+    qp, kp, vp = packed()
+    out = torch.empty(qp.shape, dtype=torch.float32)
+    assert _plan_run(qp, kp, vp, qo_indptr=ip(QO), kv_indptr=ip(KV), mask_type="causal", window_left=1,
+                     out_dtype=torch.float32, out=out) is out
 
+
+# ----------------------------------------------------------------------------
+# BatchPrefillTSWrapper.plan: refused by plan itself (the old plan's cases, in the new signature)
+# ----------------------------------------------------------------------------
 
 PLAN_CASES = [
-    ("only_qo_indptr", ValueError, "kv_indptr", lambda: ((ip(QO),), dict(HEADS))),
-    ("only_kv_indptr", ValueError, "qo_indptr", lambda: ((None, ip(KV)), dict(HEADS))),
-    ("qo_int64", ValueError, "qo_indptr", lambda: _plan_packed(qo=ip(QO, torch.int64))),
-    ("kv_int64", ValueError, "kv_indptr", lambda: _plan_packed(kv=ip(KV, torch.int64))),
-    ("qo_2d", ValueError, "qo_indptr", lambda: _plan_packed(qo=ip([QO]))),
-    ("kv_2d", ValueError, "kv_indptr", lambda: _plan_packed(kv=ip([KV]))),
-    ("qo_list", TypeError, "qo_indptr", lambda: ((list(QO), ip(KV)), dict(HEADS))),
-    ("kv_list", TypeError, "kv_indptr", lambda: ((ip(QO), list(KV)), dict(HEADS))),
-    ("lengths_differ", ValueError, "kv_indptr", lambda: _plan_packed(kv=[0, 2, 4, 9])),
-    ("qo_single_entry", ValueError, "qo_indptr", lambda: _plan_packed(qo=[0], kv=[0])),
-    ("kv_meta", ValueError, "kv_indptr", lambda: _plan_packed(kv=ip(KV).to("meta"))),
-    ("qo_not_start_0", ValueError, "qo_indptr", lambda: _plan_packed(qo=[1, 3, 5])),
-    ("kv_not_start_0", ValueError, "kv_indptr", lambda: _plan_packed(kv=[1, 4, 9])),
-    ("qo_not_strict", ValueError, "qo_indptr", lambda: _plan_packed(qo=[0, 3, 3, 5], kv=[0, 4, 6, 9])),
-    ("kv_decreasing", ValueError, "kv_indptr", lambda: _plan_packed(qo=[0, 3, 4, 5], kv=[0, 4, 3, 9])),
-    ("causal_packed_sq_gt_sk", ValueError, "qo_indptr",
-     lambda: _plan_packed(qo=[0, 5, 6], kv=[0, 4, 9], mask_type="causal")),
-    ("causal_fixed_sq_gt_sk", ValueError, "q_len", lambda: _plan_fixed(q_len=SK + 1, mask_type="causal")),
-    ("fixed_max_q_len_differs", ValueError, "max_q_len", lambda: _plan_fixed(max_q_len=SQ + 1)),
-    ("fixed_missing_batch_size", ValueError, "batch_size", lambda: ((), dict(_drop(FIXED_SHAPE, "batch_size"),
-                                                                                **HEADS))),
-    ("fixed_missing_q_len", ValueError, "q_len", lambda: ((), dict(_drop(FIXED_SHAPE, "q_len"), **HEADS))),
-    ("fixed_missing_kv_len", ValueError, "kv_len", lambda: ((), dict(_drop(FIXED_SHAPE, "kv_len"), **HEADS))),
-    ("fixed_q_len_zero", ValueError, "q_len", lambda: _plan_fixed(q_len=0)),
-    ("fixed_batch_size_str", TypeError, "batch_size", lambda: _plan_fixed(batch_size="2")),
-    ("num_qo_heads_zero", ValueError, "num_qo_heads", lambda: _plan_fixed(num_qo_heads=0)),
-    ("num_kv_heads_float", TypeError, "num_kv_heads", lambda: _plan_fixed(num_kv_heads=2.0)),
-    ("head_dim_64", ValueError, "head_dim", lambda: _plan_fixed(head_dim=64)),
-    ("head_dim_float", TypeError, "head_dim", lambda: _plan_fixed(head_dim=128.0)),
-    ("q_data_type_float32", ValueError, "q_data_type", lambda: _plan_fixed(q_data_type=torch.float32)),
-    ("mask_unknown", ValueError, "mask_type", lambda: _plan_fixed(mask_type="full")),
-    ("window_minus_2", ValueError, "window_left", lambda: _plan_fixed(mask_type="causal", window_left=-2)),
-    ("window_without_causal", ValueError, "window_left", lambda: _plan_fixed(window_left=4)),
-    ("vw_packed", ValueError, "mask_type", lambda: _plan_packed(mask_type="variable_window")),
-    ("vw_with_window", ValueError, "window_left", lambda: _plan_fixed(mask_type="variable_window",
-                                                                      window_left=1)),
-    ("sm_scale_inf", ValueError, "sm_scale", lambda: _plan_fixed(sm_scale=math.inf)),
-    ("sm_scale_neg", ValueError, "sm_scale", lambda: _plan_fixed(sm_scale=-1.0)),
-    ("sm_scale_str", TypeError, "sm_scale", lambda: _plan_fixed(sm_scale="x")),
-    ("output_scale_nan", ValueError, "output_scale", lambda: _plan_fixed(output_scale=math.nan)),
-    ("output_scale_zero", ValueError, "output_scale", lambda: _plan_fixed(output_scale=0.0)),
-    ("out_dtype_float64", ValueError, "out_dtype", lambda: _plan_fixed(out_dtype=torch.float64)),
-    ("max_q_len_too_small", ValueError, "max_q_len", lambda: _plan_packed(max_q_len=2)),
-    ("max_q_len_float", TypeError, "max_q_len", lambda: _plan_packed(max_q_len=4.0)),
+    # packed offsets
+    ("only_qo_indptr", ValueError, "kv_indptr", lambda: _p(kv_indptr=None)),
+    ("only_kv_indptr", ValueError, "qo_indptr", lambda: _p(qo_indptr=None)),
+    ("qo_int64", ValueError, "qo_indptr", lambda: _p(qo_indptr=ip(QO, torch.int64))),
+    ("kv_int64", ValueError, "kv_indptr", lambda: _p(kv_indptr=ip(KV, torch.int64))),
+    ("qo_2d", ValueError, "qo_indptr", lambda: _p(qo_indptr=ip([QO]))),
+    ("kv_2d", ValueError, "kv_indptr", lambda: _p(kv_indptr=ip([KV]))),
+    ("qo_list", TypeError, "qo_indptr", lambda: _p(qo_indptr=list(QO))),
+    ("kv_list", TypeError, "kv_indptr", lambda: _p(kv_indptr=list(KV))),
+    ("lengths_differ", ValueError, "kv_indptr", lambda: _p(kv=[0, 2, 4, 9])),
+    ("qo_single_entry", ValueError, "qo_indptr", lambda: _p(qo_indptr=ip([0]), kv_indptr=ip([0]))),
+    ("kv_meta", ValueError, "kv_indptr", lambda: _p(kv_indptr=ip(KV).to("meta"))),
+    ("qo_not_start_0", ValueError, "qo_indptr", lambda: _p(qo_indptr=ip([1, 3, 5]))),
+    ("kv_not_start_0", ValueError, "kv_indptr", lambda: _p(kv_indptr=ip([1, 4, 9]))),
+    ("qo_not_strict", ValueError, "qo_indptr", lambda: _p(qo=[0, 3, 3, 5], kv=[0, 4, 6, 9])),
+    ("kv_decreasing", ValueError, "kv_indptr", lambda: _p(qo=[0, 3, 4, 5], kv=[0, 4, 3, 9])),
+    # the totals are q's and k's now (the old plan took them from the offsets' last entries)
+    ("qo_not_end_at_q", ValueError, "qo_indptr", lambda: _p(qo_indptr=ip([0, 3, 4]))),
+    ("kv_not_end_at_k", ValueError, "kv_indptr", lambda: _p(kv_indptr=ip([0, 4, 10]))),
+    ("causal_packed_sq_gt_sk", ValueError, "qo_indptr", lambda: _p(qo=[0, 5, 6], kv=[0, 4, 9], mask_type="causal")),
+    # fixed shapes come from q, k, v (were batch_size / q_len / kv_len and the head counts)
+    ("causal_fixed_sq_gt_sk", ValueError, r"\bq\b", lambda: _f(q=fixed(sq=SK + 1)[0], mask_type="causal")),
+    ("q_none", TypeError, r"\bq\b", lambda: _f(q=None)),
+    ("k_none", TypeError, r"\bk\b", lambda: _f(k=None)),
+    ("v_none", TypeError, r"\bv\b", lambda: _f(v=None)),
+    ("q_list", TypeError, r"\bq\b", lambda: _f(q=_q.tolist())),
+    ("k_fixed_sk_0", ValueError, r"\bk\b", lambda: _f(k=fixed(sk=0)[1], v=fixed(sk=0)[2])),
+    ("q_no_heads", ValueError, r"\bq\b", lambda: _f(q=fixed(hq=0)[0])),
+    ("heads_not_multiple", ValueError, r"\bq\b|\bk\b",
+     lambda: _f(q=fixed(hq=3)[0], k=fixed(hkv=2)[1], v=fixed(hkv=2)[2])),
+    ("head_dim_64", ValueError, r"\bq\b", lambda: _f(q=_q[..., :64], k=_k[..., :64], v=_v[..., :64])),
+    ("k_head_dim_differs", ValueError, r"\bk\b", lambda: _f(k=fixed(d=256)[1], v=fixed(d=256)[2])),
+    ("q_float32", ValueError, r"\bq\b", lambda: _f(q=_q.float(), k=_k.float(), v=_v.float())),
+    ("k_dtype_differs", ValueError, r"\bk\b", lambda: _f(k=_k.half())),
+    ("q_inner_noncontig", ValueError, r"\bq\b", lambda: _f(q=_noncontig_inner(_q))),
+    ("q_meta", ValueError, r"\bq\b|\bk\b", lambda: _f(q=_q.to("meta"))),
+    # masks, scales, output dtype
+    ("mask_unknown", ValueError, "mask_type", lambda: _f(mask_type="full")),
+    ("window_minus_2", ValueError, "window_left", lambda: _f(mask_type="causal", window_left=-2)),
+    ("window_without_causal", ValueError, "window_left", lambda: _f(window_left=4)),
+    ("vw_packed", ValueError, "mask_type", lambda: _p(mask_type="variable_window")),
+    ("vw_with_window", ValueError, "window_left",
+     lambda: _f(mask_type="variable_window", window_left=1, variable_window_token_starts=_s.clone(),
+                variable_window_token_ends=_e.clone())),
+    ("sm_scale_inf", ValueError, "sm_scale", lambda: _f(sm_scale=math.inf)),
+    ("sm_scale_neg", ValueError, "sm_scale", lambda: _f(sm_scale=-1.0)),
+    ("sm_scale_str", TypeError, "sm_scale", lambda: _f(sm_scale="x")),
+    ("output_scale_nan", ValueError, "output_scale", lambda: _f(output_scale=math.nan)),
+    ("output_scale_zero", ValueError, "output_scale", lambda: _f(output_scale=0.0)),
+    ("out_dtype_float64", ValueError, "out_dtype", lambda: _f(out_dtype=torch.float64)),
+    ("out_dtype_str", TypeError, "out_dtype", lambda: _f(out_dtype="float32")),
+    # variable-window bounds are plan arguments now (they were run's)
+    ("vw_missing_both", ValueError, "variable_window_token_starts", lambda: _f(mask_type="variable_window")),
+    ("vw_missing_ends", ValueError, "variable_window_token_ends",
+     lambda: _f(mask_type="variable_window", variable_window_token_starts=_s.clone())),
+    ("vw_starts_wrong_shape", ValueError, "variable_window_token_starts",
+     lambda: _f(mask_type="variable_window", variable_window_token_starts=_s[:, :2].clone(),
+                variable_window_token_ends=_e[:, :2].clone())),
+    ("vw_ends_int64", ValueError, "variable_window_token_ends",
+     lambda: _f(mask_type="variable_window", variable_window_token_starts=_s.clone(),
+                variable_window_token_ends=_e.long())),
+    ("vw_bounds_meta", ValueError, "variable_window_token_starts",
+     lambda: _f(mask_type="variable_window", variable_window_token_starts=_s.to("meta"),
+                variable_window_token_ends=_e.to("meta"))),
+    ("vw_start_gt_end", ValueError, "variable_window_token_starts",
+     lambda: _f(mask_type="variable_window", variable_window_token_starts=torch.full((B, SQ), 3, dtype=I32),
+                variable_window_token_ends=torch.full((B, SQ), 2, dtype=I32))),
+    ("vw_end_eq_sk", ValueError, "variable_window_token_ends",
+     lambda: _f(mask_type="variable_window", variable_window_token_starts=_s.clone(),
+                variable_window_token_ends=torch.full((B, SQ), SK, dtype=I32))),
+    ("vw_bounds_with_causal", ValueError, "variable_window_token",
+     lambda: _f(mask_type="causal", variable_window_token_starts=_s.clone(), variable_window_token_ends=_e.clone())),
+    ("vw_bounds_with_packed", ValueError, "variable_window_token",
+     lambda: _p(variable_window_token_starts=torch.zeros(1, 5, dtype=I32),
+                variable_window_token_ends=torch.zeros(1, 5, dtype=I32))),
 ]
 
 
 @pytest.mark.parametrize("exc,match,make", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
 def test_wrapper_plan_errors(exc, match, make):
     args, kwargs = make()
-    expect(exc, match, BatchPrefillTSWrapper().plan, *args, **kwargs)
-
-
-def test_wrapper_plan_heads_error_names_argument():
-    expect(ValueError, "num_qo_heads|num_kv_heads", BatchPrefillTSWrapper().plan,
-           **dict(HEADS, num_qo_heads=3, num_kv_heads=2, **FIXED_SHAPE))
+    w = BatchPrefillTSWrapper()
+    expect(exc, match, w.plan, *args, **kwargs)
+    # a refused plan leaves no plan behind
+    with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
+        w.run(*fixed())
 
 
 # ----------------------------------------------------------------------------
-# BatchPrefillTSWrapper.run
+# BatchPrefillTSWrapper.run: tensors against the plan, out
 # ----------------------------------------------------------------------------
 
 
 def _wrapper(kind, **kw):
     w = BatchPrefillTSWrapper()
     if kind == "packed":
-        w.plan(ip(QO), ip(KV), **HEADS, **kw)
+        w.plan(*packed(), qo_indptr=ip(QO), kv_indptr=ip(KV), **kw)
     else:
-        w.plan(**HEADS, **FIXED_SHAPE, **kw)
+        w.plan(*fixed(), **kw)
     return w
 
 
 def test_wrapper_run_before_plan():
-    q, k, v = fixed()
-    with pytest.raises((RuntimeError, ValueError), match="plan"):
-        BatchPrefillTSWrapper().run(q, k, v)
+    for w, (q, k, v) in ((BatchPrefillTSWrapper(), fixed()), (BatchPrefillTSWrapper(), packed())):
+        with reference_must_not_run("batch_prefill"):
+            with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
+                w.run(q, k, v)
 
 
 def _r(kind, **mods):
@@ -535,10 +585,30 @@ def _r(kind, **mods):
     return (args["q"], args["k"], args["v"]), kwargs
 
 
+def _misaligned(t):
+    """Same shape and values as t, starting 2 bytes past a 16-byte boundary."""
+    view = torch.zeros(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _overlap_kv_indptr():
+    """out (fp32) shares bytes with the planned kv_indptr: plan binds the caller's tensor."""
+    q, k, v = packed()
+    buf = torch.zeros(q.numel() * 4, dtype=torch.uint8)
+    out = buf.view(torch.float32).view(q.shape)
+    kv = buf[:12].view(I32)
+    kv.copy_(ip(KV))
+    w = BatchPrefillTSWrapper()
+    w.plan(q, k, v, qo_indptr=ip(QO), kv_indptr=kv, out_dtype=torch.float32)
+    return w, (q, k, v), out
+
+
 RUN_CASES = [
     # shapes differ from the plan
     ("fixed", {}, ValueError, r"\bq\b", lambda: _r("fixed", q=fixed(sq=SQ - 1)[0])),
     ("fixed", {}, ValueError, r"\bk\b", lambda: _r("fixed", k=fixed(sk=SK + 1)[1], v=fixed(sk=SK + 1)[2])),
+    ("fixed", {}, ValueError, r"\bv\b", lambda: _r("fixed", v=fixed(sk=SK + 1)[2])),
     ("fixed", {}, ValueError, r"\bq\b", lambda: _r("fixed", q=torch.cat([_q, _q])[:B + 1])),
     ("fixed", {}, ValueError, r"\bq\b|heads", lambda: _r("fixed", q=fixed(hq=2 * HQ)[0])),
     ("fixed", {}, ValueError, r"\bq\b|\bk\b", lambda: _r("fixed", k=fixed(hkv=1)[1], v=fixed(hkv=1)[2])),
@@ -553,12 +623,18 @@ RUN_CASES = [
     ("fixed", {}, ValueError, r"\bq\b", lambda: _r("fixed", q=_q.half(), k=_k.half(), v=_v.half())),
     ("fixed", {}, ValueError, r"\bk\b", lambda: _r("fixed", k=_k.half())),
     ("fixed", {}, ValueError, r"\bq\b", lambda: _r("fixed", q=_q.float(), k=_k.float(), v=_v.float())),
+    # strides and alignment (same shape, dtype and device as planned)
     ("fixed", {}, ValueError, r"\bq\b", lambda: _r("fixed", q=_noncontig_inner(_q))),
+    ("fixed", {}, ValueError, r"\bk\b", lambda: _r("fixed", k=_noncontig_inner(_k))),
+    ("packed", {}, ValueError, r"\bv\b", lambda: _r("packed", v=_noncontig_inner(_vp))),
+    ("fixed", {}, ValueError, r"\bq\b", lambda: _r("fixed", q=_misaligned(_q))),
     # devices
     ("fixed", {}, ValueError, r"\bk\b", lambda: _r("fixed", k=_k.to("meta"))),
     ("packed", {}, ValueError, r"\bv\b", lambda: _r("packed", v=_vp.to("meta"))),
-    ("packed", {}, ValueError, r"\bq\b|qo_indptr",
-     lambda: _r("packed", q=_qp.to("meta"), k=_kp.to("meta"), v=_vp.to("meta"))),
+    ("packed", {}, ValueError, r"\bq\b", lambda: _r("packed", q=_qp.to("meta"), k=_kp.to("meta"), v=_vp.to("meta"))),
+    # Python types
+    ("fixed", {}, TypeError, r"\bq\b", lambda: _r("fixed", q=_q.tolist())),
+    ("packed", {}, TypeError, r"\bk\b", lambda: _r("packed", k=None)),
     # out
     ("fixed", {}, ValueError, r"\bout\b", lambda: _r("fixed", out=torch.empty(B, SQ, HQ, D + 1, dtype=BF16))),
     ("fixed", {}, ValueError, r"\bout\b", lambda: _r("fixed", out=torch.empty(B, SQ, HQ, D, dtype=torch.float32))),
@@ -568,33 +644,27 @@ RUN_CASES = [
      lambda: _r("fixed", out=torch.empty(B, SQ, HQ, D, dtype=BF16, device="meta"))),
     ("fixed", {}, ValueError, r"\bout\b",
      lambda: _r("fixed", out=torch.empty(B, SQ, D, HQ, dtype=BF16).transpose(2, 3))),
-    ("fixed", {}, ValueError, r"\bout\b", lambda: _r("fixed", q=_q, out=_q)),
-    ("fixed", {}, ValueError, r"\bout\b", lambda: _overlap_k()),
-    ("packed", {}, ValueError, r"\bout\b", lambda: _r("packed", q=_qp, out=_qp)),
+    ("fixed", {}, ValueError, r"\bout\b", lambda: _r("fixed", out=_misaligned(torch.empty_like(_q)))),
+    ("fixed", {}, ValueError, r"\bout must not overlap q\b", lambda: _r("fixed", q=_q, out=_q)),
+    ("fixed", {}, ValueError, r"\bout must not overlap k\b", lambda: _overlap_k()),
+    ("fixed", {}, ValueError, r"\bout must not overlap q\b", lambda: _overlap_q_tail()),
+    ("packed", {}, ValueError, r"\bout must not overlap q\b", lambda: _r("packed", q=_qp, out=_qp)),
     ("fixed", {}, TypeError, r"\bout\b", lambda: _r("fixed", out=0)),
-    # variable window
-    ("fixed", dict(mask_type="variable_window"), ValueError, "variable_window_token_starts", lambda: _r("fixed")),
-    ("fixed", dict(mask_type="variable_window"), ValueError, "variable_window_token_ends",
-     lambda: _r("fixed", variable_window_token_starts=_s)),
-    ("fixed", dict(mask_type="variable_window"), ValueError, "variable_window_token_starts",
-     lambda: _r("fixed", variable_window_token_starts=_s[:, :2], variable_window_token_ends=_e[:, :2])),
-    ("fixed", dict(mask_type="variable_window"), ValueError, "variable_window_token_ends",
-     lambda: _r("fixed", variable_window_token_starts=_s, variable_window_token_ends=_e.long())),
-    ("fixed", dict(mask_type="variable_window"), ValueError, "variable_window_token_starts",
-     lambda: _r("fixed", variable_window_token_starts=_s.to("meta"), variable_window_token_ends=_e.to("meta"))),
 ]
 
 
 @pytest.mark.parametrize("kind,plan_kw,exc,match,make", RUN_CASES,
-                         ids=[f"{c[0]}-{i}-{c[3].strip(chr(92)).split('|')[0]}" for i, c in enumerate(RUN_CASES)])
+                         ids=[f"{c[0]}-{i}-{c[3].replace(chr(92) + 'b', '').split('|')[0].replace(' ', '_')}"
+                              for i, c in enumerate(RUN_CASES)])
 def test_wrapper_run_errors(kind, plan_kw, exc, match, make):
     w = _wrapper(kind, **plan_kw)
     args, kwargs = make()
     expect(exc, match, w.run, *args, **kwargs)
 
 
-@pytest.mark.parametrize("what", ["qo_indptr", "window_bounds"])
-def test_wrapper_run_out_overlapping_metadata(what):
+@pytest.mark.parametrize("what", ["qo_indptr", "kv_indptr", "variable_window_token_starts"])
+def test_wrapper_run_out_overlapping_planned_metadata(what):
+    """The plan binds the caller's offsets and window bounds (run reads them): out must not overlap them."""
     if what == "qo_indptr":
         q, k, v = packed()
         buf = torch.zeros(q.numel() * 2, dtype=torch.uint8)
@@ -602,20 +672,77 @@ def test_wrapper_run_out_overlapping_metadata(what):
         qo = buf[:12].view(I32)
         qo.copy_(ip(QO))
         w = BatchPrefillTSWrapper()
-        w.plan(qo, ip(KV), **HEADS)
-        expect(ValueError, r"\bout\b", w.run, q, k, v, out=out)
+        w.plan(q, k, v, qo_indptr=qo, kv_indptr=ip(KV))
+    elif what == "kv_indptr":
+        w, (q, k, v), out = _overlap_kv_indptr()
     else:
         (q, k, v), kw = _overlap_bounds()
-        del kw["mask_type"]
-        w = _wrapper("fixed", mask_type="variable_window")
-        expect(ValueError, r"\bout\b", w.run, q, k, v, **kw)
+        out = kw.pop("out")
+        w = BatchPrefillTSWrapper()
+        w.plan(q, k, v, **kw)
+    expect(ValueError, rf"\bout must not overlap {what}\b", w.run, q, k, v, out=out)
 
 
-def test_wrapper_run_bounds_without_variable_window_plan():
-    w = _wrapper("fixed", mask_type="causal")
+def test_wrapper_old_forms_are_gone():
+    """FlashInfer main's signatures: no device constructor argument, no shape-only or offsets-only plan,
+    no window bounds at run (they are plan arguments)."""
     q, k, v = fixed()
-    expect(ValueError, "variable_window_token", w.run, q, k, v, variable_window_token_starts=_s,
-           variable_window_token_ends=_e)
+    with reference_must_not_run("batch_prefill"):
+        with pytest.raises(TypeError):
+            BatchPrefillTSWrapper("cpu")
+        with pytest.raises(TypeError):
+            BatchPrefillTSWrapper().plan(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, batch_size=B, q_len=SQ,
+                                         kv_len=SK)
+        with pytest.raises(TypeError):
+            BatchPrefillTSWrapper().plan(ip(QO), ip(KV), num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
+        s, e = bounds()
+        w = _wrapper("fixed", mask_type="variable_window", variable_window_token_starts=s,
+                     variable_window_token_ends=e)
+        with pytest.raises(TypeError):
+            w.run(q, k, v, variable_window_token_starts=s, variable_window_token_ends=e)
+
+
+@pytest.mark.parametrize("tuning", ["loop=1", 1, {"loop": 1}], ids=["str", "int", "dict"])
+def test_wrapper_tuning_must_be_a_tuning(tuning):
+    """tuning= takes a prims_ts.Tuning (None: the default); anything else is a TypeError naming tuning,
+    raised by the constructor, plan or run, before any launch."""
+    q, k, v = fixed()
+    with reference_must_not_run("batch_prefill"):
+        with pytest.raises(TypeError, match=r"\btuning\b"):
+            w = BatchPrefillTSWrapper(tuning=tuning)
+            w.plan(q, k, v)
+            w.run(q, k, v)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "packed", "variable_window"])
+def test_wrapper_run_reads_nothing_on_the_host(kind):
+    """run passes the plan's bound metadata (the caller's tensors) and tuning to the op, reading no
+    tensor value on the host."""
+    tuning = Tuning(loop=1)
+    w = BatchPrefillTSWrapper(tuning=tuning)
+    if kind == "packed":
+        q, k, v = packed()
+        qo, kv = ip(QO), ip(KV)
+        w.plan(q, k, v, qo_indptr=qo, kv_indptr=kv, mask_type="causal")
+        bound = (qo, kv, None, None)
+    else:
+        q, k, v = fixed()
+        s, e = bounds() if kind == "variable_window" else (None, None)
+        w.plan(q, k, v, mask_type="variable_window" if s is not None else "dense", variable_window_token_starts=s,
+               variable_window_token_ends=e)
+        bound = (None, None, s, e)
+    out = torch.full(q.shape, float("nan"), dtype=BF16)
+    with recording_no_host_reads("batch_prefill", "batch_prefill") as rec:
+        assert w.run(q, k, v, out=out) is out
+        res = w.run(q, k, v)
+    assert [c[0] for c in rec.calls] == ["batch_prefill_out", "batch_prefill"]
+    (_, out_args), (_, fn_args) = rec.calls
+    assert out_args[3] is out
+    for got, want in ((out_args[:3], (q, k, v)), (fn_args[:3], (q, k, v)), (out_args[4:8], bound),
+                      (fn_args[3:7], bound)):
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want)), got
+    assert out_args[-1] == fn_args[-1] == tuning.encode() != ""
+    assert fn_args[-2] == dtype_code(BF16) and res.dtype == BF16
 
 
 def test_wrapper_failed_plan_keeps_previous_plan_usable():
@@ -623,5 +750,7 @@ def test_wrapper_failed_plan_keeps_previous_plan_usable():
     w = _wrapper("fixed")
     q, k, v = fixed()
     ref = w.run(q, k, v)
-    expect(ValueError, "head_dim", w.plan, **dict(HEADS, head_dim=64, **FIXED_SHAPE))
+    expect(ValueError, r"\bq\b", w.plan, q[..., :64], k[..., :64], v[..., :64])
+    expect(ValueError, "qo_indptr", w.plan, *packed(), qo_indptr=ip([0, 3, 4]), kv_indptr=ip(KV))
     torch.testing.assert_close(w.run(q, k, v), ref, rtol=0, atol=0)
+    expect(ValueError, r"\bq\b", w.run, *packed())  # still the fixed plan

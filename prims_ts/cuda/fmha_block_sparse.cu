@@ -3,7 +3,7 @@
 // only the KV blocks its BSR route selects.
 //
 // Work policy: work item w = ((request * Hkv + K/V head) * R + route row) * row_tiles +
-// row tile; one CTA per item, or (PERSIST: the producer-ring engine, kernels.PERSISTENT)
+// row tile; one CTA per item, or (PERSIST: the producer-ring engine, Tuning.persistent)
 // at most one per SM, CTA c taking items c, c + gridDim.x, ... (pt_fmha.cuh: fmha_items). The M
 // rows of a route row are its q_block_size query tokens x the GQA group (the decode
 // problem's row mapping, pt_decode.cuh, offset to the row's first token), cut into
@@ -15,7 +15,7 @@
 // request's row), bottom-right causal on the query token. A row that sees no key
 // writes zeros (the core's l = 0 path).
 //
-// The host appends the `extern "C"` entries (prims_ts/cuda/kernels.py).
+// The host appends the `extern "C"` entries (prims_ts/cuda/block_sparse.py).
 #include "pt_decode.cuh"
 
 namespace pt {

@@ -12,7 +12,7 @@
 // tiles of 16/32 may take the swapped-operand tile (pt_fmha_swap.cuh: the keys as
 // wgmma's M) on sm_90a.
 //
-// The host appends the `extern "C"` entries (prims_ts/cuda/kernels.py).
+// The host appends the `extern "C"` entries (prims_ts/cuda/decode.py).
 #include "pt_decode.cuh"
 #include "pt_fmha_swap.cuh"
 

@@ -5,7 +5,7 @@
 // item either read from the plan's list (request, q tile) or, without one, decoded so
 // that the highest q tiles (the heaviest under a causal mask) come first; the heads of a
 // q tile are neighbours (a GQA group shares its K/V tiles in L2). The host launches one
-// CTA per item, or (PERSIST: the producer-ring engine, kernels.PERSISTENT) at most one per
+// CTA per item, or (PERSIST: the producer-ring engine, Tuning.persistent) at most one per
 // SM, CTA c taking items c, c + gridDim.x, ...; its producer then copies the next item's
 // first tiles while the MMA warps finish the current one.
 // Address policy: rows of q/k/v/o are strided; packed storage offsets requests
@@ -16,7 +16,7 @@
 // Range and mask policies: dense, bottom-right causal with optional left window,
 // per-row variable window.
 //
-// The host appends one `extern "C"` entry per kernel key (prims_ts/cuda/kernels.py).
+// The host appends one `extern "C"` entry per kernel key (prims_ts/cuda/prefill.py).
 #include "pt_fmha.cuh"
 
 namespace pt {

@@ -2,7 +2,8 @@
 
 * Sources are header-free CUDA C++ (``prims_ts/cuda/*.cu`` plus ``include/*.cuh``);
   a kernel is a source text whose one ``extern "C"`` entry point is generated for
-  its key (see ``kernels.py``).
+  its key (``keys.KernelKey`` and each API's module: ``prefill.py``, ``decode.py``,
+  ``block_sparse.py``).
 * Compiled to cubin for the device's architecture (``sm_90a`` on Hopper, ``sm_XY``
   elsewhere), so the driver never JIT-compiles PTX.
 * Disk cache under ``$PRIMS_TS_CACHE_DIR`` (default ``~/.cache/prims_ts``), keyed
@@ -182,6 +183,7 @@ class LoadedKernel:
     func: int  # CUfunction
     smem: int  # dynamic shared memory bytes
     threads: int
+    ctx: int = 0  # the CUcontext the module was loaded into (the device's primary context)
 
 
 _loaded: Dict[Tuple[int, str], LoadedKernel] = {}
@@ -241,28 +243,86 @@ def get_kernel(device_index: int, ks: KernelSource, smem: int, threads: int) -> 
                 raise KernelLaunchError(
                     f"kernel {ks.key!r} needs {smem} bytes of shared memory, more than cuda:{device_index} allows: {e}"
                 ) from e
-        k = LoadedKernel(func=func, smem=smem, threads=threads)
+            ctx = _libcuda().current_context()
+        k = LoadedKernel(func=func, smem=smem, threads=threads, ctx=ctx)
         _loaded[(device_index, ks.key)] = k
         return k
 
 
-def launch(
-    device_index: int,
-    kernel: LoadedKernel,
-    key: str,
-    grid: Sequence[int],
-    params: ctypes.Structure,
-    stream: int,
-) -> None:
-    """Launch `kernel` with one by-value parameter struct on `stream`. No host sync."""
-    gx, gy, gz = (list(grid) + [1, 1])[:3]
-    if gx * gy * gz == 0:
-        return
-    arg = ctypes.c_void_p(ctypes.addressof(params))
-    argv = (ctypes.c_void_p * 1)(arg)
-    try:
-        _driver().launchKernel(
-            kernel.func, gx, gy, gz, kernel.threads, 1, 1, kernel.smem, stream, ctypes.addressof(argv), 0
-        )
-    except Exception as e:
-        raise KernelLaunchError(f"launch of {key!r} grid={tuple(grid)} failed: {e}") from e
+class _LibCuda:
+    """The libcuda entry points a launch calls, through ctypes with prepared arguments (a
+    launch through CuPy's wrapper costs several microseconds more)."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.cuLaunchKernel = lib.cuLaunchKernel
+        self.cuCtxGetCurrent = lib.cuCtxGetCurrent
+        self.cuCtxSetCurrent = lib.cuCtxSetCurrent
+        self.cuGetErrorString = lib.cuGetErrorString
+        self._ctx = ctypes.c_void_p()
+        self._ctx_ref = ctypes.byref(self._ctx)
+
+    def current_context(self) -> int:
+        rc = self.cuCtxGetCurrent(self._ctx_ref)
+        if rc:
+            raise KernelLaunchError(f"cuCtxGetCurrent failed: {self.error(rc)}")
+        return self._ctx.value or 0
+
+    def error(self, rc: int) -> str:
+        msg = ctypes.c_char_p()
+        self.cuGetErrorString(rc, ctypes.byref(msg))
+        return f"CUDA error {rc}" + (f" ({msg.value.decode()})" if msg.value else "")
+
+
+_libcuda_handle = None
+
+
+def _libcuda() -> _LibCuda:
+    global _libcuda_handle
+    if _libcuda_handle is None:
+        _libcuda_handle = _LibCuda()
+    return _libcuda_handle
+
+
+class PreparedLaunch:
+    """A loaded kernel with its grid, block, shared memory and by-value parameter struct:
+    what a plan owns. The caller writes the live fields of ``params`` (pointers, strides)
+    and calls ``launch(stream)``; the driver copies the struct at launch, so the next call
+    may rewrite it at once (and a CUDA graph keeps the values it captured). One thread at a
+    time: a plan is not shared between threads that launch concurrently."""
+
+    __slots__ = ("name", "params", "ctx", "empty", "grid", "_args", "_argv")
+
+    def __init__(self, kernel: LoadedKernel, name: str, grid: Sequence[int], params: ctypes.Structure):
+        gx, gy, gz = (list(grid) + [1, 1])[:3]
+        self.name = name
+        self.params = params
+        self.ctx = kernel.ctx
+        self.empty = gx * gy * gz == 0
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self._args = (ctypes.c_void_p(kernel.func), ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz),
+                      ctypes.c_uint(kernel.threads), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(kernel.smem))
+        self.grid = (gx, gy, gz)
+
+    def launch(self, stream: int) -> None:
+        """Launch on `stream` (a raw CUstream) in the kernel's context. No host sync."""
+        if self.empty:
+            return
+        drv = _libcuda_handle or _libcuda()
+        cur = drv.current_context()
+        if cur != self.ctx:
+            drv.cuCtxSetCurrent(ctypes.c_void_p(self.ctx))
+        try:
+            rc = drv.cuLaunchKernel(*self._args, ctypes.c_void_p(stream), self._argv, None)
+        finally:
+            if cur != self.ctx:
+                drv.cuCtxSetCurrent(ctypes.c_void_p(cur))
+        if rc:
+            raise KernelLaunchError(f"launch of {self.name!r} grid={self.grid} failed: {drv.error(rc)}")
+
+
+def current_stream(device_index: int) -> int:
+    """The raw CUstream of torch's current stream on `device_index` (no Stream object)."""
+    import torch
+
+    return torch._C._cuda_getCurrentRawStream(device_index)

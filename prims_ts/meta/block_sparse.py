@@ -22,11 +22,13 @@ def _block_sparse_attention_fake(
     mask_type: str,
     sm_scale: float,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=code_dtype(out_dtype), device=q.device)
 
 
 @torch.library.register_fake("prims_ts::block_sparse_attention_out")
 def _block_sparse_attention_out_fake(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices,
-                                     seq_lens, valid_bits, q_block_size, kv_block_size, mask_type, sm_scale) -> None:
+                                     seq_lens, valid_bits, q_block_size, kv_block_size, mask_type, sm_scale,
+                                     tuning="") -> None:
     return None

@@ -24,6 +24,7 @@ def _batch_decode_fake(
     sm_scale: float,
     output_scale: float,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     return torch.empty(query.shape, dtype=code_dtype(out_dtype), device=query.device)
 
@@ -31,5 +32,5 @@ def _batch_decode_fake(
 @torch.library.register_fake("prims_ts::batch_decode_out")
 def _batch_decode_out_fake(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
                            seq_len_q, max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale,
-                           output_scale) -> None:
+                           output_scale, tuning="") -> None:
     return None

@@ -22,11 +22,12 @@ def _batch_prefill_fake(
     output_scale: float,
     max_q_len: int,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=code_dtype(out_dtype), device=q.device)
 
 
 @torch.library.register_fake("prims_ts::batch_prefill_out")
 def _batch_prefill_out_fake(q, k, v, out, qo_indptr, kv_indptr, window_starts, window_ends, work, mask_type,
-                            window_left, sm_scale, output_scale, max_q_len) -> None:
+                            window_left, sm_scale, output_scale, max_q_len, tuning="") -> None:
     return None

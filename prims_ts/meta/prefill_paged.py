@@ -21,11 +21,12 @@ def _batch_prefill_paged_fake(
     output_scale: float,
     max_q_len: int,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=code_dtype(out_dtype), device=q.device)
 
 
 @torch.library.register_fake("prims_ts::batch_prefill_paged_out")
 def _batch_prefill_paged_out_fake(q, k_cache, v_cache, out, qo_indptr, block_tables, seq_lens_kv, work, mask_type,
-                                  window_left, sm_scale, output_scale, max_q_len) -> None:
+                                  window_left, sm_scale, output_scale, max_q_len, tuning="") -> None:
     return None

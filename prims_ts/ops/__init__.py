@@ -9,6 +9,7 @@ from .decode import (  # noqa: F401
 )
 from .mla import (  # noqa: F401
     BatchMLADecodePagedTSWrapper,
+    batch_decode_mla_with_paged_kv_cache,
     batch_mla_decode_with_paged_kv_cache,
     get_prims_ts_batch_decode_mla_workspace_size,
     prims_ts_batch_decode_with_kv_cache_mla,

@@ -18,21 +18,28 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import _validate as V
 
 
+def plain_eager(out: Optional[torch.Tensor] = None) -> bool:
+    """Nothing traces or intercepts this call (and ``out``, if given, is a plain tensor): a run
+    whose other tensors already matched its plan may launch its prepared kernel directly."""
+    return ((out is None or type(out) is torch.Tensor) and not V.tracing()
+            and not torch._C._is_torch_function_mode_enabled() and _get_current_dispatch_mode() is None)
+
+
 def eager_direct(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
     """True when an eager call on these tensors may skip the dispatcher."""
     for t in tensors:
         if t is not None and (type(t) is not torch.Tensor or not t.is_cuda):
             return False
-    return not (V.tracing() or torch._C._is_torch_function_mode_enabled()
-                or _get_current_dispatch_mode() is not None)
+    return plain_eager()
 
 
 def call(functional_op: Callable, out_op: Callable, run: Callable, inputs: tuple, args: tuple,
-         out: Optional[torch.Tensor], out_dtype: torch.dtype,
+         out: Optional[torch.Tensor], out_dtype: torch.dtype, tuning: str = "",
          out_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """``out_op(*inputs, out, *args)`` or ``functional_op(*inputs, *args, dtype_code(out_dtype))``.
+    """``out_op(*inputs, out, *args, tuning)`` or ``functional_op(*inputs, *args, dtype_code(out_dtype),
+    tuning)``.
 
-    `run(*inputs, out, *args)` is the implementation both ops call; the functional op
+    `run(*inputs, out, *args, tuning)` is the implementation both ops call; the functional op
     allocates ``out`` as ``empty(out_shape, out_dtype)`` first (``out_shape`` defaults to
     ``inputs[0].shape``, and must be what the functional op allocates).
     """
@@ -40,9 +47,9 @@ def call(functional_op: Callable, out_op: Callable, run: Callable, inputs: tuple
         if out is None:
             shape = inputs[0].shape if out_shape is None else out_shape
             out = torch.empty(shape, dtype=out_dtype, device=inputs[0].device)
-        run(*inputs, out, *args)
+        run(*inputs, out, *args, tuning)
         return out
     if out is None:
-        return functional_op(*inputs, *args, V.dtype_code(out_dtype))
-    out_op(*inputs, out, *args)
+        return functional_op(*inputs, *args, V.dtype_code(out_dtype), tuning)
+    out_op(*inputs, out, *args, tuning)
     return out

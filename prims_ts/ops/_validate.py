@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+
+from ..cuda.keys import DEFAULT_TUNING, Tuning
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,12 +61,17 @@ def tensor(
         fail(f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(t.stride())}")
     if vector_aligned and t.dim() > 0 and t.numel() > 0 and not tracing():
         # kernels read rows with 16-byte vectors: row starts must stay 16-byte aligned
-        esz = t.element_size()
         start_aligned(name, t)
-        if any((st * esz) % 16 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1):
-            fail(f"{name}: rows must be 16-byte aligned (strides {tuple(t.stride())}, "
-                 f"element size {esz})")
+        rows_aligned(name, t)
     return t
+
+
+def rows_aligned(name: str, t: torch.Tensor) -> None:
+    """Rows of ``t`` are a multiple of 16 bytes apart: the strides of its outer dimensions
+    (those of size > 1) times the element size (with an aligned start, every row is aligned)."""
+    esz = t.element_size()
+    if any((st * esz) % 16 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1):
+        fail(f"{name}: rows must be 16-byte aligned (strides {tuple(t.stride())}, element size {esz})")
 
 
 def start_aligned(name: str, t: torch.Tensor, nbytes: int = 16) -> None:
@@ -108,15 +116,15 @@ def input_dtype(name: str, value) -> torch.dtype:
 
 def head_dim(name: str, d: int, allowed: Sequence[int]) -> int:
     if d not in allowed:
-        fail(f"{name}: head dim {d} is not supported; expected one of {', '.join(map(str, allowed))}")
+        fail(f"{name}: head dim {d} is not supported; prims_ts supports head_dim {', '.join(map(str, allowed))}")
     return d
 
 
 def heads(hq: int, hkv: int, names: Tuple[str, str] = ("q", "k")) -> int:
     """Query heads per K/V head; `names` are the caller's arguments that carry the counts."""
     if hkv < 1 or hq < 1 or hq % hkv != 0:
-        fail(f"{names[0]}/{names[1]}: the number of query heads ({hq}) must be a positive multiple of "
-             f"the number of key/value heads ({hkv})")
+        fail(f"{names[0]}/{names[1]}: the Q head count ({hq}) must be divisible by the K/V head count ({hkv}) "
+             "(a positive multiple of it)")
     return hq // hkv
 
 
@@ -133,6 +141,15 @@ def scale(name: str, value, default: Optional[float] = None) -> float:
     if not math.isfinite(v) or v <= 0.0:
         fail(f"{name}: must be finite and positive, got {value}")
     return v
+
+
+def fast_scale(name: str, value, default: Optional[float]) -> float:
+    """``scale`` for run paths: a plain positive finite float passes with two compares."""
+    if value is None and default is not None:
+        return default
+    if type(value) is float and 0.0 < value < math.inf:
+        return value
+    return scale(name, value, default)
 
 
 def integer(name: str, value, *, minimum: Optional[int] = None) -> int:
@@ -157,7 +174,8 @@ def mask_and_window(mask_type: str, window_left, allowed: Sequence[str]) -> Tupl
     if window_left < -1:
         fail(f"window_left: must be -1 (no window) or >= 0, got {window_left}")
     if window_left >= 0 and mask_type != "causal":
-        fail(f"window_left: a window ({window_left}) needs mask_type='causal', got {mask_type!r}")
+        fail(f"window_left: a window ({window_left}) needs causal masking (a positive window_left requires "
+             f"mask_type='causal', as does 0), got {mask_type!r}")
     return mask_type, window_left
 
 
@@ -178,9 +196,20 @@ def code_dtype(code: int) -> torch.dtype:
     return OUTPUT_DTYPES[code]
 
 
-def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype) -> torch.dtype:
+def resolve_out_dtype(requested, out: Optional[torch.Tensor], q: torch.Tensor, name: str = "q") -> torch.dtype:
+    """A one-shot's output dtype: ``out_dtype`` (``requested``), else ``out.dtype``, else the
+    query's; given both, they must agree."""
+    tensor(name, q, dtypes=INPUT_DTYPES)
+    odt = out_dtype(requested, out, q.dtype)
+    if requested is not None and isinstance(out, torch.Tensor) and out.dtype != requested:
+        fail(f"out: dtype {_dtype_name(out.dtype)} disagrees with out_dtype {_dtype_name(requested)}")
+    return odt
+
+
+def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype, name: str = "out_dtype") -> torch.dtype:
+    """The output dtype: ``out_dtype`` (the argument ``name``), else ``out.dtype``, else ``default``."""
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
-        raise TypeError(f"out_dtype: expected a torch.dtype, got {type(out_dtype).__name__}")
+        raise TypeError(f"{name}: expected a torch.dtype, got {type(out_dtype).__name__}")
     if out_dtype is None and isinstance(out, torch.Tensor):
         if out.dtype not in OUTPUT_DTYPES:
             fail(f"out: dtype {_dtype_name(out.dtype)} is not supported; expected float16, bfloat16 or float32")
@@ -188,8 +217,28 @@ def out_dtype(out_dtype, out: Optional[torch.Tensor], default: torch.dtype) -> t
     if out_dtype is None:
         out_dtype = default
     if out_dtype not in OUTPUT_DTYPES:
-        fail(f"out_dtype: {_dtype_name(out_dtype)} is not supported; expected float16, bfloat16 or float32")
+        fail(f"{name}: {_dtype_name(out_dtype)} is not supported; expected float16, bfloat16 or float32")
     return out_dtype
+
+
+def tuning(value):
+    """A wrapper's ``tuning=``: None (the default) or a prims_ts.Tuning; returns the value and
+    its op code (``Tuning.encode()``: "" for the default)."""
+    if value is None:
+        return DEFAULT_TUNING, ""
+    if not isinstance(value, Tuning):
+        raise TypeError(f"tuning: expected a prims_ts.Tuning, got {type(value).__name__}")
+    return value, value.encode()
+
+
+def run_layout(named) -> None:
+    """What the kernels' vector accesses need of a run's tensors (each (name, tensor)): a
+    contiguous last dimension, 16-byte aligned rows and start. A run that launches its prepared
+    kernel directly has the launch check this (when the strides change, and the addresses every
+    call); every other run (CPU, traced, intercepted) checks here, with the same errors."""
+    for name, t in named:
+        if t is not None:
+            tensor(name, t, inner_contiguous=True, vector_aligned=True)
 
 
 INT32_MAX = 2**31 - 1
@@ -258,7 +307,7 @@ def out_tensor(
         return None
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape):
+    if out.shape != shape:
         fail(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
     if out.dtype != dtype:
         fail(f"out: expected dtype {_dtype_name(dtype)}, got {_dtype_name(out.dtype)}")
@@ -266,33 +315,15 @@ def out_tensor(
         fail(f"out: is on {out.device}, expected {device}")
     if not out.is_contiguous():
         fail("out: must be contiguous")
-    if aligned and out.numel() and not tracing() and out.data_ptr() % 16:
+    if aligned and not tracing() and out.data_ptr() % 16 and out.numel():
         fail(f"out: must start at a 16-byte aligned address, got {out.data_ptr():#x}")
-    if not tracing():
-        o0, o1 = span(out)
-        for name, t in inputs:
-            if t is None or t.device != out.device:
-                continue
-            a0, a1 = span(t)
-            if a0 < o1 and o0 < a1:
-                fail(f"out: overlaps {name}; the output must not share memory with any input")
+    no_overlap("out", out, inputs)
     return out
 
 
 # ----------------------------------------------------------------------------
 # Metadata
 # ----------------------------------------------------------------------------
-
-
-def disjoint(name: str, t: torch.Tensor, others: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
-    """``t`` (a workspace, an output) shares no byte with any of ``others`` on its device."""
-    a0, a1 = span(t)
-    for other, o in others:
-        if o is None or o.device != t.device:
-            continue
-        b0, b1 = span(o)
-        if a0 < b1 and b0 < a1:
-            fail(f"{name}: overlaps {other}; it must not share memory with any other argument")
 
 
 def block_table(name: str, t, batch: Optional[int] = None) -> Tuple[int, int]:
@@ -320,29 +351,83 @@ def int32_vector(name: str, t, length: Optional[int] = None, device: Optional[to
     return t
 
 
-def values_indptr(name: str, values: List[int], end: int, end_name: str, strict: bool = True) -> None:
-    """indptr values: start at 0, (strictly) increasing, end at `end`."""
-    if values[0] != 0:
-        fail(f"{name}: must start at 0, got {values[0]}")
-    for i in range(len(values) - 1):
-        if values[i + 1] < values[i] or (strict and values[i + 1] == values[i]):
-            fail(f"{name}: must be {'strictly ' if strict else ''}increasing; "
-                 f"entries {i} and {i + 1} are {values[i]} and {values[i + 1]}")
-    if values[-1] != end:
-        fail(f"{name}: must end at {end_name} = {end}, got {values[-1]}")
+def first(mask: np.ndarray):
+    """The index of the first True entry of a host mask: an int (1-D) or a tuple of ints."""
+    at = np.argwhere(mask)[0]
+    return int(at[0]) if mask.ndim == 1 else tuple(int(x) for x in at)
 
 
-def values_block_table(name: str, table: torch.Tensor, lens: List[int], page_size: int,
+def values_indptr(name: str, values, end: Optional[int], end_name: str, strict: bool = True) -> None:
+    """indptr values (a host array or a list): start at zero, (strictly) increasing, end at
+    `end` (None: anywhere). Whole-array checks; the first bad entry is named."""
+    t = np.asarray(values, dtype=np.int64)
+    if int(t[0]) != 0:
+        fail(f"{name}: must start at zero, got {int(t[0])}")
+    d = np.diff(t)
+    bad = (d <= 0) if strict else (d < 0)
+    if bad.any():
+        i = first(bad)
+        fail(f"{name}: must be {'strictly ' if strict else ''}increasing"
+             + (" (every request holds at least one entry)" if strict else "")
+             + f"; entries {i} and {i + 1} are {int(t[i])} and {int(t[i + 1])}")
+    if end is not None and int(t[-1]) != end:
+        fail(f"{name}: the final {name} offset must equal {end_name} = {end}, got {int(t[-1])}")
+
+
+def host_values(*tensors: torch.Tensor) -> List[np.ndarray]:
+    """The values of int32 tensors on the host, flattened, as int64 NumPy arrays, with one
+    device-to-host copy (a one-shot's or a plan's only read of metadata); the checks then run
+    as whole-array NumPy operations (a microsecond each, where a small torch op costs several)."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to("cpu").numpy().astype(np.int64)
+    out, at = [], 0
+    for t in tensors:  # views of the one copy
+        n = t.numel()
+        out.append(flat[at:at + n])
+        at += n
+    return out
+
+
+def to_device(device: torch.device, *arrays: np.ndarray) -> List[torch.Tensor]:
+    """Host arrays as int32 tensors on `device`, with one host-to-device copy."""
+    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int32).reshape(-1) for a in arrays])).to(device)
+    return list(flat.split([int(np.size(a)) for a in arrays]))
+
+
+def matches(t, shape, dtype: torch.dtype, device: torch.device) -> bool:
+    """A plain tensor of exactly this shape, dtype and device (a run's cheap check against its plan)."""
+    return type(t) is torch.Tensor and t.shape == shape and t.dtype is dtype and t.device == device
+
+
+def no_overlap(name: str, t: torch.Tensor, others: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
+    """``t`` shares no byte with any of ``others`` ("out must not overlap q storage"): pointer
+    ranges (a contiguous tensor's bytes; a strided one's extent), compared on one device."""
+    if tracing() or t.numel() == 0:
+        return
+    a0 = t.data_ptr()
+    a1 = a0 + t.nbytes if t.is_contiguous() else span(t)[1]
+    for other, o in others:
+        if o is None:
+            continue
+        b0 = o.data_ptr()
+        b1 = b0 + o.nbytes if o.is_contiguous() else span(o)[1]
+        if a0 < b1 and b0 < a1 and o.numel() and o.device == t.device:
+            fail(f"{name} must not overlap {other} storage")
+
+
+def values_block_table(name: str, table: np.ndarray, lens: np.ndarray, page_size: int,
                        num_pages: Optional[int]) -> int:
     """The used entries of a page table (row b's first ceil(lens[b] / page_size)) are page IDs in
-    ``[0, num_pages)`` (``num_pages`` None: only ``>= 0``). ``table`` is on the host; ``lens`` are
-    already checked against its row capacity. Returns the largest used page ID."""
-    need = torch.tensor([(n + page_size - 1) // page_size for n in lens], dtype=torch.int64)
-    used = torch.arange(table.shape[1]).unsqueeze(0) < need.unsqueeze(1)  # [B, C]
-    ids = table.to(torch.int64)
-    bad = used & ((ids < 0) | (ids >= (num_pages if num_pages is not None else INT32_MAX + 1)))
-    if bool(bad.any()):
-        b, c = (int(x) for x in bad.nonzero()[0])
-        fail(f"{name}: request {b} uses page ID {int(ids[b, c])} (column {c}), outside "
+    ``[0, num_pages)`` (``num_pages`` None: only ``>= 0``). ``table`` ``[B, C]`` and ``lens`` are
+    host arrays, the lengths already checked against the row capacity. Returns the largest used
+    page ID."""
+    need = (np.asarray(lens, dtype=np.int64) + page_size - 1) // page_size
+    used = np.arange(table.shape[1])[None, :] < need[:, None]  # [B, C]
+    hi = num_pages if num_pages is not None else INT32_MAX + 1
+    bad = used & ((table < 0) | (table >= hi))
+    if bad.any():
+        b, c = first(bad)
+        fail(f"{name}: request {b} uses page ID {int(table[b, c])} (column {c}), outside "
              f"[0, {num_pages if num_pages is not None else 'P'})")
-    return int(ids[used].max()) if bool(used.any()) else -1
+    return int(table[used].max()) if used.any() else -1

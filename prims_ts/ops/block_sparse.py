@@ -1,10 +1,11 @@
-"""Paged block-sparse attention: ``block_sparse_attention_with_paged_kv_cache`` and
-``BlockSparsePagedTSWrapper``.
+"""Paged block-sparse attention: ``BlockSparsePagedTSWrapper`` and
+``block_sparse_attention_with_paged_kv_cache``.
 
-Public: ``block_sparse_attention_with_paged_kv_cache`` (one-shot: validates the live page
-        and BSR metadata on the host, plans, runs; not capturable) and
-        ``BlockSparsePagedTSWrapper`` (plan outside capture; ``run`` takes live page IDs
-        and routes, never synchronises with the host, is capturable).
+Public: ``BlockSparsePagedTSWrapper`` (plan outside capture; ``run`` takes live page IDs
+        and routes, never synchronises with the host, is capturable) and
+        ``block_sparse_attention_with_paged_kv_cache`` (one-shot: validates the live page
+        and BSR metadata on the host with whole-tensor checks, then the wrapper's plan and
+        run; not capturable).
 Ops:    ``torch.ops.prims_ts.block_sparse_attention`` (functional) and
         ``torch.ops.prims_ts.block_sparse_attention_out`` (writes ``out``).
 Fakes:  ``prims_ts/meta/block_sparse.py``; CPU kernel: ``prims_ts.reference.block_sparse_attention``.
@@ -12,14 +13,17 @@ Fakes:  ``prims_ts/meta/block_sparse.py``; CPU kernel: ``prims_ts.reference.bloc
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from .. import reference
+from ..cuda.keys import Tuning
 from . import _dispatch
 from . import _validate as V
-from .decode import _check_layout, split_cache
+from .decode import _check_page_size, check_dtypes, named_cache, plan_cache, split_cache
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -34,16 +38,27 @@ KVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 # ----------------------------------------------------------------------------
 
 
+def _static(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, batch, seq_len_q, q_block_size, kv_block_size,
+            valid_words, mask_type, out_dtype, tuning: Tuning):
+    from ..cuda.block_sparse import BlockSparseStatic
+
+    return BlockSparseStatic(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, batch, seq_len_q, q_block_size,
+                             kv_block_size, valid_words, mask_type == "causal", out_dtype, tuning)
+
+
 def _run(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits,
-         q_block_size, kv_block_size, mask_type, sm_scale) -> None:
+         q_block_size, kv_block_size, mask_type, sm_scale, tuning) -> None:
     if out.numel() == 0:
         return
     if q.device.type == "cuda":
-        from ..cuda import kernels
+        from ..cuda import block_sparse as K
 
-        kernels.launch_block_sparse(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices,
-                                    q_block_size, kv_block_size, seq_lens, valid_bits, mask_type == "causal",
-                                    sm_scale)
+        batch, sq, hq, d = q.shape
+        static = _static(q.dtype, d, hq, k_cache.shape[1], k_cache.shape[2], batch, sq, q_block_size, kv_block_size,
+                         valid_bits.shape[1] if valid_bits is not None else 0, mask_type, out.dtype,
+                         Tuning.decode(tuning))
+        K.prepared(static, q.device.index).run(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr,
+                                               block_indices, seq_lens, valid_bits, sm_scale)
     else:
         out.copy_(reference.block_sparse_attention(
             q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, block_indices, q_block_size, kv_block_size,
@@ -67,10 +82,11 @@ def block_sparse_attention_out_op(
     kv_block_size: int,
     mask_type: str,
     sm_scale: float,
+    tuning: str = "",
 ) -> None:
     """Writes block-sparse attention into ``out``. Trusted arguments: validate first."""
     _run(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits,
-         q_block_size, kv_block_size, mask_type, sm_scale)
+         q_block_size, kv_block_size, mask_type, sm_scale, tuning)
 
 
 @torch.library.custom_op("prims_ts::block_sparse_attention", mutates_args=())
@@ -89,272 +105,378 @@ def block_sparse_attention_op(
     mask_type: str,
     sm_scale: float,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     """Functional form of ``block_sparse_attention_out``: returns a new output tensor."""
     out = torch.empty(q.shape, dtype=V.code_dtype(out_dtype), device=q.device)
     _run(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits,
-         q_block_size, kv_block_size, mask_type, sm_scale)
+         q_block_size, kv_block_size, mask_type, sm_scale, tuning)
     return out
 
 
 # ----------------------------------------------------------------------------
-# Static validation (no metadata values)
+# Validation
 # ----------------------------------------------------------------------------
-
-
-class _Geometry:
-    """What the static checks establish about one call."""
-
-    def __init__(self, batch, sq, hq, hkv, d, page_size, num_pages, rows_r, device, dtype):
-        self.batch, self.sq, self.hq, self.hkv, self.d = batch, sq, hq, hkv, d
-        self.page_size, self.num_pages, self.rows_r = page_size, num_pages, rows_r
-        self.device, self.dtype = device, dtype
 
 
 def check_block_sizes(q_block_size, kv_block_size, group: int) -> None:
     V.integer("q_block_size", q_block_size, minimum=1)
     V.integer("kv_block_size", kv_block_size, minimum=1)
     if (q_block_size * group) % 8 != 0:
-        V.fail(f"q_block_size: q_block_size * (Hq / Hkv) = {q_block_size} * {group} must be a multiple of 8 "
+        V.fail(f"q_block_size: q_block_size * (Hq / Hkv) = {q_block_size} * {group} must be divisible by 8 "
                "(a Q tile must not cross BSR rows)")
     if kv_block_size not in (8, 16, 32) and kv_block_size % 64 != 0:
-        V.fail(f"kv_block_size: must be 8, 16, 32 or a positive multiple of 64, got {kv_block_size}")
+        V.fail(f"kv_block_size: must be 8, 16, 32, or a positive multiple of 64, got {kv_block_size}")
 
 
-def _check_static(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, block_indices, q_block_size,
-                  kv_block_size, max_seq_len_kv, seq_lens, valid_bits) -> _Geometry:
-    V.tensor("q", q, dtypes=V.INPUT_DTYPES, ndim=4, inner_contiguous=True, vector_aligned=True)
-    if q.dtype != k_cache.dtype:
-        V.fail(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
-    batch, sq, hq, d = q.shape
-    V.batch_size("q", batch)
-    if batch < 1 or sq < 1:
-        V.fail(f"q: expected [B, Sq, Hq, D] with B, Sq >= 1, got shape {tuple(q.shape)}")
-    num_pages, hkv, page_size, dk = k_cache.shape
-    if page_size not in PAGE_SIZES:
-        V.fail(f"paged_kv_cache: page size {page_size} is not supported; expected one of "
-               f"{', '.join(map(str, PAGE_SIZES))}")
-    V.head_dim("q", d, HEAD_DIMS)
-    if dk != d:
-        V.fail(f"paged_kv_cache: head dim {dk} differs from q's {d}")
-    group = V.heads(hq, hkv, ("q", "paged_kv_cache"))
-    check_block_sizes(q_block_size, kv_block_size, group)
-    V.key_length_bound("max_seq_len_kv", max_seq_len_kv)
-    rows_r = -(-sq // q_block_size)
-    V.int32_vector("paged_kv_indptr", kv_indptr, length=batch + 1)
-    V.int32_vector("paged_kv_indices", kv_indices)
-    V.int32_vector("seq_lens_kv", seq_lens, length=batch)
-    V.tensor("block_indptr", block_indptr, dtypes=(torch.int32,), ndim=3, contiguous=True)
+def check_routes_static(block_indptr, block_indices, batch: int, hkv: int, rows_r: int) -> None:
+    V.tensor("block_indptr", block_indptr, dtypes=(torch.int32,), contiguous=True)
+    if block_indptr.dim() != 3:
+        V.fail(f"block_indptr must be rank 3 ([B, Hkv, ceil(Sq / q_block_size) + 1]), got rank {block_indptr.dim()}")
     if tuple(block_indptr.shape) != (batch, hkv, rows_r + 1):
         V.fail(f"block_indptr: expected [B, Hkv, ceil(Sq / q_block_size) + 1] = {(batch, hkv, rows_r + 1)}, "
                f"got {tuple(block_indptr.shape)}")
     V.int32_vector("block_indices", block_indices)
-    if valid_bits is not None:
-        V.tensor("kv_valid_bits", valid_bits, dtypes=VALID_BITS_DTYPES, ndim=2, contiguous=True)
-        words = -(-max_seq_len_kv // 32)
-        if tuple(valid_bits.shape) != (batch, words):
-            V.fail(f"kv_valid_bits: expected [B, ceil(max_seq_len_kv / 32)] = {(batch, words)}, "
-                   f"got {tuple(valid_bits.shape)}")
-    device = V.same_device([("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache),
-                            ("paged_kv_indptr", kv_indptr),
-                            ("paged_kv_indices", kv_indices), ("block_indptr", block_indptr),
-                            ("block_indices", block_indices), ("seq_lens_kv", seq_lens),
-                            ("kv_valid_bits", valid_bits)])
-    return _Geometry(batch, sq, hq, hkv, d, page_size, num_pages, rows_r, device, q.dtype)
 
 
-def _inputs(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits):
-    return [("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache), ("paged_kv_indptr", kv_indptr),
-            ("paged_kv_indices", kv_indices), ("block_indptr", block_indptr), ("block_indices", block_indices),
-            ("seq_lens_kv", seq_lens), ("kv_valid_bits", valid_bits)]
+def check_valid_bits(valid_bits, batch: int, seq_len_kv: int, use: bool, bound_name: str) -> int:
+    """Words per request of ``kv_valid_bits`` (0 without), against the plan's flag."""
+    if use and valid_bits is None:
+        V.fail("kv_valid_bits: kv_valid_bits is required when use_kv_valid_bits=True")
+    if not use and valid_bits is not None:
+        V.fail("kv_valid_bits: kv_valid_bits must be None when use_kv_valid_bits=False")
+    if valid_bits is None:
+        return 0
+    V.tensor("kv_valid_bits", valid_bits, dtypes=VALID_BITS_DTYPES, ndim=2, contiguous=True)
+    words = -(-seq_len_kv // 32)
+    if tuple(valid_bits.shape) != (batch, words):
+        V.fail(f"kv_valid_bits: expected [B, ceil({bound_name} / 32)] = {(batch, words)}, "
+               f"got {tuple(valid_bits.shape)}")
+    return words
 
 
-# ----------------------------------------------------------------------------
-# Metadata values (host reads: the one-shot and the wrapper's plan only)
-# ----------------------------------------------------------------------------
-
-
-def check_lengths(lens: List[int], max_seq_len_kv: int, sq: int, mask_type: str) -> None:
-    for b, n in enumerate(lens):
-        if not 1 <= n <= max_seq_len_kv:
-            V.fail(f"seq_lens_kv: request {b} has {n} keys; expected 1 <= seq_lens_kv <= max_seq_len_kv "
-                   f"({max_seq_len_kv})")
-        if mask_type == "causal" and sq > n:
-            V.fail(f"seq_lens_kv: causal masking needs Sq <= Sk, but request {b} has Sq={sq} > Sk={n}")
-
-
-def check_pages(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, lens: List[int], page_size: int,
-                num_pages: int) -> None:
-    """CSR pages: a valid indptr, enough pages for each live length, and the complete live
-    page-ID prefix of every request inside the cache."""
-    ip = [int(x) for x in kv_indptr.tolist()]
-    V.values_indptr("paged_kv_indptr", ip, kv_indices.shape[0], "paged_kv_indices.numel()", strict=False)
-    ids = kv_indices.to("cpu", torch.int64)
-    for b, n in enumerate(lens):
-        need = -(-n // page_size)
-        if ip[b + 1] - ip[b] < need:
-            V.fail(f"paged_kv_indptr: request {b} has {ip[b + 1] - ip[b]} pages, fewer than the "
-                   f"{need} its {n} keys need")
-        live = ids[ip[b]: ip[b] + need]
-        bad = (live < 0) | (live >= num_pages)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            V.fail(f"paged_kv_indices: request {b} uses page ID {int(live[i])}, outside [0, {num_pages})")
-
-
-def check_routes(block_indptr: torch.Tensor, block_indices: torch.Tensor, lens: List[int],
-                 kv_block_size: int) -> int:
-    """Canonical BSR rows: offsets within ``block_indices``, non-decreasing along each row,
-    block IDs strictly increasing, each starting before its request's length. Returns the
+def check_route_values(ptr: np.ndarray, ids: np.ndarray, lens: np.ndarray, kv_block_size: int) -> int:
+    """Canonical BSR rows, whole-array checks over host arrays (``ptr`` ``[B, Hkv, R + 1]``):
+    offsets inside ``block_indices`` and non-decreasing along each row, block IDs strictly
+    increasing within a row and starting before the row's request length. Returns the
     largest number of blocks in a row."""
-    ptr = block_indptr.to("cpu", torch.int64)
-    ids = block_indices.to("cpu", torch.int64)
     n_ids = ids.shape[0]
-    starts, ends = ptr[..., :-1], ptr[..., 1:]
-    if bool(((ptr < 0) | (ptr > n_ids)).any()):
-        b, h, r = (int(x) for x in ((ptr < 0) | (ptr > n_ids)).nonzero()[0])
+    bad = (ptr < 0) | (ptr > n_ids)
+    if bad.any():
+        b, h, r = V.first(bad)
         V.fail(f"block_indptr: entry [{b}, {h}, {r}] = {int(ptr[b, h, r])} is outside [0, block_indices.numel() "
                f"= {n_ids}]")
-    if bool((ends < starts).any()):
-        b, h, r = (int(x) for x in (ends < starts).nonzero()[0])
-        V.fail(f"block_indptr: row [{b}, {h}, {r}] ends before it starts ({int(ends[b, h, r])} < "
-               f"{int(starts[b, h, r])}); offsets must be non-decreasing")
-    most = 0
-    for b in range(ptr.shape[0]):
-        limit = -(-lens[b] // kv_block_size)  # blocks must start before the request's length
-        for h in range(ptr.shape[1]):
-            for r in range(ptr.shape[2] - 1):
-                row = ids[int(ptr[b, h, r]): int(ptr[b, h, r + 1])]
-                most = max(most, row.shape[0])
-                if row.numel() == 0:
-                    continue
-                if bool((row[1:] <= row[:-1]).any()):
-                    V.fail(f"block_indices: row [{b}, {h}, {r}] is not strictly increasing "
-                           f"(unsorted or repeated block IDs: {row.tolist()[:16]})")
-                if int(row[0]) < 0 or int(row[-1]) >= limit:
-                    V.fail(f"block_indices: row [{b}, {h}, {r}] selects block "
-                           f"{int(row[0]) if int(row[0]) < 0 else int(row[-1])}, outside [0, {limit}) "
-                           f"(request {b} has {lens[b]} keys, kv_block_size {kv_block_size})")
-    return most
+    starts, ends = ptr[..., :-1].reshape(-1), ptr[..., 1:].reshape(-1)
+    counts = ends - starts
+    bad = counts < 0
+    if bad.any():
+        b, h, r = _row_index(V.first(bad), ptr.shape)
+        V.fail(f"block_indptr: row [{b}, {h}, {r}] ends before it starts ({int(ptr[b, h, r + 1])} < "
+               f"{int(ptr[b, h, r])}); offsets must be non-decreasing")
+    total = int(counts.sum())
+    if total == 0:
+        return 0
+    rows_per_b = ptr.shape[1] * (ptr.shape[2] - 1)
+    limits = (lens + kv_block_size - 1) // kv_block_size  # blocks must start before the request's length
+    if (starts[1:] == ends[:-1]).all():
+        _check_packed_rows(ids[int(starts[0]):int(ends[-1])], starts - starts[0], counts, limits, rows_per_b,
+                           ptr, lens, kv_block_size)
+    else:  # rows that skip or share entries: gather each row's blocks
+        row = np.repeat(np.arange(counts.shape[0]), counts)
+        first = np.cumsum(counts) - counts
+        _check_rows(ids[starts[row] + np.arange(total) - first[row]], row, limits[row // rows_per_b], ptr, lens,
+                    kv_block_size)
+    return int(counts.max())
+
+
+def _row_of(rel_starts: np.ndarray, counts: np.ndarray, i: int) -> int:
+    """The (non-empty) row holding entry i of back-to-back rows."""
+    r = int(np.searchsorted(rel_starts, i, side="right")) - 1
+    while int(counts[r]) == 0:  # an empty row shares its offset with the next
+        r += 1
+    return r
+
+
+def _check_packed_rows(vals, rel_starts, counts, limits, rows_per_b, ptr, lens, kv_block_size) -> None:
+    """Rows stored back to back (the usual BSR layout): whole-array compares, no gather. A row
+    starts at each offset; a block must exceed its predecessor unless it starts a row; each
+    request's blocks (a contiguous stretch) must lie in [0, its block count)."""
+    starts_row = np.zeros(vals.shape[0] + 1, dtype=bool)
+    starts_row[rel_starts[counts > 0]] = True
+    bad = (vals[1:] <= vals[:-1]) & ~starts_row[1:-1]
+    if bad.any():
+        r = _row_of(rel_starts, counts, V.first(bad) + 1)
+        b, h, rr = _row_index(r, ptr.shape)
+        n0 = int(rel_starts[r])
+        V.fail(f"block_indices: row [{b}, {h}, {rr}] is not strictly increasing (unsorted or repeated block IDs: "
+               f"{vals[n0:n0 + int(counts[r])].tolist()[:16]})")
+    per_b = counts.reshape(-1, rows_per_b).sum(1)
+    if int(vals.min()) >= 0 and int(vals.max()) < int(limits[per_b > 0].min()):
+        return  # every block is in range
+    ends_b = np.cumsum(per_b)
+    seg_start = np.concatenate([[0], ends_b[:-1]])
+    nonempty = per_b > 0
+    hi = np.full(per_b.shape, -1, dtype=np.int64)
+    lo = np.zeros(per_b.shape, dtype=np.int64)
+    hi[nonempty] = np.maximum.reduceat(vals, seg_start[nonempty])
+    lo[nonempty] = np.minimum.reduceat(vals, seg_start[nonempty])
+    bad_b = nonempty & ((lo < 0) | (hi >= limits))
+    if bad_b.any():
+        b = V.first(bad_b)
+        seg_vals = vals[seg_start[b]:ends_b[b]]
+        j = V.first((seg_vals < 0) | (seg_vals >= limits[b])) + int(seg_start[b])
+        bb, h, rr = _row_index(_row_of(rel_starts, counts, j), ptr.shape)
+        V.fail(f"block_indices: row [{bb}, {h}, {rr}] selects block {int(vals[j])}, outside [0, {int(limits[b])}) "
+               f"(request {bb} has {int(lens[bb])} keys, kv_block_size {kv_block_size})")
+
+
+def _check_rows(vals, row, limit, ptr, lens, kv_block_size) -> None:
+    """The gathered blocks of every row (``row``: each block's row; ``limit``: its request's block count)."""
+    bad = (row[1:] == row[:-1]) & (vals[1:] <= vals[:-1])
+    if bad.any():
+        i = V.first(bad)
+        b, h, r = _row_index(int(row[i]), ptr.shape)
+        V.fail(f"block_indices: row [{b}, {h}, {r}] is not strictly increasing (unsorted or repeated block IDs: "
+               f"{vals[row == row[i]].tolist()[:16]})")
+    bad = (vals < 0) | (vals >= limit)
+    if bad.any():
+        i = V.first(bad)
+        b, h, r = _row_index(int(row[i]), ptr.shape)
+        V.fail(f"block_indices: row [{b}, {h}, {r}] selects block {int(vals[i])}, outside [0, {int(limit[i])}) "
+               f"(request {b} has {int(lens[b])} keys, kv_block_size {kv_block_size})")
+
+
+def _row_index(flat: int, shape) -> Tuple[int, int, int]:
+    rows = shape[2] - 1
+    return flat // (shape[1] * rows), flat // rows % shape[1], flat % rows
+
+
+def check_lengths(lens: np.ndarray, seq_len_kv: int, sq: int, mask_type: str, name: str, bound_name: str) -> None:
+    lo = sq if mask_type == "causal" else 1
+    bad = (lens < lo) | (lens > seq_len_kv)
+    if bad.any():
+        b = V.first(bad)
+        V.fail(f"{name}: request {b} has {int(lens[b])} keys; seq_lens_kv values must be in [{lo}, {seq_len_kv}] "
+               f"(1 <= length <= {bound_name}" + (", and Sq <= Sk under causal masking)" if lo > 1 else ")"))
+
+
+def check_page_counts(ip: np.ndarray, lens: np.ndarray, page_size: int) -> None:
+    """CSR pages: indptr starts at zero, never decreases, and gives every request the pages its
+    live length needs."""
+    V.values_indptr("paged_kv_indptr", ip, None, "", strict=False)
+    need = (lens + page_size - 1) // page_size
+    have = np.diff(ip)
+    bad = have < need
+    if bad.any():
+        b = V.first(bad)
+        V.fail(f"paged_kv_indptr: each paged_kv_indptr request must contain at least {int(need[b])} pages for its "
+               f"{int(lens[b])} keys; request {b} contains {int(have[b])}")
 
 
 # ----------------------------------------------------------------------------
-# Wrapper and one-shot
+# The plan and its wrapper
 # ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSparsePlan:
+    static: object  # cuda.block_sparse.BlockSparseStatic
+    device: torch.device
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    q_shape: tuple
+    geometry: tuple  # (Hkv, page_size, D)
+    route_shape: tuple  # block_indptr's
+    seq_len_kv: int
+    max_blocks_per_row: int
+    use_valid_bits: bool
+    kv_indptr: torch.Tensor  # the plan's copy
+    seq_lens: torch.Tensor  # the plan's copy (or seq_len_kv for every request)
+    num_indices: int  # paged_kv_indptr[-1]: the length a run's paged_kv_indices must have
+    launch: Optional[object]  # cuda.block_sparse.PreparedBlockSparse
+    tuning_code: str
 
 
 class BlockSparsePagedTSWrapper:
     """Plan/run paged block-sparse attention.
 
-    ``plan`` fixes the geometry (batch, Sq, heads, head dim, page size, block sizes,
-    ``max_seq_len_kv``, mask, scale, the valid-bits flag) and checks a snapshot of the
-    lengths; ``run`` takes the live page IDs, routes and lengths (trusted, within the
-    plan: ``1 <= seq_lens_kv <= max_seq_len_kv``, canonical routes, live page IDs in the
-    cache), does no host synchronisation and allocates nothing when ``out`` is given, so
-    it can be captured in a CUDA graph once warmed.
+    ``plan`` fixes the geometry (batch, Sq, heads, head dim, page size, block sizes, the
+    length bound ``seq_len_kv``, the mask, whether runs pass valid bits and the route
+    capacity ``max_blocks_per_row``), reads ``paged_kv_indptr`` (and ``seq_lens_kv``, if given:
+    else every request has ``seq_len_kv`` keys) once on the host, validates them and copies
+    them into the plan's own device tensors. ``run`` takes the live page IDs, routes and
+    valid bits (trusted, within the plan: canonical routes, live page IDs inside the cache),
+    does no host synchronisation and allocates nothing when ``out`` is given, so it can be
+    captured in a CUDA graph once warmed.
     """
 
-    def __init__(self, device: Optional[Union[torch.device, str]] = None):
-        self.device = torch.device(device) if device is not None else None
-        self._plan = None
+    def __init__(self, *, tuning: Optional[Tuning] = None):
+        self.tuning, self._tuning_code = V.tuning(tuning)
+        self._plan: Optional[BlockSparsePlan] = None
 
     def plan(
         self,
-        batch_size: int,
+        paged_kv_indptr: torch.Tensor,
         seq_len_q: int,
+        seq_len_kv: int,
         num_qo_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        page_size: int,
         q_block_size: int,
         kv_block_size: int,
-        max_seq_len_kv: int,
+        page_size: int,
         *,
+        max_blocks_per_row: int,
+        use_kv_valid_bits: bool,
         seq_lens_kv: Optional[torch.Tensor] = None,
-        use_valid_bits: bool = False,
         mask_type: str = "dense",
-        sm_scale: Optional[float] = None,
-        q_data_type: torch.dtype = torch.bfloat16,
-        kv_layout: str = "HND",
+        q_data_type: torch.dtype = torch.float16,
+        kv_data_type: Optional[torch.dtype] = None,
+        o_data_type: Optional[torch.dtype] = None,
     ) -> None:
-        _check_layout(kv_layout)
-        for name, val in (("batch_size", batch_size), ("seq_len_q", seq_len_q), ("num_qo_heads", num_qo_heads),
-                          ("num_kv_heads", num_kv_heads)):
+        self._plan = self._make_plan(paged_kv_indptr, seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim,
+                                     q_block_size, kv_block_size, page_size, max_blocks_per_row, use_kv_valid_bits,
+                                     seq_lens_kv, mask_type, q_data_type, kv_data_type, o_data_type, None)
+
+    def _make_plan(self, paged_kv_indptr, seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim, q_block_size,
+                   kv_block_size, page_size, max_blocks_per_row, use_kv_valid_bits, seq_lens_kv, mask_type,
+                   q_data_type, kv_data_type, o_data_type, values) -> BlockSparsePlan:
+        """`values`: the one-shot's host copies (indptr, lengths) of metadata it already read."""
+        V.integer("seq_len_q", seq_len_q)
+        if seq_len_q < 1:
+            V.fail(f"seq_len_q: seq_len_q must be positive, got {seq_len_q}")
+        V.key_length_bound("seq_len_kv", seq_len_kv)
+        for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             V.integer(name, val, minimum=1)
         group = V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
         d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
-        V.integer("page_size", page_size)
-        if page_size not in PAGE_SIZES:
-            V.fail(f"page_size: {page_size} is not supported; expected one of {', '.join(map(str, PAGE_SIZES))}")
+        page_size = _check_page_size(page_size)
         check_block_sizes(q_block_size, kv_block_size, group)
-        V.key_length_bound("max_seq_len_kv", max_seq_len_kv)
-        if not isinstance(use_valid_bits, bool):
-            raise TypeError(f"use_valid_bits: expected a bool, got {type(use_valid_bits).__name__}")
-        V.input_dtype("q_data_type", q_data_type)
+        if isinstance(max_blocks_per_row, bool) or not isinstance(max_blocks_per_row, int):
+            raise TypeError(f"max_blocks_per_row: expected a Python integer, got {type(max_blocks_per_row).__name__}")
+        blocks = -(-seq_len_kv // kv_block_size)
+        if max_blocks_per_row < 0:
+            V.fail(f"max_blocks_per_row: must be non-negative, got {max_blocks_per_row}")
+        if max_blocks_per_row > blocks:
+            V.fail(f"max_blocks_per_row: {max_blocks_per_row} cannot exceed the number of semantic KV blocks "
+                   f"({blocks}: ceil(seq_len_kv / kv_block_size))")
+        if not isinstance(use_kv_valid_bits, bool):
+            raise TypeError(f"use_kv_valid_bits: expected a bool, got {type(use_kv_valid_bits).__name__}")
+        dtype, odt = check_dtypes(q_data_type, kv_data_type, o_data_type)
         mask_type = V.choice("mask_type", mask_type, MASKS)
-        sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(d))
-        if seq_lens_kv is not None:  # a snapshot: checked once, here
-            V.int32_vector("seq_lens_kv", seq_lens_kv, length=batch_size)
-            check_lengths([int(x) for x in seq_lens_kv.tolist()], max_seq_len_kv, seq_len_q, mask_type)
-        elif mask_type == "causal" and seq_len_q > max_seq_len_kv:
-            V.fail(f"seq_len_q: causal masking needs Sq <= max_seq_len_kv, got {seq_len_q} > {max_seq_len_kv}")
-        from ..cuda import kernels
+        if mask_type == "causal" and seq_len_q > seq_len_kv:
+            V.fail(f"seq_len_q: causal block-sparse requires seq_len_q <= seq_len_kv, got {seq_len_q} > {seq_len_kv}")
+        V.int32_vector("paged_kv_indptr", paged_kv_indptr)
+        if paged_kv_indptr.shape[0] < 2:
+            V.fail(f"paged_kv_indptr: expected [B+1] with B >= 1, got shape {tuple(paged_kv_indptr.shape)}")
+        batch = V.batch_size("paged_kv_indptr", paged_kv_indptr.shape[0] - 1)
+        if seq_lens_kv is not None:
+            V.int32_vector("seq_lens_kv", seq_lens_kv, length=batch)
+        device = V.same_device([("paged_kv_indptr", paged_kv_indptr), ("seq_lens_kv", seq_lens_kv)])
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("BlockSparsePagedTSWrapper: planning reads metadata on the host and cannot run during "
+                               "CUDA Graph capture; plan before capturing")
+        if values is None:
+            ip, *lens = V.host_values(paged_kv_indptr, *((seq_lens_kv,) if seq_lens_kv is not None else ()))
+            lens = lens[0] if lens else np.full(batch, seq_len_kv, dtype=np.int64)
+        else:
+            ip, lens = values
+        check_lengths(lens, seq_len_kv, seq_len_q, mask_type, "seq_lens_kv", "seq_len_kv")
+        check_page_counts(ip, lens, page_size)
+        rows_r = -(-seq_len_q // q_block_size)
+        words = -(-seq_len_kv // 32) if use_kv_valid_bits else 0
+        static = _static(dtype, d, num_qo_heads, num_kv_heads, page_size, batch, seq_len_q, q_block_size,
+                         kv_block_size, words, mask_type, odt, self.tuning)
+        launch = None
+        if device.type == "cuda":
+            from ..cuda import block_sparse as K
 
-        # the kernel compiled and loaded now, not in run (no device named: the current CUDA one)
-        kernels.warm_block_sparse(self.device or (seq_lens_kv.device if seq_lens_kv is not None else None),
-                                  q_data_type, d, mask_type == "causal", kv_block_size,
-                                  min(q_block_size, seq_len_q) * group)
-        self._plan = dict(batch=batch_size, sq=seq_len_q, hq=num_qo_heads, hkv=num_kv_heads, d=d,
-                          page_size=page_size, q_block=q_block_size, kv_block=kv_block_size,
-                          max_seq_len_kv=max_seq_len_kv, bits=use_valid_bits, mask_type=mask_type,
-                          sm_scale=sm_scale, dtype=q_data_type)
+            launch = K.prepared(static, device.index)  # loaded before any state changes
+        kv_indptr, seq_lens = V.to_device(device, ip, lens)
+        return BlockSparsePlan(static, device, dtype, odt, (batch, seq_len_q, num_qo_heads, d),
+                               (num_kv_heads, page_size, d), (batch, num_kv_heads, rows_r + 1), seq_len_kv,
+                               max_blocks_per_row, use_kv_valid_bits, kv_indptr, seq_lens, int(ip[-1]),
+                               launch, self._tuning_code)
 
     def run(
         self,
         q: torch.Tensor,
         paged_kv_cache: KVCache,
-        paged_kv_indptr: torch.Tensor,
         paged_kv_indices: torch.Tensor,
         block_indptr: torch.Tensor,
         block_indices: torch.Tensor,
-        seq_lens_kv: torch.Tensor,
         *,
         kv_valid_bits: Optional[torch.Tensor] = None,
+        sm_scale: Optional[float] = None,
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         plan = self._plan
         if plan is None:
-            raise RuntimeError("BlockSparsePagedTSWrapper.run: call plan(...) first")
-        k_cache, v_cache = split_cache(paged_kv_cache, "paged_kv_cache")
-        expect = (plan["batch"], plan["sq"], plan["hq"], plan["d"])
-        if not isinstance(q, torch.Tensor):
-            raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-        if tuple(q.shape) != expect:
-            V.fail(f"q: expected the planned [B, Sq, Hq, D] = {expect}, got {tuple(q.shape)}")
-        if q.dtype != plan["dtype"]:
-            V.fail(f"q: dtype {q.dtype} differs from the planned q_data_type {plan['dtype']}")
-        if k_cache.shape[1] != plan["hkv"] or k_cache.shape[2] != plan["page_size"]:
-            V.fail(f"paged_kv_cache: heads / page size {tuple(k_cache.shape[1:3])} differ from the plan "
-                   f"({plan['hkv']}, {plan['page_size']})")
-        if (kv_valid_bits is not None) != plan["bits"]:
-            V.fail(f"kv_valid_bits: the plan was made with use_valid_bits={plan['bits']}")
-        return _launch(q, k_cache, v_cache, paged_kv_indptr, paged_kv_indices, block_indptr, block_indices,
-                       plan["q_block"], plan["kv_block"], plan["max_seq_len_kv"], seq_lens_kv, kv_valid_bits,
-                       plan["mask_type"], plan["sm_scale"], out)
+            raise RuntimeError("plan() must be called before run()")
+        dev, dt = plan.device, plan.dtype
+        cache = paged_kv_cache
+        kv = plan_cache(cache, plan.geometry, dt, dev, -1) if V.matches(q, plan.q_shape, dt, dev) else None
+        fast = (kv is not None and type(paged_kv_indices) is torch.Tensor
+                and paged_kv_indices.shape[0] == plan.num_indices and paged_kv_indices.dtype is torch.int32
+                and paged_kv_indices.device == dev and paged_kv_indices.is_contiguous()
+                and V.matches(block_indptr, plan.route_shape, torch.int32, dev) and block_indptr.is_contiguous()
+                and type(block_indices) is torch.Tensor and block_indices.dim() == 1
+                and block_indices.dtype is torch.int32 and block_indices.device == dev
+                and block_indices.is_contiguous() and (kv_valid_bits is not None) == plan.use_valid_bits)
+        if fast and kv_valid_bits is not None:
+            fast = (type(kv_valid_bits) is torch.Tensor
+                    and kv_valid_bits.shape == (plan.q_shape[0], plan.static.valid_words)
+                    and kv_valid_bits.dtype in VALID_BITS_DTYPES and kv_valid_bits.device == dev
+                    and kv_valid_bits.is_contiguous())
+        if not fast:
+            _check_against_plan(plan, q, cache, paged_kv_indices, block_indptr, block_indices, kv_valid_bits)
+        sm_scale = V.fast_scale("sm_scale", sm_scale, 1.0 / math.sqrt(plan.geometry[2]))
+        if out is not None:
+            V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
+                         (("q", q),) + named_cache("paged_kv_cache", cache) + (
+                             ("paged_kv_indices", paged_kv_indices), ("block_indptr", block_indptr),
+                             ("block_indices", block_indices), ("kv_valid_bits", kv_valid_bits)))
+        if fast and plan.launch is not None and _dispatch.plain_eager(out):
+            if out is None:
+                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
+            plan.launch.run(q, kv[0], kv[1], out, plan.kv_indptr, paged_kv_indices, block_indptr, block_indices,
+                            plan.seq_lens, kv_valid_bits, sm_scale)
+            return out
+        k_cache, v_cache = split_cache(cache, "paged_kv_cache")
+        V.run_layout((("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache)))
+        st = plan.static
+        args = (plan.kv_indptr, paged_kv_indices, block_indptr, block_indices, plan.seq_lens, kv_valid_bits,
+                st.q_block_size, st.kv_block_size, "causal" if st.causal else "dense", sm_scale)
+        return _dispatch.call(torch.ops.prims_ts.block_sparse_attention,
+                              torch.ops.prims_ts.block_sparse_attention_out, _run, (q, k_cache, v_cache), args, out,
+                              plan.out_dtype, plan.tuning_code)
 
 
-def _launch(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, block_indices, q_block_size, kv_block_size,
-            max_seq_len_kv, seq_lens, valid_bits, mask_type, sm_scale, out) -> torch.Tensor:
-    """Static checks, then the op (no metadata values read)."""
-    geo = _check_static(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, block_indices, q_block_size,
-                        kv_block_size, max_seq_len_kv, seq_lens, valid_bits)
-    odt = V.out_dtype(None, out, q.dtype)
-    inputs = _inputs(q, k_cache, v_cache, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits)
-    V.out_tensor(out, q.shape, odt, geo.device, inputs)
-    args = (kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits, q_block_size, kv_block_size,
-            mask_type, sm_scale)
-    return _dispatch.call(torch.ops.prims_ts.block_sparse_attention, torch.ops.prims_ts.block_sparse_attention_out,
-                          _run, (q, k_cache, v_cache), args, out, odt)
+def _check_against_plan(plan: BlockSparsePlan, q, cache, kv_indices, block_indptr, block_indices, valid_bits) -> None:
+    k_cache, v_cache = split_cache(cache, "paged_kv_cache")
+    V.tensor("q", q, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
+    if q.dim() != 4:
+        V.fail(f"q must be rank 4 ([B, Sq, Hq, D]), got rank {q.dim()}")
+    if tuple(q.shape) != tuple(plan.q_shape):
+        V.fail(f"q: expected the planned [B, Sq, Hq, D] = {tuple(plan.q_shape)}, got {tuple(q.shape)}")
+    if q.dtype != plan.dtype:
+        V.fail(f"q: dtype {V._dtype_name(q.dtype)} differs from the planned q_data_type {V._dtype_name(plan.dtype)}")
+    if k_cache.dtype != plan.dtype:
+        V.fail(f"paged_kv_cache: dtype {V._dtype_name(k_cache.dtype)} differs from the planned kv dtype "
+               f"{V._dtype_name(plan.dtype)}")
+    if tuple(k_cache.shape[1:]) != plan.geometry:
+        V.fail(f"paged_kv_cache: (Hkv, page_size, D) = {tuple(k_cache.shape[1:])} differs from the plan's "
+               f"{plan.geometry}")
+    V.int32_vector("paged_kv_indices", kv_indices)
+    if kv_indices.shape[0] != plan.num_indices:
+        V.fail(f"paged_kv_indices: expected the planned paged_kv_indptr[-1] = {plan.num_indices} page IDs, got "
+               f"{kv_indices.shape[0]}")
+    check_routes_static(block_indptr, block_indices, *plan.route_shape[:2], plan.route_shape[2] - 1)
+    check_valid_bits(valid_bits, plan.q_shape[0], plan.seq_len_kv, plan.use_valid_bits, "seq_len_kv")
+    V.same_device([("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache), ("paged_kv_indices", kv_indices),
+                   ("block_indptr", block_indptr), ("block_indices", block_indices), ("kv_valid_bits", valid_bits)])
+    if q.device != plan.device:
+        V.fail(f"q must be on planned device {plan.device}, got {q.device}")
 
 
 def block_sparse_attention_with_paged_kv_cache(
@@ -367,8 +489,9 @@ def block_sparse_attention_with_paged_kv_cache(
     q_block_size: int,
     kv_block_size: int,
     *,
-    max_seq_len_kv: int,
-    seq_lens_kv: torch.Tensor,
+    max_seq_len_kv: Optional[int] = None,
+    seq_lens_kv: Optional[torch.Tensor] = None,
+    seq_len_kv: Optional[int] = None,
     kv_valid_bits: Optional[torch.Tensor] = None,
     mask_type: str = "dense",
     sm_scale: Optional[float] = None,
@@ -376,27 +499,74 @@ def block_sparse_attention_with_paged_kv_cache(
 ) -> torch.Tensor:
     """Plan and run one fixed-Q paged block-sparse attention launch.
 
-    Validates the live page and BSR metadata on the host (lengths, the complete live
-    page-ID prefix of every request, canonical BSR rows whose blocks start before the
-    request's length), builds a capacity-only plan and runs it. Reads metadata on the
-    host, so it cannot run during CUDA-graph capture: plan a
-    ``BlockSparsePagedTSWrapper`` outside capture and capture only its ``run``.
+    The length bound is ``max_seq_len_kv`` (the seed's, with ``seq_lens_kv`` the live lengths)
+    or FlashInfer main's ``seq_len_kv`` (``seq_lens_kv`` then optional: every request has
+    ``seq_len_kv`` keys). Validates the live page and BSR metadata on the host with one copy
+    and whole-tensor checks (lengths, the complete live page-ID prefix of every request,
+    canonical BSR rows whose blocks start before the request's length), then runs a
+    :class:`BlockSparsePagedTSWrapper` planned with the routes' largest row as its capacity.
+    It cannot run during CUDA-graph capture: plan a wrapper outside capture and capture only
+    its ``run``.
     """
+    if (max_seq_len_kv is None) == (seq_len_kv is None):
+        V.fail("max_seq_len_kv/seq_len_kv: give exactly one length bound (max_seq_len_kv, with seq_lens_kv; or "
+               "FlashInfer's seq_len_kv)")
+    bound_name = "max_seq_len_kv" if max_seq_len_kv is not None else "seq_len_kv"
+    bound = max_seq_len_kv if max_seq_len_kv is not None else seq_len_kv
+    V.key_length_bound(bound_name, bound)
+    if max_seq_len_kv is not None and seq_lens_kv is None:
+        V.fail("seq_lens_kv: required with max_seq_len_kv (the live lengths it bounds)")
     k_cache, v_cache = split_cache(paged_kv_cache, "paged_kv_cache")
+    V.tensor("q", q, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
+    if q.dim() != 4:
+        V.fail(f"q must be rank 4 ([B, Sq, Hq, D]), got rank {q.dim()}")
+    batch, sq, hq, d = q.shape
+    if batch < 1 or sq < 1:
+        V.fail(f"q: expected [B, Sq, Hq, D] with B, Sq >= 1, got shape {tuple(q.shape)}")
+    if q.dtype != k_cache.dtype:
+        V.fail(f"q: dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+    num_pages, hkv, page_size, dk = k_cache.shape
+    if page_size not in PAGE_SIZES:
+        V.fail(f"paged_kv_cache: page size {page_size} is not supported; prims_ts supports page_size "
+               f"{', '.join(map(str, PAGE_SIZES))}")
+    V.head_dim("q", d, HEAD_DIMS)
+    if dk != d:
+        V.fail(f"paged_kv_cache: head dim {dk} differs from q's {d}")
+    group = V.heads(hq, hkv, ("q", "paged_kv_cache"))
+    check_block_sizes(q_block_size, kv_block_size, group)
     mask_type = V.choice("mask_type", mask_type, MASKS)
-    geo = _check_static(q, k_cache, v_cache, paged_kv_indptr, paged_kv_indices, block_indptr, block_indices,
-                        q_block_size, kv_block_size, max_seq_len_kv, seq_lens_kv, kv_valid_bits)
-    sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(geo.d))
+    V.int32_vector("paged_kv_indptr", paged_kv_indptr, length=batch + 1)
+    V.int32_vector("paged_kv_indices", paged_kv_indices)
+    if seq_lens_kv is not None:
+        V.int32_vector("seq_lens_kv", seq_lens_kv, length=batch)
+    rows_r = -(-sq // q_block_size)
+    check_routes_static(block_indptr, block_indices, batch, hkv, rows_r)
+    check_valid_bits(kv_valid_bits, batch, bound, kv_valid_bits is not None, bound_name)
+    V.same_device([("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache),
+                   ("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
+                   ("block_indptr", block_indptr), ("block_indices", block_indices), ("seq_lens_kv", seq_lens_kv),
+                   ("kv_valid_bits", kv_valid_bits)])
     if V.tracing():
         raise RuntimeError("block_sparse_attention_with_paged_kv_cache reads metadata on the host and cannot be "
                            "traced; use BlockSparsePagedTSWrapper (plan outside, run inside)")
-    lens = [int(x) for x in seq_lens_kv.tolist()]
-    check_lengths(lens, max_seq_len_kv, geo.sq, mask_type)
-    check_pages(paged_kv_indptr, paged_kv_indices, lens, geo.page_size, geo.num_pages)
-    check_routes(block_indptr, block_indices, lens, kv_block_size)
-    wrapper = BlockSparsePagedTSWrapper(geo.device)
-    wrapper.plan(geo.batch, geo.sq, geo.hq, geo.hkv, geo.d, geo.page_size, q_block_size, kv_block_size,
-                 max_seq_len_kv, use_valid_bits=kv_valid_bits is not None, mask_type=mask_type, sm_scale=sm_scale,
-                 q_data_type=q.dtype)
-    return wrapper.run(q, paged_kv_cache, paged_kv_indptr, paged_kv_indices, block_indptr, block_indices,
-                       seq_lens_kv, kv_valid_bits=kv_valid_bits, out=out)
+    ip, ids, ptr, routes, *lens = V.host_values(paged_kv_indptr, paged_kv_indices, block_indptr, block_indices,
+                                                *((seq_lens_kv,) if seq_lens_kv is not None else ()))
+    lens = lens[0] if lens else np.full(batch, bound, dtype=np.int64)
+    check_lengths(lens, bound, sq, mask_type, "seq_lens_kv", bound_name)
+    V.values_indptr("paged_kv_indptr", ip, ids.shape[0], "paged_kv_indices.numel()", strict=False)
+    check_page_counts(ip, lens, page_size)
+    need = (lens + page_size - 1) // page_size
+    live = np.repeat(ip[:-1] - (np.cumsum(need) - need), need) + np.arange(int(need.sum()))
+    bad = (ids[live] < 0) | (ids[live] >= num_pages)
+    if bad.any():
+        i = int(live[V.first(bad)])
+        b = int(np.searchsorted(ip, i, side="right")) - 1
+        V.fail(f"paged_kv_indices: request {b} uses page ID {int(ids[i])}, outside [0, {num_pages}); entries must "
+               "index the physical page pool")
+    most = check_route_values(ptr.reshape(batch, hkv, rows_r + 1), routes, lens, kv_block_size)
+    w = BlockSparsePagedTSWrapper()
+    w._plan = w._make_plan(paged_kv_indptr, sq, bound, hq, hkv, d, q_block_size, kv_block_size, page_size,
+                           min(most, -(-bound // kv_block_size)), kv_valid_bits is not None, seq_lens_kv, mask_type,
+                           q.dtype, None, V.resolve_out_dtype(None, out, q), (ip, lens))
+    return w.run(q, paged_kv_cache, paged_kv_indices, block_indptr, block_indices, kv_valid_bits=kv_valid_bits,
+                 sm_scale=sm_scale, out=out)

@@ -1,9 +1,9 @@
 """Paged decode: ``prims_ts_batch_decode_with_kv_cache`` and its companions.
 
-Public: ``prims_ts_batch_decode_with_kv_cache`` (standalone, caller workspace, no
-        host synchronisation, capturable), ``get_prims_ts_batch_decode_workspace_size``,
-        ``BatchDecodePagedTSWrapper`` (plan/run, owns its workspace) and the one-shot
-        ``batch_decode_with_paged_kv_cache``.
+Public: ``prims_ts_batch_decode_with_kv_cache`` (standalone, caller workspace, no host
+        synchronisation, capturable), ``get_prims_ts_batch_decode_workspace_size``,
+        ``BatchDecodePagedTSWrapper`` (plan/run over FlashInfer's CSR page metadata, owns its
+        workspace) and the one-shot ``batch_decode_with_paged_kv_cache`` (its plan + run).
 Ops:    ``torch.ops.prims_ts.batch_decode`` (functional) and
         ``torch.ops.prims_ts.batch_decode_out`` (writes ``out``); both use the workspace.
 Fakes:  ``prims_ts/meta/decode.py``; CPU kernel: ``prims_ts.reference.batch_decode``.
@@ -11,14 +11,17 @@ Fakes:  ``prims_ts/meta/decode.py``; CPU kernel: ``prims_ts.reference.batch_deco
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from .. import reference
+from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
-from .prefill_paged import PAGE_SIZES
+from .prefill_paged import PAGE_SIZES, check_csr_values, check_layout, check_page_ids
 
 MASKS = ("dense", "causal")
 HEAD_DIMS = (64, 128, 256)
@@ -32,15 +35,30 @@ KVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 # ----------------------------------------------------------------------------
 
 
+def decode_static(dtype, head_dim: int, num_qo_heads: int, num_kv_heads: int, page_size: int, out_dtype,
+                  packed: bool, batch: int, seq_len_q: int, max_seq_len_q: int, max_seq_len: int, mask_type: str,
+                  window_left: int, tuning: Tuning):
+    """The prepared launch's key (what a plan knows, or what an op's arguments say)."""
+    from ..cuda.decode import DecodeStatic
+
+    return DecodeStatic(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, mask_type == "causal", window_left,
+                        out_dtype, batch, seq_len_q, max_seq_len_q, max_seq_len, packed, tuning)
+
+
 def _run(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr, seq_len_q,
-         max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale) -> None:
+         max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale, tuning) -> None:
     if out.numel() == 0:
         return
     if query.device.type == "cuda":
-        from ..cuda import kernels
+        from ..cuda import decode as K
 
-        kernels.launch_decode(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
-                              seq_len_q, max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale)
+        packed = qo_indptr is not None
+        batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
+        static = decode_static(query.dtype, query.shape[-1], query.shape[-2], k_cache.shape[1], k_cache.shape[2],
+                               out.dtype, packed, batch, seq_len_q, max_seq_len_q, max_seq_len, mask_type, window_left,
+                               Tuning.decode(tuning))
+        K.prepared(static, query.device.index).run(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices,
+                                                   seq_lens, qo_indptr, sm_scale, output_scale)
     else:
         out.copy_(reference.batch_decode(
             query, k_cache, v_cache, kv_indptr, kv_indices, seq_lens, qo_indptr=qo_indptr, mask_type=mask_type,
@@ -65,10 +83,11 @@ def batch_decode_out_op(
     window_left: int,
     sm_scale: float,
     output_scale: float,
+    tuning: str = "",
 ) -> None:
     """Writes decode attention into ``out`` (split-KV partials go through ``workspace``). Trusted arguments."""
     _run(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr, seq_len_q,
-         max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale)
+         max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale, tuning)
 
 
 @torch.library.custom_op("prims_ts::batch_decode", mutates_args=("workspace",))
@@ -89,52 +108,17 @@ def batch_decode_op(
     sm_scale: float,
     output_scale: float,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     """``batch_decode_out`` returning a new output tensor."""
     out = torch.empty(query.shape, dtype=V.code_dtype(out_dtype), device=query.device)
     _run(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr, seq_len_q,
-         max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale)
+         max_seq_len_q, max_seq_len, mask_type, window_left, sm_scale, output_scale, tuning)
     return out
 
 
 # ----------------------------------------------------------------------------
-# Workspace
-# ----------------------------------------------------------------------------
-
-
-def get_prims_ts_batch_decode_workspace_size(
-    batch_size: int,
-    num_qo_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    max_seq_len: int,
-    *,
-    max_seq_len_q: int = 1,
-    device: Optional[Union[torch.device, str]] = None,
-) -> int:
-    """Bytes of ``workspace_buffer`` that ``prims_ts_batch_decode_with_kv_cache`` needs for
-    these static arguments on ``device`` (default: the current CUDA device, or the CPU).
-
-    The size depends only on static arguments (and the device's SM count): the
-    split-KV policy is chosen from them, never from metadata values.
-    """
-    from ..cuda.kernels import decode_policy, decode_workspace_bytes, device_limits
-
-    for name, val in (("batch_size", batch_size), ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                      ("max_seq_len_q", max_seq_len_q)):
-        V.integer(name, val, minimum=1)
-    group = V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
-    V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
-    V.key_length_bound("max_seq_len", max_seq_len)
-    sms, limit = device_limits(device)
-    pol = decode_policy(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
-    V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
-    return max(256, decode_workspace_bytes(batch_size, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len,
-                                           sms, limit))
-
-
-# ----------------------------------------------------------------------------
-# Validation
+# Static arguments
 # ----------------------------------------------------------------------------
 
 
@@ -162,41 +146,208 @@ def split_cache(kv_cache: KVCache, name: str = "kv_cache") -> Tuple[torch.Tensor
     return k, v
 
 
-def _check_layout(kv_layout) -> None:
-    if not isinstance(kv_layout, str):
-        raise TypeError(f"kv_layout: expected a str, got {type(kv_layout).__name__}")
-    if kv_layout != "HND":
-        V.fail(f"kv_layout: only 'HND' is supported, got {kv_layout!r}")
+def plan_cache(cache, geometry: tuple, dtype: torch.dtype, device: torch.device, max_page: int):
+    """A run's paged cache as launch operands, when it is a plain combined ``[P, 2, Hkv, ps, D]``
+    tensor or a ``(K, V)`` tuple matching the plan's (Hkv, page_size, D), dtype, device and
+    largest page ID: ``(cache, None)`` or ``(k, v)``; None for anything else (the slow check)."""
+    if type(cache) is torch.Tensor:
+        if (cache.dim() == 5 and cache.shape[1] == 2 and cache.shape[2:] == geometry and cache.dtype is dtype
+                and cache.device == device and max_page < cache.shape[0]):
+            return cache, None
+        return None
+    if type(cache) is tuple and len(cache) == 2:
+        k, v = cache
+        if (type(k) is torch.Tensor and type(v) is torch.Tensor and k.dim() == 4 and k.shape[1:] == geometry
+                and v.shape == k.shape and k.dtype is dtype and v.dtype is dtype and k.device == device
+                and v.device == device and max_page < k.shape[0]):
+            return k, v
+    return None
 
 
-def _query_mode(query: torch.Tensor, qo_indptr, seq_len_q, max_seq_len_q) -> Tuple[int, int, int]:
-    """(batch, seq_len_q, max_seq_len_q) of fixed [B,Hq,D] / [B,SQ,Hq,D] or packed [T,Hq,D] queries."""
+def query_mode(batch: int, qo_indptr, seq_len_q, max_seq_len_q, query_shape=None) -> Tuple[int, int, int]:
+    """(batch, seq_len_q, max_seq_len_q) of fixed [B,Hq,D] / [B,SQ,Hq,D] or packed [T,Hq,D] queries
+    (query_shape: the query's shape, checked against the mode when given; batch: the fixed
+    batch size, as packed queries take theirs from qo_indptr)."""
     V.integer("seq_len_q", seq_len_q, minimum=1)
     if qo_indptr is not None:
         V.int32_vector("qo_indptr", qo_indptr)
         if qo_indptr.shape[0] < 2:
             V.fail(f"qo_indptr: expected [B+1] with B >= 1, got shape {tuple(qo_indptr.shape)}")
-        if query.dim() != 3:
-            V.fail(f"query: packed queries (qo_indptr given) are [total_q, Hq, D], got shape {tuple(query.shape)}")
+        if query_shape is not None and len(query_shape) != 3:
+            V.fail(f"query: packed queries (qo_indptr given) are [total_q, Hq, D], got shape {tuple(query_shape)}")
         if max_seq_len_q is None:
-            V.fail("max_seq_len_q: required with qo_indptr (the static bound of every request's query count)")
+            V.fail("max_seq_len_q: max_seq_len_q is required when qo_indptr selects packed queries (the static "
+                   "bound of every request's query count)")
         V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
         if seq_len_q != 1:
-            V.fail(f"seq_len_q: packed queries take their lengths from qo_indptr; leave seq_len_q at 1, got {seq_len_q}")
+            V.fail("seq_len_q: packed queries take their lengths from qo_indptr; leave seq_len_q at 1, "
+                   f"got {seq_len_q}")
         return qo_indptr.shape[0] - 1, 1, max_seq_len_q
-    if seq_len_q == 1:
-        if query.dim() != 3:
-            V.fail(f"query: seq_len_q=1 expects [B, Hq, D], got shape {tuple(query.shape)}")
-    else:
-        if query.dim() != 4 or query.shape[1] != seq_len_q:
-            V.fail(f"query: seq_len_q={seq_len_q} expects [B, {seq_len_q}, Hq, D], got shape {tuple(query.shape)}")
+    if query_shape is not None:
+        if seq_len_q == 1:
+            if len(query_shape) != 3:
+                V.fail(f"query: seq_len_q=1 expects [B, Hq, D], got shape {tuple(query_shape)}")
+        elif len(query_shape) != 4 or query_shape[1] != seq_len_q:
+            V.fail(f"query: seq_len_q={seq_len_q} expects [B, {seq_len_q}, Hq, D], got shape {tuple(query_shape)}")
+        if query_shape[0] < 1:
+            V.fail(f"query: needs at least one request, got shape {tuple(query_shape)}")
     if max_seq_len_q is not None:
         V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
         if max_seq_len_q != seq_len_q:
             V.fail(f"max_seq_len_q: {max_seq_len_q} contradicts the fixed query length seq_len_q={seq_len_q}")
-    if query.shape[0] < 1:
-        V.fail(f"query: needs at least one request, got shape {tuple(query.shape)}")
-    return query.shape[0], seq_len_q, seq_len_q
+    return batch, seq_len_q, seq_len_q
+
+
+def _workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, max_seq_len, max_seq_len_q, device) -> int:
+    from ..cuda.decode import decode_policy, decode_workspace_bytes
+    from ..cuda.keys import device_limits
+
+    _, sms, limit = device_limits(device)
+    group = num_qo_heads // num_kv_heads
+    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
+    V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
+    return max(256, decode_workspace_bytes(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms,
+                                           limit))
+
+
+def check_dtypes(q_dtype, kv_dtype, out_dtype, names=("q_data_type", "kv_data_type", "o_data_type")):
+    """A plan's dtypes: the query's (fp16/bf16), the cache's (the query's: prims_ts reads one dtype),
+    the output's (fp16/bf16/fp32; default the query's). Returns (dtype, out dtype)."""
+    V.input_dtype(names[0], q_dtype)
+    if kv_dtype is not None:
+        V.input_dtype(names[1], kv_dtype)
+        if kv_dtype != q_dtype:
+            V.fail(f"{names[1]}: {kv_dtype} differs from {names[0]} {q_dtype}; prims_ts reads the query and the "
+                   "cache in one dtype")
+    return q_dtype, V.out_dtype(out_dtype, None, q_dtype, names[2])
+
+
+def get_prims_ts_batch_decode_workspace_size(
+    batch_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    max_seq_len: int,
+    *,
+    seq_len_q: int = 1,
+    qo_indptr: Optional[torch.Tensor] = None,
+    max_seq_len_q: Optional[int] = None,
+    q_dtype: torch.dtype = torch.float16,
+    kv_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    mask_type: str = "dense",
+    window_left: int = -1,
+    kv_layout: str = "HND",
+    device: Optional[Union[torch.device, str]] = None,
+) -> int:
+    """Bytes of ``workspace_buffer`` that ``prims_ts_batch_decode_with_kv_cache`` needs for
+    these static arguments on ``device`` (default: the current CUDA device, or the CPU).
+
+    The size depends only on static arguments (and the device's SM count): the
+    split-KV policy is chosen from them, never from metadata values.
+    """
+    for name, val in (("batch_size", batch_size), ("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+        V.integer(name, val, minimum=1)
+    V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
+    V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
+    _check_page_size(page_size)
+    V.key_length_bound("max_seq_len", max_seq_len)
+    check_layout(kv_layout)
+    V.mask_and_window(mask_type, window_left, MASKS)
+    check_dtypes(q_dtype, kv_dtype, out_dtype, ("q_dtype", "kv_dtype", "out_dtype"))
+    n, _, max_sq = query_mode(batch_size, qo_indptr, seq_len_q, max_seq_len_q)
+    if n != batch_size:
+        V.fail(f"qo_indptr: {n} requests differ from batch_size {batch_size}")
+    return _workspace_bytes(batch_size, num_qo_heads, num_kv_heads, head_dim, max_seq_len, max_sq, device)
+
+
+def _check_page_size(page_size) -> int:
+    V.integer("page_size", page_size)
+    if page_size not in PAGE_SIZES:
+        V.fail(f"page_size: {page_size} is not supported; prims_ts supports page_size "
+               f"{', '.join(map(str, PAGE_SIZES))}")
+    return page_size
+
+
+# ----------------------------------------------------------------------------
+# The standalone function: static checks once per static key
+# ----------------------------------------------------------------------------
+
+
+def _meta(t) -> tuple:
+    """A tensor's static facts (a standalone call's cache key), or a tuple cache's, or its type."""
+    if isinstance(t, torch.Tensor):
+        return (type(t), t.shape, t.dtype, t.stride(), t.device)
+    if isinstance(t, (tuple, list)):
+        return (type(t),) + tuple(_meta(x) for x in t)
+    return (type(t),)
+
+
+def named_cache(name: str, cache) -> tuple:
+    """(name, tensor) pairs of a combined cache or a (K, V) tuple (the overlap checks' inputs)."""
+    if isinstance(cache, (tuple, list)):
+        return tuple((name, t) for t in cache if isinstance(t, torch.Tensor))
+    return ((name, cache),)
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the standalone call's static checks derived for one static key."""
+
+    static: Optional[object]  # cuda.decode.DecodeStatic (None while traced: the op builds its own)
+    out_dtype: torch.dtype
+    sq: int
+    max_sq: int
+    head_dim: int
+    mask_type: str
+    window_left: int
+
+
+_CHECKED: Dict[tuple, _Checked] = {}
+
+
+def _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens, max_seq_len,
+                       seq_len_q, qo_indptr, max_seq_len_q, out_dtype, out, mask_type, window_left,
+                       kv_layout) -> _Checked:
+    """Every static check of the standalone call (no tensor value is read)."""
+    check_layout(kv_layout)
+    k_cache, v_cache = split_cache(kv_cache)
+    V.tensor("query", query, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
+    if query.dtype != k_cache.dtype:
+        V.fail(f"query: dtype {query.dtype} differs from the cache's {k_cache.dtype}")
+    batch, sq, max_sq = query_mode(query.shape[0], qo_indptr, seq_len_q, max_seq_len_q, query.shape)
+    V.batch_size("qo_indptr" if qo_indptr is not None else "query", batch)
+    num_pages, hkv, page_size, d = k_cache.shape
+    if page_size not in PAGE_SIZES:
+        V.fail(f"kv_cache: page size {page_size} is not supported; prims_ts supports page_size "
+               f"{', '.join(map(str, PAGE_SIZES))}")
+    V.head_dim("query", query.shape[-1], HEAD_DIMS)
+    if d != query.shape[-1]:
+        V.fail(f"kv_cache: head dim {d} differs from query's {query.shape[-1]}")
+    hq = query.shape[-2]
+    V.heads(hq, hkv, ("query", "kv_cache"))
+    V.int32_vector("paged_kv_indptr", paged_kv_indptr, length=batch + 1)
+    V.int32_vector("paged_kv_indices", paged_kv_indices)
+    V.int32_vector("seq_lens", seq_lens, length=batch)
+    V.key_length_bound("max_seq_len", max_seq_len)
+    mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
+    metadata = [("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
+                ("seq_lens", seq_lens), ("qo_indptr", qo_indptr)]
+    device = V.same_device([("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache),
+                            ("workspace_buffer", workspace_buffer)] + metadata)
+    V.tensor("workspace_buffer", workspace_buffer, dtypes=WORKSPACE_DTYPES, contiguous=True)
+    V.start_aligned("workspace_buffer", workspace_buffer)
+    need = _workspace_bytes(batch, hq, hkv, d, max_seq_len, max_sq, device)
+    have = workspace_buffer.numel() * workspace_buffer.element_size()
+    if have < need:
+        V.fail(f"workspace_buffer: {have} bytes are too few; this key needs {need} "
+               "(get_prims_ts_batch_decode_workspace_size)")
+    odt = V.resolve_out_dtype(out_dtype, out, query, "query")
+    static = None if V.tracing() else decode_static(query.dtype, d, hq, hkv, page_size, odt, qo_indptr is not None,
+                                                    batch, sq, max_sq, max_seq_len, mask_type, window_left,
+                                                    DEFAULT_TUNING)
+    return _Checked(static, odt, sq, max_sq, d, mask_type, window_left)
 
 
 def prims_ts_batch_decode_with_kv_cache(
@@ -221,60 +372,51 @@ def prims_ts_batch_decode_with_kv_cache(
 ) -> torch.Tensor:
     """Fixed or packed-Q decode over CSR pages with caller-owned workspace.
 
-    No device-to-host synchronisation: shapes, dtypes, devices, the workspace size
-    and scalar arguments are checked here; metadata *values* are trusted (the
-    caller keeps ``1 <= seq_lens[b] <= max_seq_len``, enough CSR pages per request,
-    page IDs inside the cache, packed offsets within ``max_seq_len_q`` and, for
-    causal masks, each request's query count <= its length). Capturable in a CUDA
-    graph once this static key has run once.
+    No device-to-host synchronisation: shapes, dtypes, devices, the workspace size and
+    scalar arguments are checked here (once per static key: the checks and the prepared
+    launch are cached under it); metadata *values* are trusted (the caller keeps
+    ``1 <= seq_lens[b] <= max_seq_len``, enough CSR pages per request, page IDs inside the
+    cache, packed offsets within ``max_seq_len_q`` and, for causal masks, each request's
+    query count <= its length). Capturable in a CUDA graph once this static key has run once.
     """
-    _check_layout(kv_layout)
+    key = (_meta(query), _meta(kv_cache), _meta(workspace_buffer), _meta(paged_kv_indptr),
+           _meta(paged_kv_indices), _meta(seq_lens), _meta(qo_indptr), _meta(out), max_seq_len, seq_len_q,
+           max_seq_len_q, out_dtype, mask_type, window_left, kv_layout)
+    checked = _CHECKED.get(key) if not V.tracing() else None
+    if checked is None:
+        checked = _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens,
+                                     max_seq_len, seq_len_q, qo_indptr, max_seq_len_q, out_dtype, out, mask_type,
+                                     window_left, kv_layout)
+        if not V.tracing():
+            _CHECKED[key] = checked
+    sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(checked.head_dim))
+    output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+    others = (("query", query),) + named_cache("kv_cache", kv_cache) + (
+        ("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices), ("seq_lens", seq_lens),
+        ("qo_indptr", qo_indptr))
+    if out is not None:
+        V.out_tensor(out, query.shape, checked.out_dtype, query.device,
+                     others + (("workspace_buffer", workspace_buffer),))
+    V.no_overlap("workspace_buffer", workspace_buffer, others + (("out", out),))
+    if _dispatch.plain_eager(out) and query.is_cuda and type(query) is torch.Tensor:
+        from ..cuda import decode as K
+
+        launch = K.prepared(checked.static, query.device.index)
+        if out is None:
+            out = torch.empty(query.shape, dtype=checked.out_dtype, device=query.device)
+        if isinstance(kv_cache, torch.Tensor):
+            launch.run(query, kv_cache, None, workspace_buffer, out, paged_kv_indptr, paged_kv_indices, seq_lens,
+                       qo_indptr, sm_scale, output_scale)
+        else:
+            launch.run(query, kv_cache[0], kv_cache[1], workspace_buffer, out, paged_kv_indptr, paged_kv_indices,
+                       seq_lens, qo_indptr, sm_scale, output_scale)
+        return out
     k_cache, v_cache = split_cache(kv_cache)
-    V.tensor("query", query, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
-    if query.dtype != k_cache.dtype:
-        V.fail(f"query: dtype {query.dtype} differs from the cache's {k_cache.dtype}")
-    batch, sq, max_sq = _query_mode(query, qo_indptr, seq_len_q, max_seq_len_q)
-    V.batch_size("qo_indptr" if qo_indptr is not None else "query", batch)
-    num_pages, hkv, page_size, d = k_cache.shape
-    if page_size not in PAGE_SIZES:
-        V.fail(f"kv_cache: page size {page_size} is not supported; expected one of {', '.join(map(str, PAGE_SIZES))}")
-    V.head_dim("query", query.shape[-1], HEAD_DIMS)
-    if d != query.shape[-1]:
-        V.fail(f"kv_cache: head dim {d} differs from query's {query.shape[-1]}")
-    hq = query.shape[-2]
-    V.heads(hq, hkv, ("query", "kv_cache"))
-    V.int32_vector("paged_kv_indptr", paged_kv_indptr, length=batch + 1)
-    V.int32_vector("paged_kv_indices", paged_kv_indices)
-    V.int32_vector("seq_lens", seq_lens, length=batch)
-    V.key_length_bound("max_seq_len", max_seq_len)
-    mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
-    sm_scale = V.scale("bmm1_scale", bmm1_scale, default=1.0 / math.sqrt(d))
-    output_scale = V.scale("bmm2_scale", bmm2_scale)
-    metadata = [("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
-                ("seq_lens", seq_lens), ("qo_indptr", qo_indptr)]
-    device = V.same_device([("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache),
-                            ("workspace_buffer", workspace_buffer)]
-                           + metadata)
-    V.tensor("workspace_buffer", workspace_buffer, dtypes=WORKSPACE_DTYPES, contiguous=True)
-    V.start_aligned("workspace_buffer", workspace_buffer)
-    need = get_prims_ts_batch_decode_workspace_size(batch, hq, hkv, d, max_seq_len, max_seq_len_q=max_sq,
-                                                    device=device)
-    have = workspace_buffer.numel() * workspace_buffer.element_size()
-    if have < need:
-        V.fail(f"workspace_buffer: {have} bytes are too few; this key needs {need} "
-               "(get_prims_ts_batch_decode_workspace_size)")
-    odt = V.out_dtype(out_dtype, out, query.dtype)
-    if out_dtype is not None and out is not None and out.dtype != out_dtype:
-        V.fail(f"out: dtype {out.dtype} disagrees with out_dtype {out_dtype}")
-    inputs = [("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache),
-              ("workspace_buffer", workspace_buffer)] + metadata
-    V.out_tensor(out, query.shape, odt, device, inputs)
-    if not V.tracing():
-        V.disjoint("workspace_buffer", workspace_buffer, [i for i in inputs if i[0] != "workspace_buffer"])
-    args = (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sq, max_sq, max_seq_len, mask_type, window_left,
-            sm_scale, output_scale)
+    V.run_layout((("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache)))  # per call: not in the key
+    args = (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, checked.sq, checked.max_sq, max_seq_len,
+            checked.mask_type, checked.window_left, sm_scale, output_scale)
     return _dispatch.call(torch.ops.prims_ts.batch_decode, torch.ops.prims_ts.batch_decode_out, _run,
-                          (query, k_cache, v_cache, workspace_buffer), args, out, odt)
+                          (query, k_cache, v_cache, workspace_buffer), args, out, checked.out_dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -282,122 +424,201 @@ def prims_ts_batch_decode_with_kv_cache(
 # ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """A planned decode: static facts, the bound and derived metadata, the workspace and the
+    prepared launch."""
+
+    static: object  # cuda.decode.DecodeStatic
+    device: torch.device
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    q_shape: tuple
+    geometry: tuple  # (Hkv, page_size, D)
+    max_page: int
+    kv_indptr: torch.Tensor  # bound: read live
+    kv_indices: torch.Tensor  # bound: read live
+    seq_lens: torch.Tensor  # derived at plan: (pages - 1) * page_size + last_page_len
+    qo_indptr: Optional[torch.Tensor]  # bound: read live
+    workspace: torch.Tensor
+    launch: Optional[object]  # cuda.decode.PreparedDecode
+    tuning_code: str
+
+    @property
+    def bound(self) -> tuple:
+        return (("paged_kv_indptr", self.kv_indptr), ("paged_kv_indices", self.kv_indices),
+                ("qo_indptr", self.qo_indptr), ("workspace_buffer", self.workspace))
+
+
 class BatchDecodePagedTSWrapper:
     """FlashInfer-style plan/run decode over CSR pages; owns its workspace.
 
-    ``plan`` takes the CSR ``indptr``/``indices`` and ``last_page_len`` (the K/V
-    length is ``(pages - 1) * page_size + last_page_len``), reads them once to
-    validate and fix ``max_seq_len``, and binds the same tensors. ``run`` derives
-    the live lengths on the device from the bound tensors (so a replay after the
-    caller rewrites them in place, within the planned bounds, is correct), does
-    no host synchronisation, and allocates nothing when ``out`` is given.
+    ``plan`` reads ``paged_kv_indptr`` and ``paged_kv_last_page_len`` (and ``qo_indptr``) once
+    on the host, validates them, derives each request's length ``(pages - 1) * page_size +
+    last_page_len`` into the plan's own device tensor, fixes ``max_kv_len`` (default: the
+    longest request) and binds ``paged_kv_indptr``, ``paged_kv_indices`` and ``qo_indptr``:
+    ``run`` reads their values on the device, so page IDs may be remapped in place between
+    replays (the indptr and the last-page lengths must stay as planned; a change needs a new
+    plan). ``run`` does no host synchronisation and allocates nothing when ``out`` is given.
     """
 
-    def __init__(self, device: Optional[Union[torch.device, str]] = None):
-        self.device = torch.device(device) if device is not None else None
-        self._plan = None
+    def __init__(self, kv_layout: str = "HND", *, tuning: Optional[Tuning] = None):
+        check_layout(kv_layout)
+        self.kv_layout = kv_layout
+        self.tuning, self._tuning_code = V.tuning(tuning)
+        self._plan: Optional[DecodePlan] = None
 
     def plan(
         self,
-        indptr: torch.Tensor,
-        indices: torch.Tensor,
-        last_page_len: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
         num_qo_heads: int,
         num_kv_heads: int,
         head_dim: int,
         page_size: int,
         *,
+        seq_len_q: int = 1,
+        qo_indptr: Optional[torch.Tensor] = None,
+        max_seq_len_q: Optional[int] = None,
+        q_data_type: torch.dtype = torch.float16,
+        kv_data_type: Optional[torch.dtype] = None,
+        o_data_type: Optional[torch.dtype] = None,
         mask_type: str = "dense",
         window_left: int = -1,
-        sm_scale: Optional[float] = None,
-        output_scale: float = 1.0,
-        max_seq_len: Optional[int] = None,
-        q_data_type: torch.dtype = torch.bfloat16,
-        out_dtype: Optional[torch.dtype] = None,
+        max_kv_len: Optional[int] = None,
     ) -> None:
-        V.int32_vector("indptr", indptr)
-        if indptr.shape[0] < 2:
-            V.fail(f"indptr: expected [B+1] with B >= 1, got shape {tuple(indptr.shape)}")
-        batch = indptr.shape[0] - 1
-        V.int32_vector("indices", indices)
-        V.int32_vector("last_page_len", last_page_len, length=batch)
-        device = V.same_device([("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)])
-        V.integer("page_size", page_size)
-        if page_size not in PAGE_SIZES:
-            V.fail(f"page_size: {page_size} is not supported; expected one of {', '.join(map(str, PAGE_SIZES))}")
+        V.int32_vector("paged_kv_indptr", paged_kv_indptr)
+        if paged_kv_indptr.shape[0] < 2:
+            V.fail(f"paged_kv_indptr: expected [B+1] with B >= 1, got shape {tuple(paged_kv_indptr.shape)}")
+        batch = V.batch_size("paged_kv_indptr", paged_kv_indptr.shape[0] - 1)
+        V.int32_vector("paged_kv_indices", paged_kv_indices)
+        V.int32_vector("paged_kv_last_page_len", paged_kv_last_page_len, length=batch)
         for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             V.integer(name, val, minimum=1)
         V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
         d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
-        V.input_dtype("q_data_type", q_data_type)
+        page_size = _check_page_size(page_size)
+        dtype, odt = check_dtypes(q_data_type, kv_data_type, o_data_type)
         mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
-        sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(d))
-        output_scale = V.scale("output_scale", output_scale)
-        odt = V.out_dtype(out_dtype, None, q_data_type)
-        ip, last = indptr.tolist(), last_page_len.tolist()
-        V.values_indptr("indptr", ip, indices.shape[0], "indices.numel()")
-        lens = []
-        for b in range(batch):
-            if not 1 <= last[b] <= page_size:
-                V.fail(f"last_page_len: request {b} has {last[b]}; expected 1 <= last_page_len <= page_size")
-            lens.append((ip[b + 1] - ip[b] - 1) * page_size + last[b])
-        if indices.numel() and int(indices.min()) < 0:
-            V.fail("indices: page IDs must be >= 0")
-        if mask_type == "causal" and min(lens) < 1:
-            V.fail("last_page_len: every request needs at least one key")
-        longest = max(lens)
-        if max_seq_len is None:
-            max_seq_len = longest
-        V.key_length_bound("max_seq_len", max_seq_len)
-        if max_seq_len < longest:
-            V.fail(f"max_seq_len: {max_seq_len} is below the longest planned request ({longest})")
-        dev = self.device or device
-        from ..cuda import kernels
+        V.integer("seq_len_q", seq_len_q, minimum=1)
+        packed = qo_indptr is not None
+        if packed:
+            V.int32_vector("qo_indptr", qo_indptr, length=batch + 1)
+            if seq_len_q != 1:
+                V.fail(f"seq_len_q: packed queries take their lengths from qo_indptr; leave seq_len_q at 1, "
+                       f"got {seq_len_q}")
+        if max_seq_len_q is not None:
+            V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
+            if not packed and max_seq_len_q != seq_len_q:
+                V.fail(f"max_seq_len_q: {max_seq_len_q} contradicts the fixed query length seq_len_q={seq_len_q}")
+        device = V.same_device([("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
+                                ("paged_kv_last_page_len", paged_kv_last_page_len), ("qo_indptr", qo_indptr)])
+        if device.type == "meta":
+            V.fail("paged_kv_indptr: plan reads the metadata values; got tensors on the meta device")
+        if max_kv_len is not None:
+            V.key_length_bound("max_kv_len", max_kv_len)
+        ip, ids, last, *qo = V.host_values(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                           *((qo_indptr,) if packed else ()))
+        lens = check_csr_values(ip, ids.shape[0], last, page_size)
+        check_page_ids("paged_kv_indices", ids, None)
+        longest = int(lens.max())
+        if max_kv_len is None:
+            max_kv_len = V.key_length_bound("max_kv_len", longest)
+        elif longest > max_kv_len:
+            b = V.first(lens > max_kv_len)
+            V.fail(f"max_kv_len: the planned KV metadata contains a request longer than max_kv_len ({max_kv_len}): "
+                   f"got {int(lens[b])} (request {b})")
+        if packed:
+            V.values_indptr("qo_indptr", qo[0], None, "")
+            q_lens = np.diff(qo[0])
+            most = int(q_lens.max())
+            if max_seq_len_q is None:
+                max_seq_len_q = most
+            elif most > max_seq_len_q:
+                V.fail(f"max_seq_len_q: {max_seq_len_q} is below the largest query count in qo_indptr ({most})")
+            q_shape = (int(qo[0][-1]), num_qo_heads, d)
+        else:
+            max_seq_len_q = seq_len_q
+            q_lens = np.full(batch, seq_len_q, dtype=np.int64)
+            q_shape = (batch, num_qo_heads, d) if seq_len_q == 1 else (batch, seq_len_q, num_qo_heads, d)
+        if mask_type == "causal":
+            bad = q_lens > lens
+            if bad.any():
+                b = V.first(bad)
+                V.fail(f"paged_kv_last_page_len: causal decode requires every per-request Q length to be no greater "
+                       f"than its K/V length; request {b} has Q={int(q_lens[b])} and K/V={int(lens[b])}")
+        need = _workspace_bytes(batch, num_qo_heads, num_kv_heads, d, max_kv_len, max_seq_len_q, device)
+        static = decode_static(dtype, d, num_qo_heads, num_kv_heads, page_size, odt, packed, batch,
+                               1 if packed else seq_len_q, max_seq_len_q, max_kv_len, mask_type, window_left,
+                               self.tuning)
+        launch = None
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            from ..cuda import decode as K
 
-        # the kernel compiled and loaded now, not in run (before any state changes: a failed plan
-        # leaves the previous one whole)
-        kernels.warm_decode(dev, q_data_type, d, mask_type == "causal", batch, num_kv_heads,
-                            num_qo_heads // num_kv_heads, 1, max_seq_len)
-        ws = torch.zeros(get_prims_ts_batch_decode_workspace_size(batch, num_qo_heads, num_kv_heads, d, max_seq_len,
-                                                                  device=dev), dtype=torch.uint8, device=dev)
-        self._plan = dict(batch=batch, hq=num_qo_heads, hkv=num_kv_heads, d=d, page_size=page_size,
-                          mask_type=mask_type, window_left=window_left, sm_scale=sm_scale,
-                          output_scale=output_scale, max_seq_len=max_seq_len, dtype=q_data_type, out_dtype=odt,
-                          max_page=int(indices.max()) if indices.numel() else -1)
-        self._meta = (indptr, indices, last_page_len)
-        self._seq_lens = torch.empty(batch, dtype=torch.int32, device=dev)
-        self._workspace = ws
+            launch = K.prepared(static, device.index)  # loaded before any state changes
+        ws = torch.zeros(need, dtype=torch.uint8, device=device)
+        (seq_lens,) = V.to_device(device, lens)
+        self._plan = DecodePlan(static, device, dtype, odt, q_shape, (num_kv_heads, page_size, d), int(ids.max()),
+                                paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws, launch,
+                                self._tuning_code)
 
-    def _live_seq_lens(self) -> torch.Tensor:
-        """(pages - 1) * page_size + last_page_len, computed on the device into a planned buffer."""
-        indptr, _, last = self._meta
-        s = self._seq_lens
-        torch.sub(indptr[1:], indptr[:-1], out=s)
-        s.sub_(1).mul_(self._plan["page_size"]).add_(last)
-        return s
-
-    def run(self, q: torch.Tensor, paged_kv_cache: KVCache, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: KVCache, *, bmm1_scale: Optional[float] = None,
+            bmm2_scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         plan = self._plan
         if plan is None:
-            raise RuntimeError("BatchDecodePagedTSWrapper.run: call plan(...) first")
-        k_cache, _ = split_cache(paged_kv_cache, "paged_kv_cache")
-        if q.dim() != 3 or tuple(q.shape) != (plan["batch"], plan["hq"], plan["d"]):
-            V.fail(f"q: expected [B, Hq, D] = {(plan['batch'], plan['hq'], plan['d'])}, got {tuple(q.shape)}")
-        if q.dtype != plan["dtype"]:
-            V.fail(f"q: dtype {q.dtype} differs from the planned q_data_type {plan['dtype']}")
-        if k_cache.shape[2] != plan["page_size"] or k_cache.shape[1] != plan["hkv"]:
-            V.fail(f"paged_kv_cache: page size / heads {tuple(k_cache.shape[1:3])} differ from the plan "
-                   f"({plan['hkv']}, {plan['page_size']})")
-        if plan["max_page"] >= k_cache.shape[0]:
-            V.fail(f"paged_kv_cache: the plan uses page ID {plan['max_page']} but the cache holds "
-                   f"{k_cache.shape[0]} pages")
-        indptr, indices, last = self._meta
-        if out is not None and not V.tracing():
-            V.disjoint("out", out, [("indptr", indptr), ("indices", indices), ("last_page_len", last)])
-        return prims_ts_batch_decode_with_kv_cache(
-            q, paged_kv_cache, self._workspace, indptr, indices, self._live_seq_lens(), plan["max_seq_len"],
-            bmm1_scale=plan["sm_scale"], bmm2_scale=plan["output_scale"], out=out, out_dtype=plan["out_dtype"],
-            mask_type=plan["mask_type"], window_left=plan["window_left"])
+            raise RuntimeError("plan() must be called before run()")
+        dev, dt = plan.device, plan.dtype
+        cache = paged_kv_cache
+        kv = plan_cache(cache, plan.geometry, dt, dev, plan.max_page) if V.matches(q, plan.q_shape, dt, dev) else None
+        if kv is None:
+            _check_against_plan(plan, q, cache)
+        sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(plan.geometry[2]))
+        output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+        if out is not None:
+            V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
+                         (("q", q),) + named_cache("paged_kv_cache", cache) + plan.bound)
+        if kv is not None and plan.launch is not None and _dispatch.plain_eager(out):
+            if out is None:
+                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
+            plan.launch.run(q, kv[0], kv[1], plan.workspace, out, plan.kv_indptr, plan.kv_indices, plan.seq_lens,
+                            plan.qo_indptr, sm_scale, output_scale)
+            return out
+        k_cache, v_cache = split_cache(cache, "paged_kv_cache")
+        V.run_layout((("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache)))
+        st = plan.static
+        args = (plan.kv_indptr, plan.kv_indices, plan.seq_lens, plan.qo_indptr, st.seq_len_q, st.max_seq_len_q,
+                st.max_seq_len, "causal" if st.causal else "dense", st.window_left, sm_scale, output_scale)
+        return _dispatch.call(torch.ops.prims_ts.batch_decode, torch.ops.prims_ts.batch_decode_out, _run,
+                              (q, k_cache, v_cache, _workspace(plan.workspace)), args, out, plan.out_dtype,
+                              plan.tuning_code)
+
+
+def _workspace(ws: torch.Tensor) -> torch.Tensor:
+    """A plan's workspace as a traced run uses it: while torch.compile / torch.export trace, a
+    zeroed one the graph allocates (an op may not mutate a constant the graph lifts: AOTInductor
+    refuses it); otherwise the plan's own."""
+    return torch.zeros(ws.shape, dtype=ws.dtype, device=ws.device) if V.tracing() else ws
+
+
+def _check_against_plan(plan: DecodePlan, q, cache) -> None:
+    k_cache, v_cache = split_cache(cache, "paged_kv_cache")
+    V.tensor("q", q, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
+    if tuple(q.shape) != tuple(plan.q_shape):
+        V.fail(f"q must have shape {tuple(plan.q_shape)} (the plan's), got {tuple(q.shape)}")
+    if q.dtype != plan.dtype:
+        V.fail(f"q: dtype {V._dtype_name(q.dtype)} must match the plan ({V._dtype_name(plan.dtype)})")
+    if tuple(k_cache.shape[1:]) != plan.geometry:
+        V.fail(f"paged_kv_cache: geometry does not match the plan: expected Hkv/page/D={plan.geometry}, got "
+               f"{tuple(k_cache.shape[1:])}")
+    if k_cache.dtype != plan.dtype:
+        V.fail(f"paged_kv_cache: dtype {V._dtype_name(k_cache.dtype)} must match the plan "
+               f"({V._dtype_name(plan.dtype)})")
+    V.same_device([("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache)])
+    if q.device != plan.device:
+        V.fail(f"q must be on the planned device {plan.device}, got {q.device}")
+    if plan.max_page >= k_cache.shape[0]:
+        V.fail(f"paged_kv_cache: the plan reads page ID {plan.max_page} but the cache holds {k_cache.shape[0]} pages")
 
 
 def batch_decode_with_paged_kv_cache(
@@ -407,29 +628,28 @@ def batch_decode_with_paged_kv_cache(
     paged_kv_indices: torch.Tensor,
     paged_kv_last_page_len: torch.Tensor,
     *,
+    seq_len_q: int = 1,
+    qo_indptr: Optional[torch.Tensor] = None,
+    max_seq_len_q: Optional[int] = None,
     mask_type: str = "dense",
     window_left: int = -1,
-    sm_scale: Optional[float] = None,
-    output_scale: float = 1.0,
-    out_dtype: Optional[torch.dtype] = None,
+    kv_layout: str = "HND",
+    bmm1_scale: Optional[float] = None,
+    bmm2_scale: float = 1.0,
     out: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """One-shot decode (``q`` ``[B, Hq, D]``): plans a temporary wrapper (reads and validates
-    the metadata on the host, including every page ID against the cache) and runs it.
-    Not CUDA-graph capturable; plan a :class:`BatchDecodePagedTSWrapper` for that."""
+    """One-shot decode: a temporary :class:`BatchDecodePagedTSWrapper`'s plan (which reads and
+    validates the metadata on the host, every page ID against the cache included) and run.
+    Not CUDA-graph capturable; plan a wrapper for that."""
     k_cache, _ = split_cache(paged_kv_cache, "paged_kv_cache")
-    V.tensor("q", q, dtypes=V.INPUT_DTYPES, ndim=3)
-    for name, t in (("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
-                    ("paged_kv_last_page_len", paged_kv_last_page_len)):
-        V.tensor(name, t)  # named as this function's arguments (plan checks dtypes and shapes)
-    w = BatchDecodePagedTSWrapper(q.device)
-    w.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, q.shape[1], k_cache.shape[1], q.shape[2],
-           k_cache.shape[2], mask_type=mask_type, window_left=window_left, sm_scale=sm_scale,
-           output_scale=output_scale, q_data_type=q.dtype, out_dtype=out_dtype if out_dtype is not None else (
-               out.dtype if isinstance(out, torch.Tensor) else None))
-    # the metadata are int32 tensors now (plan checked them); their page IDs against this cache
-    if paged_kv_indices.numel() and not V.tracing():
-        hi = int(paged_kv_indices.max())
-        if hi >= k_cache.shape[0]:
-            V.fail(f"paged_kv_indices: page ID {hi} is outside [0, {k_cache.shape[0]})")
-    return w.run(q, paged_kv_cache, out=out)
+    V.tensor("q", q, dtypes=V.INPUT_DTYPES)
+    w = BatchDecodePagedTSWrapper(kv_layout)
+    w.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, q.shape[-2], k_cache.shape[1], q.shape[-1],
+           k_cache.shape[2], seq_len_q=seq_len_q, qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q,
+           q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=V.resolve_out_dtype(out_dtype, out, q),
+           mask_type=mask_type, window_left=window_left)
+    if w._plan.max_page >= k_cache.shape[0]:
+        V.fail(f"paged_kv_indices: page ID {w._plan.max_page} is outside [0, {k_cache.shape[0]}); entries must index "
+               "the physical page pool")
+    return w.run(q, paged_kv_cache, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out)

@@ -1,10 +1,10 @@
 """MLA decode: ``batch_mla_decode_with_paged_kv_cache`` and its companions (SPEC §4, seed 004).
 
-Public: ``batch_mla_decode_with_paged_kv_cache`` (one-shot: reads metadata on the host,
-        not capturable), ``BatchMLADecodePagedTSWrapper`` (plan/run; ``run(validate=False)``
-        is capturable), ``prims_ts_batch_decode_with_kv_cache_mla`` (standalone, caller
-        workspace, no host synchronisation, capturable) and
-        ``get_prims_ts_batch_decode_mla_workspace_size``.
+Public: ``BatchMLADecodePagedTSWrapper`` (plan/run; ``run(validate=False)`` is capturable),
+        ``batch_mla_decode_with_paged_kv_cache`` = ``batch_decode_mla_with_paged_kv_cache``
+        (one-shot: its plan + run, reads metadata on the host, not capturable),
+        ``prims_ts_batch_decode_with_kv_cache_mla`` (standalone, caller workspace, no host
+        synchronisation, capturable) and ``get_prims_ts_batch_decode_mla_workspace_size``.
 Ops:    ``torch.ops.prims_ts.batch_mla_decode`` (functional) and
         ``torch.ops.prims_ts.batch_mla_decode_out`` (writes ``out``); both use the workspace.
 Fakes:  ``prims_ts/meta/mla.py``; CPU kernel: ``prims_ts.reference.batch_mla_decode``.
@@ -17,14 +17,16 @@ page table ``block_tables int32 [B, C]``; ``seq_lens int32 [B]``; output ``[...,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
+import numpy as np
 import torch
 
 from .. import reference
+from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
-from .decode import WORKSPACE_DTYPES
+from .decode import WORKSPACE_DTYPES, _check_page_size, _meta, _workspace, check_dtypes, decode_static
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -41,25 +43,37 @@ DEFAULT_OUT_DTYPE = torch.bfloat16
 # ----------------------------------------------------------------------------
 
 
+def _static(dtype, num_heads, page_size, out_dtype, packed, batch, seq_len_q, max_seq_len_q, max_seq_len, mask_type,
+            tuning: Tuning):
+    """MLA is the decode kernel with one latent head of 576-wide rows."""
+    return decode_static(dtype, DIM_QK, num_heads, 1, page_size, out_dtype, packed, batch, seq_len_q, max_seq_len_q,
+                         max_seq_len, mask_type, -1, tuning)
+
+
 def _run(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, max_seq_len_q, max_seq_len, mask_type,
-         sm_scale, output_scale) -> None:
+         sm_scale, output_scale, tuning) -> None:
     if out.numel() == 0:
         return
     if query.device.type == "cuda":
-        from ..cuda import kernels
+        from ..cuda import decode as K
 
-        seq_len_q = 1 if qo_indptr is not None else query.shape[1]
-        kernels.launch_mla(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, seq_len_q,
-                           max_seq_len_q, max_seq_len, mask_type == "causal", sm_scale, output_scale)
+        packed = qo_indptr is not None
+        batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
+        static = _static(query.dtype, query.shape[-2], kv_cache.shape[1], out.dtype, packed, batch,
+                         1 if packed else query.shape[1], max_seq_len_q, max_seq_len, mask_type, Tuning.decode(tuning))
+        K.prepared(static, query.device.index).run(query, kv_cache, None, workspace, out, None, block_tables,
+                                                   seq_lens, qo_indptr, sm_scale, output_scale,
+                                                   bt_stride=block_tables.stride(0))
     else:
         out.copy_(reference.batch_mla_decode(
             query, kv_cache, block_tables, seq_lens, qo_indptr=qo_indptr, mask_type=mask_type, sm_scale=sm_scale,
             output_scale=output_scale, compute_dtype=torch.float32))
 
 
-def out_shape(query: torch.Tensor) -> Tuple[int, ...]:
-    """``[B, SQ, H, 512]`` / ``[total_q, H, 512]`` for a ``[..., 576]`` query."""
-    return tuple(query.shape[:-1]) + (DIM_V,)
+def out_shape(query) -> Tuple[int, ...]:
+    """``[B, SQ, H, 512]`` / ``[total_q, H, 512]`` for a ``[..., 576]`` query (or its shape)."""
+    shape = query.shape if isinstance(query, torch.Tensor) else query
+    return tuple(shape[:-1]) + (DIM_V,)
 
 
 @torch.library.custom_op("prims_ts::batch_mla_decode_out", mutates_args=("workspace", "out"))
@@ -76,11 +90,12 @@ def batch_mla_decode_out_op(
     mask_type: str,
     sm_scale: float,
     output_scale: float,
+    tuning: str = "",
 ) -> None:
     """Writes MLA decode attention into ``out`` ``[..., 512]`` (split-KV partials go through
     ``workspace``). ``kv_cache`` is the 3-D ``[P, page_size, 576]`` pool. Trusted arguments."""
     _run(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, max_seq_len_q, max_seq_len, mask_type,
-         sm_scale, output_scale)
+         sm_scale, output_scale, tuning)
 
 
 @torch.library.custom_op("prims_ts::batch_mla_decode", mutates_args=("workspace",))
@@ -97,16 +112,17 @@ def batch_mla_decode_op(
     sm_scale: float,
     output_scale: float,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     """``batch_mla_decode_out`` returning a new ``[..., 512]`` output tensor."""
     out = torch.empty(out_shape(query), dtype=V.code_dtype(out_dtype), device=query.device)
     _run(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, max_seq_len_q, max_seq_len, mask_type,
-         sm_scale, output_scale)
+         sm_scale, output_scale, tuning)
     return out
 
 
 # ----------------------------------------------------------------------------
-# Workspace
+# Static arguments
 # ----------------------------------------------------------------------------
 
 
@@ -114,37 +130,6 @@ def _check_num_heads(name: str, h) -> int:
     if h not in NUM_HEADS:
         V.fail(f"{name}: {h} heads are not supported; expected one of {', '.join(map(str, NUM_HEADS))}")
     return h
-
-
-def get_prims_ts_batch_decode_mla_workspace_size(
-    batch_size: int,
-    num_heads: int,
-    max_seq_len: int,
-    max_seq_len_q: int = 1,
-    device: Optional[Union[torch.device, str]] = None,
-) -> int:
-    """Bytes of ``workspace_buffer`` that ``prims_ts_batch_decode_with_kv_cache_mla`` needs for
-    these static arguments on ``device`` (default: the current CUDA device, or the CPU).
-
-    Depends only on static arguments and the device's SM count (the split-KV policy is
-    chosen from them, never from metadata values); never shrinks as ``max_seq_len`` or
-    ``max_seq_len_q`` grows. At least 256.
-    """
-    from ..cuda.kernels import decode_policy, device_limits, mla_workspace_bytes
-
-    V.integer("batch_size", batch_size, minimum=1)
-    _check_num_heads("num_heads", V.integer("num_heads", num_heads))
-    V.key_length_bound("max_seq_len", max_seq_len)
-    V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
-    sms, limit = device_limits(device)
-    pol = decode_policy(batch_size, 1, num_heads, max_seq_len_q, DIM_QK, max_seq_len, sms, limit)
-    V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
-    return max(256, int(mla_workspace_bytes(batch_size, num_heads, max_seq_len_q, max_seq_len, sms, limit)))
-
-
-# ----------------------------------------------------------------------------
-# Static validation (no tensor values are read)
-# ----------------------------------------------------------------------------
 
 
 def _check_ranks(kv_lora_rank, qk_rope_head_dim) -> None:
@@ -158,11 +143,62 @@ def _check_ranks(kv_lora_rank, qk_rope_head_dim) -> None:
                f"got {qk_rope_head_dim}")
 
 
-def _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q: bool) -> Tuple[int, Optional[int], bool]:
-    """(batch, max_seq_len_q, packed) of a fixed ``[B, SQ, H, 576]`` or packed ``[T, H, 576]`` query.
+def _fixed_sq(seq_len_q, max_seq_len_q, default: int = 1) -> int:
+    """A fixed query's SQ from ``seq_len_q`` and ``max_seq_len_q`` (aliases that must agree)."""
+    if seq_len_q is not None:
+        V.integer("seq_len_q", seq_len_q, minimum=1)
+    if max_seq_len_q is not None:
+        V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
+    if seq_len_q is not None and max_seq_len_q is not None and seq_len_q != max_seq_len_q:
+        V.fail(f"max_seq_len_q: {max_seq_len_q} disagrees with seq_len_q={seq_len_q} (the same bound)")
+    return seq_len_q if seq_len_q is not None else (max_seq_len_q if max_seq_len_q is not None else default)
 
-    Packed: ``max_seq_len_q`` is returned as given (None allowed unless required). Fixed: it
-    defaults to SQ and, when given, must equal it."""
+
+def _workspace_bytes(batch, num_heads, max_seq_len, max_seq_len_q, device) -> int:
+    from ..cuda.decode import MLA_DIM_QK, decode_policy, mla_workspace_bytes
+    from ..cuda.keys import device_limits
+
+    _, sms, limit = device_limits(device)
+    pol = decode_policy(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sms, limit)
+    V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
+    return max(256, int(mla_workspace_bytes(batch, num_heads, max_seq_len_q, max_seq_len, sms, limit)))
+
+
+def get_prims_ts_batch_decode_mla_workspace_size(
+    batch_size: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    page_size: int,
+    max_seq_len: int,
+    *,
+    seq_len_q: Optional[int] = None,
+    max_seq_len_q: Optional[int] = None,
+    q_dtype: torch.dtype = torch.bfloat16,
+    kv_dtype: Optional[torch.dtype] = None,
+    out_dtype: torch.dtype = DEFAULT_OUT_DTYPE,
+    mask_type: str = "causal",
+    device: Optional[Union[torch.device, str]] = None,
+) -> int:
+    """Bytes of ``workspace_buffer`` that ``prims_ts_batch_decode_with_kv_cache_mla`` needs for
+    these static arguments on ``device`` (default: the current CUDA device, or the CPU).
+
+    Depends only on static arguments and the device's SM count (the split-KV policy is
+    chosen from them, never from metadata values); never shrinks as ``max_seq_len`` or
+    ``max_seq_len_q`` grows. At least 256.
+    """
+    V.integer("batch_size", batch_size, minimum=1)
+    _check_num_heads("num_heads", V.integer("num_heads", num_heads))
+    _check_ranks(kv_lora_rank, qk_rope_head_dim)
+    _check_page_size(page_size)
+    V.key_length_bound("max_seq_len", max_seq_len)
+    V.choice("mask_type", mask_type, MASKS)
+    check_dtypes(q_dtype, kv_dtype, out_dtype, ("q_dtype", "kv_dtype", "out_dtype"))
+    return _workspace_bytes(batch_size, num_heads, max_seq_len, _fixed_sq(seq_len_q, max_seq_len_q), device)
+
+
+def _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q: bool) -> Tuple[int, Optional[int], bool]:
+    """(batch, max_seq_len_q, packed) of a fixed ``[B, SQ, H, 576]`` or packed ``[T, H, 576]`` query."""
     V.tensor("query", query, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
     if qo_indptr is not None:
         V.int32_vector("qo_indptr", qo_indptr)
@@ -173,7 +209,8 @@ def _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q: bool) ->
                    f"{tuple(query.shape)}")
         if max_seq_len_q is None:
             if require_max_seq_len_q:
-                V.fail("max_seq_len_q: required with qo_indptr (the static bound of every request's query count)")
+                V.fail("max_seq_len_q: max_seq_len_q is required when qo_indptr selects packed queries (the static "
+                       "bound of every request's query count)")
         else:
             V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
         return V.batch_size("qo_indptr", qo_indptr.shape[0] - 1), max_seq_len_q, True
@@ -212,7 +249,7 @@ def latent_cache(kv_cache, name: str = "kv_cache") -> torch.Tensor:
         V.fail(f"{name}: the last dimension must be {DIM_QK} (kv_lora_rank {KV_LORA_RANK} + qk_rope_head_dim "
                f"{QK_ROPE_HEAD_DIM}), got shape {tuple(kv_cache.shape)}")
     if cache.shape[1] not in PAGE_SIZES:
-        V.fail(f"{name}: page size {cache.shape[1]} is not supported; expected one of "
+        V.fail(f"{name}: page size {cache.shape[1]} is not supported; prims_ts supports page_size "
                f"{', '.join(map(str, PAGE_SIZES))}")
     V.tensor(name, kv_cache, vector_aligned=True)  # after the shape checks: their message comes first
     if cache.shape[0] < 1:
@@ -221,49 +258,35 @@ def latent_cache(kv_cache, name: str = "kv_cache") -> torch.Tensor:
     return cache
 
 
-def _resolve_out_dtype(out_dtype, out) -> torch.dtype:
-    """The output dtype. ``out_dtype`` defaults to bfloat16 (the seed's signature), so with ``out``
-    given and ``out_dtype`` left at bfloat16 (or None), ``out.dtype`` decides; any other
-    ``out_dtype`` must agree with ``out.dtype``."""
-    if out_dtype is None or (isinstance(out, torch.Tensor) and out_dtype == DEFAULT_OUT_DTYPE):
-        return V.out_dtype(None, out, DEFAULT_OUT_DTYPE)
-    odt = V.out_dtype(out_dtype, None, DEFAULT_OUT_DTYPE)
+def _mla_out_dtype(out_dtype, out) -> torch.dtype:
+    """``out_dtype`` (default bfloat16); ``out``, when given, must have exactly that dtype."""
+    odt = V.out_dtype(out_dtype if out_dtype is not None else DEFAULT_OUT_DTYPE, None, DEFAULT_OUT_DTYPE)
     if isinstance(out, torch.Tensor) and out.dtype != odt:
-        V.fail(f"out: dtype {out.dtype} disagrees with out_dtype {odt}")
+        V.fail(f"out: dtype {out.dtype} must equal out_dtype {odt} (MLA's output dtype)")
     return odt
 
 
-@dataclass
-class _Call:
-    """A statically validated standalone call, ready to dispatch."""
+# ----------------------------------------------------------------------------
+# The standalone function
+# ----------------------------------------------------------------------------
 
-    query: torch.Tensor
-    cache: torch.Tensor  # 3-D [P, page_size, 576]
-    workspace: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    qo_indptr: Optional[torch.Tensor]
-    max_seq_len_q: int
-    max_seq_len: int
-    mask_type: str
-    sm_scale: float
-    output_scale: float
-    out: Optional[torch.Tensor]
+
+@dataclass(frozen=True)
+class _Checked:
+    static: Optional[object]  # cuda.decode.DecodeStatic (None while traced: the op builds its own)
     out_dtype: torch.dtype
-
-    def launch(self) -> torch.Tensor:
-        args = (self.block_tables, self.seq_lens, self.qo_indptr, self.max_seq_len_q, self.max_seq_len,
-                self.mask_type, self.sm_scale, self.output_scale)
-        return _dispatch.call(torch.ops.prims_ts.batch_mla_decode, torch.ops.prims_ts.batch_mla_decode_out, _run,
-                              (self.query, self.cache, self.workspace), args, self.out, self.out_dtype,
-                              out_shape=out_shape(self.query))
+    max_sq: int
+    mask_type: str
 
 
-def _prepare(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len, qo_indptr, max_seq_len_q,
-             kv_lora_rank, qk_rope_head_dim, mask_type, bmm1_scale, bmm2_scale, out, out_dtype) -> _Call:
-    """Every static check of the standalone call (shapes, dtypes, devices, workspace, scalars, out)."""
+_CHECKED: Dict[tuple, _Checked] = {}
+
+
+def _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens,
+                       max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype) -> _Checked:
+    """Every static check of the standalone call (shapes, dtypes, devices, workspace, out)."""
     _check_ranks(kv_lora_rank, qk_rope_head_dim)
-    batch, max_sq, _ = _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q=True)
+    batch, max_sq, packed = _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q=True)
     h = _query_heads(query)
     cache = latent_cache(kv_cache)
     if query.dtype != cache.dtype:
@@ -272,89 +295,108 @@ def _prepare(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_
     V.int32_vector("seq_lens", seq_lens, length=batch)
     V.key_length_bound("max_seq_len", max_seq_len)
     mask_type = V.choice("mask_type", mask_type, MASKS)
-    sm_scale = V.scale("bmm1_scale", bmm1_scale)
-    output_scale = V.scale("bmm2_scale", bmm2_scale)
     metadata = [("block_tables", block_tables), ("seq_lens", seq_lens), ("qo_indptr", qo_indptr)]
     device = V.same_device([("query", query), ("kv_cache", cache), ("workspace_buffer", workspace_buffer)]
                            + metadata)
     V.tensor("workspace_buffer", workspace_buffer, dtypes=WORKSPACE_DTYPES, contiguous=True)
     V.start_aligned("workspace_buffer", workspace_buffer)
-    need = get_prims_ts_batch_decode_mla_workspace_size(batch, h, max_seq_len, max_sq, device=device)
+    need = _workspace_bytes(batch, h, max_seq_len, max_sq, device)
     have = workspace_buffer.numel() * workspace_buffer.element_size()
     if have < need:
         V.fail(f"workspace_buffer: {have} bytes are too few; this key needs {need} "
                "(get_prims_ts_batch_decode_mla_workspace_size)")
-    odt = _resolve_out_dtype(out_dtype, out)
-    inputs = [("query", query), ("kv_cache", cache), ("workspace_buffer", workspace_buffer)] + metadata
-    V.out_tensor(out, out_shape(query), odt, device, inputs, aligned=True)
-    if not V.tracing():
-        V.disjoint("workspace_buffer", workspace_buffer, [i for i in inputs if i[0] != "workspace_buffer"])
-    return _Call(query, cache, workspace_buffer, block_tables, seq_lens, qo_indptr, max_sq, max_seq_len, mask_type,
-                 sm_scale, output_scale, out, odt)
+    odt = _mla_out_dtype(out_dtype, out)
+    static = None if V.tracing() else _static(query.dtype, h, cache.shape[1], odt, packed, batch,
+                                              1 if packed else max_sq, max_sq, max_seq_len, mask_type, DEFAULT_TUNING)
+    return _Checked(static, odt, max_sq, mask_type)
 
 
 def prims_ts_batch_decode_with_kv_cache_mla(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     workspace_buffer: torch.Tensor,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
     *,
     qo_indptr: Optional[torch.Tensor] = None,
     max_seq_len_q: Optional[int] = None,
-    kv_lora_rank: int = KV_LORA_RANK,
-    qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
-    mask_type: str = "causal",
+    out: Optional[torch.Tensor] = None,
     bmm1_scale: float = 1.0,
     bmm2_scale: float = 1.0,
-    out: Optional[torch.Tensor] = None,
+    mask_type: str = "causal",
     out_dtype: torch.dtype = DEFAULT_OUT_DTYPE,
 ) -> torch.Tensor:
     """Fixed ``[B, SQ, H, 576]`` or packed ``[total_q, H, 576]`` (+ ``qo_indptr`` and a required
     ``max_seq_len_q``) MLA decode over a paged latent cache with caller-owned workspace.
 
     No device-to-host synchronisation: shapes, dtypes, devices, the workspace size and scalar
-    arguments are checked here; metadata *values* are trusted (the caller keeps
+    arguments are checked here (once per static key: the checks and the prepared launch are
+    cached under it); metadata *values* are trusted (the caller keeps
     ``1 <= seq_lens[b] <= min(max_seq_len, block_tables.shape[1] * page_size)``, the used page
-    IDs inside the cache, ``qo_indptr`` starting at 0, increasing by at most ``max_seq_len_q``
-    and ending at ``total_q``, and, for causal masks, each request's query count <= its
-    length). ``workspace_buffer`` (uint8/int8, contiguous, at least
-    ``get_prims_ts_batch_decode_mla_workspace_size(B, H, max_seq_len, max_seq_len_q)`` bytes)
-    is zeroed before its first use and left reusable for the next launch of the same key.
-    Capturable in a CUDA graph once this static key has run once.
-
-    ``kv_cache`` is ``[P, page_size, 576]`` or ``[P, 1, page_size, 576]``; the output is
-    ``query.shape[:-1] + (512,)`` in ``out.dtype`` when ``out`` is given (an ``out_dtype`` other
-    than the default bfloat16 must agree with it), else in ``out_dtype``.
+    IDs inside the cache, packed offsets within ``max_seq_len_q`` and, for causal masks, each
+    request's query count <= its length). Capturable in a CUDA graph once this static key has
+    run once. Returns ``query.shape[:-1] + (512,)`` in ``out_dtype``; ``out``, when given,
+    must have that dtype.
     """
-    return _prepare(query, kv_cache, workspace_buffer, block_tables, seq_lens, max_seq_len, qo_indptr, max_seq_len_q,
-                    kv_lora_rank, qk_rope_head_dim, mask_type, bmm1_scale, bmm2_scale, out, out_dtype).launch()
+    key = (_meta(query), _meta(kv_cache), _meta(workspace_buffer), _meta(block_tables), _meta(seq_lens),
+           _meta(qo_indptr), _meta(out), kv_lora_rank, qk_rope_head_dim, max_seq_len, max_seq_len_q, mask_type,
+           out_dtype)
+    checked = _CHECKED.get(key) if not V.tracing() else None
+    if checked is None:
+        checked = _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables,
+                                     seq_lens, max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype)
+        if not V.tracing():
+            _CHECKED[key] = checked
+    sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
+    output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+    inputs = (("query", query), ("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
+              ("block_tables", block_tables), ("seq_lens", seq_lens), ("qo_indptr", qo_indptr))
+    if out is not None:
+        V.out_tensor(out, out_shape(query), checked.out_dtype, query.device, inputs)
+    V.no_overlap("workspace_buffer", workspace_buffer, inputs[:2] + inputs[3:] + (("out", out),))
+    if _dispatch.plain_eager(out) and query.is_cuda and type(query) is torch.Tensor:
+        from ..cuda import decode as K
+
+        if out is None:
+            out = torch.empty(out_shape(query), dtype=checked.out_dtype, device=query.device)
+        K.prepared(checked.static, query.device.index).run(
+            query, kv_cache, None, workspace_buffer, out, None, block_tables, seq_lens, qo_indptr, sm_scale,
+            output_scale, bt_stride=block_tables.stride(0))
+        return out
+    V.run_layout((("query", query), ("kv_cache", kv_cache)))  # per call: not in the key
+    args = (block_tables, seq_lens, qo_indptr, checked.max_sq, max_seq_len, checked.mask_type, sm_scale,
+            output_scale)
+    return _dispatch.call(torch.ops.prims_ts.batch_mla_decode, torch.ops.prims_ts.batch_mla_decode_out, _run,
+                          (query, latent_cache(kv_cache), workspace_buffer), args, out, checked.out_dtype,
+                          out_shape=out_shape(query))
 
 
 # ----------------------------------------------------------------------------
-# Host checks of metadata values (plan, run(validate=True), the one-shot)
+# Host checks of metadata values (plan, run(validate=True))
 # ----------------------------------------------------------------------------
 
 
-def _values_qo(qo: List[int], end: Optional[int]) -> List[int]:
-    """Per-request query counts of a packed ``qo_indptr``: starts at 0, strictly increasing,
-    ends at ``end`` (the query's row count) when given."""
-    V.values_indptr("qo_indptr", qo, qo[-1] if end is None else end, "query.shape[0]")
-    return [qo[i + 1] - qo[i] for i in range(len(qo) - 1)]
+def _values_lens(lens: np.ndarray, bound: int, bound_name: str) -> None:
+    bad = lens < 1
+    if bad.any():
+        b = V.first(bad)
+        V.fail(f"seq_lens: every planned request must contain at least one KV token; request {b} has "
+               f"{int(lens[b])}")
+    bad = lens > bound
+    if bad.any():
+        b = V.first(bad)
+        V.fail(f"seq_lens: request {b} is longer than {bound_name} ({bound}): got {int(lens[b])}")
 
 
-def _values_lens(lens: List[int], bound: int, bound_name: str) -> None:
-    for b, sk in enumerate(lens):
-        if sk < 1 or sk > bound:
-            V.fail(f"seq_lens: request {b} has length {sk}; expected 1 <= length <= {bound_name} = {bound}")
-
-
-def _values_causal(q_lens: Sequence[int], lens: Sequence[int]) -> None:
-    for b, (sq, sk) in enumerate(zip(q_lens, lens)):
-        if sq > sk:
-            V.fail(f"seq_lens: request {b} has length {sk}, shorter than its {sq} queries; mask_type='causal' "
-                   "needs each request's query count <= its length")
+def _values_causal(q_lens: np.ndarray, lens: np.ndarray) -> None:
+    bad = q_lens > lens
+    if bad.any():
+        b = V.first(bad)
+        V.fail(f"seq_lens: request {b} has length {int(lens[b])}, shorter than its {int(q_lens[b])} queries; "
+               "mask_type='causal' needs each request's query count <= its length")
 
 
 # ----------------------------------------------------------------------------
@@ -362,217 +404,224 @@ def _values_causal(q_lens: Sequence[int], lens: Sequence[int]) -> None:
 # ----------------------------------------------------------------------------
 
 
-@dataclass
-class _Plan:
-    batch: int
-    num_heads: int
-    page_size: int
-    packed: bool
-    max_seq_len_q: int
-    max_kv_len: int
-    mask_type: str
-    sm_scale: float
-    output_scale: float
+@dataclass(frozen=True, eq=False)
+class MLAPlan:
+    static: object  # cuda.decode.DecodeStatic
+    device: torch.device
     dtype: torch.dtype
     out_dtype: torch.dtype
+    q_shape: tuple
+    out_shape: tuple
+    page_size: int
+    block_tables: torch.Tensor  # bound: read live
+    seq_lens: torch.Tensor  # bound: read live
+    qo_indptr: Optional[torch.Tensor]  # bound: read live
+    workspace: torch.Tensor
+    launch: Optional[object]  # cuda.decode.PreparedDecode
+    tuning_code: str
+
+    @property
+    def bound(self) -> tuple:
+        return (("block_tables", self.block_tables), ("seq_lens", self.seq_lens), ("qo_indptr", self.qo_indptr),
+                ("workspace_buffer", self.workspace))
 
 
 class BatchMLADecodePagedTSWrapper:
     """Plan/run MLA decode over a paged latent cache.
 
-    ``workspace_buffer`` (optional, uint8/int8, contiguous): scratch for split-KV partials,
-    as FlashInfer wrappers take it. Without one the wrapper allocates and owns its own.
-    ``plan`` checks that the buffer is large enough for the planned key and zeroes the bytes
-    it needs (the buffer must not be used by anything else while the plan is live).
-
     ``plan`` reads ``seq_lens`` (and ``qo_indptr``) once on the host, validates them and fixes
-    the bounds: batch, heads, page size, query mode and ``max_seq_len_q``, ``max_kv_len``, the
-    mask, the scales and the dtypes. It binds no tensor: the metadata it reads may live on the
-    host when the wrapper's device is known (``workspace_buffer`` or ``device=``); otherwise the
-    wrapper's own workspace goes to the metadata's device. ``run`` takes the live metadata tensors:
+    the bounds (batch, heads, page size, the query mode and ``max_seq_len_q``, ``max_kv_len``:
+    default the longest request), checks that ``block_tables`` has the columns ``max_kv_len``
+    needs, and binds ``block_tables``, ``seq_lens`` and ``qo_indptr``: ``run`` reads them on the
+    device, so a replay may change lengths, page IDs and (packed) query offsets in place within
+    the planned bounds.
 
-    * ``validate=True`` (default) reads them on the host and checks them against the plan and
-      the cache: ``1 <= seq_lens[b] <= min(max_kv_len, block_tables.shape[1] * page_size)``,
-      every used page ID in ``[0, P)``, ``qo_indptr`` well formed with counts <= ``max_seq_len_q``
-      and ending at the query's row count, and (causal) each query count <= its length. It
-      synchronises with the device (not capturable); under torch.compile tracing the values
-      cannot be read and are trusted.
-    * ``validate=False`` trusts them: no host synchronisation, no allocation when ``out`` is
-      given, CUDA-graph capturable after one warm-up run; replays may change lengths, page IDs
-      and (packed) query offsets in place within the planned bounds.
+    ``run(validate=False)`` (the default) trusts those values: no host synchronisation, no
+    allocation when ``out`` is given, CUDA-graph capturable after one warm-up run.
+    ``validate=True`` first reads them on the host and checks them against the plan and the
+    cache (lengths within ``max_kv_len``, every used page ID in ``[0, P)``, ``qo_indptr`` well
+    formed within ``max_seq_len_q``, causal query counts <= lengths).
     """
 
-    def __init__(self, workspace_buffer: Optional[torch.Tensor] = None, *,
-                 device: Optional[Union[torch.device, str]] = None):
-        if workspace_buffer is not None:
-            V.tensor("workspace_buffer", workspace_buffer, dtypes=WORKSPACE_DTYPES, contiguous=True)
-            V.start_aligned("workspace_buffer", workspace_buffer)
-            if device is not None and torch.device(device) != workspace_buffer.device:
-                V.fail(f"device: {device} differs from workspace_buffer's device {workspace_buffer.device}")
-            device = workspace_buffer.device
-        self.device = torch.device(device) if device is not None else None
-        self._user_workspace = workspace_buffer
-        self._workspace: Optional[torch.Tensor] = None
-        self._plan: Optional[_Plan] = None
-
-    @property
-    def workspace_buffer(self) -> Optional[torch.Tensor]:
-        """The buffer ``run`` uses (the caller's, or the one the wrapper allocated at plan)."""
-        return self._workspace if self._workspace is not None else self._user_workspace
+    def __init__(self, *, tuning: Optional[Tuning] = None):
+        self.tuning, self._tuning_code = V.tuning(tuning)
+        self._plan: Optional[MLAPlan] = None
 
     def plan(
         self,
+        block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         num_heads: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
         page_size: int,
         *,
+        seq_len_q: Optional[int] = None,
         qo_indptr: Optional[torch.Tensor] = None,
         max_seq_len_q: Optional[int] = None,
-        max_kv_len: Optional[int] = None,
-        kv_lora_rank: int = KV_LORA_RANK,
-        qk_rope_head_dim: int = QK_ROPE_HEAD_DIM,
-        mask_type: str = "causal",
-        bmm1_scale: float = 1.0,
-        bmm2_scale: float = 1.0,
         q_data_type: torch.dtype = torch.bfloat16,
-        out_dtype: torch.dtype = DEFAULT_OUT_DTYPE,
+        kv_data_type: Optional[torch.dtype] = None,
+        o_data_type: torch.dtype = DEFAULT_OUT_DTYPE,
+        mask_type: str = "causal",
+        max_kv_len: Optional[int] = None,
     ) -> None:
-        """Fixed queries ``[B, SQ, H, 576]`` (``qo_indptr`` None; SQ = ``max_seq_len_q``, default 1)
-        or packed ``[total_q, H, 576]`` (``qo_indptr`` given; ``max_seq_len_q`` defaults to its
-        largest delta and may be larger). ``max_kv_len`` defaults to ``max(seq_lens)`` and may be
-        larger (room for growing requests between replays)."""
+        """Fixed queries ``[B, SQ, H, 576]`` (``qo_indptr`` None; SQ = ``seq_len_q`` or its alias
+        ``max_seq_len_q``, default 1) or packed ``[total_q, H, 576]`` (``qo_indptr`` given;
+        ``max_seq_len_q`` defaults to its largest delta and may be larger)."""
+        self._plan = self._make_plan(block_tables, seq_lens, num_heads, kv_lora_rank, qk_rope_head_dim, page_size,
+                                     seq_len_q, qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type,
+                                     mask_type, max_kv_len, None)
+
+    def _make_plan(self, block_tables, seq_lens, num_heads, kv_lora_rank, qk_rope_head_dim, page_size, seq_len_q,
+                   qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type, mask_type, max_kv_len,
+                   values) -> MLAPlan:
+        """`values`: the one-shot's host copies (lengths, offsets or None) of metadata it already read."""
         _check_ranks(kv_lora_rank, qk_rope_head_dim)
         V.int32_vector("seq_lens", seq_lens)
-        batch = seq_lens.shape[0]
+        batch = V.batch_size("seq_lens", seq_lens.shape[0])
         if batch < 1:
             V.fail("seq_lens: expected at least one request, got shape [0]")
+        _, cols = V.block_table("block_tables", block_tables, batch)
         packed = qo_indptr is not None
         if packed:
             V.int32_vector("qo_indptr", qo_indptr, length=batch + 1)
-        device = V.same_device([("seq_lens", seq_lens), ("qo_indptr", qo_indptr)])
+            if seq_len_q is not None and seq_len_q != 1:
+                V.fail(f"seq_len_q: packed queries take their lengths from qo_indptr, got seq_len_q={seq_len_q}")
+        device = V.same_device([("block_tables", block_tables), ("seq_lens", seq_lens), ("qo_indptr", qo_indptr)])
         if device.type == "meta":
             V.fail("seq_lens: plan reads the metadata values; got tensors on the meta device")
         _check_num_heads("num_heads", V.integer("num_heads", num_heads))
-        V.integer("page_size", page_size)
-        if page_size not in PAGE_SIZES:
-            V.fail(f"page_size: {page_size} is not supported; expected one of {', '.join(map(str, PAGE_SIZES))}")
+        page_size = _check_page_size(page_size)
         mask_type = V.choice("mask_type", mask_type, MASKS)
-        sm_scale = V.scale("bmm1_scale", bmm1_scale)
-        output_scale = V.scale("bmm2_scale", bmm2_scale)
-        V.input_dtype("q_data_type", q_data_type)
-        odt = _resolve_out_dtype(out_dtype, None)
+        dtype, odt = check_dtypes(q_data_type, kv_data_type,
+                                  o_data_type if o_data_type is not None else DEFAULT_OUT_DTYPE)
         if max_kv_len is not None:
             V.key_length_bound("max_kv_len", max_kv_len)
-        if max_seq_len_q is not None:
+        if packed and max_seq_len_q is not None:
             V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
-        # metadata values: read once
-        lens = seq_lens.tolist()
+        if values is None:
+            lens, *qo = V.host_values(seq_lens, *((qo_indptr,) if packed else ()))
+        else:
+            lens, qo = values[0], [values[1]]
         if max_kv_len is None:
             _values_lens(lens, V.MAX_SEQ_LEN_BOUND, "the supported bound")
-            max_kv_len = max(lens)
+            max_kv_len = int(lens.max())
         else:
             _values_lens(lens, max_kv_len, "max_kv_len")
+        need_cols = -(-max_kv_len // page_size)
+        if cols < need_cols:
+            V.fail(f"block_tables: must have at least ceil(max_kv_len / page_size) columns ({need_cols}), got {cols}")
         if packed:
-            q_lens = _values_qo(qo_indptr.tolist(), None)
+            V.values_indptr("qo_indptr", qo[0], None, "")
+            q_lens = np.diff(qo[0])
+            most = int(q_lens.max())
             if max_seq_len_q is None:
-                max_seq_len_q = max(q_lens)
-            elif max_seq_len_q < max(q_lens):
-                V.fail(f"max_seq_len_q: {max_seq_len_q} is below the largest query count in qo_indptr "
-                       f"({max(q_lens)})")
+                max_seq_len_q = most
+            elif max_seq_len_q < most:
+                V.fail(f"max_seq_len_q: {max_seq_len_q} is below the largest query count in qo_indptr ({most})")
+            q_shape = (int(qo[0][-1]), num_heads, DIM_QK)
         else:
-            max_seq_len_q = 1 if max_seq_len_q is None else max_seq_len_q
-            q_lens = [max_seq_len_q] * batch
+            max_seq_len_q = _fixed_sq(seq_len_q, max_seq_len_q)
+            q_lens = np.full(batch, max_seq_len_q, dtype=np.int64)
+            q_shape = (batch, max_seq_len_q, num_heads, DIM_QK)
         if mask_type == "causal":
             _values_causal(q_lens, lens)
-        from ..cuda import kernels
+        need = _workspace_bytes(batch, num_heads, max_kv_len, max_seq_len_q, device)
+        static = _static(dtype, num_heads, page_size, odt, packed, batch, 1 if packed else max_seq_len_q,
+                         max_seq_len_q, max_kv_len, mask_type, self.tuning)
+        launch = None
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            from ..cuda import decode as K
 
-        # the kernel compiled and loaded now, not in run (before any state changes)
-        kernels.warm_decode(self.device or device, q_data_type, DIM_QK, mask_type == "causal", batch, 1, num_heads,
-                            max_seq_len_q, max_kv_len)
-        self._allocate(batch, num_heads, max_kv_len, max_seq_len_q, self.device or device)
-        self._plan = _Plan(batch, num_heads, page_size, packed, max_seq_len_q, max_kv_len, mask_type, sm_scale,
-                           output_scale, q_data_type, odt)
+            launch = K.prepared(static, device.index)  # loaded before any state changes
+        ws = torch.zeros(need, dtype=torch.uint8, device=device)
+        return MLAPlan(static, device, dtype, odt, q_shape, out_shape(q_shape), page_size, block_tables, seq_lens,
+                       qo_indptr, ws, launch, self._tuning_code)
 
-    def _allocate(self, batch: int, num_heads: int, max_kv_len: int, max_seq_len_q: int,
-                  device: torch.device) -> None:
-        need = get_prims_ts_batch_decode_mla_workspace_size(batch, num_heads, max_kv_len, max_seq_len_q,
-                                                            device=device)
-        ws = self._user_workspace
-        if ws is not None:
-            have = ws.numel() * ws.element_size()
-            if have < need:
-                V.fail(f"workspace_buffer: {have} bytes are too few for this plan; it needs {need} "
-                       "(get_prims_ts_batch_decode_mla_workspace_size)")
-            ws.view(-1).view(torch.uint8)[:need].zero_()
-            self._workspace = ws
-            return
-        ws = self._workspace
-        if ws is not None and ws.device == device and ws.numel() >= need:
-            ws.zero_()
-        else:
-            self._workspace = torch.zeros(need, dtype=torch.uint8, device=device)
-
-    def run(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        qo_indptr: Optional[torch.Tensor] = None,
-        out: Optional[torch.Tensor] = None,
-        validate: bool = True,
-    ) -> torch.Tensor:
+    def run(self, query: torch.Tensor, kv_cache: torch.Tensor, *, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
+            out: Optional[torch.Tensor] = None, validate: bool = False) -> torch.Tensor:
         plan = self._plan
         if plan is None:
-            raise RuntimeError("BatchMLADecodePagedTSWrapper.run: call plan(...) first")
-        if not isinstance(validate, bool):
+            raise RuntimeError("plan() must be called before run()")
+        if validate is not False and validate is not True:
             raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
-        if plan.packed and qo_indptr is None:
-            V.fail("qo_indptr: the plan is for packed queries [total_q, H, 576]; pass the live qo_indptr")
-        if not plan.packed and qo_indptr is not None:
-            V.fail("qo_indptr: the plan is for fixed queries [B, SQ, H, 576]; qo_indptr must be None")
-        V.tensor("query", query, dtypes=V.INPUT_DTYPES)
-        ws = self.workspace_buffer
-        if query.device != ws.device:
-            V.fail(f"query: is on {query.device} but the wrapper's workspace is on {ws.device} (plan with metadata "
-                   "on the query's device, or construct the wrapper with device= or workspace_buffer=)")
-        if query.dtype != plan.dtype:
-            V.fail(f"query: dtype {query.dtype} differs from the planned q_data_type {plan.dtype}")
-        if query.dim() >= 2 and query.shape[-2] != plan.num_heads:
-            V.fail(f"query: {query.shape[-2]} heads differ from the planned num_heads {plan.num_heads}")
-        if not plan.packed and query.dim() == 4 and query.shape[1] != plan.max_seq_len_q:
-            V.fail(f"query: SQ = {query.shape[1]} differs from the planned max_seq_len_q {plan.max_seq_len_q}")
-        cache = latent_cache(kv_cache)
-        if cache.shape[1] != plan.page_size:
-            V.fail(f"kv_cache: page size {cache.shape[1]} differs from the planned page_size {plan.page_size}")
-        V.int32_vector("seq_lens", seq_lens, length=plan.batch)
-        if isinstance(out, torch.Tensor) and out.dtype != plan.out_dtype:
-            V.fail(f"out: dtype {out.dtype} differs from the planned out_dtype {plan.out_dtype}")
-        call = _prepare(query, kv_cache, ws, block_tables, seq_lens, plan.max_kv_len, qo_indptr,
-                        plan.max_seq_len_q if plan.packed else None, KV_LORA_RANK, QK_ROPE_HEAD_DIM, plan.mask_type,
-                        plan.sm_scale, plan.output_scale, out, plan.out_dtype)
+        dev, dt = plan.device, plan.dtype
+        fast = (V.matches(query, plan.q_shape, dt, dev) and type(kv_cache) is torch.Tensor
+                and kv_cache.dtype is dt and kv_cache.device == dev and kv_cache.shape[-1] == DIM_QK
+                and kv_cache.shape[-2] == plan.page_size and (kv_cache.dim() == 3 or
+                                                              (kv_cache.dim() == 4 and kv_cache.shape[1] == 1)))
+        if not fast:
+            _check_against_plan(plan, query, kv_cache)
+        sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
+        output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+        if out is not None:
+            if isinstance(out, torch.Tensor) and out.dtype != plan.out_dtype:
+                V.fail(f"out: dtype {out.dtype} must equal the planned out_dtype {plan.out_dtype}")
+            V.out_tensor(out, plan.out_shape, plan.out_dtype, dev, (("query", query), ("kv_cache", kv_cache))
+                         + plan.bound)
         if validate and not V.tracing():
-            self._check_live_values(query, cache, block_tables, seq_lens, qo_indptr)
-        return call.launch()
+            self._check_live_values(query, kv_cache)
+        if fast and plan.launch is not None and _dispatch.plain_eager(out):
+            if out is None:
+                out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=dev)
+            plan.launch.run(query, kv_cache, None, plan.workspace, out, None, plan.block_tables, plan.seq_lens,
+                            plan.qo_indptr, sm_scale, output_scale, bt_stride=plan.block_tables.stride(0))
+            return out
+        st = plan.static
+        V.run_layout((("query", query), ("kv_cache", kv_cache)))
+        args = (plan.block_tables, plan.seq_lens, plan.qo_indptr, st.max_seq_len_q, st.max_seq_len,
+                "causal" if st.causal else "dense", sm_scale, output_scale)
+        return _dispatch.call(torch.ops.prims_ts.batch_mla_decode, torch.ops.prims_ts.batch_mla_decode_out, _run,
+                              (query, latent_cache(kv_cache), _workspace(plan.workspace)), args, out, plan.out_dtype,
+                              plan.tuning_code, out_shape=plan.out_shape)
 
-    def _check_live_values(self, query, cache, block_tables, seq_lens, qo_indptr) -> None:
+    def _check_live_values(self, query, kv_cache, values=None) -> None:
+        """The bound metadata's values against the plan and the cache (`values`: host copies of
+        (seq_lens, block_tables, qo_indptr) already read, else one copy now)."""
         plan = self._plan
-        lens = seq_lens.tolist()
-        cap = block_tables.shape[1] * plan.page_size
-        bound, name = (plan.max_kv_len, "max_kv_len") if plan.max_kv_len <= cap else (
+        cache = latent_cache(kv_cache)
+        if values is None:
+            values = V.host_values(plan.seq_lens, plan.block_tables,
+                                   *((plan.qo_indptr,) if plan.qo_indptr is not None else ()))
+        lens, table, *qo = values
+        table = table.reshape(tuple(plan.block_tables.shape))
+        cap = plan.block_tables.shape[1] * plan.page_size
+        bound, name = (plan.static.max_seq_len, "max_kv_len") if plan.static.max_seq_len <= cap else (
             cap, "block_tables.shape[1] * page_size")
         _values_lens(lens, bound, name)
-        if plan.packed:
-            q_lens = _values_qo(qo_indptr.tolist(), query.shape[0])
-            for b, n in enumerate(q_lens):
-                if n > plan.max_seq_len_q:
-                    V.fail(f"qo_indptr: request {b} has {n} queries, more than the planned max_seq_len_q "
-                           f"{plan.max_seq_len_q}")
+        if plan.qo_indptr is not None:
+            V.values_indptr("qo_indptr", qo[0], query.shape[0], "query.shape[0]")
+            q_lens = np.diff(qo[0])
+            bad = q_lens > plan.static.max_seq_len_q
+            if bad.any():
+                b = V.first(bad)
+                V.fail(f"qo_indptr: request {b} has {int(q_lens[b])} queries, more than the planned max_seq_len_q "
+                       f"{plan.static.max_seq_len_q}")
         else:
-            q_lens = [query.shape[1]] * plan.batch
-        if plan.mask_type == "causal":
+            q_lens = np.full_like(lens, query.shape[1])
+        if plan.static.causal:
             _values_causal(q_lens, lens)
-        V.values_block_table("block_tables", block_tables.cpu(), lens, plan.page_size, cache.shape[0])
+        V.values_block_table("block_tables", table, lens, plan.page_size, cache.shape[0])
+
+
+def _check_against_plan(plan: MLAPlan, query, kv_cache) -> None:
+    V.tensor("query", query, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
+    if plan.qo_indptr is not None and query.dim() == 3 and query.shape[0] != plan.q_shape[0]:
+        V.fail(f"query: packed query rows must match the final planned qo_indptr offset ({plan.q_shape[0]}), "
+               f"got {query.shape[0]}")
+    if tuple(query.shape) != tuple(plan.q_shape):
+        V.fail(f"query must have shape {tuple(plan.q_shape)} (the plan's), got {tuple(query.shape)}")
+    if query.dtype != plan.dtype:
+        V.fail(f"query: dtype {V._dtype_name(query.dtype)} differs from the planned q_data_type "
+               f"{V._dtype_name(plan.dtype)}")
+    cache = latent_cache(kv_cache)
+    if cache.shape[1] != plan.page_size:
+        V.fail(f"kv_cache: page size {cache.shape[1]} does not match the plan: expected {plan.page_size}")
+    if cache.dtype != plan.dtype:
+        V.fail(f"kv_cache: dtype {V._dtype_name(cache.dtype)} must match the plan ({V._dtype_name(plan.dtype)})")
+    V.same_device([("query", query), ("kv_cache", cache)])
+    if query.device != plan.device:
+        V.fail(f"query must be on the planned device {plan.device}, got {query.device}")
 
 
 def batch_mla_decode_with_paged_kv_cache(
@@ -595,11 +644,11 @@ def batch_mla_decode_with_paged_kv_cache(
     """One-shot fixed (``[B, SQ, H, 576]``) or packed-query (``[total_q, H, 576]`` + ``qo_indptr``)
     MLA decode over a paged latent cache; returns ``[..., 512]``.
 
-    Reads ``seq_lens``, ``qo_indptr`` and the used part of ``block_tables`` on the host to
-    validate them and derive the plan bounds (``max_seq_len_q``: the query's SQ, or the
-    largest delta of ``qo_indptr``; ``max_kv_len``: ``max(seq_lens)``; explicit values may be
-    larger, and for a fixed query ``max_seq_len_q`` must equal SQ), then runs a temporary
-    :class:`BatchMLADecodePagedTSWrapper`. Not CUDA-graph capturable: plan a wrapper and
+    A temporary :class:`BatchMLADecodePagedTSWrapper`'s plan and ``run(validate=True)``: reads
+    ``seq_lens``, ``qo_indptr`` and the used part of ``block_tables`` on the host to validate
+    them and derive the plan bounds (``max_seq_len_q``: the query's SQ, or the largest delta of
+    ``qo_indptr``; ``max_kv_len``: ``max(seq_lens)``; explicit values may be larger, and for a
+    fixed query ``max_seq_len_q`` must equal SQ). Not CUDA-graph capturable: plan a wrapper and
     capture ``run(..., validate=False)`` instead.
     """
     _check_ranks(kv_lora_rank, qk_rope_head_dim)
@@ -610,9 +659,22 @@ def batch_mla_decode_with_paged_kv_cache(
         V.fail(f"query: dtype {query.dtype} differs from the kv_cache's {cache.dtype}")
     V.same_device([("query", query), ("kv_cache", cache), ("block_tables", block_tables), ("seq_lens", seq_lens),
                    ("qo_indptr", qo_indptr)])
-    odt = _resolve_out_dtype(out_dtype, out)
+    odt = _mla_out_dtype(out_dtype, out)
+    V.int32_vector("seq_lens", seq_lens)
+    V.block_table("block_tables", block_tables, seq_lens.shape[0])
+    if qo_indptr is not None:
+        V.int32_vector("qo_indptr", qo_indptr, length=seq_lens.shape[0] + 1)
+    if V.tracing():
+        raise RuntimeError("batch_mla_decode_with_paged_kv_cache reads metadata on the host and cannot be traced; "
+                           "use BatchMLADecodePagedTSWrapper (plan outside, run inside)")
+    # the plan's and run(validate=True)'s checks, on one copy of the metadata
+    values = V.host_values(seq_lens, block_tables, *((qo_indptr,) if qo_indptr is not None else ()))
     w = BatchMLADecodePagedTSWrapper()
-    w.plan(seq_lens, h, cache.shape[1], qo_indptr=qo_indptr, max_seq_len_q=sq, max_kv_len=max_kv_len,
-           mask_type=mask_type, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, q_data_type=query.dtype,
-           out_dtype=odt)
-    return w.run(query, kv_cache, block_tables, seq_lens, qo_indptr, out=out, validate=True)
+    w._plan = w._make_plan(block_tables, seq_lens, h, kv_lora_rank, qk_rope_head_dim, cache.shape[1], None, qo_indptr,
+                           sq, query.dtype, None, odt, mask_type, max_kv_len,
+                           (values[0], values[2] if qo_indptr is not None else None))
+    w._check_live_values(query, kv_cache, values)
+    return w.run(query, kv_cache, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out, validate=False)
+
+
+batch_decode_mla_with_paged_kv_cache = batch_mla_decode_with_paged_kv_cache

@@ -1,6 +1,6 @@
 """batch_prefill: contiguous (fixed or packed-ragged) context attention.
 
-Public: ``batch_prefill`` (one-shot) and ``BatchPrefillTSWrapper`` (plan/run).
+Public: ``BatchPrefillTSWrapper`` (plan/run) and ``batch_prefill`` (its plan + run).
 Ops:    ``torch.ops.prims_ts.batch_prefill`` (functional) and
         ``torch.ops.prims_ts.batch_prefill_out`` (writes ``out``).
 Fakes:  ``prims_ts/meta/prefill.py``; CPU kernel: ``prims_ts.reference``.
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from .. import reference
+from ..cuda.keys import Tuning
 from . import _dispatch
 from . import _validate as V
 
@@ -26,21 +28,33 @@ HEAD_DIMS = (128, 256)
 # ----------------------------------------------------------------------------
 
 
+def _static(q, k, out, packed: bool, batch: int, work, mask_type, window_left, sm_scale, output_scale, max_q_len,
+            tuning: Tuning):
+    """The prepared launch's key: what a plan knows, rebuilt from an op's arguments."""
+    from ..cuda.prefill import PrefillStatic
+
+    return PrefillStatic(q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], mask_type, window_left, sm_scale,
+                         output_scale, out.dtype, batch, max_q_len, work.shape[0] if work is not None else None,
+                         packed, sq=0 if packed else q.shape[1], sk=0 if packed else k.shape[1], tuning=tuning)
+
+
 def _run(q, k, v, out, qo_indptr, kv_indptr, win_starts, win_ends, work, mask_type, window_left, sm_scale,
-         output_scale, max_q_len) -> None:
+         output_scale, max_q_len, tuning) -> None:
     if out.numel() == 0:
         return
     if q.device.type == "cuda":
-        from ..cuda import kernels
+        from ..cuda import prefill as K
 
-        kernels.launch_prefill(q, k, v, out, qo_indptr, kv_indptr, win_starts, win_ends, work, mask_type,
-                               window_left, sm_scale, output_scale, max_q_len)
+        packed = qo_indptr is not None
+        batch = qo_indptr.shape[0] - 1 if packed else q.shape[0]
+        static = _static(q, k, out, packed, batch, work, mask_type, window_left, sm_scale, output_scale, max_q_len,
+                         Tuning.decode(tuning))
+        K.prepared(static, q.device.index).run(q, k, v, out, qo_indptr, kv_indptr, win_starts, win_ends, work)
     else:
-        res = reference.batch_prefill(
+        out.copy_(reference.batch_prefill(
             q, k, v, qo_indptr=qo_indptr, kv_indptr=kv_indptr, mask_type=mask_type, window_left=window_left,
             window_starts=win_starts, window_ends=win_ends, sm_scale=sm_scale, output_scale=output_scale,
-            compute_dtype=torch.float32)
-        out.copy_(res)
+            compute_dtype=torch.float32))
 
 
 @torch.library.custom_op("prims_ts::batch_prefill_out", mutates_args=("out",))
@@ -59,10 +73,11 @@ def batch_prefill_out_op(
     sm_scale: float,
     output_scale: float,
     max_q_len: int,
+    tuning: str = "",
 ) -> None:
     """Writes attention into ``out``. Arguments are trusted: validate first."""
     _run(q, k, v, out, qo_indptr, kv_indptr, window_starts, window_ends, work, mask_type, window_left, sm_scale,
-         output_scale, max_q_len)
+         output_scale, max_q_len, tuning)
 
 
 @torch.library.custom_op("prims_ts::batch_prefill", mutates_args=())
@@ -81,66 +96,90 @@ def batch_prefill_op(
     output_scale: float,
     max_q_len: int,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     """Functional form of ``batch_prefill_out``: returns a new output tensor."""
     out = torch.empty(q.shape, dtype=V.code_dtype(out_dtype), device=q.device)
     _run(q, k, v, out, qo_indptr, kv_indptr, window_starts, window_ends, work, mask_type, window_left, sm_scale,
-         output_scale, max_q_len)
+         output_scale, max_q_len, tuning)
     return out
 
 
 # ----------------------------------------------------------------------------
-# Planning
+# Planning helpers (shared with the paged form)
 # ----------------------------------------------------------------------------
 
 
-@dataclass
+def work_list(q_lens, kv_lens, mask_type: str, window_left: int, tile_m: int) -> torch.Tensor:
+    """(request, q tile) items, int32 ``[n, 2]``, ordered by decreasing cost (K/V rows visited),
+    then request, then tile: whole-array arithmetic over host arrays (or tensors) of lengths."""
+    q_lens, kv_lens = np.asarray(q_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
+    tiles = (q_lens + tile_m - 1) // tile_m
+    b = np.repeat(np.arange(q_lens.shape[0]), tiles)
+    if b.size == 0:
+        return torch.zeros((0, 2), dtype=torch.int32)
+    t = np.arange(b.shape[0]) - (np.cumsum(tiles) - tiles)[b]
+    sq, sk = q_lens[b], kv_lens[b]
+    if mask_type == "causal":
+        q1 = np.minimum(sq, (t + 1) * tile_m)
+        end = np.maximum(np.minimum(sk, sk - sq + q1), 0)
+        begin = np.maximum(sk - sq + t * tile_m - window_left, 0) if window_left >= 0 else np.zeros_like(sk)
+        cost = np.maximum(end - begin, 0)
+    else:
+        cost = sk
+    order = np.lexsort((t, b, -cost))
+    return torch.from_numpy(np.stack([b[order], t[order]], axis=1).astype(np.int32))
+
+
+def tile_m(dtype: torch.dtype, head_dim: int, mask_type: str, device: torch.device) -> int:
+    """The q tile height of the prefill kernel that runs on `device` (work lists count its tiles)."""
+    from ..cuda.keys import device_limits
+    from ..cuda.prefill import prefill_tile_m
+
+    return prefill_tile_m(dtype, head_dim, mask_type, device_limits(device)[0])
+
+
+def check_causal_lengths(q_lens: np.ndarray, kv_lens: np.ndarray, name: str) -> None:
+    bad = q_lens > kv_lens
+    if bad.any():
+        b = V.first(bad)
+        V.fail(f"{name}: bottom-right causal context requires Sq <= Sk for each request; got batch {b}: "
+               f"Sq={int(q_lens[b])}, Sk={int(kv_lens[b])}")
+
+
+# ----------------------------------------------------------------------------
+# The plan and its wrapper
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
 class PrefillPlan:
-    """Static facts of one prefill problem: everything the op needs besides tensors."""
+    """A planned batch_prefill: the static facts, the bound metadata and the prepared launch."""
 
+    static: Optional[object]  # cuda.prefill.PrefillStatic (None while traced: the op builds its own)
+    scalars: tuple  # the op's scalar arguments: mask, window_left, sm_scale, output_scale, max_q_len
     packed: bool
-    batch: int
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mask_type: str
-    window_left: int
-    sm_scale: float
-    output_scale: float
+    device: torch.device
+    dtype: torch.dtype
     out_dtype: torch.dtype
-    max_q_len: int
-    work: Optional[torch.Tensor]  # int32 [n, 2] (request, q tile), heaviest first; None: implicit order
+    q_shape: torch.Size
+    k_shape: torch.Size
+    qo_indptr: Optional[torch.Tensor]
+    kv_indptr: Optional[torch.Tensor]
+    window_starts: Optional[torch.Tensor]
+    window_ends: Optional[torch.Tensor]
+    work: Optional[torch.Tensor]
+    launch: Optional[object]  # cuda.prefill.PreparedPrefill (None off CUDA or while tracing)
+    tuning_code: str  # the op argument of the plan's Tuning
 
+    @property
+    def bound(self) -> tuple:
+        """The metadata tensors the plan binds, named (an output must not overlap them)."""
+        return (("qo_indptr", self.qo_indptr), ("kv_indptr", self.kv_indptr),
+                ("variable_window_token_starts", self.window_starts), ("variable_window_token_ends", self.window_ends))
 
-def work_list(q_lens: Sequence[int], kv_lens: Sequence[int], mask_type: str, window_left: int,
-              tile_m: int) -> List[Tuple[int, int]]:
-    """(request, q tile) items ordered by decreasing cost (K/V rows visited)."""
-    items = []
-    for b, (sq, sk) in enumerate(zip(q_lens, kv_lens)):
-        for qt in range((sq + tile_m - 1) // tile_m):
-            q0, q1 = qt * tile_m, min(sq, (qt + 1) * tile_m)
-            if mask_type == "causal":
-                end = max(0, min(sk, sk - sq + q1))
-                begin = max(0, sk - sq + q0 - window_left) if window_left >= 0 else 0
-                cost = max(0, end - begin)
-            else:
-                cost = sk
-            items.append((cost, b, qt))
-    items.sort(key=lambda x: (-x[0], x[1], x[2]))
-    return [(b, qt) for _, b, qt in items]
-
-
-def _work_tensor(items: List[Tuple[int, int]], device: torch.device) -> torch.Tensor:
-    if not items:
-        return torch.zeros((0, 2), dtype=torch.int32, device=device)
-    return torch.tensor(items, dtype=torch.int32).to(device)
-
-
-def _tile_m(dtype: torch.dtype, head_dim: int, mask_type: str, device: torch.device) -> int:
-    """The q tile height of the kernel that will run on `device` (work lists count its tiles)."""
-    from ..cuda.kernels import prefill_tile_m
-
-    return prefill_tile_m(dtype, head_dim, mask_type, device)
+    def op_args(self) -> tuple:
+        return (self.qo_indptr, self.kv_indptr, self.window_starts, self.window_ends, self.work) + self.scalars
 
 
 def _check_qkv(q, k, v, packed: bool) -> Tuple[int, int, int]:
@@ -163,7 +202,7 @@ def _check_qkv(q, k, v, packed: bool) -> Tuple[int, int, int]:
     return d, group, q.shape[-2]
 
 
-def _check_varwin(starts, ends, q: torch.Tensor, sk: int, read_values: bool) -> None:
+def _check_varwin(starts, ends, q: torch.Tensor, sk: int) -> None:
     B, Sq = q.shape[0], q.shape[1]
     for name, t in (("variable_window_token_starts", starts), ("variable_window_token_ends", ends)):
         if t is None:
@@ -175,101 +214,169 @@ def _check_varwin(starts, ends, q: torch.Tensor, sk: int, read_values: bool) -> 
             V.fail(f"{name}: is on {t.device}, expected q's device {q.device}")
     if starts.stride() != ends.stride():
         V.fail("variable_window_token_ends: must have the same strides as variable_window_token_starts")
-    if read_values:
-        s, e = starts.cpu(), ends.cpu()
-        if bool((s < 0).any()):
+    if not V.tracing():
+        s, e = V.host_values(starts, ends)
+        s, e = s.reshape(B, Sq), e.reshape(B, Sq)
+        if (s < 0).any():
             V.fail("variable_window_token_starts: must be >= 0")
-        if bool((s > e).any()):
-            b, i = (s > e).nonzero()[0].tolist()
+        if (s > e).any():
+            b, i = V.first(s > e)
             V.fail(f"variable_window_token_starts: start > end at [{b}, {i}] ({int(s[b, i])} > {int(e[b, i])})")
-        if bool((e >= sk).any()):
+        if (e >= sk).any():
             V.fail(f"variable_window_token_ends: every end must be < Sk = {sk}")
 
 
-def plan_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qo_indptr,
-    kv_indptr,
-    mask_type,
-    window_left,
-    starts,
-    ends,
-    sm_scale,
-    output_scale,
-    out_dtype,
-    out,
-) -> PrefillPlan:
-    """Full host validation of a one-shot call and the plan it runs with."""
-    if (qo_indptr is None) != (kv_indptr is None):
-        V.fail("qo_indptr/kv_indptr: packed-ragged storage needs both offset tensors; got only "
-               + ("qo_indptr" if qo_indptr is not None else "kv_indptr"))
-    packed = qo_indptr is not None
-    d, group, hq = _check_qkv(q, k, v, packed)
-    mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
-    device = V.same_device([("q", q), ("k", k), ("v", v), ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
-                            ("variable_window_token_starts", starts), ("variable_window_token_ends", ends)])
-    sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(d))
-    output_scale = V.scale("output_scale", output_scale)
-    odt = V.out_dtype(out_dtype, out, q.dtype)
-    if out_dtype is not None and out is not None and out.dtype != out_dtype:
-        V.fail(f"out: dtype {out.dtype} disagrees with out_dtype {out_dtype}")
-    V.out_tensor(out, q.shape, odt, device, [("q", q), ("k", k), ("v", v), ("qo_indptr", qo_indptr),
-                                             ("kv_indptr", kv_indptr), ("variable_window_token_starts", starts),
-                                             ("variable_window_token_ends", ends)])
-    read = not V.tracing()
-    work = None
-    if packed:
-        if mask_type == "variable_window":
-            V.fail("mask_type: 'variable_window' is supported only for fixed [B, S, H, D] storage, not packed")
-        if starts is not None or ends is not None:
-            V.fail("variable_window_token_starts: only valid with mask_type='variable_window'")
-        V.int32_vector("qo_indptr", qo_indptr)
-        V.int32_vector("kv_indptr", kv_indptr)
-        if qo_indptr.shape[0] != kv_indptr.shape[0] or qo_indptr.shape[0] < 2:
-            V.fail(f"qo_indptr/kv_indptr: expected two [B+1] tensors with B >= 1, got shapes "
-                   f"{tuple(qo_indptr.shape)} and {tuple(kv_indptr.shape)}")
-        batch = qo_indptr.shape[0] - 1
-        if read:
-            qo = qo_indptr.tolist()
-            kvo = kv_indptr.tolist()
-            V.values_indptr("qo_indptr", qo, q.shape[0], "q.shape[0]")
-            V.values_indptr("kv_indptr", kvo, k.shape[0], "k.shape[0]")
-            q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
-            kv_lens = [kvo[i + 1] - kvo[i] for i in range(batch)]
-            if mask_type == "causal":
-                for b, (sq, sk) in enumerate(zip(q_lens, kv_lens)):
-                    if sq > sk:
-                        V.fail(f"qo_indptr: causal masking needs Sq <= Sk, but request {b} has Sq={sq} > Sk={sk}")
-            max_q_len = max(q_lens)
-            if q.is_cuda:
-                work = _work_tensor(work_list(q_lens, kv_lens, mask_type, window_left,
-                                              _tile_m(q.dtype, d, mask_type, device)), device)
+class BatchPrefillTSWrapper:
+    """Plan once, run many times (``run`` is CUDA-graph capturable).
+
+    ``plan(q, k, v, ...)`` validates the problem (fixed ``[B, S, H, D]``, or packed
+    ``[T, H, D]`` with ``qo_indptr`` and ``kv_indptr``, whose values it reads once on the
+    host), builds the heavy-first work list, chooses and loads the kernel and prepares its
+    launch. It binds the offset tensors (and a variable window's bound tensors): ``run``
+    reads their values on the device, so a replay may use changed values in place as long
+    as the batch, the totals and each request's query length bound stay as planned and,
+    for causal masks, every request keeps ``Sq <= Sk``.
+
+    ``run(q, k, v, out=...)`` checks its tensors against the plan (shapes, dtypes,
+    device), does no host synchronisation and allocates nothing when ``out`` is given.
+    ``tuning`` selects kernel variants (tests and A/B runs; the default is the measured one).
+    """
+
+    def __init__(self, *, tuning: Optional[Tuning] = None):
+        self.tuning, self._tuning_code = V.tuning(tuning)
+        self._plan: Optional[PrefillPlan] = None
+
+    def plan(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        qo_indptr: Optional[torch.Tensor] = None,
+        kv_indptr: Optional[torch.Tensor] = None,
+        mask_type: str = "dense",
+        window_left: int = -1,
+        sm_scale: Optional[float] = None,
+        output_scale: float = 1.0,
+        out_dtype: Optional[torch.dtype] = None,
+        variable_window_token_starts: Optional[torch.Tensor] = None,
+        variable_window_token_ends: Optional[torch.Tensor] = None,
+    ) -> None:
+        self._plan = self._make_plan(q, k, v, qo_indptr, kv_indptr, mask_type, window_left, sm_scale, output_scale,
+                                     out_dtype, variable_window_token_starts, variable_window_token_ends,
+                                     exact=False)
+
+    def _make_plan(self, q, k, v, qo_indptr, kv_indptr, mask_type, window_left, sm_scale, output_scale, out_dtype,
+                   starts, ends, exact: bool) -> PrefillPlan:
+        """The plan; `exact`: the work list covers each request's planned query tiles only (a
+        one-shot, whose values cannot change), else every request up to the longest (a replay
+        may move queries between requests within that bound)."""
+        if (qo_indptr is None) != (kv_indptr is None):
+            V.fail("qo_indptr/kv_indptr: packed-ragged storage needs both offset tensors (qo_indptr and kv_indptr "
+                   "must be provided together); got only " + ("qo_indptr" if qo_indptr is not None else "kv_indptr"))
+        packed = qo_indptr is not None
+        d, group, hq = _check_qkv(q, k, v, packed)
+        mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
+        device = V.same_device([("q", q), ("k", k), ("v", v), ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                                ("variable_window_token_starts", starts), ("variable_window_token_ends", ends)])
+        sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(d))
+        output_scale = V.scale("output_scale", output_scale)
+        odt = V.out_dtype(out_dtype, None, q.dtype)
+        work = None
+        if packed:
+            if mask_type == "variable_window":
+                V.fail("mask_type: 'variable_window' is supported only for fixed [B, S, H, D] storage, not packed")
+            if starts is not None or ends is not None:
+                V.fail("variable_window_token_starts: only valid with mask_type='variable_window'")
+            V.int32_vector("qo_indptr", qo_indptr)
+            V.int32_vector("kv_indptr", kv_indptr)
+            if qo_indptr.shape[0] != kv_indptr.shape[0] or qo_indptr.shape[0] < 2:
+                V.fail(f"qo_indptr/kv_indptr: expected two [B+1] tensors with B >= 1, got shapes "
+                       f"{tuple(qo_indptr.shape)} and {tuple(kv_indptr.shape)}")
+            batch = V.batch_size("qo_indptr", qo_indptr.shape[0] - 1)
+            if V.tracing():
+                max_q_len = q.shape[0]  # traced: values unreadable; a safe bound and the implicit tile order
+            else:
+                qo, kvo = V.host_values(qo_indptr, kv_indptr)
+                V.values_indptr("qo_indptr", qo, q.shape[0], "q.shape[0]")
+                V.values_indptr("kv_indptr", kvo, k.shape[0], "k.shape[0]")
+                q_lens, kv_lens = qo[1:] - qo[:-1], kvo[1:] - kvo[:-1]
+                if mask_type == "causal":
+                    check_causal_lengths(q_lens, kv_lens, "qo_indptr")
+                max_q_len = int(q_lens.max())
+                if device.type == "cuda":
+                    bounds = q_lens if exact else np.full_like(q_lens, max_q_len)
+                    work = work_list(bounds, kv_lens, mask_type, window_left,
+                                     tile_m(q.dtype, d, mask_type, device)).to(device)
         else:
-            max_q_len = q.shape[0]  # traced: a safe bound, implicit tile order
-    else:
-        batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        if sk < 1:  # as packed storage (strictly increasing kv_indptr) and the wrapper's kv_len
-            V.fail(f"k: needs at least one key per request, got shape {tuple(k.shape)}")
-        if mask_type == "causal" and sq > sk:
-            V.fail(f"q: causal masking needs Sq <= Sk, got Sq={sq} > Sk={sk}")
-        if mask_type == "variable_window":
-            if window_left != -1:
-                V.fail("window_left: must be -1 with mask_type='variable_window'")
-            _check_varwin(starts, ends, q, sk, read)
-        elif starts is not None or ends is not None:
-            V.fail("variable_window_token_starts: only valid with mask_type='variable_window'")
-        max_q_len = sq
-    return PrefillPlan(packed, batch, hq, hq // group, d, mask_type, window_left, sm_scale, output_scale, odt,
-                       max_q_len, work)
+            batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+            V.batch_size("q", batch)
+            if sk < 1:
+                V.fail(f"k: needs at least one key per request, got shape {tuple(k.shape)}")
+            if mask_type == "causal" and sq > sk:
+                V.fail(f"q: bottom-right causal context requires Sq <= Sk; got Sq={sq}, Sk={sk}")
+            if mask_type == "variable_window":
+                if window_left != -1:
+                    V.fail("window_left: must be -1 with mask_type='variable_window'")
+                _check_varwin(starts, ends, q, sk)
+            elif starts is not None or ends is not None:
+                V.fail("variable_window_token_starts: only valid with mask_type='variable_window'")
+            max_q_len = sq
+        static = launch = None
+        if not V.tracing():
+            from ..cuda.prefill import PrefillStatic
+
+            static = PrefillStatic(q.dtype, d, hq, hq // group, mask_type, window_left, sm_scale, output_scale, odt,
+                                   batch, max_q_len, work.shape[0] if work is not None else None, packed,
+                                   sq=0 if packed else q.shape[1], sk=0 if packed else k.shape[1], tuning=self.tuning)
+            launch = _prepare(static, device)
+        return PrefillPlan(static, (mask_type, window_left, sm_scale, output_scale, max_q_len), packed, device,
+                           q.dtype, odt, q.shape, k.shape, qo_indptr, kv_indptr, starts, ends, work, launch,
+                           self._tuning_code)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("plan() must be called before run()")
+        dev, dt = plan.device, plan.dtype
+        fast = (V.matches(q, plan.q_shape, dt, dev) and V.matches(k, plan.k_shape, dt, dev)
+                and V.matches(v, plan.k_shape, dt, dev))
+        if not fast:
+            _check_against_plan(plan, q, k, v)
+        if out is not None:
+            V.out_tensor(out, plan.q_shape, plan.out_dtype, dev, (("q", q), ("k", k), ("v", v)) + plan.bound)
+        if fast and plan.launch is not None and _dispatch.plain_eager(out):
+            if out is None:
+                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
+            plan.launch.run(q, k, v, out, plan.qo_indptr, plan.kv_indptr, plan.window_starts, plan.window_ends,
+                            plan.work)
+            return out
+        V.run_layout((("q", q), ("k", k), ("v", v)))
+        return _dispatch.call(torch.ops.prims_ts.batch_prefill, torch.ops.prims_ts.batch_prefill_out, _run,
+                              (q, k, v), plan.op_args(), out, plan.out_dtype, plan.tuning_code)
 
 
-def _call(plan: PrefillPlan, q, k, v, qo_indptr, kv_indptr, starts, ends, out):
-    args = (qo_indptr, kv_indptr, starts, ends, plan.work, plan.mask_type, plan.window_left, plan.sm_scale,
-            plan.output_scale, plan.max_q_len)
-    return _dispatch.call(torch.ops.prims_ts.batch_prefill, torch.ops.prims_ts.batch_prefill_out, _run, (q, k, v),
-                          args, out, plan.out_dtype)
+def _prepare(static, device: torch.device):
+    """The prepared launch of a CUDA plan, loaded now (None on the CPU, or while traced or
+    captured: the first op call prepares it then)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    from ..cuda import prefill as K
+
+    return K.prepared(static, device.index)
+
+
+def _check_against_plan(plan: PrefillPlan, q, k, v) -> None:
+    """The run's q, k and v against the plan (a precise error; nothing when they match)."""
+    _check_qkv(q, k, v, plan.packed)
+    for name, t, shape in (("q", q, plan.q_shape), ("k", k, plan.k_shape), ("v", v, plan.k_shape)):
+        if t.shape != shape:
+            V.fail(f"{name} must have shape {tuple(shape)} (the plan's), got {tuple(t.shape)}")
+        if t.dtype != plan.dtype:
+            V.fail(f"{name}: dtype {V._dtype_name(t.dtype)} differs from the planned {V._dtype_name(plan.dtype)}")
+        if t.device != plan.device:
+            V.fail(f"{name} must be on the planned device {plan.device}, got {t.device}")
 
 
 def batch_prefill(
@@ -288,151 +395,16 @@ def batch_prefill(
     out_dtype: Optional[torch.dtype] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One-shot fixed ``[B, S, H, D]`` or packed-ragged ``[T, H, D]`` context attention.
+    """One-shot fixed ``[B, S, H, D]`` or packed-ragged ``[T, H, D]`` context attention: a
+    :class:`BatchPrefillTSWrapper`'s plan and run.
 
-    Packed storage reads ``qo_indptr``/``kv_indptr`` on the host to validate them
-    and build the heavy-first work list, so this function is not CUDA-graph
-    capturable; plan a :class:`BatchPrefillTSWrapper` for that. Fixed storage
-    reads nothing on the host except the variable-window bounds it validates.
+    Packed storage reads ``qo_indptr``/``kv_indptr`` on the host to validate them and build
+    the heavy-first work list, so this function is not CUDA-graph capturable; plan a wrapper
+    for that. Fixed storage reads nothing on the host except the variable-window bounds it
+    validates.
     """
-    plan = plan_prefill(q, k, v, qo_indptr, kv_indptr, mask_type, window_left, variable_window_token_starts,
-                        variable_window_token_ends, sm_scale, output_scale, out_dtype, out)
-    return _call(plan, q, k, v, qo_indptr, kv_indptr, variable_window_token_starts, variable_window_token_ends,
-                 out)
-
-
-class BatchPrefillTSWrapper:
-    """Plan once, run many times (CUDA-graph capturable run).
-
-    ``plan`` takes either packed offsets (``qo_indptr``/``kv_indptr``; their values
-    are read now, and the same tensors are bound to every ``run``) or a fixed
-    shape (``batch_size``, ``q_len``, ``kv_len``). ``run`` does no host
-    synchronisation and allocates nothing when ``out`` is given. A replay may use
-    changed offset *values* as long as every request's query length stays within
-    its planned length (or ``max_q_len`` when given), the totals stay equal to the
-    planned ones and, for causal masks, each request keeps ``Sq <= Sk``.
-    """
-
-    def __init__(self, device: Optional[torch.device | str] = None):
-        self.device = torch.device(device) if device is not None else None
-        self._plan: Optional[PrefillPlan] = None
-
-    def plan(
-        self,
-        qo_indptr: Optional[torch.Tensor] = None,
-        kv_indptr: Optional[torch.Tensor] = None,
-        *,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        batch_size: Optional[int] = None,
-        q_len: Optional[int] = None,
-        kv_len: Optional[int] = None,
-        max_q_len: Optional[int] = None,
-        mask_type: str = "dense",
-        window_left: int = -1,
-        sm_scale: Optional[float] = None,
-        output_scale: float = 1.0,
-        q_data_type: torch.dtype = torch.bfloat16,
-        out_dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        if (qo_indptr is None) != (kv_indptr is None):
-            V.fail("qo_indptr/kv_indptr: packed-ragged storage needs both offset tensors")
-        packed = qo_indptr is not None
-        V.integer("num_qo_heads", num_qo_heads, minimum=1)
-        V.integer("num_kv_heads", num_kv_heads, minimum=1)
-        V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
-        d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
-        V.input_dtype("q_data_type", q_data_type)
-        mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
-        sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(d))
-        output_scale = V.scale("output_scale", output_scale)
-        odt = V.out_dtype(out_dtype, None, q_data_type)
-        if packed:
-            if mask_type == "variable_window":
-                V.fail("mask_type: 'variable_window' is supported only for fixed storage, not packed")
-            V.int32_vector("qo_indptr", qo_indptr)
-            V.int32_vector("kv_indptr", kv_indptr, length=qo_indptr.shape[0])
-            if qo_indptr.shape[0] < 2:
-                V.fail("qo_indptr: expected [B+1] with B >= 1")
-            V.same_device([("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)])
-            device = self.device or qo_indptr.device
-            qo, kvo = qo_indptr.tolist(), kv_indptr.tolist()
-            V.values_indptr("qo_indptr", qo, qo[-1], "its last entry")
-            V.values_indptr("kv_indptr", kvo, kvo[-1], "its last entry")
-            batch = len(qo) - 1
-            q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
-            kv_lens = [kvo[i + 1] - kvo[i] for i in range(batch)]
-            if mask_type == "causal":
-                for b, (sq, sk) in enumerate(zip(q_lens, kv_lens)):
-                    if sq > sk:
-                        V.fail(f"qo_indptr: causal masking needs Sq <= Sk, but request {b} has Sq={sq} > Sk={sk}")
-            if max_q_len is not None:
-                V.integer("max_q_len", max_q_len, minimum=max(q_lens))
-                bound_q = [max_q_len] * batch
-            else:
-                bound_q = q_lens
-            work = _work_tensor(work_list(bound_q, kv_lens, mask_type, window_left,
-                                          _tile_m(q_data_type, d, mask_type, device)), device)
-            totals, indptr_pair = (qo[-1], kvo[-1]), (qo_indptr, kv_indptr)
-            max_len = max(bound_q)
-        else:
-            for name, val in (("batch_size", batch_size), ("q_len", q_len), ("kv_len", kv_len)):
-                if val is None:
-                    V.fail(f"{name}: required when planning fixed storage (no qo_indptr/kv_indptr)")
-                V.integer(name, val, minimum=1)
-            if mask_type == "causal" and q_len > kv_len:
-                V.fail(f"q_len: causal masking needs Sq <= Sk, got {q_len} > {kv_len}")
-            if max_q_len is not None and max_q_len != q_len:
-                V.fail(f"max_q_len: fixed storage has q_len={q_len} queries per request; leave max_q_len unset "
-                       f"or equal to it, got {max_q_len}")
-            batch, max_len, work = batch_size, q_len, None
-            totals, indptr_pair = (batch_size, q_len, kv_len), (None, None)
-        from ..cuda import kernels
-
-        # the kernel compiled and loaded now, not in run (no device named: the current CUDA one)
-        kernels.warm_prefill(self.device or (qo_indptr.device if packed else None), q_data_type, d, mask_type)
-        self._plan = PrefillPlan(packed, batch, num_qo_heads, num_kv_heads, d, mask_type, window_left, sm_scale,
-                                 output_scale, odt, max_len, work)
-        self._totals, self._indptr = totals, indptr_pair
-        self._dtype = q_data_type
-
-    def run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        out: Optional[torch.Tensor] = None,
-        variable_window_token_starts: Optional[torch.Tensor] = None,
-        variable_window_token_ends: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("BatchPrefillTSWrapper.run: call plan(...) first")
-        d, group, hq = _check_qkv(q, k, v, plan.packed)
-        if q.dtype != self._dtype:
-            V.fail(f"q: dtype {q.dtype} differs from the planned q_data_type {self._dtype}")
-        if hq != plan.num_qo_heads or k.shape[-2] != plan.num_kv_heads or d != plan.head_dim:
-            V.fail(f"q/k: heads and head dim ({hq}, {k.shape[-2]}, {d}) differ from the plan "
-                   f"({plan.num_qo_heads}, {plan.num_kv_heads}, {plan.head_dim})")
-        if plan.packed:
-            if q.shape[0] != self._totals[0] or k.shape[0] != self._totals[1]:
-                V.fail(f"q/k: token counts ({q.shape[0]}, {k.shape[0]}) differ from the planned totals "
-                       f"{self._totals}")
-        else:
-            if (q.shape[0], q.shape[1], k.shape[1]) != self._totals:
-                V.fail(f"q/k: (B, Sq, Sk) = {(q.shape[0], q.shape[1], k.shape[1])} differs from the plan "
-                       f"{self._totals}")
-        qo_indptr, kv_indptr = self._indptr
-        starts, ends = variable_window_token_starts, variable_window_token_ends
-        device = V.same_device([("q", q), ("k", k), ("v", v), ("qo_indptr", qo_indptr),
-                                ("variable_window_token_starts", starts)])
-        if plan.mask_type == "variable_window":
-            _check_varwin(starts, ends, q, k.shape[1], read_values=False)
-        elif starts is not None or ends is not None:
-            V.fail("variable_window_token_starts: only valid when the plan's mask_type is 'variable_window'")
-        V.out_tensor(out, q.shape, plan.out_dtype, device,
-                     [("q", q), ("k", k), ("v", v), ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
-                      ("variable_window_token_starts", starts), ("variable_window_token_ends", ends)])
-        return _call(plan, q, k, v, qo_indptr, kv_indptr, starts, ends, out)
+    w = BatchPrefillTSWrapper()
+    w._plan = w._make_plan(q, k, v, qo_indptr, kv_indptr, mask_type, window_left, sm_scale, output_scale,
+                           V.resolve_out_dtype(out_dtype, out, q), variable_window_token_starts,
+                           variable_window_token_ends, exact=True)
+    return w.run(q, k, v, out=out)

@@ -1,26 +1,30 @@
-"""batch_prefill_with_paged_kv_cache: packed Q over separate HND K/V page pools.
+"""Paged prefill: packed Q over separate HND K/V page pools.
 
-Public: ``batch_prefill_with_paged_kv_cache`` (one-shot) and
-        ``BatchPrefillPagedTSWrapper`` (plan/run).
+Public: ``BatchPrefillPagedTSWrapper`` (plan over FlashInfer's CSR page metadata, run)
+        and ``batch_prefill_with_paged_kv_cache`` (the seed's one-shot over a row-strided
+        block table; its plan + run).
 Ops:    ``torch.ops.prims_ts.batch_prefill_paged`` (functional) and
         ``torch.ops.prims_ts.batch_prefill_paged_out`` (writes ``out``).
 Fakes:  ``prims_ts/meta/prefill_paged.py``; CPU kernel: ``prims_ts.reference``.
 
 The CUDA kernel is batch_prefill's FMHA core with the paged address policy
-(``prims_ts/cuda/fmha_prefill.cu``, ``PAGED``): K/V tiles are copied straight
-from the pages named by the block table, never gathered into a copy.
+(``prims_ts/cuda/fmha_prefill.cu``, ``PAGED``): K/V tiles are copied straight from the
+pages a block table names, never gathered into a copy.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Optional
 
+import numpy as np
 import torch
 
 from .. import reference
+from ..cuda.keys import Tuning
 from . import _dispatch
 from . import _validate as V
-from .prefill import HEAD_DIMS, PrefillPlan, _tile_m, _work_tensor, work_list
+from .prefill import HEAD_DIMS, check_causal_lengths, tile_m, work_list
 
 MASKS = ("dense", "causal")
 PAGE_SIZES = (16, 32, 64, 128)
@@ -32,14 +36,18 @@ PAGE_SIZES = (16, 32, 64, 128)
 
 
 def _run(q, k_cache, v_cache, out, qo_indptr, block_tables, seq_lens_kv, work, mask_type, window_left, sm_scale,
-         output_scale, max_q_len) -> None:
+         output_scale, max_q_len, tuning) -> None:
     if out.numel() == 0:
         return
     if q.device.type == "cuda":
-        from ..cuda import kernels
+        from ..cuda import prefill as K
 
-        kernels.launch_prefill_paged(q, k_cache, v_cache, out, qo_indptr, block_tables, seq_lens_kv, work,
-                                     mask_type, window_left, sm_scale, output_scale, max_q_len)
+        static = K.PrefillStatic(q.dtype, q.shape[-1], q.shape[-2], k_cache.shape[1], mask_type, window_left,
+                                 sm_scale, output_scale, out.dtype, qo_indptr.shape[0] - 1, max_q_len,
+                                 work.shape[0] if work is not None else None, True, paged=True,
+                                 page_size=k_cache.shape[2], tuning=Tuning.decode(tuning))
+        K.prepared(static, q.device.index).run(q, k_cache, v_cache, out, qo_indptr, work=work,
+                                               block_tables=block_tables, seq_lens=seq_lens_kv)
     else:
         out.copy_(reference.batch_prefill_paged(
             q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, mask_type=mask_type,
@@ -61,10 +69,11 @@ def batch_prefill_paged_out_op(
     sm_scale: float,
     output_scale: float,
     max_q_len: int,
+    tuning: str = "",
 ) -> None:
     """Writes paged prefill attention into ``out``. Arguments are trusted: validate first."""
     _run(q, k_cache, v_cache, out, qo_indptr, block_tables, seq_lens_kv, work, mask_type, window_left, sm_scale,
-         output_scale, max_q_len)
+         output_scale, max_q_len, tuning)
 
 
 @torch.library.custom_op("prims_ts::batch_prefill_paged", mutates_args=())
@@ -82,28 +91,34 @@ def batch_prefill_paged_op(
     output_scale: float,
     max_q_len: int,
     out_dtype: int,
+    tuning: str = "",
 ) -> torch.Tensor:
     """Functional form of ``batch_prefill_paged_out``: returns a new output tensor."""
     out = torch.empty(q.shape, dtype=V.code_dtype(out_dtype), device=q.device)
     _run(q, k_cache, v_cache, out, qo_indptr, block_tables, seq_lens_kv, work, mask_type, window_left, sm_scale,
-         output_scale, max_q_len)
+         output_scale, max_q_len, tuning)
     return out
 
 
 # ----------------------------------------------------------------------------
-# Validation and planning
+# Validation
 # ----------------------------------------------------------------------------
 
 
-def _check_page_size(page_size, kv_layout) -> int:
+def check_page_size(page_size, kv_layout="HND") -> int:
     V.integer("page_size", page_size)
     if page_size not in PAGE_SIZES:
-        V.fail(f"page_size: {page_size} is not supported; expected one of {', '.join(map(str, PAGE_SIZES))}")
+        V.fail(f"page_size: {page_size} is not supported; prims_ts supports page_size "
+               f"{', '.join(map(str, PAGE_SIZES))}")
+    check_layout(kv_layout)
+    return page_size
+
+
+def check_layout(kv_layout) -> None:
     if not isinstance(kv_layout, str):
         raise TypeError(f"kv_layout: expected a str, got {type(kv_layout).__name__}")
     if kv_layout != "HND":
         V.fail(f"kv_layout: only 'HND' ([num_pages, Hkv, page_size, D] pools) is supported, got {kv_layout!r}")
-    return page_size
 
 
 def _check_tensors(q, k_cache, v_cache, page_size: int):
@@ -131,39 +146,6 @@ def _check_tensors(q, k_cache, v_cache, page_size: int):
     return q.shape[1], hkv, d, num_pages
 
 
-def _check_metadata(qo_indptr, block_tables, seq_lens_kv):
-    """Dtypes, ranks and strides of the metadata; returns (B, C)."""
-    V.int32_vector("qo_indptr", qo_indptr)
-    if qo_indptr.shape[0] < 2:
-        V.fail(f"qo_indptr: expected [B+1] with B >= 1, got shape {tuple(qo_indptr.shape)}")
-    batch = qo_indptr.shape[0] - 1
-    _, cols = V.block_table("block_tables", block_tables, batch)
-    V.int32_vector("seq_lens_kv", seq_lens_kv, length=batch)
-    return batch, cols
-
-
-def _check_values(qo: List[int], lens: List[int], table: torch.Tensor, total_q: int, page_size: int,
-                  num_pages: Optional[int], mask_type: str) -> int:
-    """Host checks of metadata values; returns the largest used page ID."""
-    V.values_indptr("qo_indptr", qo, total_q, "q.shape[0]")
-    cols = table.shape[1]
-    max_page = -1
-    for b, sk in enumerate(lens):
-        if sk < 1 or sk > cols * page_size:
-            V.fail(f"seq_lens_kv: request {b} has length {sk}; expected 1 <= length <= "
-                   f"block_tables.shape[1] * page_size = {cols * page_size}")
-        sq = qo[b + 1] - qo[b]
-        if mask_type == "causal" and sq > sk:
-            V.fail(f"qo_indptr: causal masking needs Sq <= Sk, but request {b} has Sq={sq} > Sk={sk}")
-        used = table[b, : (sk + page_size - 1) // page_size]
-        lo, hi = int(used.min()), int(used.max())
-        if lo < 0 or (num_pages is not None and hi >= num_pages):
-            bad = lo if lo < 0 else hi
-            V.fail(f"block_tables: request {b} uses page ID {bad}, outside [0, {num_pages if num_pages else 'P'})")
-        max_page = max(max_page, hi)
-    return max_page
-
-
 def _common_args(mask_type, window_left, sm_scale, output_scale, head_dim):
     mask_type, window_left = V.mask_and_window(mask_type, window_left, MASKS)
     sm_scale = V.scale("sm_scale", sm_scale, default=1.0 / math.sqrt(head_dim))
@@ -171,15 +153,205 @@ def _common_args(mask_type, window_left, sm_scale, output_scale, head_dim):
     return mask_type, window_left, sm_scale, output_scale
 
 
-def _metadata_inputs(qo_indptr, block_tables, seq_lens_kv):
-    return [("qo_indptr", qo_indptr), ("block_tables", block_tables), ("seq_lens_kv", seq_lens_kv)]
+def check_csr_values(indptr: np.ndarray, indices_len: int, last: np.ndarray, page_size: int,
+                     names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")) -> np.ndarray:
+    """FlashInfer's CSR page metadata on the host: indptr starts at zero, increases strictly
+    (every request holds a page), ends at the indices' length; every last page holds 1 to
+    page_size keys. Returns the K/V lengths, (pages - 1) * page_size + last_page_len."""
+    V.values_indptr(names[0], indptr, indices_len, f"{names[1]}.numel()")
+    bad = (last < 1) | (last > page_size)
+    if bad.any():
+        b = V.first(bad)
+        V.fail(f"{names[2]}: request {b} has {int(last[b])}; values must be in [1, {page_size}] (page_size)")
+    return (np.diff(indptr) - 1) * page_size + last
 
 
-def _call(plan: PrefillPlan, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, out):
-    args = (qo_indptr, block_tables, seq_lens_kv, plan.work, plan.mask_type, plan.window_left, plan.sm_scale,
-            plan.output_scale, plan.max_q_len)
-    return _dispatch.call(torch.ops.prims_ts.batch_prefill_paged, torch.ops.prims_ts.batch_prefill_paged_out, _run,
-                          (q, k_cache, v_cache), args, out, plan.out_dtype)
+def check_page_ids(name: str, ids: np.ndarray, num_pages: Optional[int]) -> None:
+    """Used page IDs (a host array) inside ``[0, num_pages)`` (None: only >= 0)."""
+    hi = num_pages if num_pages is not None else V.INT32_MAX + 1
+    bad = (ids < 0) | (ids >= hi)
+    if bad.any():
+        i = V.first(bad)
+        V.fail(f"{name}: entry {i} is page ID {int(ids[i])}; entries must index the physical page pool "
+               f"[0, {num_pages if num_pages is not None else 'P'})")
+
+
+# ----------------------------------------------------------------------------
+# The plan and its wrapper
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class PagedPrefillPlan:
+    """A planned paged prefill: static facts, the metadata it runs with, the prepared launch."""
+
+    static: Optional[object]  # cuda.prefill.PrefillStatic (None while traced)
+    scalars: tuple  # the op's scalars: mask, window_left, sm_scale, output_scale, max_q_len
+    device: torch.device
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    q_shape: torch.Size
+    pool_geometry: tuple  # (Hkv, page_size, D) of the pools
+    max_page: int  # the largest page ID the plan reads
+    qo_indptr: torch.Tensor  # bound: read live
+    block_tables: torch.Tensor  # [B, C]: the plan's own copy (a wrapper plan) or the caller's (a one-shot)
+    seq_lens_kv: torch.Tensor
+    work: Optional[torch.Tensor]
+    launch: Optional[object]  # cuda.prefill.PreparedPrefill
+    tuning_code: str
+
+    @property
+    def bound(self) -> tuple:
+        return (("qo_indptr", self.qo_indptr), ("block_tables", self.block_tables),
+                ("seq_lens_kv", self.seq_lens_kv))
+
+    def op_args(self) -> tuple:
+        return (self.qo_indptr, self.block_tables, self.seq_lens_kv, self.work) + self.scalars
+
+
+def _make_plan(tuning: Tuning, tuning_code: str, q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left,
+               sm_scale, output_scale, out_dtype, tables, exact: bool) -> PagedPrefillPlan:
+    """The plan of a validated problem. `tables(device, num_pages)` validates the page
+    metadata and returns (block_tables [B, C], seq_lens_kv [B] on the device, the K/V lengths
+    and the Q offsets on the host (None while traced), the largest used page ID)."""
+    hq, hkv, d, num_pages = _check_tensors(q, k_cache, v_cache, page_size)
+    mask_type, window_left, sm_scale, output_scale = _common_args(mask_type, window_left, sm_scale, output_scale, d)
+    V.int32_vector("qo_indptr", qo_indptr)
+    if qo_indptr.shape[0] < 2:
+        V.fail(f"qo_indptr: expected [B+1] with B >= 1, got shape {tuple(qo_indptr.shape)}")
+    batch = V.batch_size("qo_indptr", qo_indptr.shape[0] - 1)
+    device = V.same_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("qo_indptr", qo_indptr)])
+    odt = V.out_dtype(out_dtype, None, q.dtype)
+    table, lens_dev, lens, qo, max_page = tables(device, batch, num_pages)
+    work = None
+    if qo is None:
+        max_q_len = q.shape[0]  # traced: a safe bound, the implicit tile order
+    else:
+        V.values_indptr("qo_indptr", qo, q.shape[0], "q.shape[0]")
+        q_lens = np.diff(qo)
+        if mask_type == "causal":
+            check_causal_lengths(q_lens, lens, "qo_indptr")
+        max_q_len = int(q_lens.max())
+        if device.type == "cuda":
+            bounds = q_lens if exact else np.full_like(q_lens, max_q_len)
+            work = work_list(bounds, lens, mask_type, window_left, tile_m(q.dtype, d, mask_type, device)).to(device)
+    static = launch = None
+    if not V.tracing():
+        from ..cuda import prefill as K
+
+        static = K.PrefillStatic(q.dtype, d, hq, hkv, mask_type, window_left, sm_scale, output_scale, odt, batch,
+                                 max_q_len, work.shape[0] if work is not None else None, True, paged=True,
+                                 page_size=page_size, tuning=tuning)
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            launch = K.prepared(static, device.index)
+    return PagedPrefillPlan(static, (mask_type, window_left, sm_scale, output_scale, max_q_len), device, q.dtype, odt,
+                            q.shape, (hkv, page_size, d), max_page, qo_indptr, table, lens_dev, work, launch,
+                            tuning_code)
+
+
+class BatchPrefillPagedTSWrapper:
+    """Plan once outside capture; ``run`` is CUDA-graph capturable.
+
+    ``plan`` takes FlashInfer's CSR page metadata (``paged_kv_indptr``, ``paged_kv_indices``,
+    ``paged_kv_last_page_len``: request b's K/V length is ``(pages - 1) * page_size +
+    last_page_len[b]``), reads it once on the host with ``qo_indptr``, validates it and
+    snapshots the pages and lengths into the plan's own device tensors (a later change to the
+    caller's page metadata needs a new plan). ``qo_indptr`` stays bound: ``run`` reads it on
+    the device, so replays may move queries between requests in place within the planned
+    total, each request's count within the planned longest, and (causal) ``Sq <= Sk``.
+    ``run`` checks its tensors against the plan, does no host synchronisation and allocates
+    nothing when ``out`` is given.
+    """
+
+    def __init__(self, kv_layout: str = "HND", *, tuning: Optional[Tuning] = None):
+        check_layout(kv_layout)
+        self.kv_layout = kv_layout
+        self.tuning, self._tuning_code = V.tuning(tuning)
+        self._plan: Optional[PagedPrefillPlan] = None
+
+    def plan(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        *,
+        page_size: int = 32,
+        mask_type: str = "dense",
+        window_left: int = -1,
+        sm_scale: Optional[float] = None,
+        output_scale: float = 1.0,
+        out_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        page_size = check_page_size(page_size)
+
+        def tables(device, batch, num_pages):
+            V.int32_vector("paged_kv_indptr", paged_kv_indptr, length=batch + 1)
+            V.int32_vector("paged_kv_indices", paged_kv_indices)
+            V.int32_vector("paged_kv_last_page_len", paged_kv_last_page_len, length=batch)
+            V.same_device([("qo_indptr", qo_indptr), ("paged_kv_indptr", paged_kv_indptr),
+                           ("paged_kv_indices", paged_kv_indices), ("paged_kv_last_page_len", paged_kv_last_page_len)])
+            if paged_kv_indptr.device != device:
+                V.fail(f"paged_kv_indptr: is on {paged_kv_indptr.device}, expected q's device {device}")
+            if V.tracing():
+                raise RuntimeError("BatchPrefillPagedTSWrapper.plan reads its metadata on the host and cannot be "
+                                   "traced; plan outside the compiled region and compile run")
+            qo, ip, ids, last = V.host_values(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+            lens = check_csr_values(ip, ids.shape[0], last, page_size)
+            check_page_ids("paged_kv_indices", ids, num_pages)
+            counts = np.diff(ip)
+            cols = int(counts.max())
+            # the block table [B, C]: request b's pages, padded by repeating its last page
+            pos = ip[:-1, None] + np.minimum(np.arange(cols)[None, :], (counts - 1)[:, None])
+            lens_dev, table = V.to_device(device, lens, ids[pos])
+            return table.view(batch, cols), lens_dev, lens, qo, int(ids.max())
+
+        self._plan = _make_plan(self.tuning, self._tuning_code, q, k_cache, v_cache, qo_indptr, page_size, mask_type,
+                                window_left, sm_scale, output_scale, out_dtype, tables, exact=False)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("plan() must be called before run()")
+        dev, dt = plan.device, plan.dtype
+        fast = (V.matches(q, plan.q_shape, dt, dev) and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
+                and k_cache.shape[1:] == plan.pool_geometry and v_cache.shape == k_cache.shape
+                and k_cache.dtype is dt and v_cache.dtype is dt and k_cache.device == dev and v_cache.device == dev
+                and plan.max_page < k_cache.shape[0])
+        if not fast:
+            _check_against_plan(plan, q, k_cache, v_cache)
+        if out is not None:
+            V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
+                         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + plan.bound)
+        if fast and plan.launch is not None and _dispatch.plain_eager(out):
+            if out is None:
+                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
+            plan.launch.run(q, k_cache, v_cache, out, plan.qo_indptr, work=plan.work, block_tables=plan.block_tables,
+                            seq_lens=plan.seq_lens_kv)
+            return out
+        V.run_layout((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+        return _dispatch.call(torch.ops.prims_ts.batch_prefill_paged, torch.ops.prims_ts.batch_prefill_paged_out,
+                              _run, (q, k_cache, v_cache), plan.op_args(), out, plan.out_dtype, plan.tuning_code)
+
+
+def _check_against_plan(plan: PagedPrefillPlan, q, k_cache, v_cache) -> None:
+    hq, hkv, d, num_pages = _check_tensors(q, k_cache, v_cache, plan.pool_geometry[1])
+    if q.shape != plan.q_shape:
+        V.fail(f"q must have shape {tuple(plan.q_shape)} (the plan's), got {tuple(q.shape)}")
+    if q.dtype != plan.dtype:
+        V.fail(f"q: dtype {V._dtype_name(q.dtype)} differs from the planned {V._dtype_name(plan.dtype)}")
+    if (hkv, k_cache.shape[2], d) != plan.pool_geometry:
+        V.fail(f"k_cache: (Hkv, page_size, D) = {(hkv, k_cache.shape[2], d)} differs from the plan's "
+               f"{plan.pool_geometry}")
+    V.same_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)])
+    if q.device != plan.device:
+        V.fail(f"q must be on the planned device {plan.device}, got {q.device}")
+    if plan.max_page >= num_pages:
+        V.fail(f"k_cache: the plan reads page ID {plan.max_page} but the pools hold {num_pages} pages")
 
 
 def batch_prefill_with_paged_kv_cache(
@@ -199,128 +371,36 @@ def batch_prefill_with_paged_kv_cache(
     out_dtype: Optional[torch.dtype] = None,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One-shot packed-Q attention over separate HND page pools ``[P, Hkv, page_size, D]``.
+    """One-shot packed-Q attention over separate HND page pools ``[P, Hkv, page_size, D]``
+    with one row-strided block table: a :class:`BatchPrefillPagedTSWrapper` planned over
+    these tables and run.
 
-    Reads ``qo_indptr``, ``seq_lens_kv`` and the used part of ``block_tables`` on the
-    host to validate them (page IDs in ``[0, P)``, lengths within the table row,
-    causal ``Sq <= Sk``) and to build the heavy-first work list, so it is not
-    CUDA-graph capturable; plan a :class:`BatchPrefillPagedTSWrapper` for that.
+    Reads ``qo_indptr``, ``seq_lens_kv`` and ``block_tables`` on the host (one copy) to
+    validate them (page IDs in ``[0, P)``, lengths within the table row, causal
+    ``Sq <= Sk``) and to build the heavy-first work list, so it is not CUDA-graph
+    capturable; plan a wrapper for that.
     """
-    page_size = _check_page_size(page_size, kv_layout)
-    hq, hkv, d, num_pages = _check_tensors(q, k_cache, v_cache, page_size)
-    batch, _ = _check_metadata(qo_indptr, block_tables, seq_lens_kv)
-    mask_type, window_left, sm_scale, output_scale = _common_args(mask_type, window_left, sm_scale, output_scale, d)
-    device = V.same_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
-                           + _metadata_inputs(qo_indptr, block_tables, seq_lens_kv))
-    odt = V.out_dtype(out_dtype, out, q.dtype)
-    if out_dtype is not None and out is not None and out.dtype != out_dtype:
-        V.fail(f"out: dtype {out.dtype} disagrees with out_dtype {out_dtype}")
-    V.out_tensor(out, q.shape, odt, device, [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
-                 + _metadata_inputs(qo_indptr, block_tables, seq_lens_kv))
-    work = None
-    if V.tracing():
-        max_q_len = q.shape[0]  # traced: values unreadable; a safe bound and the implicit tile order
-    else:
-        qo, lens = qo_indptr.tolist(), seq_lens_kv.tolist()
-        _check_values(qo, lens, block_tables.cpu(), q.shape[0], page_size, num_pages, mask_type)
-        q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
-        max_q_len = max(q_lens)
-        if q.is_cuda:
-            work = _work_tensor(work_list(q_lens, lens, mask_type, window_left,
-                                          _tile_m(q.dtype, d, mask_type, device)), device)
-    plan = PrefillPlan(True, batch, hq, hkv, d, mask_type, window_left, sm_scale, output_scale, odt, max_q_len, work)
-    return _call(plan, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, out)
+    page_size = check_page_size(page_size, kv_layout)
 
+    def tables(device, batch, num_pages):
+        _, cols = V.block_table("block_tables", block_tables, batch)
+        V.int32_vector("seq_lens_kv", seq_lens_kv, length=batch)
+        V.same_device([("qo_indptr", qo_indptr), ("block_tables", block_tables), ("seq_lens_kv", seq_lens_kv)])
+        if block_tables.device != device:
+            V.fail(f"block_tables: is on {block_tables.device}, expected q's device {device}")
+        if V.tracing():
+            return block_tables, seq_lens_kv, None, None, num_pages - 1  # traced: the values are trusted
+        qo, lens, table = V.host_values(qo_indptr, seq_lens_kv, block_tables)
+        table = table.reshape(batch, cols)
+        bad = (lens < 1) | (lens > cols * page_size)
+        if bad.any():
+            b = V.first(bad)
+            V.fail(f"seq_lens_kv: request {b} has length {int(lens[b])}; expected 1 <= length <= "
+                   f"block_tables.shape[1] * page_size = {cols * page_size}")
+        max_page = V.values_block_table("block_tables", table, lens, page_size, num_pages)
+        return block_tables, seq_lens_kv, lens, qo, max_page
 
-class BatchPrefillPagedTSWrapper:
-    """Plan once outside capture; ``run`` is CUDA-graph capturable.
-
-    ``plan`` reads ``qo_indptr``, ``block_tables`` and ``seq_lens_kv`` once,
-    validates them and fixes the bounds: each request's query length (or
-    ``max_q_len`` for all), the total query count and the largest page ID.
-    ``run`` binds the *same* metadata tensors, does no host synchronisation and
-    allocates nothing when ``out`` is given. Between replays the caller may
-    rewrite page IDs, Q offsets and K/V lengths in place as long as every request
-    keeps its query length within the planned bound, ``1 <= seq_lens_kv[b] <=
-    block_tables.shape[1] * page_size``, page IDs in ``[0, P)``, the same total,
-    and (causal) ``Sq <= Sk``; these values are then trusted, not re-checked.
-    """
-
-    def __init__(self, device: Optional[torch.device | str] = None):
-        self.device = torch.device(device) if device is not None else None
-        self._plan: Optional[PrefillPlan] = None
-
-    def plan(
-        self,
-        qo_indptr: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens_kv: torch.Tensor,
-        *,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int = 32,
-        kv_layout: str = "HND",
-        mask_type: str = "dense",
-        window_left: int = -1,
-        sm_scale: Optional[float] = None,
-        output_scale: float = 1.0,
-        max_q_len: Optional[int] = None,
-        q_data_type: torch.dtype = torch.bfloat16,
-        out_dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        page_size = _check_page_size(page_size, kv_layout)
-        V.integer("num_qo_heads", num_qo_heads, minimum=1)
-        V.integer("num_kv_heads", num_kv_heads, minimum=1)
-        V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
-        d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
-        V.input_dtype("q_data_type", q_data_type)
-        batch, _ = _check_metadata(qo_indptr, block_tables, seq_lens_kv)
-        device = V.same_device(_metadata_inputs(qo_indptr, block_tables, seq_lens_kv))
-        mask_type, window_left, sm_scale, output_scale = _common_args(mask_type, window_left, sm_scale,
-                                                                      output_scale, d)
-        odt = V.out_dtype(out_dtype, None, q_data_type)
-        qo, lens = qo_indptr.tolist(), seq_lens_kv.tolist()
-        max_page = _check_values(qo, lens, block_tables.cpu(), qo[-1], page_size, None, mask_type)
-        q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
-        if max_q_len is not None:
-            V.integer("max_q_len", max_q_len, minimum=max(q_lens))
-            bounds = [max_q_len] * batch
-        else:
-            bounds = q_lens
-        dev = self.device or device
-        work = _work_tensor(work_list(bounds, lens, mask_type, window_left, _tile_m(q_data_type, d, mask_type, dev)),
-                            dev)
-        from ..cuda import kernels
-
-        # the kernel compiled and loaded now, not in run (before any state changes)
-        kernels.warm_prefill(dev, q_data_type, d, mask_type, paged=True)
-        self._plan = PrefillPlan(True, batch, num_qo_heads, num_kv_heads, d, mask_type, window_left, sm_scale,
-                                 output_scale, odt, max(bounds), work)
-        self._meta = (qo_indptr, block_tables, seq_lens_kv)
-        self._total_q = qo[-1]
-        self._page_size = page_size
-        self._max_page = max_page
-        self._dtype = q_data_type
-
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("BatchPrefillPagedTSWrapper.run: call plan(...) first")
-        hq, hkv, d, num_pages = _check_tensors(q, k_cache, v_cache, self._page_size)
-        if q.dtype != self._dtype:
-            V.fail(f"q: dtype {q.dtype} differs from the planned q_data_type {self._dtype}")
-        if (hq, hkv, d) != (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim):
-            V.fail(f"q/k_cache: heads and head dim ({hq}, {hkv}, {d}) differ from the plan "
-                   f"({plan.num_qo_heads}, {plan.num_kv_heads}, {plan.head_dim})")
-        if q.shape[0] != self._total_q:
-            V.fail(f"q: {q.shape[0]} tokens differ from the planned total {self._total_q}")
-        if self._max_page >= num_pages:
-            V.fail(f"k_cache: the plan uses page ID {self._max_page} but the pools hold {num_pages} pages")
-        qo_indptr, block_tables, seq_lens_kv = self._meta
-        device = V.same_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
-                               + _metadata_inputs(qo_indptr, block_tables, seq_lens_kv))
-        V.out_tensor(out, q.shape, plan.out_dtype, device, [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
-                     + _metadata_inputs(qo_indptr, block_tables, seq_lens_kv))
-        return _call(plan, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, out)
+    w = BatchPrefillPagedTSWrapper(kv_layout)
+    w._plan = _make_plan(w.tuning, w._tuning_code, q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left,
+                         sm_scale, output_scale, V.resolve_out_dtype(out_dtype, out, q), tables, exact=True)
+    return w.run(q, k_cache, v_cache, out=out)

@@ -15,7 +15,7 @@
 
 namespace pt {
 
-// The most split-KV chunks per (request, K/V head): kernels.DECODE_MAX_SPLITS.
+// The most split-KV chunks per (request, K/V head): decode.DECODE_MAX_SPLITS.
 constexpr int DECODE_MAX_SPLITS = 128;
 
 struct DecodeParams {

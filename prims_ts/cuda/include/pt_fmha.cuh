@@ -28,7 +28,7 @@
 #include "pt_sm80.cuh"
 #include "pt_sm90.cuh"
 
-// PT_PROBE: a measurement aid, 0 in every kernel the library launches (kernels.PREFILL_PROBE,
+// PT_PROBE: a measurement aid, 0 in every kernel the library launches (Tuning.probe,
 // set by benchmarks/gpu_session.sh `probe`, defines it in the sm_90a prefill keys, whose
 // names then end in _probe<n>). It splits a producer-ring kernel's time between its two
 // sides; the results are wrong under either. 1: the producer copies the first STAGES tiles

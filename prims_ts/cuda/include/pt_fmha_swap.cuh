@@ -13,7 +13,7 @@
 // ring (pt_fmha.cuh: KvRing) feeds it: STAGES whole 64 x D tiles (72 KB at D 576, so two
 // fit beside Q), acquired and released a tile at a time. (A ring of 64-column panel slots,
 // acquired and released panel by panel to copy further ahead, measured 1-2% slower at
-// BM 16 and 29% at BM 32, and was retired: benchmarks/NOTES.md, fifth and sixth sessions.)
+// BM 16 and 29% at BM 32, and was retired: benchmarks/NOTES.md, MLA, the panel ring.)
 // The problem policies are the core's (range, q_row/k_row/kv_page, tile_needs_mask/
 // visible, store2/store_lse).
 #pragma once

@@ -16,7 +16,7 @@ typedef unsigned long long u64;
 struct bf16 { u16 bits; };
 struct f16 { u16 bits; };
 
-// Output dtype codes shared with the host (prims_ts/cuda/kernels.py).
+// Output dtype codes shared with the host (prims_ts/cuda/keys.py).
 enum OutDtype : int { OUT_F16 = 0, OUT_BF16 = 1, OUT_F32 = 2 };
 
 __device__ __forceinline__ float to_float(bf16 x) {

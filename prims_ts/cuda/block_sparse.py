@@ -1,0 +1,196 @@
+"""Block-sparse kernels: the decode problem's GQA rows over a BSR route's KV blocks.
+
+``prims_ts/cuda/fmha_block_sparse.cu``: one (request, K/V head, route row, row tile) item
+per CTA, or persistent CTAs walking them (Tuning.persistent).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Dict, Iterator, Tuple
+
+import torch
+
+from . import runtime
+from .decode import DecodeParams, _ptr, decode_query_strides
+from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
+                   KernelKey, Tuning, check_rows, check_starts, cpp_bool, device_info, fmha_config,
+                   fmha_smem_bytes, load, producer_stages, tag, work_grid)
+
+HEAD_DIMS = (128, 256)
+
+
+@dataclass(frozen=True)
+class BlockSparseKey(KernelKey):
+    """KV blocks of 64+ keys on sm_90a take the wgmma engine (BM 64 for short rows at D128,
+    else 128; BN 128 when the block size allows at D128, else 64); smaller blocks (8/16/32:
+    one short tile of BN 16/32 per block) and other archs the mma.sync engine with BM 64
+    (BN 32 at D256, to fit 99 KB)."""
+
+    PREFIX = "pt_bsr"
+    SOURCE = "fmha_block_sparse.cu"
+    PARAMS = "BlockSparseParams"
+
+    dtype: str = tag("", always=True)
+    head_dim: int = tag("d", always=True)
+    causal: bool = tag("c", always=True)
+    bm: int = tag("bm", always=True)
+    bn: int = tag("bn", always=True)
+    arch: int = tag("sm", always=True)
+    stages: int = tag("s", 2)
+    loop: int = tag("l", 0)  # the producer ring's consumer loop (Tuning.loop)
+    persistent: bool = tag("pk", False)  # CTAs walk several work items (Tuning.persistent)
+    copy_tpr: int = tag("cp", 4)  # the producer's threads per K/V row (Tuning.copy_tpr)
+
+    @staticmethod
+    def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int, arch: str,
+               tuning: Tuning = DEFAULT_TUNING) -> "BlockSparseKey":
+        """`rows`: the M rows of one route row, q_block_size (or Sq if smaller) x group."""
+        if arch == "sm_90a" and kv_block_size % 64 == 0:
+            bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
+            bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
+            loop = tuning.loop_for(head_dim)
+            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
+                                  loop if bm == 128 else min(loop, 1),  # pingpong: two MMA warpgroups
+                                  tuning.persistent, tuning.copy_for(head_dim))
+        if head_dim == 256:
+            return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
+        bn = 64 if kv_block_size % 64 == 0 else max(16, kv_block_size)
+        return BlockSparseKey(dtype, head_dim, causal, 64, bn, 80)
+
+    @property
+    def producer(self) -> bool:
+        return self.arch == 90
+
+    @property
+    def threads(self) -> int:
+        return self.bm // 16 * 32 + (PRODUCER_THREADS if self.producer else 0)
+
+    @property
+    def smem(self) -> int:
+        return (fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, producer=self.producer) +
+                (WGMMA_ALIGN_SLACK if self.arch == 90 else 0))
+
+    def call(self) -> str:
+        cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
+                          self.arch, stages=self.stages, producer=self.producer, loop=self.loop,
+                          copy_tpr=self.copy_tpr)
+        return f"pt::block_sparse_kernel<{cfg}, {cpp_bool(self.causal)}, {cpp_bool(self.persistent)}>"
+
+
+def block_sparse_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[BlockSparseKey]:
+    """The keys the public API can choose on `arch` (every dtype, head dim, mask and tile)."""
+    for dtype in DTYPE_CODES.values():
+        for d in HEAD_DIMS:
+            for causal in (False, True):
+                shapes = {(kvb, rows) for kvb in (8, 32, 64, 128) for rows in (64, 128)}
+                keys = {BlockSparseKey.choose(dtype, d, causal, kvb, rows, arch, tuning) for kvb, rows in shapes}
+                yield from sorted(keys, key=lambda k: k.name)
+
+
+class BlockSparseParams(ctypes.Structure):
+    """Mirror of pt::BlockSparseParams (prims_ts/cuda/fmha_block_sparse.cu)."""
+
+    _fields_ = [
+        ("d", DecodeParams),
+        ("block_indptr", ctypes.c_void_p),
+        ("block_indices", ctypes.c_void_p),
+        ("valid_bits", ctypes.c_void_p),
+    ] + [(n, ctypes.c_int32) for n in ("rows_r", "q_block", "kv_block", "row_tiles", "valid_words", "batch")]
+
+
+@dataclass(frozen=True)
+class BlockSparseStatic:
+    """Everything a block-sparse launch needs besides tensor addresses."""
+
+    dtype: torch.dtype
+    head_dim: int
+    num_qo_heads: int
+    num_kv_heads: int
+    page_size: int
+    batch: int
+    seq_len_q: int
+    q_block_size: int
+    kv_block_size: int
+    valid_words: int  # words per request of kv_valid_bits (0: no bits)
+    causal: bool
+    out_dtype: torch.dtype
+    tuning: Tuning = DEFAULT_TUNING
+
+
+class PreparedBlockSparse:
+    """The loaded kernel, grid and parameter struct of one BlockSparseStatic on one device."""
+
+    __slots__ = ("static", "dev", "key", "launch", "bp", "_strides")
+
+    def __init__(self, static: BlockSparseStatic, dev: int):
+        arch, sms, _ = device_info(dev)
+        group = static.num_qo_heads // static.num_kv_heads
+        rows_r = -(-static.seq_len_q // static.q_block_size)
+        rows = min(static.q_block_size, static.seq_len_q) * group  # the tallest route row
+        key = BlockSparseKey.choose(DTYPE_CODES[static.dtype], static.head_dim, static.causal,
+                                    static.kv_block_size, rows, arch, static.tuning)
+        kernel = load(dev, key)
+        row_tiles = -(-rows // key.bm)
+        bp = BlockSparseParams()
+        p = bp.d
+        p.group, p.hkv = group, static.num_kv_heads
+        p.page_shift = static.page_size.bit_length() - 1
+        p.window_left = -1
+        p.out_dtype = OUT_DTYPE_CODES[static.out_dtype]
+        p.out_scale = 1.0
+        p.sq, p.rows_max, p.row_tiles, p.splits, p.chunk = static.seq_len_q, rows, row_tiles, 1, 0
+        bp.rows_r, bp.q_block, bp.kv_block, bp.row_tiles = rows_r, static.q_block_size, static.kv_block_size, row_tiles
+        bp.valid_words = static.valid_words
+        bp.batch = static.batch
+        items = static.batch * static.num_kv_heads * rows_r * row_tiles
+        ctas = work_grid(items, key.persistent, sms, static.tuning.persistent_ctas)
+        self.static, self.dev, self.key, self.bp = static, dev, key, bp
+        self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), bp)
+        self._strides = None
+
+    def run(self, q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens,
+            valid_bits, sm_scale: float) -> None:
+        """Write the live fields (addresses, strides, the scale) and launch on the current stream.
+        The pools: K and V ``[P, Hkv, ps, D]``, or (v_cache None) a combined ``[P, 2, Hkv, ps, D]``."""
+        strides = (q.stride(), k_cache.stride(), None if v_cache is None else v_cache.stride(), out.stride())
+        p = self.bp.d
+        if strides != self._strides:
+            p.q_sb, p.q_st, p.q_sh = decode_query_strides(q, False)
+            p.o_sb, p.o_st, p.o_sh = decode_query_strides(out, False)
+            ks = strides[1]
+            if v_cache is None:
+                check_rows((("q", q), ("paged_kv_cache", k_cache), ("out", out)))
+                p.k_sp, p.k_sh, p.k_ss = p.v_sp, p.v_sh, p.v_ss = ks[0], ks[2], ks[3]
+            else:
+                check_rows((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
+                vs = strides[2]
+                p.k_sp, p.k_sh, p.k_ss = ks[0], ks[1], ks[2]
+                p.v_sp, p.v_sh, p.v_ss = vs[0], vs[1], vs[2]
+            self._strides = strides
+        kp = k_cache.data_ptr()
+        vp = kp + strides[1][1] * k_cache.element_size() if v_cache is None else v_cache.data_ptr()
+        p.q, p.k, p.v, p.o = a = q.data_ptr(), kp, vp, out.data_ptr()
+        if (a[0] | a[1] | a[2] | a[3]) & 15:
+            check_starts((("q", q), ("paged_kv_cache", k_cache), ("out", out))
+                         + ((("v_cache", v_cache),) if v_cache is not None else ()))
+            if vp & 15:
+                raise ValueError("paged_kv_cache: the V half of a combined cache must start 16-byte aligned")
+        p.kv_indptr, p.kv_indices, p.seq_lens = kv_indptr.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr()
+        bp = self.bp
+        bp.block_indptr, bp.block_indices = block_indptr.data_ptr(), block_indices.data_ptr()
+        bp.valid_bits = _ptr(valid_bits)
+        p.scale_log2 = sm_scale * LOG2E
+        self.launch.launch(runtime.current_stream(self.dev))
+
+
+_PREPARED: Dict[Tuple[int, BlockSparseStatic], PreparedBlockSparse] = {}
+
+
+def prepared(static: BlockSparseStatic, dev: int) -> PreparedBlockSparse:
+    """The prepared launch of `static` on device `dev` (one per process)."""
+    pl = _PREPARED.get((dev, static))
+    if pl is None:
+        pl = PreparedBlockSparse(static, dev)
+        _PREPARED[(dev, static)] = pl
+    return pl

@@ -1,0 +1,72 @@
+"""Every kernel the public APIs can launch: what ``python -m prims_ts warmup`` compiles.
+
+``default_keys(arch)`` are the keys of the default tuning; ``VARIANTS`` the other tunings
+that tests and A/B runs select (each builds some keys the default does not), compiled by
+``warmup --variants``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List
+
+from . import runtime
+from .block_sparse import block_sparse_keys
+from .decode import HEAD_DIMS as DECODE_HEAD_DIMS
+from .decode import MLA_DIM_QK, DecodeKey, decode_policy
+from .keys import DEFAULT_TUNING, DTYPE_CODES, NOMINAL_SMS, KernelKey, Tuning, smem_limit
+from .prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
+from .prefill import MASK_CODES, PrefillKey
+
+# The producer-ring variants of the prefill-family kernels on sm_90a (each selects some keys
+# the default does not): the plain (0), overlapped (1) and pingpong (2) consumer loops,
+# persistent CTAs with the plain loop and with pingpong (a few CTAs walk many items), and the
+# producer copy the default does not take.
+RING_VARIANTS: Dict[str, Tuning] = {
+    "loop0": Tuning(loop=0),
+    "loop1": Tuning(loop=1),
+    "loop2": Tuning(loop=2),
+    "loop0_persistent": Tuning(loop=0, persistent=True, persistent_ctas=3),
+    "loop2_persistent": Tuning(loop=2, persistent=True, persistent_ctas=3),
+    "other_copy": Tuning(flip_copy=True),
+}
+# The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
+# MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.
+DECODE_VARIANTS: Dict[str, Tuning] = {
+    "merge_staged": Tuning(merge_staged=True),
+    "mla_mma": Tuning(mla_swapped=False),
+    "other_copy": Tuning(flip_copy=True),
+}
+VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
+
+
+def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelKey]:
+    """The keys that the public APIs choose on a device of `arch` under `tuning`."""
+    for dtype in DTYPE_CODES:
+        for d in PREFILL_HEAD_DIMS:
+            for mask in MASK_CODES:
+                yield PrefillKey.choose(dtype, d, mask, arch, tuning=tuning)
+            for mask in ("dense", "causal"):
+                yield PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning)
+    for dt in DTYPE_CODES.values():
+        for d in DECODE_HEAD_DIMS:
+            for group in (1, 32, 64):  # one policy per row-tile height (BM 16, 32, 64)
+                pol = decode_policy(1, 1, group, 1, d, 1, NOMINAL_SMS, smem_limit(arch))
+                for causal in (False, True):
+                    yield DecodeKey.of(dt, d, causal, pol, arch, tuning)
+        for heads in (16, 32, 64):  # MLA: one policy per row-tile height (BM 16, 32, 64)
+            pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, NOMINAL_SMS, smem_limit(arch))
+            for causal in (False, True):
+                yield DecodeKey.of(dt, MLA_DIM_QK, causal, pol, arch, tuning)
+    yield from block_sparse_keys(arch, tuning)
+
+
+def all_keys(arch: str = "sm_90a", variants: bool = False) -> List[runtime.KernelSource]:
+    """The kernel sources of `arch`, one per distinct key: the default tuning's, and with
+    `variants` every tuning of VARIANTS too."""
+    tunings = [DEFAULT_TUNING] + (VARIANTS if variants else [])
+    seen, out = set(), []
+    for tuning in tunings:
+        for key in default_keys(arch, tuning):
+            if key not in seen:
+                seen.add(key)
+                out.append(key.source())
+    return out

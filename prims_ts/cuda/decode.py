@@ -1,0 +1,415 @@
+"""Decode-shaped kernels (paged decode and MLA decode): policy, key, parameters, launch.
+
+MLA decode is the decode kernel with one latent head (Hkv = 1, group = H) of 576-wide K
+rows whose first 512 values are V. The policy (tile, row tiles, split-KV) is chosen from
+static arguments alone, so a plan, the workspace size and a captured graph agree on it.
+``prims_ts/cuda/fmha_decode.cu``; the GQA-row problem in ``include/pt_decode.cuh``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from . import runtime
+from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, NOMINAL_SMEM_LIMIT, OUT_DTYPE_CODES, PRODUCER_THREADS,
+                   SM_SMEM_BYTES, WGMMA_ALIGN_SLACK, KernelKey, Tuning, check_rows, check_starts, cpp_bool,
+                   device_info, fmha_config, fmha_smem_bytes, load, tag)
+
+HEAD_DIMS = (64, 128, 256)
+MLA_DIM_QK = 576
+MLA_DIM_V = 512
+DECODE_MIN_KEYS_PER_SPLIT = 128
+DECODE_MAX_SPLITS = 128
+
+# Per head dim: keys per K/V tile, pipeline depth (32 KB of K+V per stage, three stages) and
+# whether the warps split O's columns (D256: o[] would not fit in registers otherwise)
+DECODE_TILE = {64: (128, 3, False), 128: (64, 3, False), 256: (32, 3, True)}
+# MLA, per row-tile height BM: (keys per tile, stages, warps splitting the keys and O)
+MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (64, 2, 2)}  # BM 64: the wgmma engine on sm_90a
+SWAP_BN = 64  # the swapped-operand MLA tile: keys per tile = wgmma's M
+SWAP_THREADS = 256  # one MMA warpgroup + the producer warpgroup
+
+
+@dataclass(frozen=True)
+class DecodePolicy:
+    """Static launch shape of one decode key: tile, warps, row tiles, split-KV."""
+
+    bm: int  # M rows per CTA (GQA group x query tokens, padded to 16)
+    bn: int  # keys per K/V tile
+    warps_n: int  # warps splitting each K/V tile's keys (merged in the CTA)
+    stages: int  # K/V tiles in flight
+    split_o: bool  # the warps_n warps also split O's columns (P shared through smem)
+    row_tiles: int  # CTAs along the M rows of one (request, K/V head)
+    rows_max: int  # group * max query tokens
+    splits: int  # K/V chunks per (request, K/V head), merged through the workspace
+    chunk: int  # keys per split (multiple of bn)
+
+
+def value_dim(head_dim: int) -> int:
+    """V/O width of a decode key: the head dim, or 512 for MLA's 576-wide latents."""
+    return MLA_DIM_V if head_dim == MLA_DIM_QK else head_dim
+
+
+def _split_target(ctas: int, slots: int) -> int:
+    """Splits per (request, K/V head) that fill the resident CTA slots best (fewest on ties)."""
+    if ctas >= slots:
+        return 1
+    best, best_eff = 1, 0.0
+    for s in range(1, min(DECODE_MAX_SPLITS, -(-4 * slots // ctas)) + 1):
+        total = ctas * s
+        eff = total / (-(-total // slots) * slots)
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+def _decode_tiles(head_dim: int, bm: int):
+    """Tile shapes (bm, bn, stages, warps_n, split_o) for rows that want row tiles of `bm`,
+    the preferred (the H200's) first, then ones that fit smaller shared memories:
+    fewer stages, then shorter row tiles (more of them), then (MLA) shorter key tiles."""
+    mla = head_dim == MLA_DIM_QK
+    for b in (64, 32, 16):
+        if b > bm:
+            continue
+        if mla:
+            bn, stages, warps_n = MLA_TILE[b]
+            yield b, bn, stages, warps_n, True
+            yield b, 32, 2, 2, True
+            continue
+        bn, stages, split_o = DECODE_TILE[head_dim]
+        # four warps per CTA where the rows leave room: the extra ones split the keys
+        warps_n = max(1, min(4 // (b // 16), bn // 16))
+        if split_o:
+            warps_n = max(2, warps_n)
+        yield b, bn, stages, warps_n, split_o
+        yield b, bn, 2, warps_n, split_o
+
+
+def _decode_wgmma(head_dim: int, bm: int) -> bool:
+    """Decode tiles the wgmma engine takes on sm_90a: MLA row tiles of 64."""
+    return head_dim == MLA_DIM_QK and bm == 64
+
+
+def decode_tile_smem(head_dim: int, bm: int, bn: int, stages: int, warps_n: int, split_o: bool) -> int:
+    """Shared memory of a decode tile, with the wgmma engine's alignment slack where it may apply."""
+    wgmma = _decode_wgmma(head_dim, bm)  # then also the producer's barriers
+    return fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o, value_dim(head_dim),
+                           head_dim == MLA_DIM_QK, wgmma) + (WGMMA_ALIGN_SLACK if wgmma else 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
+                  max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT) -> DecodePolicy:
+    """Tile and split-KV choice from the static arguments only (no metadata values): the
+    first tile of `_decode_tiles` whose shared memory fits the device's per-block limit."""
+    rows_max = group * max_seq_len_q
+    bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
+    for bm, bn, stages, warps_n, split_o in _decode_tiles(head_dim, bm):
+        if decode_tile_smem(head_dim, bm, bn, stages, warps_n, split_o) <= smem_limit:
+            break
+    else:
+        raise ValueError(f"head_dim {head_dim}: no decode tile fits {smem_limit} bytes of shared memory per block")
+    row_tiles = (rows_max + bm - 1) // bm
+    ctas = batch * num_kv_heads * row_tiles
+    threads = bm // 16 * warps_n * 32
+    smem = decode_tile_smem(head_dim, bm, bn, stages, warps_n, split_o)
+    per_sm = max(1, min(SM_SMEM_BYTES // (smem + 1024), 2048 // threads))
+    tiles = (max_seq_len + bn - 1) // bn
+    # The split count fills the SMs' resident slots (wave quantisation included) and
+    # is capped by the key count only (at least 128 keys per split), so it, and the
+    # workspace, never shrink as max_seq_len grows: a workspace sized for the longest
+    # key serves all shorter ones; a trailing split may then be empty (merged as nothing).
+    splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
+    chunk = ((tiles + splits - 1) // splits) * bn
+    return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, chunk)
+
+
+def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int) -> int:
+    """pt::SwapConfig<...>::SMEM_BYTES: Q, the ring (`stages` shared K/V tiles), Pᵀ, the
+    per-warp row reductions and the ring's mbarriers."""
+    return bm * head_dim * 2 + stages * bn * head_dim * 2 + bm * bn * 2 + 4 * bm * 4 + 2 * stages * 8
+
+
+@dataclass(frozen=True)
+class DecodeKey(KernelKey):
+    PREFIX = "pt_decode"
+    SOURCE = "fmha_decode.cu"
+    PARAMS = "DecodeParams"
+
+    dtype: str = tag("", always=True)
+    head_dim: int = tag("d", always=True)
+    causal: bool = tag("c", always=True)
+    bm: int = tag("bm", always=True)
+    bn: int = tag("bn", always=True)
+    warps_n: int = tag("wn", 1, always=True)
+    stages: int = tag("s", 2, always=True)
+    split_o: bool = tag("so", False)
+    arch: int = tag("sm", 80)  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
+    swap: bool = tag("swap", False)  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a)
+    copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
+
+    @staticmethod
+    def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str = "sm_80",
+           tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
+        """The tile of each engine for a policy: on sm_90a, MLA rows of 64 take wgmma with a
+        producer warpgroup and rows of 16/32 the swapped-operand tile (Tuning.mla_swapped);
+        everything else the mma.sync tile."""
+        if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
+            return DecodeKey.swapped(dtype, causal, pol, tuning)
+        engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
+        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine,
+                         copy_tpr=tuning.copy_for(head_dim) if engine == 90 else 4)
+
+    @staticmethod
+    def swapped(dtype: str, causal: bool, pol: DecodePolicy, tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
+        """The swapped-operand MLA tile for the policy's row tile of 16 or 32 (BN 64: the
+        policy's split chunks stay whole tiles): two stages of 72 KB tiles."""
+        assert pol.bm in (16, 32) and pol.bn == SWAP_BN, pol
+        return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, 2, False, 90, True,
+                         tuning.copy_for(MLA_DIM_QK))
+
+    @property
+    def producer(self) -> bool:  # the wgmma engines take a producer warpgroup
+        return self.arch == 90
+
+    @property
+    def threads(self) -> int:
+        if self.swap:
+            return SWAP_THREADS
+        return self.bm // 16 * self.warps_n * 32 + (PRODUCER_THREADS if self.producer else 0)
+
+    @property
+    def dv(self) -> int:
+        return value_dim(self.head_dim)
+
+    @property
+    def shared_kv(self) -> bool:
+        return self.head_dim == MLA_DIM_QK
+
+    @property
+    def smem(self) -> int:
+        if self.swap:
+            return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
+        return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
+                               self.shared_kv, self.producer) + (WGMMA_ALIGN_SLACK if self.arch == 90 else 0)
+
+    def call(self) -> str:
+        if self.swap:
+            cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
+                   f"{self.copy_tpr}>")
+        else:
+            q_regs = self.head_dim <= 128 and self.arch != 90
+            cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
+                              self.stages, self.split_o, self.dv, self.shared_kv, self.producer,
+                              copy_tpr=self.copy_tpr)
+        return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}>"
+
+
+class DecodeParams(ctypes.Structure):
+    """Mirror of pt::DecodeParams (prims_ts/cuda/include/pt_decode.cuh)."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "q", "k", "v", "o", "ws_o", "ws_lse", "ws_count", "qo_indptr", "kv_indptr", "kv_indices",
+        "seq_lens")] + [
+        (n, ctypes.c_int64) for n in (
+            "q_sb", "q_st", "q_sh", "o_sb", "o_st", "o_sh", "k_sp", "k_sh", "k_ss", "v_sp", "v_sh", "v_ss",
+            "bt_stride")] + [
+        (n, ctypes.c_int32) for n in (
+            "sq", "rows_max", "row_tiles", "splits", "chunk", "group", "hkv", "page_shift", "window_left",
+            "out_dtype", "merge_staged")] + [
+        ("scale_log2", ctypes.c_float),
+        ("out_scale", ctypes.c_float),
+    ]
+
+
+# ----------------------------------------------------------------------------
+# Workspace
+# ----------------------------------------------------------------------------
+
+
+def decode_partial_layout(batch: int, num_kv_heads: int, pol: DecodePolicy, dv: int) -> Tuple[int, int, int, int]:
+    """Workspace layout of a split launch, byte offsets of: lse rows, partial outputs, the
+    per-row-tile arrival counters (sections 256-byte aligned), and the end."""
+    rows = batch * num_kv_heads * pol.splits * pol.rows_max
+    align = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    o = align(rows * 4)
+    count = o + align(rows * dv * 4)
+    return 0, o, count, count + batch * num_kv_heads * pol.row_tiles * 4
+
+
+def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head_dim: int) -> int:
+    """Workspace bytes of one launch (0 without split-KV)."""
+    return 0 if pol.splits == 1 else decode_partial_layout(batch, num_kv_heads, pol, value_dim(head_dim))[3]
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
+                           max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT) -> int:
+    """Workspace bytes for these static arguments.
+
+    Taller row tiles mean more CTAs and so fewer splits; the size is the largest over
+    every query length up to max_seq_len_q (the last one of each row-tile shape is
+    enough), so that it never shrinks as max_seq_len_q or max_seq_len grows.
+    """
+    def need(sq: int) -> int:
+        pol = decode_policy(batch, num_kv_heads, group, sq, head_dim, max_seq_len, sm_count, smem_limit)
+        return _decode_partial_bytes(batch, num_kv_heads, pol, head_dim)
+
+    # the last sq of each (bm, row_tiles) shape: group * sq just below each multiple of 16
+    edges = {max_seq_len_q} | {16 * k // group for k in range(1, (group * max_seq_len_q) // 16 + 1)}
+    return max(need(sq) for sq in edges if 1 <= sq <= max_seq_len_q)
+
+
+def mla_workspace_bytes(batch: int, num_heads: int, max_seq_len_q: int, max_seq_len: int, sm_count: int,
+                        smem_limit: int = NOMINAL_SMEM_LIMIT) -> int:
+    """Workspace bytes of MLA decode (never shrinks as max_seq_len or max_seq_len_q grows)."""
+    return decode_workspace_bytes(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sm_count, smem_limit)
+
+
+# ----------------------------------------------------------------------------
+# Prepared launches
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeStatic:
+    """Everything a decode-shaped launch needs besides tensor addresses (paged decode; MLA is
+    head_dim 576 with one K/V head)."""
+
+    dtype: torch.dtype
+    head_dim: int
+    num_qo_heads: int
+    num_kv_heads: int
+    page_size: int
+    causal: bool
+    window_left: int
+    out_dtype: torch.dtype
+    batch: int
+    seq_len_q: int  # fixed queries per request (1 for [B, Hq, D]); packed: 1
+    max_seq_len_q: int
+    max_seq_len: int
+    packed: bool
+    tuning: Tuning = DEFAULT_TUNING
+
+
+def decode_query_strides(t: torch.Tensor, packed: bool) -> Tuple[int, int, int]:
+    """(request, token, head) strides of [B,Hq,D], [B,SQ,Hq,D] or packed [T,Hq,D]."""
+    s = t.stride()
+    if packed:
+        return 0, s[0], s[1]
+    if t.dim() == 3:
+        return s[0], 0, s[1]
+    return s[0], s[1], s[2]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class PreparedDecode:
+    """The loaded kernel, policy, grid and parameter struct of one DecodeStatic on one device."""
+
+    __slots__ = ("static", "dev", "policy", "key", "launch", "p", "workspace_bytes", "_ws_offsets", "_strides")
+
+    def __init__(self, static: DecodeStatic, dev: int):
+        arch, sms, limit = device_info(dev)
+        group = static.num_qo_heads // static.num_kv_heads
+        pol = decode_policy(static.batch, static.num_kv_heads, group, static.max_seq_len_q, static.head_dim,
+                            static.max_seq_len, sms, limit)
+        key = DecodeKey.of(DTYPE_CODES[static.dtype], static.head_dim, static.causal, pol, arch, static.tuning)
+        kernel = load(dev, key)
+        p = DecodeParams()
+        p.sq = static.seq_len_q
+        p.rows_max, p.row_tiles, p.splits, p.chunk = pol.rows_max, pol.row_tiles, pol.splits, pol.chunk
+        p.group, p.hkv = group, static.num_kv_heads
+        p.page_shift = static.page_size.bit_length() - 1
+        p.window_left = static.window_left
+        p.out_dtype = OUT_DTYPE_CODES[static.out_dtype]
+        p.merge_staged = int(static.tuning.merge_staged)
+        self._ws_offsets = decode_partial_layout(static.batch, static.num_kv_heads, pol, key.dv) \
+            if pol.splits > 1 else None
+        self.workspace_bytes = self._ws_offsets[3] if self._ws_offsets else 0
+        self.static, self.dev, self.policy, self.key, self.p = static, dev, pol, key, p
+        grid = (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
+        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p)
+        self._strides = None
+
+    def run(self, query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
+            sm_scale: float, output_scale: float, bt_stride: int = 0) -> None:
+        """Write the live fields (addresses, strides, scales) and launch on the current stream.
+
+        The pools: K and V ``[P, Hkv, ps, D]`` tensors; or, with v_cache None, one tensor:
+        a combined ``[P, 2, Hkv, ps, D]`` cache, or a latent pool ``[P, 1, ps, D]`` /
+        ``[P, ps, D]`` whose rows are both K and (their prefix) V. Pages from CSR
+        (kv_indptr, kv_indices) or, with kv_indptr None, a block table of row stride
+        bt_stride."""
+        p = self.p
+        strides = (query.stride(), k_cache.stride(), None if v_cache is None else v_cache.stride(), out.stride())
+        if strides != self._strides:
+            packed = self.static.packed
+            p.q_sb, p.q_st, p.q_sh = decode_query_strides(query, packed)
+            p.o_sb, p.o_st, p.o_sh = decode_query_strides(out, packed)
+            ks = strides[1]
+            if v_cache is not None:
+                check_rows((("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
+                vs = strides[2]
+                p.k_sp, p.k_sh, p.k_ss = ks[0], ks[1], ks[2]
+                p.v_sp, p.v_sh, p.v_ss = vs[0], vs[1], vs[2]
+            else:
+                check_rows((("query", query), ("kv_cache", k_cache), ("out", out)))
+                if len(ks) == 5:  # combined: page, K/V, head, slot
+                    p.k_sp, p.k_sh, p.k_ss = ks[0], ks[2], ks[3]
+                elif len(ks) == 4:  # one latent head: page, head, slot
+                    p.k_sp, p.k_sh, p.k_ss = ks[0], ks[1], ks[2]
+                else:  # latent rows: page, slot
+                    p.k_sp, p.k_sh, p.k_ss = ks[0], 0, ks[1]
+                p.v_sp, p.v_sh, p.v_ss = p.k_sp, p.k_sh, p.k_ss
+            self._strides = strides
+        kp = k_cache.data_ptr()
+        if v_cache is not None:
+            vp = v_cache.data_ptr()
+        else:
+            vp = kp + strides[1][1] * k_cache.element_size() if len(strides[1]) == 5 else kp
+        p.q, p.k, p.v, p.o = a = query.data_ptr(), kp, vp, out.data_ptr()
+        if (a[0] | a[1] | a[2] | a[3]) & 15:
+            check_starts((("query", query), ("kv_cache", k_cache), ("out", out))
+                         + ((("v_cache", v_cache),) if v_cache is not None else ()))
+            if vp & 15:
+                raise ValueError("kv_cache: the V half of a combined cache must start 16-byte aligned")
+        if self._ws_offsets is not None:
+            ws = workspace.data_ptr()
+            if ws & 15:
+                check_starts((("workspace_buffer", workspace),))
+            lse, o, count, _ = self._ws_offsets
+            p.ws_lse, p.ws_o, p.ws_count = ws + lse, ws + o, ws + count
+        p.qo_indptr = _ptr(qo_indptr)
+        p.kv_indptr, p.kv_indices, p.seq_lens = _ptr(kv_indptr), kv_indices.data_ptr(), seq_lens.data_ptr()
+        p.bt_stride = bt_stride
+        p.scale_log2 = sm_scale * LOG2E
+        p.out_scale = output_scale
+        self.launch.launch(runtime.current_stream(self.dev))
+
+
+_PREPARED: Dict[Tuple[int, DecodeStatic], PreparedDecode] = {}
+
+
+def prepared(static: DecodeStatic, dev: int) -> PreparedDecode:
+    """The prepared launch of `static` on device `dev` (one per process)."""
+    pl = _PREPARED.get((dev, static))
+    if pl is None:
+        pl = PreparedDecode(static, dev)
+        _PREPARED[(dev, static)] = pl
+    return pl
+
+
+def decode_key(dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_kv_heads: int, group: int,
+               max_seq_len_q: int, max_seq_len: int, dev: int,
+               tuning: Tuning = DEFAULT_TUNING) -> Tuple[DecodePolicy, DecodeKey]:
+    """The policy and kernel of a decode-shaped launch on CUDA device `dev`."""
+    arch, sms, limit = device_info(dev)
+    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
+    return pol, DecodeKey.of(DTYPE_CODES[dtype], head_dim, causal, pol, arch, tuning)

@@ -1,0 +1,322 @@
+"""What every kernel key shares: the tuning value, the key base, the engines' shared-memory
+arithmetic, device facts and the per-device cache of loaded kernels.
+
+A key names one cubin. Its fields are the template arguments; its name, thread count,
+shared memory and entry point are derived from them (``KernelKey``). Each API's module
+(``prefill.py``, ``decode.py``, ``block_sparse.py``) defines its key, the tile choice per
+engine in one function, the parameter struct and the prepared launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Dict, Optional, Tuple
+
+import torch
+
+from . import runtime
+
+HERE = Path(__file__).resolve().parent
+
+DTYPE_CODES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+OUT_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # pt::OutDtype
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------
+# Tuning: one frozen value, the defaults in one place
+# ----------------------------------------------------------------------------
+
+FMHA_LOOPS = (0, 1, 2)
+KV_COPY_TPRS = (4, 8)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The choices a kernel key makes beyond the problem: passed to kernel choice and kept
+    by a plan, so that plan and run cannot disagree. ``Tuning()`` is the library's default
+    (each default is the measured winner: ``benchmarks/NOTES.md``); tests and A/B runs pass
+    another value. Ops carry it as a string (``encode``/``decode``): a primitive argument
+    that a compiled or exported graph keeps.
+    """
+
+    # The producer ring's consumer loop (prefill, paged prefill, block-sparse on sm_90a):
+    # 0 plain; 1 QK^T of tile j+1 and PV of tile j in flight under the softmax; 2 as 1 with
+    # the two MMA warpgroups taking turns (pingpong). None: pingpong at D128, plain at D256
+    # (D256's 128x256 fp32 accumulator leaves the overlapped loops no registers).
+    loop: Optional[int] = None
+    # The producer's threads per K/V row: 4 (8 rows x 64 bytes a warp instruction) or 8 (4
+    # rows x a whole 128-byte line). None: 8 for rows wider than 256 bytes (D256, MLA's 576),
+    # 4 at D128. flip_copy takes the copy the choice does not.
+    copy_tpr: Optional[int] = None
+    flip_copy: bool = False
+    # Producer-ring CTAs walk several work items (at most one CTA per SM, or persistent_ctas).
+    persistent: bool = False
+    persistent_ctas: Optional[int] = None
+    # The decode kernels' split merge: register units over split lanes, or staged through
+    # shared memory.
+    merge_staged: bool = False
+    # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
+    mla_swapped: bool = True
+    # PT_PROBE (pt_fmha.cuh) in the sm_90a prefill keys, a measurement aid with wrong
+    # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
+    probe: int = 0
+
+    def __post_init__(self):
+        if self.loop is not None and self.loop not in FMHA_LOOPS:
+            raise ValueError(f"tuning: loop must be None or one of {FMHA_LOOPS}, got {self.loop!r}")
+        if self.copy_tpr is not None and self.copy_tpr not in KV_COPY_TPRS:
+            raise ValueError(f"tuning: copy_tpr must be None or one of {KV_COPY_TPRS}, got {self.copy_tpr!r}")
+        if self.persistent_ctas is not None and self.persistent_ctas < 1:
+            raise ValueError(f"tuning: persistent_ctas must be None or >= 1, got {self.persistent_ctas!r}")
+        if self.probe not in (0, 1, 2):
+            raise ValueError(f"tuning: probe must be 0, 1 or 2, got {self.probe!r}")
+
+    def loop_for(self, head_dim: int) -> int:
+        if self.loop is not None:
+            return self.loop
+        return 2 if head_dim <= 128 else 0
+
+    def copy_for(self, head_dim: int) -> int:
+        tpr = self.copy_tpr if self.copy_tpr is not None else (8 if head_dim > 128 else 4)
+        return next(t for t in KV_COPY_TPRS if t != tpr) if self.flip_copy else tpr
+
+    def encode(self) -> str:
+        """The op argument: the fields that differ from the default, ``name=value;...``."""
+        return ";".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                        if getattr(self, f.name) != f.default)
+
+    @staticmethod
+    def decode(text: str) -> "Tuning":
+        return _decode_tuning(text)
+
+
+DEFAULT_TUNING = Tuning()
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_tuning(text: str) -> Tuning:
+    if not isinstance(text, str):
+        raise TypeError(f"tuning: expected a str (Tuning.encode()), got {type(text).__name__}")
+    if not text:
+        return DEFAULT_TUNING
+    kinds = {f.name: f for f in dataclasses.fields(Tuning)}
+    values = {}
+    for part in text.split(";"):
+        name, _, raw = part.partition("=")
+        if name not in kinds:
+            raise ValueError(f"tuning: unknown field {name!r} in {text!r}; expected one of {', '.join(kinds)}")
+        if raw in ("True", "False", "None"):
+            values[name] = {"True": True, "False": False, "None": None}[raw]
+        else:
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise ValueError(f"tuning: field {name!r} has the value {raw!r}, not an int, bool or None") from None
+    return Tuning(**values)
+
+
+# ----------------------------------------------------------------------------
+# The key base
+# ----------------------------------------------------------------------------
+
+
+def tag(name: str, default=dataclasses.MISSING, always: bool = False):
+    """A key field and how it appears in the kernel's name: ``<name><value>`` (``<name>``
+    alone for a True flag), always or only when it differs from the default."""
+    meta = {"tag": name, "always": always}
+    return field(metadata=meta) if default is dataclasses.MISSING else field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """One kernel: a frozen value whose fields are its template arguments. Subclasses give
+    the source file, the parameter struct, the device function and the launch shape."""
+
+    PREFIX: ClassVar[str] = ""
+    SOURCE: ClassVar[str] = ""
+    PARAMS: ClassVar[str] = ""  # the pt:: parameter struct the entry takes by value
+
+    @property
+    def name(self) -> str:
+        parts = [self.PREFIX]
+        for f in dataclasses.fields(self):
+            t = f.metadata.get("tag")
+            if t is None:
+                continue
+            v = getattr(self, f.name)
+            if not (f.metadata["always"] or v != f.default):
+                continue
+            if isinstance(v, bool):
+                parts.append(f"{t}{int(v)}" if f.metadata["always"] else (t if v else ""))
+            else:
+                parts.append(f"{t}{v}")
+        return "_".join(p for p in parts if p)
+
+    @property
+    def threads(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def smem(self) -> int:
+        raise NotImplementedError
+
+    min_blocks: ClassVar[int] = 1
+
+    def call(self) -> str:
+        """The device function the entry point calls, e.g. ``pt::prefill_kernel<...>``."""
+        raise NotImplementedError
+
+    def defines(self) -> str:
+        return ""
+
+    def source(self) -> runtime.KernelSource:
+        entry = (f'\nextern "C" __global__ void __launch_bounds__({self.threads}, {self.min_blocks})\n'
+                 f"{self.name}(const __grid_constant__ pt::{self.PARAMS} p) {{\n  {self.call()}(p);\n}}\n")
+        return runtime.KernelSource(key=self.name, name=self.name,
+                                    source=self.defines() + read_source(self.SOURCE) + entry)
+
+
+@functools.lru_cache(maxsize=None)
+def read_source(name: str) -> str:
+    """A kernel source file, read once per process."""
+    return (HERE / name).read_text()
+
+
+def cpp_bool(x) -> str:
+    return "true" if x else "false"
+
+
+# ----------------------------------------------------------------------------
+# The FMHA core's shared memory and configuration (pt_fmha.cuh)
+# ----------------------------------------------------------------------------
+
+SM90_SMEM_LIMIT = 232448  # per-block opt-in shared memory on sm_90
+WGMMA_ALIGN_SLACK = 1024  # the wgmma tiles are 1024-byte aligned inside the dynamic buffer
+SMEM_MARGIN = WGMMA_ALIGN_SLACK + 1024  # the alignment slack plus a kernel's static shared memory
+PRODUCER_THREADS = 128  # the copy warpgroup of the producer pipeline
+MAX_PRODUCER_STAGES = 4
+SM_SMEM_BYTES = 228 * 1024  # per SM on sm_80 / sm_90 (the CTA-count estimate only)
+NOMINAL_SMS = 132  # CPU tensors and no GPU: sizes are computed as for an H200
+NOMINAL_SMEM_LIMIT = SM90_SMEM_LIMIT
+
+
+def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: int = 1,
+                    split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
+                    producer: bool = False) -> int:
+    """Dynamic shared memory of one FMHA core CTA: pt::FmhaConfig<...>::SMEM_BYTES.
+
+    The Q tile and `stages` K/V tile pairs (one tile per stage when V is a prefix of the
+    K row); split_o adds its exchange area (a float per warp row, P as A fragments);
+    otherwise, with warps_n > 1, the key-split merge reuses the pipeline's bytes for
+    (m, l) per warp row and the O fragments (dv wide) of warps_n - 1 warps. A producer
+    warpgroup adds the ring's mbarriers (full and empty per stage).
+    """
+    dv = head_dim if dv is None else dv
+    warps_m = bm // 16
+    xchg = warps_m * warps_n * 16 * 4 + warps_m * (bn // 16) * 32 * 16 if split_o else 0
+    pipe = bm * head_dim * 2 + (1 if shared_kv else 2) * stages * bn * head_dim * 2 + xchg
+    pipe += 2 * stages * 8 + 16 if producer else 0  # the ring's mbarriers and Q's pair
+    merge = (warps_m * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * dv * 4) if warps_n > 1 and not split_o else 0
+    return max(pipe, merge)
+
+
+def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
+    """K/V stages of a producer-ring tile: as many as fit the sm_90 per-block limit, 2 to 4."""
+    for stages in range(MAX_PRODUCER_STAGES, 2, -1):
+        if fmha_smem_bytes(bm, bn, head_dim, stages, producer=True) + extra + SMEM_MARGIN <= SM90_SMEM_LIMIT:
+            return stages
+    return 2
+
+
+def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
+                stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
+                producer: bool = False, loop: int = 0, copy_tpr: int = 4) -> str:
+    """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out."""
+    b = cpp_bool
+    return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
+            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}, {copy_tpr}>")
+
+
+def smem_limit(arch: str) -> int:
+    """Per-block opt-in shared memory: 227 KB on sm_90, 163 KB on sm_80/87, 99 KB on sm_86/89."""
+    return {"sm_90a": SM90_SMEM_LIMIT, "sm_90": SM90_SMEM_LIMIT, "sm_80": 166912, "sm_87": 166912}.get(arch, 101376)
+
+
+def work_grid(items: int, persistent: bool, sm_count: int, cap: Optional[int] = None) -> int:
+    """CTAs for `items` work items: one each, or (a persistent key) no more than the SMs (or
+    `cap`), which then walk the items in launch order."""
+    if persistent:
+        return min(items, cap or sm_count)
+    return items
+
+
+# ----------------------------------------------------------------------------
+# Devices and loaded kernels
+# ----------------------------------------------------------------------------
+
+_DEVICES: Dict[int, Tuple[str, int, int]] = {}
+
+
+def device_info(dev: int) -> Tuple[str, int, int]:
+    """(arch, SM count, per-block shared memory limit) of CUDA device `dev`, read once."""
+    info = _DEVICES.get(dev)
+    if info is None:
+        arch = runtime.device_arch(dev)
+        info = (arch, torch.cuda.get_device_properties(dev).multi_processor_count, smem_limit(arch))
+        _DEVICES[dev] = info
+    return info
+
+
+def cuda_index(device) -> Optional[int]:
+    """The CUDA device index of `device` (a torch.device or its name); None: the current CUDA
+    device if there is one; the CPU and meta devices give None."""
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_limits(device) -> Tuple[str, int, int]:
+    """(arch, SM count, per-block shared memory) that size the policies on `device`; the
+    CPU, or no GPU at all: the nominal H200."""
+    dev = cuda_index(device)
+    if dev is None:
+        return "sm_90a", NOMINAL_SMS, NOMINAL_SMEM_LIMIT
+    return device_info(dev)
+
+
+_LOADED: Dict[Tuple[int, KernelKey], runtime.LoadedKernel] = {}
+
+
+def load(dev: int, key: KernelKey) -> runtime.LoadedKernel:
+    """The loaded kernel of `key` on device `dev`, looked up by the key itself (compiled by
+    NVRTC first unless the disk cache has it). Not during CUDA-graph capture: plans load."""
+    k = _LOADED.get((dev, key))
+    if k is None:
+        k = runtime.get_kernel(dev, key.source(), key.smem, key.threads)
+        _LOADED[(dev, key)] = k
+    return k
+
+
+def check_rows(named) -> None:
+    """What the kernels' 16-byte vector accesses need of each (name, tensor): a contiguous
+    last dimension and 16-byte aligned rows (a ValueError naming the tensor). Prepared
+    launches call it when a call's strides differ from the last call's."""
+    from ..ops import _validate as V
+
+    for name, t in named:
+        V.tensor(name, t, inner_contiguous=True)
+        V.rows_aligned(name, t)
+
+
+def check_starts(named) -> None:
+    """Each (name, tensor) starts at a 16-byte aligned address (a ValueError naming it)."""
+    from ..ops import _validate as V
+
+    for name, t in named:
+        V.start_aligned(name, t)
