@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -92,24 +92,23 @@ for s in "${stages[@]}"; do
         timeout 420 "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
     ab | abloops)
-        # switched variants in one call, for before/after figures in benchmarks/NOTES.md, each
-        # against d (the module's defaults, untouched). ab: the other producer copy (c, the MLA
-        # rows too), PERSISTENT with the default loops (pd) and with loop 0 (p). abloops:
-        # FMHA_LOOP 0, 1, 2. Each variant at most 140 s: four fit one device call. AB_VARIANTS
-        # (e.g. "d pd p") picks some of ab's.
+        # tunings in one call, for before/after figures in benchmarks/NOTES.md, each against d
+        # (the default Tuning). ab: the other producer copy (c, the MLA rows too), persistent
+        # CTAs with the default loops (pd) and with loop 0 (p). abloops: loops 0, 1, 2. Each
+        # variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d pd p") picks some of ab's.
         if [ "$s" = ab ]; then variants="${AB_VARIANTS:-d c pd p}"; else variants="d 0 1 2"; fi
         for v in $variants; do
             fams="--family prefill --family paged_prefill --family block_sparse"
             case "$v" in d | c) fams="$fams --family mla" ;; esac
-            echo "== bench, variant $v (d defaults; c the other producer copy, KV_COPY_FLIP; pd, p PERSISTENT; 0/1/2 FMHA_LOOP)"
+            case "$v" in
+                d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;;
+                p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;;
+                *) echo "unknown variant $v" >&2; continue ;;
+            esac
+            echo "== bench, variant $v (tuning '${spec:-default}')"
             # shellcheck disable=SC2086
-            timeout 140 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; v = sys.argv[1]; \
-K.KV_COPY_FLIP = v == 'c'; \
-K.PERSISTENT = True if v in ('p', 'pd') else K.PERSISTENT; \
-K.FMHA_LOOP = {'0': 0, '1': 1, '2': 2, 'p': 0}.get(v, K.FMHA_LOOP); \
-from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
-                $v bench $fams --runners prims_ts,prims_ts_contiguous --json "$OUT/ab$v.json" 2>&1 \
-                | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -44
+            timeout 140 "$PY" -m prims_ts bench $fams --runners prims_ts,prims_ts_contiguous --tuning "$spec" \
+                --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -44
         done
         echo "== speedups over variant d (the defaults)"
         # shellcheck disable=SC2046
@@ -143,19 +142,21 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
         grep -h "^prims_ts from" "$OUT"/abtree*-*.log
         "$PY" benchmarks/ab_table.py "${runs[@]}" | tee "$OUT/abtree_table.txt" ;;
     probe)
-        # where a prefill kernel's time goes (pt_fmha.cuh: PT_PROBE, kernels.PREFILL_PROBE): probe
-        # 0 as built, 1 without the K/V copies after the first stages (the MMA warps alone), 2
-        # without the math (the data path alone). The results are wrong under 1 and 2: only the
-        # times mean anything.
+        # where a prefill kernel's time goes (pt_fmha.cuh: PT_PROBE, Tuning.probe): probe 0 as
+        # built, 1 without the K/V copies after the first stages (the MMA warps alone), 2 without
+        # the math (the data path alone). The results are wrong under 1 and 2: only the times
+        # mean anything.
         for p in 0 1 2; do
             echo "== bench prefill, PT_PROBE $p"
-            timeout 170 "$PY" -c "import sys; import prims_ts.cuda.kernels as K; K.PREFILL_PROBE = int(sys.argv[1]); \
-from prims_ts.cli import main; sys.exit(main(sys.argv[2:]))" \
-                $p bench --family prefill --family paged_prefill --runners prims_ts --json "$OUT/probe$p.json" 2>&1 \
-                | tee "$OUT/probe$p.log" | grep -v '^\[' | tail -30
+            spec=""; [ "$p" != 0 ] && spec="probe=$p"
+            timeout 170 "$PY" -m prims_ts bench --family prefill --family paged_prefill --runners prims_ts \
+                --tuning "$spec" --json "$OUT/probe$p.json" 2>&1 | tee "$OUT/probe$p.log" | grep -v '^\[' | tail -30
         done
         echo "== time as built over time with the probe (x > 1: the probed side alone is faster)"
         "$PY" benchmarks/ab_table.py "$OUT/probe0.json" "$OUT/probe1.json" "$OUT/probe2.json" | tee "$OUT/probe_table.txt" ;;
+    paths)
+        echo "== bench --paths (host us per call and one-call latency of every path, beside the peers)"
+        timeout 400 "$PY" -m prims_ts bench --paths --json "$OUT/paths.json" 2>&1 | tee "$OUT/paths.log" | tail -60 ;;
     sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and copies
         echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
