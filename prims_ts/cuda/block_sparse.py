@@ -12,9 +12,9 @@ from typing import Dict, Iterator, Tuple
 import torch
 
 from . import runtime
-from .decode import DecodeParams, _ptr, decode_query_strides
+from .decode import DecodeParams, _ptr, write_rows
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
-                   KernelKey, Tuning, check_rows, check_starts, cpp_bool, device_info, fmha_config,
+                   KernelKey, Tuning, cpp_bool, device_info, fmha_config,
                    fmha_smem_bytes, load, producer_stages, tag, work_grid)
 
 HEAD_DIMS = (128, 256)
@@ -153,31 +153,11 @@ class PreparedBlockSparse:
             valid_bits, sm_scale: float) -> None:
         """Write the live fields (addresses, strides, the scale) and launch on the current stream.
         The pools: K and V ``[P, Hkv, ps, D]``, or (v_cache None) a combined ``[P, 2, Hkv, ps, D]``."""
-        strides = (q.stride(), k_cache.stride(), None if v_cache is None else v_cache.stride(), out.stride())
-        p = self.bp.d
-        if strides != self._strides:
-            p.q_sb, p.q_st, p.q_sh = decode_query_strides(q, False)
-            p.o_sb, p.o_st, p.o_sh = decode_query_strides(out, False)
-            ks = strides[1]
-            if v_cache is None:
-                check_rows((("q", q), ("paged_kv_cache", k_cache), ("out", out)))
-                p.k_sp, p.k_sh, p.k_ss = p.v_sp, p.v_sh, p.v_ss = ks[0], ks[2], ks[3]
-            else:
-                check_rows((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
-                vs = strides[2]
-                p.k_sp, p.k_sh, p.k_ss = ks[0], ks[1], ks[2]
-                p.v_sp, p.v_sh, p.v_ss = vs[0], vs[1], vs[2]
-            self._strides = strides
-        kp = k_cache.data_ptr()
-        vp = kp + strides[1][1] * k_cache.element_size() if v_cache is None else v_cache.data_ptr()
-        p.q, p.k, p.v, p.o = a = q.data_ptr(), kp, vp, out.data_ptr()
-        if (a[0] | a[1] | a[2] | a[3]) & 15:
-            check_starts((("q", q), ("paged_kv_cache", k_cache), ("out", out))
-                         + ((("v_cache", v_cache),) if v_cache is not None else ()))
-            if vp & 15:
-                raise ValueError("paged_kv_cache: the V half of a combined cache must start 16-byte aligned")
-        p.kv_indptr, p.kv_indices, p.seq_lens = kv_indptr.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr()
         bp = self.bp
+        p = bp.d
+        self._strides = write_rows(p, self._strides, q, k_cache, v_cache, out, False,
+                                   ("q", "paged_kv_cache"))
+        p.kv_indptr, p.kv_indices, p.seq_lens = kv_indptr.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr()
         bp.block_indptr, bp.block_indices = block_indptr.data_ptr(), block_indices.data_ptr()
         bp.valid_bits = _ptr(valid_bits)
         p.scale_log2 = sm_scale * LOG2E

@@ -341,45 +341,10 @@ class PreparedDecode:
     def run(self, query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
             sm_scale: float, output_scale: float, bt_stride: int = 0) -> None:
         """Write the live fields (addresses, strides, scales) and launch on the current stream.
-
-        The pools: K and V ``[P, Hkv, ps, D]`` tensors; or, with v_cache None, one tensor:
-        a combined ``[P, 2, Hkv, ps, D]`` cache, or a latent pool ``[P, 1, ps, D]`` /
-        ``[P, ps, D]`` whose rows are both K and (their prefix) V. Pages from CSR
-        (kv_indptr, kv_indices) or, with kv_indptr None, a block table of row stride
-        bt_stride."""
+        The pools as ``write_rows`` takes them; pages from CSR (kv_indptr, kv_indices) or, with
+        kv_indptr None, a block table of row stride bt_stride."""
         p = self.p
-        strides = (query.stride(), k_cache.stride(), None if v_cache is None else v_cache.stride(), out.stride())
-        if strides != self._strides:
-            packed = self.static.packed
-            p.q_sb, p.q_st, p.q_sh = decode_query_strides(query, packed)
-            p.o_sb, p.o_st, p.o_sh = decode_query_strides(out, packed)
-            ks = strides[1]
-            if v_cache is not None:
-                check_rows((("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
-                vs = strides[2]
-                p.k_sp, p.k_sh, p.k_ss = ks[0], ks[1], ks[2]
-                p.v_sp, p.v_sh, p.v_ss = vs[0], vs[1], vs[2]
-            else:
-                check_rows((("query", query), ("kv_cache", k_cache), ("out", out)))
-                if len(ks) == 5:  # combined: page, K/V, head, slot
-                    p.k_sp, p.k_sh, p.k_ss = ks[0], ks[2], ks[3]
-                elif len(ks) == 4:  # one latent head: page, head, slot
-                    p.k_sp, p.k_sh, p.k_ss = ks[0], ks[1], ks[2]
-                else:  # latent rows: page, slot
-                    p.k_sp, p.k_sh, p.k_ss = ks[0], 0, ks[1]
-                p.v_sp, p.v_sh, p.v_ss = p.k_sp, p.k_sh, p.k_ss
-            self._strides = strides
-        kp = k_cache.data_ptr()
-        if v_cache is not None:
-            vp = v_cache.data_ptr()
-        else:
-            vp = kp + strides[1][1] * k_cache.element_size() if len(strides[1]) == 5 else kp
-        p.q, p.k, p.v, p.o = a = query.data_ptr(), kp, vp, out.data_ptr()
-        if (a[0] | a[1] | a[2] | a[3]) & 15:
-            check_starts((("query", query), ("kv_cache", k_cache), ("out", out))
-                         + ((("v_cache", v_cache),) if v_cache is not None else ()))
-            if vp & 15:
-                raise ValueError("kv_cache: the V half of a combined cache must start 16-byte aligned")
+        self._strides = write_rows(p, self._strides, query, k_cache, v_cache, out, self.static.packed)
         if self._ws_offsets is not None:
             ws = workspace.data_ptr()
             if ws & 15:
@@ -392,6 +357,49 @@ class PreparedDecode:
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
         self.launch.launch(runtime.current_stream(self.dev))
+
+
+def write_rows(p: DecodeParams, last_strides, query, k_cache, v_cache, out, packed: bool,
+               names: Tuple[str, str] = ("query", "kv_cache")):
+    """The query, the K/V pools and the output of a decode-shaped launch (decode, MLA,
+    block-sparse) into ``p``: their strides when they differ from ``last_strides`` (checked for
+    the kernels' vector accesses first), their addresses every call (starts checked for 16-byte
+    alignment). The pools: K and V ``[P, Hkv, ps, D]`` tensors; or, with ``v_cache`` None, one
+    tensor: a combined ``[P, 2, Hkv, ps, D]`` cache, or a latent pool ``[P, 1, ps, D]`` /
+    ``[P, ps, D]`` whose rows are both K and (their prefix) V. Errors name the query and the
+    one-tensor cache by ``names`` (the caller's argument names). Returns the strides written."""
+    qn, cn = names
+    strides = (query.stride(), k_cache.stride(), None if v_cache is None else v_cache.stride(), out.stride())
+    ks = strides[1]
+    if strides != last_strides:
+        p.q_sb, p.q_st, p.q_sh = decode_query_strides(query, packed)
+        p.o_sb, p.o_st, p.o_sh = decode_query_strides(out, packed)
+        if v_cache is not None:
+            check_rows(((qn, query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
+            vs = strides[2]
+            p.k_sp, p.k_sh, p.k_ss = ks[0], ks[1], ks[2]
+            p.v_sp, p.v_sh, p.v_ss = vs[0], vs[1], vs[2]
+        else:
+            check_rows(((qn, query), (cn, k_cache), ("out", out)))
+            if len(ks) == 5:  # combined: page, K/V, head, slot
+                p.k_sp, p.k_sh, p.k_ss = ks[0], ks[2], ks[3]
+            elif len(ks) == 4:  # one latent head: page, head, slot
+                p.k_sp, p.k_sh, p.k_ss = ks[0], ks[1], ks[2]
+            else:  # latent rows: page, slot
+                p.k_sp, p.k_sh, p.k_ss = ks[0], 0, ks[1]
+            p.v_sp, p.v_sh, p.v_ss = p.k_sp, p.k_sh, p.k_ss
+    kp = k_cache.data_ptr()
+    if v_cache is not None:
+        vp = v_cache.data_ptr()
+    else:
+        vp = kp + ks[1] * k_cache.element_size() if len(ks) == 5 else kp
+    p.q, p.k, p.v, p.o = a = query.data_ptr(), kp, vp, out.data_ptr()
+    if (a[0] | a[1] | a[2] | a[3]) & 15:
+        check_starts(((qn, query), (cn if v_cache is None else "k_cache", k_cache), ("out", out))
+                     + ((("v_cache", v_cache),) if v_cache is not None else ()))
+        if vp & 15:
+            raise ValueError(f"{cn}: the V half of a combined cache must start 16-byte aligned")
+    return strides
 
 
 _PREPARED: Dict[Tuple[int, DecodeStatic], PreparedDecode] = {}
