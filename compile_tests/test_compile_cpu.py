@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import prims_ts
 from aoti_child import run_aoti_in_child
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R

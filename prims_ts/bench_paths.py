@@ -76,18 +76,9 @@ def measure(fn: Callable[[], object]) -> dict:
                 tput_ms=statistics.median(tput), host_us=statistics.median(host))
 
 
-def graph_of(fn: Callable[[], object]) -> Callable[[], None]:
-    """One call of fn captured in a CUDA graph (after a warm-up on a side stream): its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+def _replay(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """One call of fn captured in a CUDA graph: its replay, checked to recompute the output."""
+    return B._graphed(fn, True)
 
 
 # ----------------------------------------------------------------------------
@@ -105,7 +96,7 @@ def _prefill_paths(prob, x):
     run = lambda: w.run(x.q, x.k, x.v, out=out)  # noqa: E731
     return [("ours one-shot", lambda: prims_ts.batch_prefill(x.q, x.k, x.v, mask_type=mask, out=out)),
             ("ours wrapper.run", run),
-            ("ours graph replay", graph_of(run)),
+            ("ours graph replay", _replay(run)),
             ("sdpa cudnn", B._sdpa_setup("CUDNN_ATTENTION")(prob, x)),
             ("sdpa flash", B._sdpa_setup("FLASH_ATTENTION")(prob, x))]
 
@@ -122,7 +113,7 @@ def _paged_paths(prob, x):
     one = lambda: prims_ts.batch_prefill_with_paged_kv_cache(  # noqa: E731
         x.q_packed, x.k_cache, x.v_cache, x.qo_indptr, x.block_tables, x.seq_lens, page_size=x.page_size,
         mask_type=mask, out=out)
-    return [("ours one-shot", one), ("ours wrapper.run", run), ("ours graph replay", graph_of(run))]
+    return [("ours one-shot", one), ("ours wrapper.run", run), ("ours graph replay", _replay(run))]
 
 
 def _decode_paths(prob, x):
@@ -141,8 +132,8 @@ def _decode_paths(prob, x):
                                                             out=out)
     sdpa = B._setup_sdpa_decode(prob, x)
     return [("ours standalone (out=)", std), ("ours wrapper.run", lambda: w.run(x.q, x.cache, out=out)),
-            ("ours one-shot", one), ("ours graph replay", graph_of(std)),
-            ("sdpa (contiguous)", sdpa), ("sdpa graph replay", graph_of(sdpa))]
+            ("ours one-shot", one), ("ours graph replay", _replay(std)),
+            ("sdpa (contiguous)", sdpa), ("sdpa graph replay", _replay(sdpa))]
 
 
 def _mla_paths(prob, x):
@@ -160,7 +151,7 @@ def _mla_paths(prob, x):
     one = lambda: prims_ts.batch_mla_decode_with_paged_kv_cache(  # noqa: E731
         x.q, x.cache, x.block_tables, x.seq_lens, bmm1_scale=x.scale, out=out)
     return [("ours one-shot", one), ("ours standalone (out=)", std), ("ours wrapper.run(validate=False)", run),
-            ("ours graph replay", graph_of(run)), ("torch", B._setup_torch_mla(prob, x))]
+            ("ours graph replay", _replay(run)), ("torch", B._setup_torch_mla(prob, x))]
 
 
 def _bsr_paths(prob, x):
@@ -178,7 +169,7 @@ def _bsr_paths(prob, x):
     one = lambda: prims_ts.block_sparse_attention_with_paged_kv_cache(  # noqa: E731
         x.q, cache, x.kv_indptr, x.kv_indices, x.block_indptr, x.block_indices, bs, bs, max_seq_len_kv=p["Sk"],
         seq_lens_kv=x.seq_lens, out=out)
-    paths = [("ours one-shot", one), ("ours wrapper.run", run), ("ours graph replay", graph_of(run))]
+    paths = [("ours one-shot", one), ("ours wrapper.run", run), ("ours graph replay", _replay(run))]
     try:
         paths.append(("flex", B._setup_flex_bsr(prob, x)))
     except Exception as e:  # FlexAttention missing or failing: the row says so

@@ -10,7 +10,7 @@ import torch
 
 import prims_ts
 from prims_ts import Tuning
-from prims_ts.cuda import block_sparse, catalog, decode, keys, prefill
+from prims_ts.cuda import catalog, decode, keys, prefill
 from prims_ts.cuda.block_sparse import BlockSparseKey
 from prims_ts.cuda.decode import MLA_DIM_QK, MLA_DIM_V, DecodeKey, decode_policy
 from prims_ts.cuda.prefill import PrefillKey

@@ -19,7 +19,6 @@ from typing import List, Optional
 import pytest
 import torch
 
-import prims_ts
 from prims_ts import BatchPrefillTSWrapper, batch_prefill
 from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, rel_err
