@@ -25,6 +25,12 @@ def plain_eager(out: Optional[torch.Tensor] = None) -> bool:
             and not torch._C._is_torch_function_mode_enabled() and _get_current_dispatch_mode() is None)
 
 
+def launchable(query: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
+    """A standalone call whose static checks passed may launch its prepared kernel directly: a
+    plain eager call (see ``plain_eager``) on a plain CUDA ``query``."""
+    return type(query) is torch.Tensor and query.is_cuda and plain_eager(out)
+
+
 def eager_direct(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
     """True when an eager call on these tensors may skip the dispatcher."""
     for t in tensors:

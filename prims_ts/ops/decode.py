@@ -398,7 +398,7 @@ def prims_ts_batch_decode_with_kv_cache(
         V.out_tensor(out, query.shape, checked.out_dtype, query.device,
                      others + (("workspace_buffer", workspace_buffer),))
     V.no_overlap("workspace_buffer", workspace_buffer, others + (("out", out),))
-    if _dispatch.plain_eager(out) and query.is_cuda and type(query) is torch.Tensor:
+    if _dispatch.launchable(query, out):
         from ..cuda import decode as K
 
         launch = K.prepared(checked.static, query.device.index)

@@ -357,7 +357,7 @@ def prims_ts_batch_decode_with_kv_cache_mla(
     if out is not None:
         V.out_tensor(out, out_shape(query), checked.out_dtype, query.device, inputs)
     V.no_overlap("workspace_buffer", workspace_buffer, inputs[:2] + inputs[3:] + (("out", out),))
-    if _dispatch.plain_eager(out) and query.is_cuda and type(query) is torch.Tensor:
+    if _dispatch.launchable(query, out):
         from ..cuda import decode as K
 
         if out is None:
