@@ -281,14 +281,20 @@ def batch_size(name: str, batch: int) -> int:
     return batch
 
 
-def span(t: torch.Tensor) -> Tuple[int, int]:
-    if t.numel() == 0:
-        return (0, 0)
-    start = t.data_ptr()
+def byte_extent(t: Optional[torch.Tensor]) -> int:
+    """Bytes from ``t``'s first address to one past its last element (0: None or empty). Under a
+    static key (fixed shapes and strides) a tensor's bytes are ``[data_ptr, data_ptr + this)``."""
+    if t is None or t.numel() == 0:
+        return 0
     if t.is_contiguous():
-        return start, start + t.numel() * t.element_size()
-    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + 1
-    return start, start + extent * t.element_size()
+        return t.numel() * t.element_size()
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def span(t: torch.Tensor) -> Tuple[int, int]:
+    """``t``'s bytes as an address range ``[start, end)`` (``(0, 0)`` when empty)."""
+    n = byte_extent(t)
+    return (t.data_ptr(), t.data_ptr() + n) if n else (0, 0)
 
 
 def out_tensor(
@@ -315,10 +321,16 @@ def out_tensor(
         fail(f"out: is on {out.device}, expected {device}")
     if not out.is_contiguous():
         fail("out: must be contiguous")
-    if aligned and not tracing() and out.data_ptr() % 16 and out.numel():
-        fail(f"out: must start at a 16-byte aligned address, got {out.data_ptr():#x}")
+    if aligned:
+        out_start(out)
     no_overlap("out", out, inputs)
     return out
+
+
+def out_start(out: Optional[torch.Tensor]) -> None:
+    """``out``, when given and not empty, starts at a 16-byte aligned address (see ``out_tensor``)."""
+    if out is not None and not tracing() and out.data_ptr() % 16 and out.numel():
+        fail(f"out: must start at a 16-byte aligned address, got {out.data_ptr():#x}")
 
 
 # ----------------------------------------------------------------------------
@@ -414,6 +426,22 @@ def no_overlap(name: str, t: torch.Tensor, others: Sequence[Tuple[str, Optional[
         b1 = b0 + o.nbytes if o.is_contiguous() else span(o)[1]
         if a0 < b1 and b0 < a1 and o.numel() and o.device == t.device:
             fail(f"{name} must not overlap {other} storage")
+
+
+def disjoint(checked: Sequence[int], names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]],
+             extents: Sequence[int]) -> None:
+    """Per-call overlap check of tensors on one device whose extents (``byte_extent``) a static
+    key fixed: each ``tensors[i]``, ``i`` in ``checked``, shares no byte with any other (in order,
+    so ``out`` before ``workspace_buffer`` names the pair as ``no_overlap`` would). Eager
+    calls only: it reads addresses."""
+    starts = [None if t is None else t.data_ptr() for t in tensors]
+    for i in checked:
+        a0, n = starts[i], extents[i]
+        if not n:
+            continue
+        for j, b0 in enumerate(starts):
+            if j != i and extents[j] and a0 < b0 + extents[j] and b0 < a0 + n:
+                fail(f"{names[i]} must not overlap {names[j]} storage")
 
 
 def values_block_table(name: str, table: np.ndarray, lens: np.ndarray, page_size: int,

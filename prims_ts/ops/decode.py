@@ -291,25 +291,51 @@ def named_cache(name: str, cache) -> tuple:
     return ((name, cache),)
 
 
-@dataclass(frozen=True)
-class _Checked:
-    """What the standalone call's static checks derived for one static key."""
+@dataclass(eq=False)
+class Standalone:
+    """What a standalone call's static checks derived for one static key, and what its calls
+    under that key share: the operands' names and byte extents (the per-call overlap check
+    reads only their addresses) and, from the first direct launch on, the prepared launch."""
 
     static: Optional[object]  # cuda.decode.DecodeStatic (None while traced: the op builds its own)
     out_dtype: torch.dtype
-    sq: int
-    max_sq: int
-    head_dim: int
-    mask_type: str
-    window_left: int
+    names: Tuple[str, ...]  # out, workspace_buffer, then the inputs (see operands)
+    extents: Tuple[int, ...]
+    sq: int = 1
+    max_sq: int = 1
+    head_dim: int = 0
+    mask_type: str = "dense"
+    window_left: int = -1
+    launch: Optional[object] = None  # cuda.decode.PreparedDecode
+
+    def check_call(self, operands: tuple) -> None:
+        """The per-call checks of an eager call under this key: ``out`` starts 16-byte aligned,
+        and neither ``out`` nor the workspace overlaps another operand."""
+        out = operands[0]
+        if out is not None and out.data_ptr() & 15:
+            V.out_start(out)
+        V.disjoint((0, 1), self.names, operands, self.extents)
+
+    def prepared(self, device: torch.device):
+        if self.launch is None:
+            from ..cuda import decode as K
+
+            self.launch = K.prepared(self.static, device.index)
+        return self.launch
 
 
-_CHECKED: Dict[tuple, _Checked] = {}
+def operands(out, workspace, named: Tuple[Tuple[str, Optional[torch.Tensor]], ...]) -> Tuple[tuple, tuple]:
+    """(names, tensors) of a standalone call's operands in ``Standalone`` order."""
+    return (("out", "workspace_buffer") + tuple(n for n, _ in named),
+            (out, workspace) + tuple(t for _, t in named))
+
+
+_CHECKED: Dict[tuple, Standalone] = {}
 
 
 def _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens, max_seq_len,
                        seq_len_q, qo_indptr, max_seq_len_q, out_dtype, out, mask_type, window_left,
-                       kv_layout) -> _Checked:
+                       kv_layout) -> Standalone:
     """Every static check of the standalone call (no tensor value is read)."""
     check_layout(kv_layout)
     k_cache, v_cache = split_cache(kv_cache)
@@ -344,10 +370,14 @@ def _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged
         V.fail(f"workspace_buffer: {have} bytes are too few; this key needs {need} "
                "(get_prims_ts_batch_decode_workspace_size)")
     odt = V.resolve_out_dtype(out_dtype, out, query, "query")
+    V.out_tensor(out, query.shape, odt, device, ())
     static = None if V.tracing() else decode_static(query.dtype, d, hq, hkv, page_size, odt, qo_indptr is not None,
                                                     batch, sq, max_sq, max_seq_len, mask_type, window_left,
                                                     DEFAULT_TUNING)
-    return _Checked(static, odt, sq, max_sq, d, mask_type, window_left)
+    names, tensors = operands(out, workspace_buffer, (("query", query),) + named_cache("kv_cache", kv_cache)
+                              + tuple(metadata))
+    return Standalone(static, odt, names, tuple(V.byte_extent(t) for t in tensors), sq, max_sq, d, mask_type,
+                      window_left)
 
 
 def prims_ts_batch_decode_with_kv_cache(
@@ -382,34 +412,26 @@ def prims_ts_batch_decode_with_kv_cache(
     key = (_meta(query), _meta(kv_cache), _meta(workspace_buffer), _meta(paged_kv_indptr),
            _meta(paged_kv_indices), _meta(seq_lens), _meta(qo_indptr), _meta(out), max_seq_len, seq_len_q,
            max_seq_len_q, out_dtype, mask_type, window_left, kv_layout)
-    checked = _CHECKED.get(key) if not V.tracing() else None
+    traced = V.tracing()
+    checked = None if traced else _CHECKED.get(key)
     if checked is None:
         checked = _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens,
                                      max_seq_len, seq_len_q, qo_indptr, max_seq_len_q, out_dtype, out, mask_type,
                                      window_left, kv_layout)
-        if not V.tracing():
+        if not traced:
             _CHECKED[key] = checked
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(checked.head_dim))
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-    others = (("query", query),) + named_cache("kv_cache", kv_cache) + (
-        ("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices), ("seq_lens", seq_lens),
-        ("qo_indptr", qo_indptr))
-    if out is not None:
-        V.out_tensor(out, query.shape, checked.out_dtype, query.device,
-                     others + (("workspace_buffer", workspace_buffer),))
-    V.no_overlap("workspace_buffer", workspace_buffer, others + (("out", out),))
+    cache = (kv_cache,) if isinstance(kv_cache, torch.Tensor) else tuple(kv_cache)
+    if not traced:
+        checked.check_call((out, workspace_buffer, query) + cache
+                           + (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr))
     if _dispatch.launchable(query, out):
-        from ..cuda import decode as K
-
-        launch = K.prepared(checked.static, query.device.index)
         if out is None:
             out = torch.empty(query.shape, dtype=checked.out_dtype, device=query.device)
-        if isinstance(kv_cache, torch.Tensor):
-            launch.run(query, kv_cache, None, workspace_buffer, out, paged_kv_indptr, paged_kv_indices, seq_lens,
-                       qo_indptr, sm_scale, output_scale)
-        else:
-            launch.run(query, kv_cache[0], kv_cache[1], workspace_buffer, out, paged_kv_indptr, paged_kv_indices,
-                       seq_lens, qo_indptr, sm_scale, output_scale)
+        checked.prepared(query.device).run(query, cache[0], cache[1] if len(cache) == 2 else None, workspace_buffer,
+                                           out, paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sm_scale,
+                                           output_scale)
         return out
     k_cache, v_cache = split_cache(kv_cache)
     V.run_layout((("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache)))  # per call: not in the key

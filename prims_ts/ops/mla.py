@@ -26,7 +26,8 @@ from .. import reference
 from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
-from .decode import WORKSPACE_DTYPES, _check_page_size, _meta, _workspace, check_dtypes, decode_static
+from .decode import (WORKSPACE_DTYPES, Standalone, _check_page_size, _meta, _workspace, check_dtypes, decode_static,
+                     operands)
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -271,19 +272,11 @@ def _mla_out_dtype(out_dtype, out) -> torch.dtype:
 # ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Checked:
-    static: Optional[object]  # cuda.decode.DecodeStatic (None while traced: the op builds its own)
-    out_dtype: torch.dtype
-    max_sq: int
-    mask_type: str
-
-
-_CHECKED: Dict[tuple, _Checked] = {}
+_CHECKED: Dict[tuple, Standalone] = {}
 
 
 def _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens,
-                       max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype) -> _Checked:
+                       max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype) -> Standalone:
     """Every static check of the standalone call (shapes, dtypes, devices, workspace, out)."""
     _check_ranks(kv_lora_rank, qk_rope_head_dim)
     batch, max_sq, packed = _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q=True)
@@ -306,9 +299,12 @@ def _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_
         V.fail(f"workspace_buffer: {have} bytes are too few; this key needs {need} "
                "(get_prims_ts_batch_decode_mla_workspace_size)")
     odt = _mla_out_dtype(out_dtype, out)
+    V.out_tensor(out, out_shape(query), odt, device, ())
     static = None if V.tracing() else _static(query.dtype, h, cache.shape[1], odt, packed, batch,
                                               1 if packed else max_sq, max_sq, max_seq_len, mask_type, DEFAULT_TUNING)
-    return _Checked(static, odt, max_sq, mask_type)
+    names, tensors = operands(out, workspace_buffer, (("query", query), ("kv_cache", kv_cache)) + tuple(metadata))
+    return Standalone(static, odt, names, tuple(V.byte_extent(t) for t in tensors), max_sq=max_sq,
+                      mask_type=mask_type)
 
 
 def prims_ts_batch_decode_with_kv_cache_mla(
@@ -344,27 +340,22 @@ def prims_ts_batch_decode_with_kv_cache_mla(
     key = (_meta(query), _meta(kv_cache), _meta(workspace_buffer), _meta(block_tables), _meta(seq_lens),
            _meta(qo_indptr), _meta(out), kv_lora_rank, qk_rope_head_dim, max_seq_len, max_seq_len_q, mask_type,
            out_dtype)
-    checked = _CHECKED.get(key) if not V.tracing() else None
+    traced = V.tracing()
+    checked = None if traced else _CHECKED.get(key)
     if checked is None:
         checked = _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables,
                                      seq_lens, max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype)
-        if not V.tracing():
+        if not traced:
             _CHECKED[key] = checked
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-    inputs = (("query", query), ("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
-              ("block_tables", block_tables), ("seq_lens", seq_lens), ("qo_indptr", qo_indptr))
-    if out is not None:
-        V.out_tensor(out, out_shape(query), checked.out_dtype, query.device, inputs)
-    V.no_overlap("workspace_buffer", workspace_buffer, inputs[:2] + inputs[3:] + (("out", out),))
+    if not traced:
+        checked.check_call((out, workspace_buffer, query, kv_cache, block_tables, seq_lens, qo_indptr))
     if _dispatch.launchable(query, out):
-        from ..cuda import decode as K
-
         if out is None:
             out = torch.empty(out_shape(query), dtype=checked.out_dtype, device=query.device)
-        K.prepared(checked.static, query.device.index).run(
-            query, kv_cache, None, workspace_buffer, out, None, block_tables, seq_lens, qo_indptr, sm_scale,
-            output_scale, bt_stride=block_tables.stride(0))
+        checked.prepared(query.device).run(query, kv_cache, None, workspace_buffer, out, None, block_tables, seq_lens,
+                                           qo_indptr, sm_scale, output_scale, bt_stride=block_tables.stride(0))
         return out
     V.run_layout((("query", query), ("kv_cache", kv_cache)))  # per call: not in the key
     args = (block_tables, seq_lens, qo_indptr, checked.max_sq, max_seq_len, checked.mask_type, sm_scale,
