@@ -1,50 +1,65 @@
-"""Host time per eager call of the public APIs (what a serving loop pays in Python).
+"""Where the host time of each eager path goes (what a serving loop pays in Python).
 
-    PYTHONPATH=. python benchmarks/host_time.py
+    PYTHONPATH=. python benchmarks/host_time.py [--match TEXT] [--top N]
 
-Times N back-to-back calls of the standalone decode on the CPU clock with the GPU kept
-busy enough to never stall the host (a launch queue deep enough), then prints the top
-cProfile entries (``bench --paths`` times every path of every API).
+For each problem and path of ``bench --paths`` (peers left out): the CPU time per call over
+200 back-to-back calls (one-shots: 20 calls, each on an idle GPU, as they read metadata on the
+host), then the top cProfile entries of those calls by own time. ``bench --paths`` gives the
+figures beside the peers; this says which lines cost them.
 """
+import argparse
 import cProfile
+import io
 import pstats
 import time
 
 import torch
 
-import prims_ts
+from prims_ts import bench as B
+from prims_ts import bench_paths as P
 
 
 def main() -> None:
-    dev = torch.device("cuda")
-    b, hq, hkv, d, n, ps = 1, 32, 8, 128, 131072, 32
-    per = n // ps
-    q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
-    cache = torch.randn(b * per, 2, hkv, ps, d, device=dev, dtype=torch.bfloat16)
-    indptr = torch.arange(b + 1, device=dev, dtype=torch.int32) * per
-    idx = torch.randperm(b * per, device=dev).to(torch.int32)
-    lens = torch.full((b,), n, device=dev, dtype=torch.int32)
-    ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, ps, n), dtype=torch.uint8,
-                     device=dev)
-    out = torch.empty_like(q)
-
-    def f():
-        prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, ws, indptr, idx, lens, n, out=out)
-
-    for _ in range(20):
-        f()
-    torch.cuda.synchronize()
-    for reps in (50, 200):
-        t = time.perf_counter()
-        for _ in range(reps):
-            f()
-        host = (time.perf_counter() - t) / reps
-        torch.cuda.synchronize()
-        dt = (time.perf_counter() - t) / reps
-        print(f"decode B1 L131072: host {host * 1e6:.1f} us/call, host+gpu {dt * 1e6:.1f} us/call ({reps} calls)")
-    cProfile.runctx("for _ in range(200): f()", globals(), locals(), "/tmp/host.prof")
-    torch.cuda.synchronize()
-    pstats.Stats("/tmp/host.prof").sort_stats("tottime").print_stats(15)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--match", default=None)
+    ap.add_argument("--top", type=int, default=14)
+    a = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for fam, prob in P.problems(None, a.match):
+        x = B.FAMILIES[fam].make_inputs(prob, dev)
+        for name, fn in P.PATHS[fam][0](prob, x):
+            if isinstance(fn, BaseException) or not name.startswith("ours"):
+                continue
+            n, idle = (20, True) if "one-shot" in name else (200, False)
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            host = 0.0
+            for _ in range(n):
+                t = time.perf_counter()
+                fn()
+                host += time.perf_counter() - t
+                if idle:
+                    torch.cuda.synchronize()
+            host /= n
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            for _ in range(n):
+                prof.enable()
+                fn()
+                prof.disable()
+                if idle:
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+            if idle:  # where a one-shot's host work goes, call by call
+                pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(a.top)
+            body = s.getvalue()
+            body = body[body.find("ncalls"):]
+            print(f"== {fam} {prob.name} | {name}: host {host * 1e6:.1f} us/call\n{body}")
+        del x
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -519,6 +519,39 @@ def test_wrapper_and_oneshot(ring_variant, mask, form):
     compare(pb, [("wrapper, moved pages", out)], pb.ref(mask, 0.07), TOLERANCE[FP16])
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_runs_after_the_first_take_new_addresses_routes_and_strides(form):
+    """A plan's later runs whose operands are laid out as its last checked run's (the fast path,
+    ``cuda.keys.Accepted``): new q and out tensors and new routes (another length of
+    block_indices) give the reference; a query of other strides is checked and relaunched, and
+    the contiguous one after it is right again; an out overlapping q, or a misaligned one, is still
+    refused."""
+    tuning = ONESHOT_TUNING
+    lens = [700, 333]
+    dense = Problem(lens, 64, 16, 4, 128, 32, 64, 64, BF16, stable_seed("again", form), form=form, density=0.9)
+    sparse = Problem(lens, 64, 16, 4, 128, 32, 64, 64, BF16, stable_seed("again", form), form=form, density=0.3)
+    assert sparse.block_indices.shape != dense.block_indices.shape
+    w = dense.plan(tuning, "causal")
+    for pb in (dense, dense, sparse, dense):
+        pb.q = torch.randn_like(pb.q)
+        out = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
+        assert w.run(pb.q, pb.cache, pb.indices, pb.block_indptr, pb.block_indices, out=out) is out
+        sync()
+        compare(pb, [("run", out)], pb.ref("causal"), TOLERANCE[BF16])
+    fused = torch.zeros(2, 64, 20, 128, dtype=BF16, device=DEVICE)
+    for label, q in (("strided q", fused[:, :, 2:18]), ("contiguous q", dense.q)):
+        q.copy_(torch.randn_like(dense.q))
+        dense.q = q
+        out = dense.run(w)
+        sync()
+        compare(dense, [(label, out)], dense.ref("causal"), TOLERANCE[BF16])
+    with pytest.raises(ValueError, match="out must not overlap q"):
+        dense.run(w, out=dense.q)
+    spare = torch.empty(dense.q.numel() + 8, dtype=BF16, device=DEVICE)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        dense.run(w, out=spare[1:1 + dense.q.numel()].view(dense.q.shape))
+
+
 def test_same_launch_twice_is_bitwise_equal(ring_variant):
     pb = Problem([1500, 300], 100, 16, 4, 128, 32, 32, 64, BF16, stable_seed("det"), bits="uint32")
     a, _ = check(pb, ring_variant, "causal")

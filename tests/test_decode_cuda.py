@@ -385,6 +385,65 @@ def test_strided_query(split_merge):
     compare(pb, results, pb.ref("causal"), TOLERANCE[BF16])
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_runs_after_the_first_take_new_addresses_scales_and_strides(form):
+    """A plan's later runs whose operands are laid out as its last checked run's (the fast path,
+    ``cuda.keys.Accepted``): new q, cache and out tensors and new scales give the reference; a
+    query of other strides is checked and relaunched, and the contiguous one after it is right
+    again; an out overlapping q, or a misaligned one, is still refused."""
+    pb = Problem(LONG, 8, 2, 128, 16, BF16, stable_seed("again", form), form=form)
+    w = pb.plan(DEFAULT, "causal")
+    for scales in ((None, 1.0), (0.05, 1.0), (0.11, 0.7)):
+        pb.q = torch.randn_like(pb.q)
+        if form == "combined":
+            pb.cache = pb.cache.clone()
+            pb.k, pb.v = pb.cache[:, 0], pb.cache[:, 1]
+        else:
+            pb.k, pb.v = pb.k.clone(), pb.v.clone()
+            pb.cache = (pb.k, pb.v)
+        out = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
+        assert w.run(pb.q, pb.cache, bmm1_scale=scales[0], bmm2_scale=scales[1], out=out) is out
+        sync()
+        compare(pb, [(f"run, scales {scales}", out)], pb.ref("causal", -1, *scales), TOLERANCE[BF16])
+    fused = torch.zeros(pb.B, 12, 128, dtype=BF16, device=DEVICE)
+    for label, q in (("strided q", fused[:, 2:10]), ("contiguous q", pb.q)):
+        q.copy_(torch.randn_like(pb.q))
+        pb.q = q
+        out = w.run(q, pb.cache)
+        sync()
+        compare(pb, [(label, out)], pb.ref("causal"), TOLERANCE[BF16])
+    with pytest.raises(ValueError, match="out must not overlap q"):
+        w.run(pb.q, pb.cache, out=pb.q)
+    spare = torch.empty(pb.q.numel() + 8, dtype=BF16, device=DEVICE)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        w.run(pb.q, pb.cache, out=spare[1:1 + pb.q.numel()].view(pb.q.shape))
+
+
+def test_launch_from_a_thread_without_a_current_context():
+    """A planned run from a fresh thread (no CUDA context current there yet) launches in the
+    plan's context, and leaves the thread as it found it."""
+    import threading
+
+    pb = Problem(LONG, 8, 2, 128, 16, BF16, stable_seed("thread"))
+    w = pb.plan(DEFAULT, "causal")
+    w.run(pb.q, pb.cache)
+    results = {}
+
+    def body():
+        try:
+            results["out"] = w.run(pb.q, pb.cache)
+            torch.cuda.synchronize()
+        except BaseException as e:  # re-raised on the test's thread
+            results["error"] = e
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if "error" in results:
+        raise results["error"]
+    compare(pb, [("run on a new thread", results["out"])], pb.ref("causal"), TOLERANCE[BF16])
+
+
 # ----------------------------------------------------------------------------
 # Wrapper (bound page IDs) and one-shot
 # ----------------------------------------------------------------------------

@@ -471,6 +471,38 @@ def test_strided_query(split_merge):
     compare(pb, results, pb.ref("causal"), TOLERANCE[BF16])
 
 
+def test_runs_after_the_first_take_new_addresses_scales_and_strides():
+    """A plan's later runs whose operands are laid out as its last checked run's (the fast path,
+    ``cuda.keys.Accepted``): new query, cache and out tensors and new scales give the
+    reference; a query of other strides is checked and relaunched, and the contiguous one after
+    it is right again; an out overlapping the cache, one of another dtype, or a misaligned one,
+    is still refused."""
+    pb = Problem([2] + LONG[1:], 16, 16, BF16, stable_seed("again"), sq=2)
+    w = pb.plan(DEFAULT)
+    for scales in ((SCALE, 1.0), (0.05, 1.0), (0.11, 0.7)):
+        pb.q = torch.randn_like(pb.q)
+        pb.cache = pb.cache.clone()
+        out = torch.full(pb.out_shape, NAN, dtype=BF16, device=DEVICE)
+        assert w.run(pb.q, pb.cache, bmm1_scale=scales[0], bmm2_scale=scales[1], out=out) is out
+        sync()
+        compare(pb, [(f"run, scales {scales}", out)], pb.ref("causal", *scales), TOLERANCE[BF16])
+    wide = torch.zeros(pb.B, 2, 20, DQK, dtype=BF16, device=DEVICE)
+    for label, q in (("strided query", wide[:, :, 2:18]), ("contiguous query", pb.q)):
+        q.copy_(torch.randn_like(pb.q))
+        pb.q = q
+        out = w.run(q, pb.cache, bmm1_scale=SCALE)
+        sync()
+        compare(pb, [(label, out)], pb.ref("causal"), TOLERANCE[BF16])
+    n = math.prod(pb.out_shape)
+    with pytest.raises(ValueError, match="out must not overlap kv_cache"):
+        w.run(pb.q, pb.cache, out=pb.cache.view(-1)[:n].view(pb.out_shape))
+    with pytest.raises(ValueError, match="out_dtype"):
+        w.run(pb.q, pb.cache, out=torch.empty(pb.out_shape, dtype=FP16, device=DEVICE))
+    spare = torch.empty(n + 8, dtype=BF16, device=DEVICE)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        w.run(pb.q, pb.cache, out=spare[1:1 + n].view(pb.out_shape))
+
+
 # ----------------------------------------------------------------------------
 # Wrapper and one-shot
 # ----------------------------------------------------------------------------

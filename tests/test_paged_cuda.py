@@ -260,6 +260,34 @@ def test_strided_q_and_pools_from_combined_cache(ring_variant):
     assert_close_to(results, ref64(q0, k0, v0, qo, bt, sl, mask_type="causal"), TOLERANCE[FP16], qo)
 
 
+def test_runs_after_the_first_take_new_addresses_and_strides():
+    """A plan's later runs whose operands are laid out as its last checked run's (the fast path,
+    ``cuda.keys.Accepted``): new q, pools and out give the reference; a strided q with pools
+    from a combined cache (other strides) is checked and relaunched, and contiguous tensors
+    after it are right again; an out overlapping q, or a misaligned one, is still refused."""
+    q, k, v, qo, bt, sl = make_problem([(100, 257), (129, 129)], 4, 2, 128, 32, FP16, "perm", seed=31,
+                                       poison=False)
+    w = plan_wrapper(ONESHOT_TUNING, q, k, v, qo, bt, sl, 32, mask_type="causal")
+    fused = torch.zeros(q.shape[0], 8, 128, dtype=FP16, device=DEVICE)
+    combined = torch.zeros((k.shape[0], 2) + tuple(k.shape[1:]), dtype=FP16, device=DEVICE)
+    for label in ("contiguous", "new tensors", "strided", "contiguous again"):
+        if label == "strided":
+            fused[:, 2:6] = torch.randn_like(q)
+            combined.copy_(torch.randn_like(combined))
+            q, k, v = fused[:, 2:6], combined[:, 0], combined[:, 1]
+        elif label != "contiguous":
+            q, k, v = (torch.randn_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        out = torch.full(q.shape, NAN, dtype=FP16, device=DEVICE)
+        assert w.run(q, k, v, out=out) is out
+        sync()
+        assert_close_to([(label, out)], ref64(q, k, v, qo, bt, sl, mask_type="causal"), TOLERANCE[FP16], qo)
+    with pytest.raises(ValueError, match="out must not overlap q"):
+        w.run(q, k, v, out=q)
+    spare = torch.empty(q.numel() + 8, dtype=FP16, device=DEVICE)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        w.run(q, k, v, out=spare[1:1 + q.numel()].view(q.shape))
+
+
 @pytest.mark.parametrize("ps", [16, 64])
 def test_many_requests(ring_variant, ps):
     """40 requests of random lengths (heavy-first work list over many items)."""

@@ -176,6 +176,32 @@ def test_strided_views(ring_variant):
     assert_close_to(results, ref, 2e-2)
 
 
+def test_runs_after_the_first_take_new_addresses_and_strides():
+    """A plan's later runs whose operands are laid out as its last checked run's (the fast path,
+    ``cuda.keys.Accepted``): new q, k, v and out tensors give the reference; views of a fused
+    projection (other strides) are checked and relaunched, and contiguous tensors after them are
+    right again; an out overlapping q, or a misaligned one, is still refused."""
+    g = _gen(23)
+    B, S, hq, hkv, d = 2, 257, 8, 2, 128
+    fresh = lambda: tuple(_randn((B, S, h, d), torch.bfloat16, g) for h in (hq, hkv, hkv))  # noqa: E731
+    w = prims_ts.BatchPrefillTSWrapper()
+    w.plan(*fresh(), mask_type="causal")
+    qkv = _randn((B, S, hq + 2 * hkv, d), torch.bfloat16, g)
+    cases = [fresh(), fresh(), (qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]), fresh()]
+    for i, (q, k, v) in enumerate(cases):
+        out = torch.full(q.shape, NAN, dtype=q.dtype, device=DEVICE)
+        assert w.run(q, k, v, out=out) is out
+        sync()
+        ref = R.batch_prefill(q, k, v, mask_type="causal", compute_dtype=torch.float64)
+        assert_close_to([(f"run {i}", out)], ref, 2e-2)
+    q, k, v = cases[-1]
+    with pytest.raises(ValueError, match="out must not overlap q"):
+        w.run(q, k, v, out=q)
+    spare = torch.empty(q.numel() + 8, dtype=q.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        w.run(q, k, v, out=spare[1:1 + q.numel()].view(q.shape))
+
+
 def test_large_scores_no_overflow(ring_variant):
     """Large logits must not overflow the online softmax."""
     g = _gen(3)

@@ -14,7 +14,7 @@ import torch
 from . import runtime
 from .decode import DecodeParams, _ptr, write_rows
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
-                   KernelKey, Tuning, cpp_bool, device_info, fmha_config,
+                   KernelKey, Prepared, Tuning, cpp_bool, device_info, fmha_config,
                    fmha_smem_bytes, load, producer_stages, tag, work_grid)
 
 HEAD_DIMS = (128, 256)
@@ -118,10 +118,11 @@ class BlockSparseStatic:
     tuning: Tuning = DEFAULT_TUNING
 
 
-class PreparedBlockSparse:
+class PreparedBlockSparse(Prepared):
     """The loaded kernel, grid and parameter struct of one BlockSparseStatic on one device."""
 
-    __slots__ = ("static", "dev", "key", "launch", "bp", "_strides")
+    __slots__ = ("bp", "_v_off")
+    PARAMS_ATTR = "bp"
 
     def __init__(self, static: BlockSparseStatic, dev: int):
         arch, sms, _ = device_info(dev)
@@ -148,6 +149,8 @@ class PreparedBlockSparse:
         self.static, self.dev, self.key, self.bp = static, dev, key, bp
         self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), bp)
         self._strides = None
+        self.accepted = None
+        self._v_off = 0
 
     def run(self, q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens,
             valid_bits, sm_scale: float) -> None:
@@ -162,6 +165,30 @@ class PreparedBlockSparse:
         bp.valid_bits = _ptr(valid_bits)
         p.scale_log2 = sm_scale * LOG2E
         self.launch.launch(runtime.current_stream(self.dev))
+        if self.accepted is not None:
+            self.accepted.record((q, k_cache, v_cache, out, kv_indices, block_indptr, block_indices, valid_bits))
+            self._v_off = (p.v or 0) - (p.k or 0)
+
+    def again(self, q, k_cache, v_cache, out, kv_indices, block_indptr, block_indices, valid_bits,
+              sm_scale: float) -> bool:
+        """A plan's launch with new addresses (and routes) and scale, when the operands are laid
+        out as in its last full ``run`` (``Accepted``, block_indices at any length). False:
+        nothing was launched, take the full path."""
+        acc = self.accepted
+        ops = (q, k_cache, v_cache, out, kv_indices, block_indptr, block_indices, valid_bits)
+        if not acc.same(ops):
+            return False
+        a = acc.addresses(ops, 3)
+        if a is None:
+            return False
+        bp = self.bp
+        p = bp.d
+        p.q, p.k, p.o = a[0], a[1], a[3]
+        p.v = a[2] if v_cache is not None else a[1] + self._v_off
+        p.kv_indices, bp.block_indptr, bp.block_indices, bp.valid_bits = a[4], a[5], a[6], a[7] or None
+        p.scale_log2 = sm_scale * LOG2E
+        self.launch.launch(runtime.current_stream(self.dev))
+        return True
 
 
 _PREPARED: Dict[Tuple[int, BlockSparseStatic], PreparedBlockSparse] = {}

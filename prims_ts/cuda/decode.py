@@ -16,7 +16,7 @@ import torch
 
 from . import runtime
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, NOMINAL_SMEM_LIMIT, OUT_DTYPE_CODES, PRODUCER_THREADS,
-                   SM_SMEM_BYTES, WGMMA_ALIGN_SLACK, KernelKey, Tuning, check_rows, check_starts, cpp_bool,
+                   SM_SMEM_BYTES, WGMMA_ALIGN_SLACK, KernelKey, Prepared, Tuning, check_rows, check_starts, cpp_bool,
                    device_info, fmha_config, fmha_smem_bytes, load, tag)
 
 HEAD_DIMS = (64, 128, 256)
@@ -310,10 +310,10 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-class PreparedDecode:
+class PreparedDecode(Prepared):
     """The loaded kernel, policy, grid and parameter struct of one DecodeStatic on one device."""
 
-    __slots__ = ("static", "dev", "policy", "key", "launch", "p", "workspace_bytes", "_ws_offsets", "_strides")
+    __slots__ = ("policy", "p", "workspace_bytes", "_ws_offsets", "_v_off")
 
     def __init__(self, static: DecodeStatic, dev: int):
         arch, sms, limit = device_info(dev)
@@ -337,6 +337,8 @@ class PreparedDecode:
         grid = (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
         self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p)
         self._strides = None
+        self.accepted = None
+        self._v_off = 0
 
     def run(self, query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
             sm_scale: float, output_scale: float, bt_stride: int = 0) -> None:
@@ -357,6 +359,28 @@ class PreparedDecode:
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
         self.launch.launch(runtime.current_stream(self.dev))
+        if self.accepted is not None:
+            self.accepted.record((query, k_cache, v_cache, out))
+            self._v_off = (p.v or 0) - (p.k or 0)
+
+    def again(self, query, k_cache, v_cache, out, sm_scale: float, output_scale: float) -> bool:
+        """A plan's launch with new query, pool and output addresses and scales, when the
+        operands are laid out as in its last full ``run`` (``Accepted``; metadata and workspace
+        are the plan's own). False: nothing was launched, take the full path."""
+        acc = self.accepted
+        ops = (query, k_cache, v_cache, out)
+        if not acc.same(ops):
+            return False
+        a = acc.addresses(ops, 3)
+        if a is None:
+            return False
+        p = self.p
+        p.q, p.k, p.o = a[0], a[1], a[3]
+        p.v = a[2] if v_cache is not None else a[1] + self._v_off
+        p.scale_log2 = sm_scale * LOG2E
+        p.out_scale = output_scale
+        self.launch.launch(runtime.current_stream(self.dev))
+        return True
 
 
 def write_rows(p: DecodeParams, last_strides, query, k_cache, v_cache, out, packed: bool,

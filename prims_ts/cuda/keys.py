@@ -8,11 +8,12 @@ engine in one function, the parameter struct and the prepared launch.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -320,3 +321,104 @@ def check_starts(named) -> None:
 
     for name, t in named:
         V.start_aligned(name, t)
+
+
+# ----------------------------------------------------------------------------
+# A plan's accepted operands: what lets its run skip the checks
+# ----------------------------------------------------------------------------
+
+
+def _layout(t: Optional[torch.Tensor], loose: bool):
+    if t is None:
+        return None
+    return (None if loose else t.shape, None if loose else t.stride(), t.dtype, t.get_device())
+
+
+class Accepted:
+    """The tensor operands of a plan's launch as its last fully checked run passed them: per
+    operand (shape, strides, dtype, device index) and byte extent. A later run whose operands
+    have exactly these layouts passed the same checks, and the strides in the plan's
+    parameters are already its strides: only the addresses are new, and ``addresses`` checks
+    them (16-byte aligned starts of the first ``aligned`` operands, the data the kernels read
+    in vectors; the output clear of every other operand and of the plan's own tensors).
+    Operands at ``loose`` positions (1-D int32 metadata whose length may change
+    between runs) match on dtype, device and contiguity; their extent is read per call."""
+
+    __slots__ = ("layouts", "extents", "fixed", "loose", "aligned")
+
+    def __init__(self, aligned: int, fixed: Sequence[Tuple[int, int]] = (), loose: Sequence[int] = ()):
+        self.aligned = aligned
+        self.layouts = None
+        self.extents = ()
+        self.fixed = tuple((a, b) for a, b in fixed if b > a)  # [start, end) byte ranges the output must not touch
+        self.loose = frozenset(loose)
+
+    def record(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
+        from ..ops import _validate as V
+
+        self.layouts = tuple(_layout(t, i in self.loose) for i, t in enumerate(tensors))
+        self.extents = tuple(V.byte_extent(t) for t in tensors)
+
+    def same(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+        """Every operand plain and laid out as recorded (None where None was)."""
+        lay = self.layouts
+        if lay is None:
+            return False
+        for t, want in zip(tensors, lay):
+            if want is None:
+                if t is not None:
+                    return False
+                continue
+            if type(t) is not torch.Tensor:
+                return False
+            shape, strides, dtype, dev = want
+            if shape is None:
+                if t.dtype is not dtype or t.get_device() != dev or t.dim() != 1 or not t.is_contiguous():
+                    return False
+            elif t.shape != shape or t.dtype is not dtype or t.stride() != strides or t.get_device() != dev:
+                return False
+        return True
+
+    def addresses(self, tensors: Sequence[Optional[torch.Tensor]], out_index: int) -> Optional[tuple]:
+        """The operands' addresses (0 for None) when the aligned ones start 16-byte aligned and the output
+        ``tensors[out_index]`` overlaps no other operand nor a fixed range; else None (the full
+        check then names the problem)."""
+        ptrs = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        acc = 0
+        for a in ptrs[:self.aligned]:
+            acc |= a
+        if acc & 15:
+            return None
+        o0 = ptrs[out_index]
+        o1 = o0 + self.extents[out_index]
+        if o1 == o0:
+            return ptrs
+        loose = self.loose
+        for i, b0 in enumerate(ptrs):
+            if i == out_index or not b0:
+                continue
+            n = tensors[i].nbytes if i in loose else self.extents[i]
+            if b0 < o1 and o0 < b0 + n:
+                return None
+        for b0, b1 in self.fixed:
+            if b0 < o1 and o0 < b1:
+                return None
+        return ptrs
+
+
+class Prepared:
+    """Base of a prepared launch (``PreparedPrefill``, ``PreparedDecode``, ``PreparedBlockSparse``):
+    the loaded kernel, grid and parameter struct of one static key on one device. The shared one
+    per (key, device) serves op calls; a plan owns a copy (``for_plan``) with its own struct and
+    an ``Accepted`` memo, which its full ``run`` records and ``again`` relaunches from."""
+
+    __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted")
+    PARAMS_ATTR = "p"  # the attribute holding the parameter struct
+
+    def for_plan(self, accepted: Accepted) -> "Prepared":
+        c = copy.copy(self)
+        params = type(self.launch.params).from_buffer_copy(self.launch.params)
+        setattr(c, self.PARAMS_ATTR, params)
+        c.launch = self.launch.with_params(params)
+        c.accepted = accepted
+        return c

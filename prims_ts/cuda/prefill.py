@@ -15,8 +15,8 @@ import torch
 
 from . import runtime
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
-                   KernelKey, Tuning, check_rows, check_starts, cpp_bool, device_info, fmha_config, fmha_smem_bytes,
-                   load, producer_stages, tag, work_grid)
+                   KernelKey, Prepared, Tuning, check_rows, check_starts, cpp_bool, device_info, fmha_config,
+                   fmha_smem_bytes, load, producer_stages, tag, work_grid)
 
 MASK_CODES = {"dense": 0, "causal": 1, "variable_window": 2}  # pt::MaskKind
 HEAD_DIMS = (128, 256)
@@ -141,10 +141,10 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-class PreparedPrefill:
+class PreparedPrefill(Prepared):
     """The loaded kernel, grid and parameter struct of one PrefillStatic on one device."""
 
-    __slots__ = ("static", "dev", "key", "launch", "p", "_strides")
+    __slots__ = ("p",)
 
     def __init__(self, static: PrefillStatic, dev: int):
         arch, sms, _ = device_info(dev)
@@ -168,6 +168,7 @@ class PreparedPrefill:
         self.static, self.dev, self.key, self.p = static, dev, key, p
         self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), p)
         self._strides = None
+        self.accepted = None
 
     def _set_strides(self, q, k, v, out) -> None:
         p, st = self.p, self.static
@@ -204,6 +205,24 @@ class PreparedPrefill:
                 p.win_starts, p.win_ends = win_starts.data_ptr(), win_ends.data_ptr()
                 p.win_stride = win_starts.stride(0)
         self.launch.launch(runtime.current_stream(self.dev))
+        if self.accepted is not None:
+            self.accepted.record((q, k, v, out))
+
+    def again(self, q, k, v, out) -> bool:
+        """A plan's launch with new q, k, v, out addresses, when the four are laid out as in its
+        last full ``run`` (``Accepted``; the metadata are the plan's own). False: nothing was
+        launched, take the full path."""
+        acc = self.accepted
+        ops = (q, k, v, out)
+        if not acc.same(ops):
+            return False
+        a = acc.addresses(ops, 3)
+        if a is None:
+            return False
+        p = self.p
+        p.q, p.k, p.v, p.o = a
+        self.launch.launch(runtime.current_stream(self.dev))
+        return True
 
 
 _PREPARED: Dict[Tuple[int, PrefillStatic], PreparedPrefill] = {}

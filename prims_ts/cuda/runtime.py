@@ -249,13 +249,24 @@ def get_kernel(device_index: int, ks: KernelSource, smem: int, threads: int) -> 
         return k
 
 
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig: grid, block, shared memory and stream of one cuLaunchKernelEx."""
+
+    _fields_ = [(n, ctypes.c_uint) for n in (
+        "gridDimX", "gridDimY", "gridDimZ", "blockDimX", "blockDimY", "blockDimZ", "sharedMemBytes")] + [
+        ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+
 class _LibCuda:
     """The libcuda entry points a launch calls, through ctypes with prepared arguments (a
-    launch through CuPy's wrapper costs several microseconds more)."""
+    launch through CuPy's wrapper costs several microseconds more; ctypes converts each
+    argument of a call, so a launch passes four: cuLaunchKernelEx with a prepared config,
+    where the driver has it, CUDA 12.0 on)."""
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
         self.cuLaunchKernel = lib.cuLaunchKernel
+        self.cuLaunchKernelEx = getattr(lib, "cuLaunchKernelEx", None)
         self.cuCtxGetCurrent = lib.cuCtxGetCurrent
         self.cuCtxSetCurrent = lib.cuCtxSetCurrent
         self.cuGetErrorString = lib.cuGetErrorString
@@ -291,29 +302,45 @@ class PreparedLaunch:
     may rewrite it at once (and a CUDA graph keeps the values it captured). One thread at a
     time: a plan is not shared between threads that launch concurrently."""
 
-    __slots__ = ("name", "params", "ctx", "empty", "grid", "_args", "_argv")
+    __slots__ = ("name", "params", "ctx", "empty", "grid", "kernel", "_cfg", "_launch", "_args", "_argv")
 
     def __init__(self, kernel: LoadedKernel, name: str, grid: Sequence[int], params: ctypes.Structure):
         gx, gy, gz = (list(grid) + [1, 1])[:3]
-        self.name = name
+        self.name, self.kernel = name, kernel
         self.params = params
         self.ctx = kernel.ctx
         self.empty = gx * gy * gz == 0
-        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        self._args = (ctypes.c_void_p(kernel.func), ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz),
-                      ctypes.c_uint(kernel.threads), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(kernel.smem))
         self.grid = (gx, gy, gz)
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        drv = _libcuda()
+        if drv.cuLaunchKernelEx is not None:
+            self._cfg = _LaunchConfig(gx, gy, gz, kernel.threads, 1, 1, kernel.smem, None, None, 0)
+            self._args = (ctypes.byref(self._cfg), ctypes.c_void_p(kernel.func), self._argv, None)
+            self._launch = drv.cuLaunchKernelEx
+        else:
+            self._cfg = None
+            self._args = (ctypes.c_void_p(kernel.func), ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz),
+                          ctypes.c_uint(kernel.threads), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(kernel.smem))
+            self._launch = drv.cuLaunchKernel
+
+    def with_params(self, params: ctypes.Structure) -> "PreparedLaunch":
+        """The same kernel and grid over another parameter struct (a plan's own copy)."""
+        return PreparedLaunch(self.kernel, self.name, self.grid, params)
 
     def launch(self, stream: int) -> None:
         """Launch on `stream` (a raw CUstream) in the kernel's context. No host sync."""
         if self.empty:
             return
-        drv = _libcuda_handle or _libcuda()
+        drv = _libcuda_handle
         cur = drv.current_context()
         if cur != self.ctx:
             drv.cuCtxSetCurrent(ctypes.c_void_p(self.ctx))
         try:
-            rc = drv.cuLaunchKernel(*self._args, ctypes.c_void_p(stream), self._argv, None)
+            if self._cfg is not None:
+                self._cfg.hStream = stream
+                rc = self._launch(*self._args)
+            else:
+                rc = self._launch(*self._args, ctypes.c_void_p(stream), self._argv, None)
         finally:
             if cur != self.ctx:
                 drv.cuCtxSetCurrent(ctypes.c_void_p(cur))

@@ -59,3 +59,12 @@ def call(functional_op: Callable, out_op: Callable, run: Callable, inputs: tuple
         return functional_op(*inputs, *args, V.dtype_code(out_dtype), tuning)
     out_op(*inputs, out, *args, tuning)
     return out
+
+
+def plan_launch(prepared, bound: Sequence[Optional[torch.Tensor]], aligned: int = 4, loose: Sequence[int] = ()):
+    """A plan's own copy of a prepared launch (``cuda.keys.Prepared.for_plan``), whose fast runs
+    keep their output clear of ``bound``, the tensors the plan holds (see ``cuda.keys.Accepted``
+    for ``aligned`` and ``loose``)."""
+    from ..cuda.keys import Accepted
+
+    return prepared.for_plan(Accepted(aligned, [V.span(t) for t in bound if t is not None], loose))

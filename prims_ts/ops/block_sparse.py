@@ -296,6 +296,11 @@ class BlockSparsePlan:
     launch: Optional[object]  # cuda.block_sparse.PreparedBlockSparse
     tuning_code: str
 
+    @property
+    def default_scale(self) -> float:
+        """sm_scale when run gets None: 1 / sqrt(D)."""
+        return 1.0 / math.sqrt(self.geometry[2])
+
 
 class BlockSparsePagedTSWrapper:
     """Plan/run paged block-sparse attention.
@@ -393,6 +398,8 @@ class BlockSparsePagedTSWrapper:
 
             launch = K.prepared(static, device.index)  # loaded before any state changes
         kv_indptr, seq_lens = V.to_device(device, ip, lens)
+        if launch is not None:
+            launch = _dispatch.plan_launch(launch, (kv_indptr, seq_lens), loose=(6,))
         return BlockSparsePlan(static, device, dtype, odt, (batch, seq_len_q, num_qo_heads, d),
                                (num_kv_heads, page_size, d), (batch, num_kv_heads, rows_r + 1), seq_len_kv,
                                max_blocks_per_row, use_kv_valid_bits, kv_indptr, seq_lens, int(ip[-1]),
@@ -413,6 +420,14 @@ class BlockSparsePagedTSWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
+        launch = plan.launch
+        if launch is not None and _dispatch.plain_eager(out):
+            sm = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
+            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
+            kv = paged_kv_cache
+            k, v = kv if type(kv) is tuple and len(kv) == 2 else (kv, None)
+            if launch.again(q, k, v, o, paged_kv_indices, block_indptr, block_indices, kv_valid_bits, sm):
+                return o
         dev, dt = plan.device, plan.dtype
         cache = paged_kv_cache
         kv = plan_cache(cache, plan.geometry, dt, dev, -1) if V.matches(q, plan.q_shape, dt, dev) else None
@@ -430,7 +445,7 @@ class BlockSparsePagedTSWrapper:
                     and kv_valid_bits.is_contiguous())
         if not fast:
             _check_against_plan(plan, q, cache, paged_kv_indices, block_indptr, block_indices, kv_valid_bits)
-        sm_scale = V.fast_scale("sm_scale", sm_scale, 1.0 / math.sqrt(plan.geometry[2]))
+        sm_scale = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
         if out is not None:
             V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
                          (("q", q),) + named_cache("paged_kv_cache", cache) + (

@@ -471,6 +471,11 @@ class DecodePlan:
         return (("paged_kv_indptr", self.kv_indptr), ("paged_kv_indices", self.kv_indices),
                 ("qo_indptr", self.qo_indptr), ("workspace_buffer", self.workspace))
 
+    @property
+    def default_scale(self) -> float:
+        """bmm1_scale when run gets None: 1 / sqrt(D)."""
+        return 1.0 / math.sqrt(self.geometry[2])
+
 
 class BatchDecodePagedTSWrapper:
     """FlashInfer-style plan/run decode over CSR pages; owns its workspace.
@@ -581,6 +586,8 @@ class BatchDecodePagedTSWrapper:
             launch = K.prepared(static, device.index)  # loaded before any state changes
         ws = torch.zeros(need, dtype=torch.uint8, device=device)
         (seq_lens,) = V.to_device(device, lens)
+        if launch is not None:
+            launch = _dispatch.plan_launch(launch, (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws))
         self._plan = DecodePlan(static, device, dtype, odt, q_shape, (num_kv_heads, page_size, d), int(ids.max()),
                                 paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws, launch,
                                 self._tuning_code)
@@ -590,13 +597,22 @@ class BatchDecodePagedTSWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
+        sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, plan.default_scale)
+        output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+        launch = plan.launch
+        if launch is not None and _dispatch.plain_eager(out):
+            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
+            kv = paged_kv_cache
+            if type(kv) is tuple and len(kv) == 2:
+                if launch.again(q, kv[0], kv[1], o, sm_scale, output_scale):
+                    return o
+            elif launch.again(q, kv, None, o, sm_scale, output_scale):
+                return o
         dev, dt = plan.device, plan.dtype
         cache = paged_kv_cache
         kv = plan_cache(cache, plan.geometry, dt, dev, plan.max_page) if V.matches(q, plan.q_shape, dt, dev) else None
         if kv is None:
             _check_against_plan(plan, q, cache)
-        sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(plan.geometry[2]))
-        output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
         if out is not None:
             V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
                          (("q", q),) + named_cache("paged_kv_cache", cache) + plan.bound)

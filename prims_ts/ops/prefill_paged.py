@@ -243,7 +243,7 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, k_cache, v_cache, qo_indptr,
                                  max_q_len, work.shape[0] if work is not None else None, True, paged=True,
                                  page_size=page_size, tuning=tuning)
         if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            launch = K.prepared(static, device.index)
+            launch = _dispatch.plan_launch(K.prepared(static, device.index), (qo_indptr, table, lens_dev, work))
     return PagedPrefillPlan(static, (mask_type, window_left, sm_scale, output_scale, max_q_len), device, q.dtype, odt,
                             q.shape, (hkv, page_size, d), max_page, qo_indptr, table, lens_dev, work, launch,
                             tuning_code)
@@ -317,6 +317,11 @@ class BatchPrefillPagedTSWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
+        launch = plan.launch
+        if launch is not None and _dispatch.plain_eager(out):
+            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
+            if launch.again(q, k_cache, v_cache, o):
+                return o
         dev, dt = plan.device, plan.dtype
         fast = (V.matches(q, plan.q_shape, dt, dev) and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
                 and k_cache.shape[1:] == plan.pool_geometry and v_cache.shape == k_cache.shape
