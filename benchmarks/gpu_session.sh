@@ -7,10 +7,10 @@
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
-# limited to 10 minutes: `tests` alone can take most of that; `sanitize` runs the small
-# cases under memcheck and then racecheck (up to 240 s each, sanitize_memcheck.log and
-# sanitize_racecheck.log); run `sanitize check` and `quick` (or `bench`) in further calls
-# if needed. Each test file gets its own summary line.
+# limited to 10 minutes: `tests` takes ~3 minutes with pytest-xdist (without, most of the
+# 10); `sanitize` runs the small cases under memcheck and then racecheck (up to 240 s each,
+# sanitize_memcheck.log and sanitize_racecheck.log); run `sanitize check` and `quick` (or
+# `bench`) in further calls if needed. Each test file gets its own summary line.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -41,12 +41,18 @@ COMPILE_TESTS=(compile_tests/test_compile_cuda.py compile_tests/test_paged_compi
                compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py
                compile_tests/test_block_sparse_compile.py)
 
+# pytest-xdist, where the image has it: NVRTC compiles and the tests of one file spread over
+# PYTEST_WORKERS processes sharing the GPU (the five kernel grids: ~2 minutes with 12)
+XDIST=()
+"$PY" -c "import xdist" 2>/dev/null && XDIST=(-n "${PYTEST_WORKERS:-12}")
+
 run_tests() {  # the cuda-marked tests of each file that exists, one summary line per file
     local f
     for f in "$@"; do
         [ -f "$f" ] || { echo "== $f: no such file"; continue; }
         echo "== $f"
-        timeout 280 "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider >"$OUT/$(basename "$f" .py).log" 2>&1
+        timeout 280 "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider "${XDIST[@]}" \
+            >"$OUT/$(basename "$f" .py).log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
     done
 }
