@@ -36,10 +36,10 @@ if [ "${stages[0]}" = par ]; then
 fi
 
 KERNEL_TESTS=(tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_decode_cuda.py
-              tests/test_mla_cuda.py tests/test_block_sparse_cuda.py)
+              tests/test_mla_cuda.py tests/test_block_sparse_cuda.py tests/test_block_sparse_contiguous.py)
 COMPILE_TESTS=(compile_tests/test_compile_cuda.py compile_tests/test_paged_compile.py
                compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py
-               compile_tests/test_block_sparse_compile.py)
+               compile_tests/test_block_sparse_compile.py compile_tests/test_block_sparse_contiguous_compile.py)
 
 # pytest-xdist, where the image has it: NVRTC compiles and the tests of one file spread over
 # PYTEST_WORKERS processes sharing the GPU (the five kernel grids: ~2 minutes with 12)
@@ -62,12 +62,13 @@ for s in "${stages[@]}"; do
     tests) run_tests "${KERNEL_TESTS[@]}" ;;
     # the same in two device calls when one would pass 10 minutes (three consumer loops of the
     # prefill family, a fresh machine compiling every kernel on first use)
-    tests1) run_tests tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_block_sparse_cuda.py ;;
+    tests1) run_tests tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_block_sparse_cuda.py \
+                      tests/test_block_sparse_contiguous.py ;;
     tests2) run_tests tests/test_decode_cuda.py tests/test_mla_cuda.py ;;
     # one kernel family each, to balance the two lists of `par`
     prefill) run_tests tests/test_prefill_cuda.py ;;
     paged) run_tests tests/test_paged_cuda.py ;;
-    bsr) run_tests tests/test_block_sparse_cuda.py ;;
+    bsr) run_tests tests/test_block_sparse_cuda.py tests/test_block_sparse_contiguous.py ;;
     decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
     second)  # the tests that need two GPUs (tensors on cuda:1), every kernel file
@@ -76,7 +77,7 @@ for s in "${stages[@]}"; do
             >"$OUT/second_device.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/second_device.log")" ;;
     graphs) run_tests compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py compile_tests/test_paged_compile.py \
-                      compile_tests/test_block_sparse_compile.py ;;
+                      compile_tests/test_block_sparse_compile.py compile_tests/test_block_sparse_contiguous_compile.py ;;
     compile) run_tests "${COMPILE_TESTS[@]}" ;;  # torch.compile / export / graphs: ~2 min a file
     sanitize | memcheck | racecheck)
         # No caching allocator: every tensor is its own allocation, so memcheck sees

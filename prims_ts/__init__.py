@@ -21,7 +21,12 @@ from .ops.mla import (
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from .ops.prefill_paged import BatchPrefillPagedTSWrapper, batch_prefill_with_paged_kv_cache
-from .ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache
+from .ops.block_sparse import (
+    BlockSparsePagedTSWrapper,
+    BlockSparseTSWrapper,
+    block_sparse_attention,
+    block_sparse_attention_with_paged_kv_cache,
+)
 from .cuda.keys import Tuning
 
 __version__ = "0.1.0"
@@ -40,6 +45,8 @@ __all__ = [
     "BatchMLADecodePagedTSWrapper",
     "prims_ts_batch_decode_with_kv_cache_mla",
     "get_prims_ts_batch_decode_mla_workspace_size",
+    "block_sparse_attention",
+    "BlockSparseTSWrapper",
     "block_sparse_attention_with_paged_kv_cache",
     "BlockSparsePagedTSWrapper",
     "Tuning",

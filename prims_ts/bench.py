@@ -1131,6 +1131,23 @@ def _setup_ours_bsr(prob: Problem, x: BlockSparseInputs):
     return fn
 
 
+def _setup_ours_bsr_contiguous(prob: Problem, x: BlockSparseInputs):
+    """The same routes over the contiguous K/V [B, S, Hkv, D] (BlockSparseTSWrapper)."""
+    import prims_ts
+
+    p = prob.params
+    bs = x.block_size
+    w = prims_ts.BlockSparseTSWrapper(tuning=_tuning(x))
+    w.plan(p["B"], p["Sq"], p["Sk"], p["Hq"], p["Hkv"], p["D"], bs, bs, device=x.q.device,
+           max_blocks_per_row=-(-p["Sk"] // bs), use_kv_valid_bits=False, mask_type="dense", q_data_type=x.q.dtype)
+    out = torch.empty_like(x.q)
+
+    def fn():
+        return w.run(x.q, x.k, x.v, x.block_indptr, x.block_indices, out=out)
+
+    return fn
+
+
 def _setup_flex_bsr(prob: Problem, x: BlockSparseInputs):
     bs = x.block_size
     # Flex's tiles must divide the mask's blocks: its defaults (BLOCK_M 128) do not divide 64
@@ -1149,6 +1166,7 @@ register_family(Family(
     make_inputs=BlockSparseInputs,
     runners=[
         Runner("prims_ts", _setup_ours_bsr),
+        Runner("prims_ts_contiguous", _setup_ours_bsr_contiguous),
         Runner("flex", _setup_flex_bsr),
     ],
     reference="flex",

@@ -736,3 +736,90 @@ def _block_sparse_cases() -> List[CheckCase]:
 
 for _case in _block_sparse_cases():
     register(_case.api, [_case])
+
+
+# ----------------------------------------------------------------------------
+# Block-sparse attention over contiguous K/V: the one-shot and the wrapper's run
+# ----------------------------------------------------------------------------
+
+BSR_CONTIGUOUS_APIS = {"oneshot": "block_sparse_attention", "wrapper": "BlockSparseTSWrapper"}
+
+
+@dataclass(frozen=True)
+class ContiguousBlockSparseSpec:
+    entry: str  # "oneshot" | "wrapper" (plan, then run(out=))
+    mask: str
+    head_dim: int
+    hq: int
+    hkv: int
+    q_block: int
+    kv_block: int
+    dtype: torch.dtype
+    bits: bool = False  # uint32 kv_valid_bits
+    empty: bool = False  # an empty route row and a K/V head with no blocks (see bsr_routes)
+
+    def sizes(self, small: bool):
+        """(B, Sq, Skv): Skv not a block multiple, Sq <= Skv."""
+        return (2, 40, 301) if small else (3, 300, 1029)
+
+    def name(self) -> str:
+        group = self.hq // self.hkv
+        return (f"{self.mask} D{self.head_dim} {'MHA' if group == 1 else f'GQA{group}'} qb{self.q_block} "
+                f"kvb{self.kv_block}" + (" bits" if self.bits else "") + (" empty" if self.empty else ""))
+
+    def describe(self, small: bool) -> str:
+        b, sq, skv = self.sizes(small)
+        return f"B{b} Sq{sq} Skv{skv} H{self.hq}/{self.hkv}"
+
+    def run(self, device: torch.device, small: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        import prims_ts
+        from prims_ts import reference
+
+        g = _gen(_seed("contiguous " + self.entry + " " + self.name()))
+        b, sq, skv = self.sizes(small)
+        d, dt = self.head_dim, self.dtype
+        q = _randn((b, sq, self.hq, d), dt, device, g)
+        k, v = _randn((b, skv, self.hkv, d), dt, device, g), _randn((b, skv, self.hkv, d), dt, device, g)
+        routes = bsr_routes([skv] * b, sq, self.hkv, self.q_block, self.kv_block, g, empty=self.empty)
+        block_indptr, block_indices = bsr_tensors(routes, device)
+        bits = None
+        if self.bits:
+            on = (torch.rand(b, -(-skv // 32), 32, generator=g) < 0.75).to(torch.int64)
+            w = (on << torch.arange(32)).sum(-1)
+            bits = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).view(torch.uint32).to(device)
+        out = _poisoned(q.shape, dt, device)
+        if self.entry == "oneshot":
+            res = prims_ts.block_sparse_attention(q, k, v, block_indptr, block_indices, self.q_block, self.kv_block,
+                                                  kv_valid_bits=bits, mask_type=self.mask, out=out)
+        else:
+            w = prims_ts.BlockSparseTSWrapper()
+            w.plan(b, sq, skv, self.hq, self.hkv, d, self.q_block, self.kv_block, device=device,
+                   max_blocks_per_row=-(-skv // self.kv_block), use_kv_valid_bits=bits is not None,
+                   mask_type=self.mask, q_data_type=dt)
+            res = w.run(q, k, v, block_indptr, block_indices, kv_valid_bits=bits, out=out)
+        if res is not out:
+            raise AssertionError(f"{BSR_CONTIGUOUS_APIS[self.entry]}(out=...) must return out itself")
+        ref = reference.block_sparse_attention_contiguous(q, k, v, block_indptr, block_indices, self.q_block,
+                                                          self.kv_block, kv_valid_bits=bits, mask_type=self.mask,
+                                                          compute_dtype=torch.float64)
+        return out, ref
+
+    def case(self) -> CheckCase:
+        return CheckCase(BSR_CONTIGUOUS_APIS[self.entry], self.name(), self.dtype, self.run, self.describe)
+
+
+def _contiguous_block_sparse_cases() -> List[CheckCase]:
+    bf16, fp16 = torch.bfloat16, torch.float16
+    S = ContiguousBlockSparseSpec
+    specs = [
+        S("oneshot", "dense", 128, 8, 2, 16, 8, bf16, empty=True),
+        S("oneshot", "causal", 128, 32, 8, 64, 128, bf16, bits=True),
+        S("oneshot", "causal", 256, 4, 4, 8, 64, fp16, empty=True),
+        S("wrapper", "dense", 128, 16, 2, 128, 64, bf16, bits=True, empty=True),
+        S("wrapper", "causal", 256, 8, 8, 32, 32, bf16),
+    ]
+    return [s.case() for s in specs]
+
+
+for _case in _contiguous_block_sparse_cases():
+    register(_case.api, [_case])

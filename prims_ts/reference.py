@@ -312,3 +312,28 @@ def block_sparse_attention(
             out[b, :, heads] = attend(q[b, :, heads], kb[:, h: h + 1], vb[:, h: h + 1], base & routes, sm_scale, 1.0,
                                       compute_dtype)
     return out
+
+
+def block_sparse_attention_contiguous(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indptr: torch.Tensor,
+    block_indices: torch.Tensor,
+    q_block_size: int,
+    kv_block_size: int,
+    *,
+    kv_valid_bits: Optional[torch.Tensor] = None,
+    mask_type: str = "dense",
+    sm_scale: Optional[float] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """BSR block-sparse attention over contiguous K/V ``[B, Skv, Hkv, D]``: the paged form
+    (``block_sparse_attention``) over identity pages, one page of Skv slots per request (the
+    pools ``[B, Hkv, Skv, D]`` are K and V transposed), every request Skv keys long."""
+    batch, skv = k.shape[:2]
+    ids = torch.arange(batch, dtype=torch.int32)
+    return block_sparse_attention(q, k.transpose(1, 2), v.transpose(1, 2), torch.arange(batch + 1, dtype=torch.int32),
+                                  ids, block_indptr, block_indices, q_block_size, kv_block_size,
+                                  torch.full((batch,), skv, dtype=torch.int32), kv_valid_bits=kv_valid_bits,
+                                  mask_type=mask_type, sm_scale=sm_scale, compute_dtype=compute_dtype)

@@ -41,10 +41,11 @@ class BlockSparseKey(KernelKey):
     loop: int = tag("l", 0)  # the producer ring's consumer loop (Tuning.loop)
     persistent: bool = tag("pk", False)  # CTAs walk several work items (Tuning.persistent)
     copy_tpr: int = tag("cp", 4)  # the producer's threads per K/V row (Tuning.copy_tpr)
+    contiguous: bool = tag("ct", False)  # K/V address policy: CSR pages, or contiguous [B, Skv, Hkv, D]
 
     @staticmethod
     def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int, arch: str,
-               tuning: Tuning = DEFAULT_TUNING) -> "BlockSparseKey":
+               tuning: Tuning = DEFAULT_TUNING, contiguous: bool = False) -> "BlockSparseKey":
         """`rows`: the M rows of one route row, q_block_size (or Sq if smaller) x group."""
         if arch == "sm_90a" and kv_block_size % 64 == 0:
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
@@ -52,11 +53,12 @@ class BlockSparseKey(KernelKey):
             loop = tuning.loop_for(head_dim)
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   loop if bm == 128 else min(loop, 1),  # pingpong: two MMA warpgroups
-                                  tuning.persistent, tuning.copy_for(head_dim))
+                                  tuning.persistent, tuning.copy_for(head_dim), contiguous)
         if head_dim == 256:
-            return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80)
+            return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80,
+                                  contiguous=contiguous)
         bn = 64 if kv_block_size % 64 == 0 else max(16, kv_block_size)
-        return BlockSparseKey(dtype, head_dim, causal, 64, bn, 80)
+        return BlockSparseKey(dtype, head_dim, causal, 64, bn, 80, contiguous=contiguous)
 
     @property
     def producer(self) -> bool:
@@ -75,16 +77,19 @@ class BlockSparseKey(KernelKey):
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
                           self.arch, stages=self.stages, producer=self.producer, loop=self.loop,
                           copy_tpr=self.copy_tpr)
-        return f"pt::block_sparse_kernel<{cfg}, {cpp_bool(self.causal)}, {cpp_bool(self.persistent)}>"
+        return (f"pt::block_sparse_kernel<{cfg}, {cpp_bool(self.causal)}, {cpp_bool(self.persistent)}, "
+                f"{cpp_bool(self.contiguous)}>")
 
 
 def block_sparse_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[BlockSparseKey]:
-    """The keys the public API can choose on `arch` (every dtype, head dim, mask and tile)."""
+    """The keys the public API can choose on `arch` (every dtype, head dim, mask, tile and K/V
+    address policy)."""
     for dtype in DTYPE_CODES.values():
         for d in HEAD_DIMS:
             for causal in (False, True):
-                shapes = {(kvb, rows) for kvb in (8, 32, 64, 128) for rows in (64, 128)}
-                keys = {BlockSparseKey.choose(dtype, d, causal, kvb, rows, arch, tuning) for kvb, rows in shapes}
+                shapes = {(kvb, rows, ct) for kvb in (8, 32, 64, 128) for rows in (64, 128) for ct in (False, True)}
+                keys = {BlockSparseKey.choose(dtype, d, causal, kvb, rows, arch, tuning, ct)
+                        for kvb, rows, ct in shapes}
                 yield from sorted(keys, key=lambda k: k.name)
 
 
@@ -96,7 +101,8 @@ class BlockSparseParams(ctypes.Structure):
         ("block_indptr", ctypes.c_void_p),
         ("block_indices", ctypes.c_void_p),
         ("valid_bits", ctypes.c_void_p),
-    ] + [(n, ctypes.c_int32) for n in ("rows_r", "q_block", "kv_block", "row_tiles", "valid_words", "batch")]
+    ] + [(n, ctypes.c_int32) for n in ("rows_r", "q_block", "kv_block", "row_tiles", "valid_words", "batch",
+                                       "seq_len_kv")]
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,8 @@ class BlockSparseStatic:
     causal: bool
     out_dtype: torch.dtype
     tuning: Tuning = DEFAULT_TUNING
+    contiguous: bool = False  # K/V [B, Skv, Hkv, D] (block_sparse_attention): no pages, page_size 0
+    seq_len_kv: int = 0  # contiguous: every request's K/V length
 
 
 class PreparedBlockSparse(Prepared):
@@ -130,13 +138,13 @@ class PreparedBlockSparse(Prepared):
         rows_r = -(-static.seq_len_q // static.q_block_size)
         rows = min(static.q_block_size, static.seq_len_q) * group  # the tallest route row
         key = BlockSparseKey.choose(DTYPE_CODES[static.dtype], static.head_dim, static.causal,
-                                    static.kv_block_size, rows, arch, static.tuning)
+                                    static.kv_block_size, rows, arch, static.tuning, static.contiguous)
         kernel = load(dev, key)
         row_tiles = -(-rows // key.bm)
         bp = BlockSparseParams()
         p = bp.d
         p.group, p.hkv = group, static.num_kv_heads
-        p.page_shift = static.page_size.bit_length() - 1
+        p.page_shift = max(static.page_size.bit_length() - 1, 0)
         p.window_left = -1
         p.out_dtype = OUT_DTYPE_CODES[static.out_dtype]
         p.out_scale = 1.0
@@ -144,6 +152,7 @@ class PreparedBlockSparse(Prepared):
         bp.rows_r, bp.q_block, bp.kv_block, bp.row_tiles = rows_r, static.q_block_size, static.kv_block_size, row_tiles
         bp.valid_words = static.valid_words
         bp.batch = static.batch
+        bp.seq_len_kv = static.seq_len_kv
         items = static.batch * static.num_kv_heads * rows_r * row_tiles
         ctas = work_grid(items, key.persistent, sms, static.tuning.persistent_ctas)
         self.static, self.dev, self.key, self.bp = static, dev, key, bp
@@ -155,12 +164,17 @@ class PreparedBlockSparse(Prepared):
     def run(self, q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens,
             valid_bits, sm_scale: float) -> None:
         """Write the live fields (addresses, strides, the scale) and launch on the current stream.
-        The pools: K and V ``[P, Hkv, ps, D]``, or (v_cache None) a combined ``[P, 2, Hkv, ps, D]``."""
+        The pools: K and V ``[P, Hkv, ps, D]``, or (v_cache None) a combined ``[P, 2, Hkv, ps, D]``;
+        a contiguous key: K and V ``[B, Skv, Hkv, D]`` (kv_indptr, kv_indices, seq_lens None)."""
         bp = self.bp
         p = bp.d
         self._strides = write_rows(p, self._strides, q, k_cache, v_cache, out, False,
                                    ("q", "paged_kv_cache"))
-        p.kv_indptr, p.kv_indices, p.seq_lens = kv_indptr.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr()
+        if self.static.contiguous:  # request, token, head: the pool fields' page, slot, head
+            ks, vs = self._strides[1], self._strides[2]
+            p.k_sp, p.k_sh, p.k_ss = ks[0], ks[2], ks[1]
+            p.v_sp, p.v_sh, p.v_ss = vs[0], vs[2], vs[1]
+        p.kv_indptr, p.kv_indices, p.seq_lens = _ptr(kv_indptr), _ptr(kv_indices), _ptr(seq_lens)
         bp.block_indptr, bp.block_indices = block_indptr.data_ptr(), block_indices.data_ptr()
         bp.valid_bits = _ptr(valid_bits)
         p.scale_log2 = sm_scale * LOG2E

@@ -10,7 +10,9 @@
 // row tiles of BM; the seed's q_block_size * group % 8 == 0 keeps tiles inside a row.
 // Range policy (BsrRange): the route's blocks, last first; a block of kv_block_size >= BN
 // keys is kv_block_size / BN tiles, a smaller block is one short tile (SHORT_TILES).
-// Address policy: the decode problem's CSR pages.
+// Address policy: the decode problem's CSR pages; or (CONTIG, block_sparse_attention)
+// contiguous K/V [B, Skv, Hkv, D], request b's key j at b * k_sp + j * k_ss (the pool
+// stride fields hold the request and token strides), no page table, every request Skv keys.
 // Mask policy: key bound, optional valid bits (bit j % 32 of word j / 32 of the
 // request's row), bottom-right causal on the query token. A row that sees no key
 // writes zeros (the core's l = 0 path).
@@ -31,6 +33,7 @@ struct BlockSparseParams {
   int row_tiles;             // ceil(q_block * group / BM)
   int valid_words;
   int batch;
+  int seq_len_kv;            // CONTIG: every request's K/V length
 };
 
 // The route's blocks as key tiles: block c covers keys [c * kv_block, (c + 1) * kv_block).
@@ -49,14 +52,23 @@ template <int BN> struct BsrRange {
   }
 };
 
-template <class T, int DV, int BM, int BN, bool CAUSAL>
+template <class T, int DV, int BM, int BN, bool CAUSAL, bool CONTIG>
 struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
+  using Base = DecodeProblem<T, DV, BM, BN, CAUSAL>;
   static constexpr bool SHORT_TILES = true;
   const u32* bits;  // this request's valid-bit words, or null
   BsrRange<BN> routes;
   int t0;           // the route row's first query token
 
   __device__ __forceinline__ BsrRange<BN> range() const { return routes; }
+  // CONTIG: k and v point at the request's rows of the K/V head (see the items' get)
+  __device__ __forceinline__ int kv_page(int j) const { return CONTIG ? 0 : Base::kv_page(j); }
+  __device__ __forceinline__ const T* k_row(int page, int j) const {
+    return CONTIG ? this->k + (i64)j * this->p->k_ss : Base::k_row(page, j);
+  }
+  __device__ __forceinline__ const T* v_row(int page, int j) const {
+    return CONTIG ? this->v + (i64)j * this->p->v_ss : Base::v_row(page, j);
+  }
   __device__ __forceinline__ int diag(int r) const {
     return this->sk - this->sq + t0 + (this->row0 + r) / this->p->group;
   }
@@ -74,9 +86,9 @@ struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
 };
 
 // PERSIST: CTA c walks items c, c + gridDim.x, ...; otherwise item blockIdx.x alone.
-template <class Cfg, bool CAUSAL, bool PERSIST_>
+template <class Cfg, bool CAUSAL, bool PERSIST_, bool CONTIG>
 struct BlockSparseItems {
-  using Problem = BlockSparseProblem<typename Cfg::T, Cfg::DV, Cfg::BM, Cfg::BN, CAUSAL>;
+  using Problem = BlockSparseProblem<typename Cfg::T, Cfg::DV, Cfg::BM, Cfg::BN, CAUSAL, CONTIG>;
   static constexpr bool PERSIST = PERSIST_;
   const BlockSparseParams* bp;
   __device__ __forceinline__ int first() const { return blockIdx.x; }
@@ -93,6 +105,11 @@ struct BlockSparseItems {
     pb.t0 = r * bp->q_block;
     // the route row's query rows start at token t0 (also where its output rows go)
     if (!pb.init(p, b, hk, pb.t0, p.sq, rt * Cfg::BM, p.group * min_(bp->q_block, p.sq - pb.t0))) return false;
+    if (CONTIG) {
+      pb.sk = bp->seq_len_kv;
+      pb.k += b * p.k_sp;
+      pb.v += b * p.v_sp;
+    }
     pb.bits = bp->valid_bits != nullptr ? bp->valid_bits + (i64)b * bp->valid_words : nullptr;
     const int* row_ptr = bp->block_indptr + ((i64)b * p.hkv + hk) * (bp->rows_r + 1) + r;
     const int first_block = row_ptr[0];
@@ -105,12 +122,12 @@ struct BlockSparseItems {
   }
 };
 
-template <class Cfg, bool CAUSAL, bool PERSIST = false>
+template <class Cfg, bool CAUSAL, bool PERSIST = false, bool CONTIG = false>
 __device__ __forceinline__ void block_sparse_kernel(const BlockSparseParams& bp) {
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
   static_assert(!PERSIST || Cfg::PRODUCER, "persistent: the producer ring");
-  fmha_items<Cfg>(BlockSparseItems<Cfg, CAUSAL, PERSIST>{&bp}, smem, bp.d.scale_log2, bp.d.out_scale);
+  fmha_items<Cfg>(BlockSparseItems<Cfg, CAUSAL, PERSIST, CONTIG>{&bp}, smem, bp.d.scale_log2, bp.d.out_scale);
 }
 
 }  // namespace pt

@@ -14,4 +14,9 @@ from .mla import (  # noqa: F401
     get_prims_ts_batch_decode_mla_workspace_size,
     prims_ts_batch_decode_with_kv_cache_mla,
 )
-from .block_sparse import BlockSparsePagedTSWrapper, block_sparse_attention_with_paged_kv_cache  # noqa: F401
+from .block_sparse import (  # noqa: F401
+    BlockSparsePagedTSWrapper,
+    BlockSparseTSWrapper,
+    block_sparse_attention,
+    block_sparse_attention_with_paged_kv_cache,
+)

@@ -39,11 +39,13 @@ KVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
 def _static(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, batch, seq_len_q, q_block_size, kv_block_size,
-            valid_words, mask_type, out_dtype, tuning: Tuning):
+            valid_words, mask_type, out_dtype, tuning: Tuning, seq_len_kv: Optional[int] = None):
+    """The prepared launch's key; `seq_len_kv` given: the contiguous form (page_size unused)."""
     from ..cuda.block_sparse import BlockSparseStatic
 
     return BlockSparseStatic(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, batch, seq_len_q, q_block_size,
-                             kv_block_size, valid_words, mask_type == "causal", out_dtype, tuning)
+                             kv_block_size, valid_words, mask_type == "causal", out_dtype, tuning,
+                             contiguous=seq_len_kv is not None, seq_len_kv=seq_len_kv or 0)
 
 
 def _run(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits,
@@ -114,6 +116,68 @@ def block_sparse_attention_op(
     return out
 
 
+def _run_contiguous(q, k, v, out, block_indptr, block_indices, valid_bits, q_block_size, kv_block_size, mask_type,
+                    sm_scale, tuning) -> None:
+    if out.numel() == 0:
+        return
+    if q.device.type == "cuda":
+        from ..cuda import block_sparse as K
+
+        batch, sq, hq, d = q.shape
+        static = _static(q.dtype, d, hq, k.shape[2], 0, batch, sq, q_block_size, kv_block_size,
+                         valid_bits.shape[1] if valid_bits is not None else 0, mask_type, out.dtype,
+                         Tuning.decode(tuning), seq_len_kv=k.shape[1])
+        K.prepared(static, q.device.index).run(q, k, v, out, None, None, block_indptr, block_indices, None,
+                                               valid_bits, sm_scale)
+    else:
+        out.copy_(reference.block_sparse_attention_contiguous(
+            q, k, v, block_indptr, block_indices, q_block_size, kv_block_size, kv_valid_bits=valid_bits,
+            mask_type=mask_type, sm_scale=sm_scale, compute_dtype=torch.float32))
+
+
+@torch.library.custom_op("prims_ts::block_sparse_attention_contiguous_out", mutates_args=("out",))
+def block_sparse_attention_contiguous_out_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    block_indptr: torch.Tensor,
+    block_indices: torch.Tensor,
+    valid_bits: Optional[torch.Tensor],
+    q_block_size: int,
+    kv_block_size: int,
+    mask_type: str,
+    sm_scale: float,
+    tuning: str = "",
+) -> None:
+    """Writes block-sparse attention over contiguous K/V ``[B, Skv, Hkv, D]`` into ``out``.
+    Trusted arguments: validate first."""
+    _run_contiguous(q, k, v, out, block_indptr, block_indices, valid_bits, q_block_size, kv_block_size, mask_type,
+                    sm_scale, tuning)
+
+
+@torch.library.custom_op("prims_ts::block_sparse_attention_contiguous", mutates_args=())
+def block_sparse_attention_contiguous_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indptr: torch.Tensor,
+    block_indices: torch.Tensor,
+    valid_bits: Optional[torch.Tensor],
+    q_block_size: int,
+    kv_block_size: int,
+    mask_type: str,
+    sm_scale: float,
+    out_dtype: int,
+    tuning: str = "",
+) -> torch.Tensor:
+    """Functional form of ``block_sparse_attention_contiguous_out``: returns a new output tensor."""
+    out = torch.empty(q.shape, dtype=V.code_dtype(out_dtype), device=q.device)
+    _run_contiguous(q, k, v, out, block_indptr, block_indices, valid_bits, q_block_size, kv_block_size, mask_type,
+                    sm_scale, tuning)
+    return out
+
+
 # ----------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------
@@ -127,6 +191,35 @@ def check_block_sizes(q_block_size, kv_block_size, group: int) -> None:
                "(a Q tile must not cross BSR rows)")
     if kv_block_size not in (8, 16, 32) and kv_block_size % 64 != 0:
         V.fail(f"kv_block_size: must be 8, 16, 32, or a positive multiple of 64, got {kv_block_size}")
+
+
+def check_geometry(seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim, q_block_size, kv_block_size,
+                   max_blocks_per_row, use_kv_valid_bits, mask_type, q_data_type, kv_data_type, o_data_type):
+    """A block-sparse plan's scalars (both wrappers): returns (head_dim, dtype, out dtype, mask)."""
+    V.integer("seq_len_q", seq_len_q)
+    if seq_len_q < 1:
+        V.fail(f"seq_len_q: seq_len_q must be positive, got {seq_len_q}")
+    V.key_length_bound("seq_len_kv", seq_len_kv)
+    for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+        V.integer(name, val, minimum=1)
+    group = V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
+    d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
+    check_block_sizes(q_block_size, kv_block_size, group)
+    if isinstance(max_blocks_per_row, bool) or not isinstance(max_blocks_per_row, int):
+        raise TypeError(f"max_blocks_per_row: expected a Python integer, got {type(max_blocks_per_row).__name__}")
+    blocks = -(-seq_len_kv // kv_block_size)
+    if max_blocks_per_row < 0:
+        V.fail(f"max_blocks_per_row: must be non-negative, got {max_blocks_per_row}")
+    if max_blocks_per_row > blocks:
+        V.fail(f"max_blocks_per_row: {max_blocks_per_row} cannot exceed the number of semantic KV blocks "
+               f"({blocks}: ceil(seq_len_kv / kv_block_size))")
+    if not isinstance(use_kv_valid_bits, bool):
+        raise TypeError(f"use_kv_valid_bits: expected a bool, got {type(use_kv_valid_bits).__name__}")
+    dtype, odt = check_dtypes(q_data_type, kv_data_type, o_data_type)
+    mask_type = V.choice("mask_type", mask_type, MASKS)
+    if mask_type == "causal" and seq_len_q > seq_len_kv:
+        V.fail(f"seq_len_q: causal block-sparse requires seq_len_q <= seq_len_kv, got {seq_len_q} > {seq_len_kv}")
+    return d, dtype, odt, mask_type
 
 
 def check_routes_static(block_indptr, block_indices, batch: int, hkv: int, rows_r: int) -> None:
@@ -347,30 +440,10 @@ class BlockSparsePagedTSWrapper:
                    kv_block_size, page_size, max_blocks_per_row, use_kv_valid_bits, seq_lens_kv, mask_type,
                    q_data_type, kv_data_type, o_data_type, values) -> BlockSparsePlan:
         """`values`: the one-shot's host copies (indptr, lengths) of metadata it already read."""
-        V.integer("seq_len_q", seq_len_q)
-        if seq_len_q < 1:
-            V.fail(f"seq_len_q: seq_len_q must be positive, got {seq_len_q}")
-        V.key_length_bound("seq_len_kv", seq_len_kv)
-        for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-            V.integer(name, val, minimum=1)
-        group = V.heads(num_qo_heads, num_kv_heads, ("num_qo_heads", "num_kv_heads"))
-        d = V.head_dim("head_dim", V.integer("head_dim", head_dim), HEAD_DIMS)
+        d, dtype, odt, mask_type = check_geometry(seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim,
+                                                  q_block_size, kv_block_size, max_blocks_per_row, use_kv_valid_bits,
+                                                  mask_type, q_data_type, kv_data_type, o_data_type)
         page_size = _check_page_size(page_size)
-        check_block_sizes(q_block_size, kv_block_size, group)
-        if isinstance(max_blocks_per_row, bool) or not isinstance(max_blocks_per_row, int):
-            raise TypeError(f"max_blocks_per_row: expected a Python integer, got {type(max_blocks_per_row).__name__}")
-        blocks = -(-seq_len_kv // kv_block_size)
-        if max_blocks_per_row < 0:
-            V.fail(f"max_blocks_per_row: must be non-negative, got {max_blocks_per_row}")
-        if max_blocks_per_row > blocks:
-            V.fail(f"max_blocks_per_row: {max_blocks_per_row} cannot exceed the number of semantic KV blocks "
-                   f"({blocks}: ceil(seq_len_kv / kv_block_size))")
-        if not isinstance(use_kv_valid_bits, bool):
-            raise TypeError(f"use_kv_valid_bits: expected a bool, got {type(use_kv_valid_bits).__name__}")
-        dtype, odt = check_dtypes(q_data_type, kv_data_type, o_data_type)
-        mask_type = V.choice("mask_type", mask_type, MASKS)
-        if mask_type == "causal" and seq_len_q > seq_len_kv:
-            V.fail(f"seq_len_q: causal block-sparse requires seq_len_q <= seq_len_kv, got {seq_len_q} > {seq_len_kv}")
         V.int32_vector("paged_kv_indptr", paged_kv_indptr)
         if paged_kv_indptr.shape[0] < 2:
             V.fail(f"paged_kv_indptr: expected [B+1] with B >= 1, got shape {tuple(paged_kv_indptr.shape)}")
@@ -585,3 +658,225 @@ def block_sparse_attention_with_paged_kv_cache(
                            q.dtype, None, V.resolve_out_dtype(None, out, q), (ip, lens))
     return w.run(q, paged_kv_cache, paged_kv_indices, block_indptr, block_indices, kv_valid_bits=kv_valid_bits,
                  sm_scale=sm_scale, out=out)
+
+
+# ----------------------------------------------------------------------------
+# Contiguous K/V: BlockSparseTSWrapper and block_sparse_attention
+# ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ContiguousBlockSparsePlan:
+    static: object  # cuda.block_sparse.BlockSparseStatic (contiguous)
+    device: torch.device
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    q_shape: tuple  # [B, Sq, Hq, D]
+    kv_shape: tuple  # [B, Skv, Hkv, D]
+    route_shape: tuple  # block_indptr's
+    use_valid_bits: bool
+    q_block_size: int
+    kv_block_size: int
+    mask_type: str
+    launch: Optional[object]  # cuda.block_sparse.PreparedBlockSparse
+    tuning_code: str
+
+    @property
+    def default_scale(self) -> float:
+        """sm_scale when run gets None: 1 / sqrt(D)."""
+        return 1.0 / math.sqrt(self.q_shape[3])
+
+
+def _plan_device(device) -> torch.device:
+    """The ``device`` of a plan that takes no tensor: a torch.device, its name, or a CUDA index."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device: expected a torch.device, a device name or a CUDA index, got {type(device).__name__}")
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device: {device!r} is not a device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            V.fail(f"device: {dev} was requested but CUDA is not available")
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    elif dev.type != "cpu":
+        V.fail(f"device: block-sparse plans run on CUDA (or the CPU reference), got {dev}")
+    return dev
+
+
+class BlockSparseTSWrapper:
+    """Plan/run block-sparse attention over contiguous K/V (FlashInfer's ``BlockSparseTSWrapper``).
+
+    Q and the output are ``[B, Sq, Hq, D]``, K and V ``[B, Skv, Hkv, D]``; BSR routes per
+    (request, K/V head, query block) as in :class:`BlockSparsePagedTSWrapper` (``block_indptr``
+    ``[B, Hkv, ceil(Sq / q_block_size) + 1]`` of absolute offsets into ``block_indices``, strictly
+    increasing block IDs per row, every block starting before Skv). ``plan`` fixes the geometry,
+    the mask, whether runs pass valid bits and the per-row capacity ``max_blocks_per_row``; it
+    reads no tensor. ``run`` takes any routes within that capacity (trusted), does no host
+    synchronisation, allocates nothing when ``out`` is given, and can be captured in a CUDA
+    graph once warmed: a replay reads the routes in the captured tensors as they are then.
+    """
+
+    def __init__(self, *, tuning: Optional[Tuning] = None):
+        self.tuning, self._tuning_code = V.tuning(tuning)
+        self._plan: Optional[ContiguousBlockSparsePlan] = None
+
+    def plan(
+        self,
+        batch_size: int,
+        seq_len_q: int,
+        seq_len_kv: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_block_size: int,
+        kv_block_size: int,
+        *,
+        device,
+        max_blocks_per_row: int,
+        use_kv_valid_bits: bool,
+        mask_type: str = "dense",
+        q_data_type: torch.dtype = torch.float16,
+        kv_data_type: Optional[torch.dtype] = None,
+        o_data_type: Optional[torch.dtype] = None,
+    ) -> None:
+        batch = V.batch_size("batch_size", V.integer("batch_size", batch_size, minimum=1))
+        d, dtype, odt, mask_type = check_geometry(seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim,
+                                                  q_block_size, kv_block_size, max_blocks_per_row, use_kv_valid_bits,
+                                                  mask_type, q_data_type, kv_data_type, o_data_type)
+        dev = _plan_device(device)
+        rows_r = -(-seq_len_q // q_block_size)
+        words = -(-seq_len_kv // 32) if use_kv_valid_bits else 0
+        static = _static(dtype, d, num_qo_heads, num_kv_heads, 0, batch, seq_len_q, q_block_size, kv_block_size,
+                         words, mask_type, odt, self.tuning, seq_len_kv=seq_len_kv)
+        launch = None
+        if dev.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("BlockSparseTSWrapper: plan before capturing a CUDA graph (it loads the kernel)")
+            from ..cuda import block_sparse as K
+
+            launch = _dispatch.plan_launch(K.prepared(static, dev.index), (), loose=(6,))
+        self._plan = ContiguousBlockSparsePlan(
+            static, dev, dtype, odt, (batch, seq_len_q, num_qo_heads, d), (batch, seq_len_kv, num_kv_heads, d),
+            (batch, num_kv_heads, rows_r + 1), use_kv_valid_bits, q_block_size, kv_block_size, mask_type, launch,
+            self._tuning_code)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_indptr: torch.Tensor,
+        block_indices: torch.Tensor,
+        *,
+        kv_valid_bits: Optional[torch.Tensor] = None,
+        sm_scale: Optional[float] = None,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("plan() must be called before run()")
+        launch = plan.launch
+        if launch is not None and _dispatch.plain_eager(out):
+            sm = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
+            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
+            if launch.again(q, k, v, o, None, block_indptr, block_indices, kv_valid_bits, sm):
+                return o
+        _check_contiguous_against_plan(plan, q, k, v, block_indptr, block_indices, kv_valid_bits)
+        sm_scale = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
+        if out is not None:
+            V.out_tensor(out, plan.q_shape, plan.out_dtype, plan.device,
+                         (("q", q), ("k", k), ("v", v), ("block_indptr", block_indptr),
+                          ("block_indices", block_indices), ("kv_valid_bits", kv_valid_bits)))
+        if launch is not None and _dispatch.plain_eager(out):
+            if out is None:
+                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device)
+            launch.run(q, k, v, out, None, None, block_indptr, block_indices, None, kv_valid_bits, sm_scale)
+            return out
+        return _dispatch.call(torch.ops.prims_ts.block_sparse_attention_contiguous,
+                              torch.ops.prims_ts.block_sparse_attention_contiguous_out, _run_contiguous, (q, k, v),
+                              (block_indptr, block_indices, kv_valid_bits, plan.q_block_size, plan.kv_block_size,
+                               plan.mask_type, sm_scale), out, plan.out_dtype, plan.tuning_code)
+
+
+def _check_qkv_contiguous(q, k, v) -> None:
+    """Ranks, dtypes and layouts of q ``[B, Sq, Hq, D]`` and K/V ``[B, Skv, Hkv, D]``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        V.tensor(name, t, dtypes=V.INPUT_DTYPES, inner_contiguous=True, vector_aligned=True)
+        if t.dim() != 4:
+            V.fail(f"{name} must be rank 4 ([B, S, H, D]), got rank {t.dim()}")
+    if tuple(v.shape) != tuple(k.shape):
+        V.fail(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    V.same_dtype([("q", q), ("k", k), ("v", v)])
+    if k.shape[0] != q.shape[0]:
+        V.fail(f"k: batch {k.shape[0]} differs from q's {q.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        V.fail(f"k: head dim {k.shape[3]} differs from q's {q.shape[3]}")
+
+
+def _check_contiguous_against_plan(plan: ContiguousBlockSparsePlan, q, k, v, block_indptr, block_indices,
+                                   valid_bits) -> None:
+    _check_qkv_contiguous(q, k, v)
+    if tuple(q.shape) != plan.q_shape:
+        V.fail(f"q: expected the planned [B, Sq, Hq, D] = {plan.q_shape}, got {tuple(q.shape)}")
+    if tuple(k.shape) != plan.kv_shape:
+        V.fail(f"k: expected the planned [B, Skv, Hkv, D] = {plan.kv_shape}, got {tuple(k.shape)}")
+    if q.dtype != plan.dtype:
+        V.fail(f"q: dtype {V._dtype_name(q.dtype)} differs from the planned q_data_type {V._dtype_name(plan.dtype)}")
+    check_routes_static(block_indptr, block_indices, *plan.route_shape[:2], plan.route_shape[2] - 1)
+    check_valid_bits(valid_bits, plan.q_shape[0], plan.kv_shape[1], plan.use_valid_bits, "seq_len_kv")
+    V.same_device([("q", q), ("k", k), ("v", v), ("block_indptr", block_indptr), ("block_indices", block_indices),
+                   ("kv_valid_bits", valid_bits)])
+    if q.device != plan.device:
+        V.fail(f"q must be on the planned device {plan.device}, got {q.device}")
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indptr: torch.Tensor,
+    block_indices: torch.Tensor,
+    q_block_size: int,
+    kv_block_size: int,
+    *,
+    kv_valid_bits: Optional[torch.Tensor] = None,
+    mask_type: str = "dense",
+    sm_scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Plan and run one block-sparse attention launch over contiguous K/V ``[B, Skv, Hkv, D]``.
+
+    Validates the routes on the host with one copy and whole-array checks (canonical BSR rows:
+    offsets inside ``block_indices`` and non-decreasing, block IDs strictly increasing and
+    starting before Skv), then runs a :class:`BlockSparseTSWrapper` planned with the routes'
+    largest row as its capacity. It cannot run during CUDA-graph capture: plan a wrapper
+    outside capture and capture only its ``run``.
+    """
+    _check_qkv_contiguous(q, k, v)
+    batch, sq, hq, d = q.shape
+    _, skv, hkv, _ = k.shape
+    if batch < 1 or sq < 1 or skv < 1:
+        V.fail(f"q/k: expected B, Sq, Skv >= 1, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    V.head_dim("q", d, HEAD_DIMS)
+    group = V.heads(hq, hkv, ("q", "k"))
+    check_block_sizes(q_block_size, kv_block_size, group)
+    mask_type = V.choice("mask_type", mask_type, MASKS)
+    rows_r = -(-sq // q_block_size)
+    check_routes_static(block_indptr, block_indices, batch, hkv, rows_r)
+    check_valid_bits(kv_valid_bits, batch, skv, kv_valid_bits is not None, "Skv")
+    V.same_device([("q", q), ("k", k), ("v", v), ("block_indptr", block_indptr), ("block_indices", block_indices),
+                   ("kv_valid_bits", kv_valid_bits)])
+    if V.tracing():
+        raise RuntimeError("block_sparse_attention reads the routes on the host and cannot be traced; use "
+                           "BlockSparseTSWrapper (plan outside, run inside)")
+    if mask_type == "causal" and sq > skv:
+        V.fail(f"q: causal block-sparse requires Sq <= Skv, got {sq} > {skv}")
+    ptr, routes = V.host_values(block_indptr, block_indices)
+    lens = np.full(batch, skv, dtype=np.int64)
+    most = check_route_values(ptr.reshape(batch, hkv, rows_r + 1), routes, lens, kv_block_size)
+    w = BlockSparseTSWrapper()
+    w.plan(batch, sq, skv, hq, hkv, d, q_block_size, kv_block_size, device=q.device,
+           max_blocks_per_row=min(most, -(-skv // kv_block_size)), use_kv_valid_bits=kv_valid_bits is not None,
+           mask_type=mask_type, q_data_type=q.dtype, o_data_type=V.resolve_out_dtype(None, out, q))
+    return w.run(q, k, v, block_indptr, block_indices, kv_valid_bits=kv_valid_bits, sm_scale=sm_scale, out=out)

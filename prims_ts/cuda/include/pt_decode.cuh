@@ -94,13 +94,14 @@ struct DecodeProblem {
     row0 = row0_;
     q_rows = min_(BM, max_rows - row0);
     if (q_rows <= 0) return false;
-    sk = params.seq_lens[b];
+    sk = params.seq_lens != nullptr ? params.seq_lens[b] : 0;  // null: the caller sets sk (block-sparse CONTIG)
     q = static_cast<const T*>(params.q) + b * params.q_sb + (i64)q_start * params.q_st +
         (i64)hk * params.group * params.q_sh;
     k = static_cast<const T*>(params.k) + hk * params.k_sh;
     v = static_cast<const T*>(params.v) + hk * params.v_sh;
-    pages = params.kv_indptr != nullptr ? params.kv_indices + params.kv_indptr[b]
-                                        : params.kv_indices + b * params.bt_stride;
+    pages = params.kv_indices == nullptr  ? nullptr
+            : params.kv_indptr != nullptr ? params.kv_indices + params.kv_indptr[b]
+                                          : params.kv_indices + b * params.bt_stride;
     return true;
   }
 
