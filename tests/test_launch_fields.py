@@ -1,6 +1,9 @@
 """The launch fields a prepared decode-shaped launch (decode, MLA, block-sparse) writes: the
 strides and addresses ``write_rows`` puts into the parameter struct for every pool layout,
-and the argument names its errors carry. Runs on CPU tensors: the struct is plain ctypes."""
+and the argument names its errors carry; and ``Accepted``, the memo that lets a plan's run
+skip its checks: which operands match the recorded layouts, and which addresses it refuses
+(misaligned starts, an output overlapping an operand or the plan's own tensors). Runs on CPU
+tensors: the struct is plain ctypes."""
 
 import pytest
 import torch
@@ -109,3 +112,72 @@ def test_errors_name_the_callers_arguments():
     shifted = flat[1:].view(3, 2, 16, 64)
     with pytest.raises(ValueError, match="k_cache"):
         write_rows(p, None, q, shifted, v, o, False)
+
+
+# ----------------------------------------------------------------------------
+# Accepted: what lets a plan's run skip its checks (cuda.keys)
+# ----------------------------------------------------------------------------
+
+from prims_ts.cuda.keys import Accepted  # noqa: E402
+
+
+def _ops():
+    q = torch.randn(2, 8, 4, 64, dtype=BF16)
+    k = torch.randn(2, 8, 1, 64, dtype=BF16)
+    out = torch.empty_like(q)
+    ids = torch.arange(5, dtype=torch.int32)
+    return [q, k, None, out, ids]
+
+
+def test_accepted_matches_only_the_recorded_layouts():
+    ops = _ops()
+    acc = Accepted(4, loose=(4,))
+    assert not acc.same(ops)  # nothing recorded yet
+    acc.record(ops)
+    assert acc.same(ops)
+    fresh = [None if t is None else t.clone() for t in ops]
+    assert acc.same(fresh)  # other tensors, the same layouts
+    fresh[4] = torch.arange(9, dtype=torch.int32)  # a loose operand: any length
+    assert acc.same(fresh)
+    for i, other in [(0, ops[0][:, :4]), (0, ops[0].transpose(1, 2).contiguous().transpose(1, 2)),
+                     (0, ops[0].half()), (1, ops[1].expand(2, 8, 1, 64).clone()[..., :32]),
+                     (2, torch.empty(1)), (4, ops[4].long()), (4, torch.arange(10, dtype=torch.int32)[::2]),
+                     (0, torch.nn.Parameter(ops[0]))]:
+        bad = list(ops)
+        bad[i] = other
+        assert not acc.same(bad), i
+
+
+def test_accepted_addresses_refuse_misalignment_and_overlap():
+    ops = _ops()
+    fixed_t = torch.empty(16, dtype=torch.int32)
+    acc = Accepted(4, fixed=[(fixed_t.data_ptr(), fixed_t.data_ptr() + fixed_t.nbytes)], loose=(4,))
+    acc.record(ops)
+    ptrs = acc.addresses(ops, 3)
+    assert ptrs == tuple(0 if t is None else t.data_ptr() for t in ops)
+    # the output overlapping an input, a loose operand or the plan's own tensor: refused
+    bad = list(ops)
+    bad[3] = ops[0]  # out = q
+    assert acc.addresses(bad, 3) is None
+    big = torch.empty(ops[3].numel() + 64, dtype=BF16)
+    bad = list(ops)
+    bad[3] = big[:ops[3].numel()].view(ops[3].shape)
+    n = ops[3].numel()
+    bad[4] = big[n - 16:n].view(torch.int32)  # the loose operand inside out's last bytes
+    assert acc.addresses(bad, 3) is None
+    bad[4] = ops[4]
+    assert acc.addresses(bad, 3) is not None
+    out_on_fixed = torch.empty(ops[3].numel() + 8, dtype=BF16)
+    acc2 = Accepted(4, fixed=[(out_on_fixed.data_ptr() + 2, out_on_fixed.data_ptr() + 6)])
+    acc2.record(ops)
+    bad = list(ops)
+    bad[3] = out_on_fixed[:ops[3].numel()].view(ops[3].shape)
+    assert acc2.addresses(bad, 3) is None
+    # a misaligned start among the first `aligned` operands: refused; past them: allowed
+    bad = list(ops)
+    bad[3] = out_on_fixed[1:1 + ops[3].numel()].view(ops[3].shape)
+    assert acc.addresses(bad, 3) is None
+    odd = torch.arange(7, dtype=torch.int32)[1:6]
+    bad = list(ops)
+    bad[4] = odd
+    assert acc.addresses(bad, 3) is not None
