@@ -181,3 +181,40 @@ def test_accepted_addresses_refuse_misalignment_and_overlap():
     bad = list(ops)
     bad[4] = odd
     assert acc.addresses(bad, 3) is not None
+
+
+# ----------------------------------------------------------------------------
+# Prefill: the TMA keys' parameter layout and choice
+# ----------------------------------------------------------------------------
+
+
+def test_prefill_params_mirror_the_kernels_layout():
+    """pt::PrefillParams opens with two 64-byte aligned tensor maps, so the struct is a multiple of
+    64 bytes: the mirror's maps at 0 and 128, the first pointer at 256, the size padded."""
+    import ctypes
+
+    from prims_ts.cuda.prefill import PrefillParams
+
+    assert PrefillParams.tmap_k.offset == 0 and PrefillParams.tmap_v.offset == 128
+    assert PrefillParams.q.offset == 256
+    assert ctypes.sizeof(PrefillParams) % 64 == 0
+    last = PrefillParams.out_scale
+    assert ctypes.sizeof(PrefillParams) - (last.offset + last.size) < 64
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal", "variable_window"])
+def test_prefill_tma_keys_only_for_fixed_storage(mask):
+    from prims_ts import Tuning
+    from prims_ts.cuda.prefill import PrefillKey
+
+    tma = Tuning(tma=True)
+    assert PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=tma).tma
+    assert PrefillKey.choose(BF16, 256, mask, "sm_90a", tuning=tma).name.endswith("_tma")
+    for kw in (dict(packed=True), dict(paged=True), dict(tuning=Tuning(tma=True, probe=1)), dict(tuning=Tuning())):
+        kw.setdefault("tuning", tma)
+        assert not PrefillKey.choose(BF16, 128, mask, "sm_90a", **kw).tma, kw
+    # persistent CTAs keep the cp.async producer (the variable window has no persistent keys)
+    key = PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=Tuning(tma=True, persistent=True))
+    assert key.tma == (mask == "variable_window") and key.persistent == (mask != "variable_window")
+    assert not PrefillKey.choose(BF16, 128, mask, "sm_80", tuning=tma).tma
+    assert Tuning.decode(tma.encode()) == tma

@@ -62,10 +62,11 @@ def check_key(w, dtype, d, mask, tuning):
     assert plan.static.tuning == tuning
     assert plan.tuning_code == tuning.encode()
     arch = device_limits(plan.device)[0]
-    key = PrefillKey.choose(dtype, d, mask, arch, tuning=tuning)
+    key = PrefillKey.choose(dtype, d, mask, arch, tuning=tuning, packed=plan.packed)
     if arch == "sm_90a":
         assert key.arch == 90 and key.loop == tuning.loop_for(d) and key.copy_tpr == tuning.copy_for(d), key.name
         assert key.persistent == (tuning.persistent and mask != "variable_window"), key.name
+        assert key.tma == (tuning.tma and not plan.packed and not key.persistent), key.name
     if plan.launch is not None:
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
 

@@ -18,8 +18,8 @@ from .prefill import MASK_CODES, PrefillKey
 
 # The producer-ring variants of the prefill-family kernels on sm_90a (each selects some keys
 # the default does not): the plain (0), overlapped (1) and pingpong (2) consumer loops,
-# persistent CTAs with the plain loop and with pingpong (a few CTAs walk many items), and the
-# producer copy the default does not take.
+# persistent CTAs with the plain loop and with pingpong (a few CTAs walk many items), the
+# producer copy the default does not take, and K/V tiles as TMA boxes (fixed-storage prefill).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -27,6 +27,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "loop0_persistent": Tuning(loop=0, persistent=True, persistent_ctas=3),
     "loop2_persistent": Tuning(loop=2, persistent=True, persistent_ctas=3),
     "other_copy": Tuning(flip_copy=True),
+    "tma": Tuning(tma=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.

@@ -13,6 +13,10 @@
 // PAGED: K/V row j of request b lives in page block_tables[b][j / page_size],
 // slot j % page_size; the page ID is read once per row for both K and V, and
 // K/V tiles are copied straight from the pages (no gather into a copy).
+// TMA (fixed storage on sm_90a, Tuning.tma): K/V tiles come as TMA boxes of the tensor maps
+// the host encodes over K and V as 4-D (D, Hkv, S, B): one box per 64-column panel, the
+// 128-byte swizzle of the wgmma tiles, keys past S zero-filled; one producer thread issues
+// them (pt_fmha.cuh: UsesTma).
 // Range and mask policies: dense, bottom-right causal with optional left window,
 // per-row variable window.
 //
@@ -24,6 +28,8 @@ namespace pt {
 enum MaskKind : int { MASK_DENSE = 0, MASK_CAUSAL = 1, MASK_VARWIN = 2 };
 
 struct PrefillParams {
+  TmaMap tmap_k;  // TMA keys: K and V as (D, Hkv, S, B) boxes of (64, 1, BN, 1); unused otherwise
+  TmaMap tmap_v;
   const void* q;
   const void* k;
   const void* v;
@@ -54,11 +60,13 @@ struct PrefillParams {
   float out_scale;
 };
 
-template <class T, int BN, int MASK, bool PAGED>
+template <class T, int BN, int MASK, bool PAGED, bool TMA_ = false>
 struct PrefillProblem {
   using Elem = T;
   static constexpr int MASK_KIND = MASK;
   static constexpr bool IS_PAGED = PAGED;
+  static constexpr bool TMA = TMA_;
+  static_assert(!TMA || !PAGED, "TMA: fixed contiguous storage");
   static constexpr bool WANTS_LSE = false;
   static constexpr bool SHORT_TILES = false;
   const T* q;
@@ -78,8 +86,20 @@ struct PrefillProblem {
   const int* lo;  // variable window bounds per tile row (shared memory)
   const int* hi;
   int b, q0;      // request, first query row of the tile
+  const TmaMap* tmk;  // TMA: the maps (in the kernel's parameters) and this problem's K/V head
+  const TmaMap* tmv;
+  int hk;
 
   __device__ __forceinline__ const T* q_row(int r) const { return q + r * q_st; }
+  // TMA: keys k0 .. k0 + BN - 1 of K and V into the stage's tiles, a box per 64-column panel
+  template <class Tile>
+  __device__ __forceinline__ void tma_kv(u32 dst_k, u32 dst_v, int k0, u32 bar) const {
+#pragma unroll
+    for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
+      tma_load_4d(dst_k + (u32)(c * Tile::PANEL), tmk, c * 64, hk, k0, b, bar);
+      tma_load_4d(dst_v + (u32)(c * Tile::PANEL), tmv, c * 64, hk, k0, b, bar);
+    }
+  }
   __device__ __forceinline__ int kv_page(int j) const { return PAGED ? bt[j >> page_shift] : 0; }
   __device__ __forceinline__ const T* k_row(int page, int j) const {
     if (PAGED) return k + ((i64)page * k_sp + (j & ((1 << page_shift) - 1)) * k_ss);
@@ -173,6 +193,11 @@ __device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, P
   pb.diag0 = sk - sq + q0;
   pb.b = b;
   pb.q0 = q0;
+  if constexpr (Problem::TMA) {
+    pb.tmk = &p.tmap_k;
+    pb.tmv = &p.tmap_v;
+    pb.hk = hk;
+  }
 
   // ---- range policy (the variable window's: prefill_kernel) --------------------
   if (MASK == MASK_CAUSAL) {
@@ -186,9 +211,9 @@ __device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, P
 }
 
 // PERSIST: CTA c walks items c, c + gridDim.x, ...; otherwise item blockIdx.x alone.
-template <class Cfg, int MASK, bool PAGED, bool PERSIST_>
+template <class Cfg, int MASK, bool PAGED, bool PERSIST_, bool TMA>
 struct PrefillItems {
-  using Problem = PrefillProblem<typename Cfg::T, Cfg::BN, MASK, PAGED>;
+  using Problem = PrefillProblem<typename Cfg::T, Cfg::BN, MASK, PAGED, TMA>;
   static constexpr bool PERSIST = PERSIST_;
   const PrefillParams* p;
   __device__ __forceinline__ int first() const { return blockIdx.x; }
@@ -197,13 +222,14 @@ struct PrefillItems {
   __device__ __forceinline__ bool get(int w, Problem& pb) const { return prefill_problem<Cfg::BM>(*p, w, pb); }
 };
 
-template <class Cfg, int MASK, bool PAGED, bool PERSIST = false>
+template <class Cfg, int MASK, bool PAGED, bool PERSIST = false, bool TMA = false>
 __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
   constexpr int BM = Cfg::BM;
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
   static_assert(!PERSIST || (Cfg::PRODUCER && MASK != MASK_VARWIN), "persistent: the producer ring, no variable window");
-  using Items = PrefillItems<Cfg, MASK, PAGED, PERSIST>;
+  static_assert(!TMA || (Cfg::PRODUCER && !PAGED && !PERSIST), "TMA: the producer ring, fixed storage, one item a CTA");
+  using Items = PrefillItems<Cfg, MASK, PAGED, PERSIST, TMA>;
   if constexpr (MASK != MASK_VARWIN) {
     fmha_items<Cfg>(Items{&p}, smem, p.scale_log2, p.out_scale);
   } else {

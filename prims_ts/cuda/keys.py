@@ -64,6 +64,9 @@ class Tuning:
     # PT_PROBE (pt_fmha.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
+    # K/V tiles as TMA boxes (one producer thread) in the sm_90a prefill keys of fixed
+    # storage, one item a CTA; other problems keep the cp.async producer.
+    tma: bool = False
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:

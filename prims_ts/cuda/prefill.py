@@ -41,10 +41,11 @@ class PrefillKey(KernelKey):
     persistent: bool = tag("pk", False)  # CTAs walk several work items (Tuning.persistent)
     copy_tpr: int = tag("cp", 4)  # the producer's threads per K/V row (Tuning.copy_tpr)
     probe: int = tag("probe", 0)  # PT_PROBE (Tuning.probe): a measurement aid, wrong results
+    tma: bool = tag("tma", False)  # K/V tiles as TMA boxes (Tuning.tma; fixed storage only)
 
     @staticmethod
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str, paged: bool = False,
-               tuning: Tuning = DEFAULT_TUNING) -> "PrefillKey":
+               tuning: Tuning = DEFAULT_TUNING, packed: bool = False) -> "PrefillKey":
         """The tile of each engine: sm_90a takes wgmma with a producer warpgroup (BM 128; BN
         128 at D128, 64 at D256; as many stages as fit), other archs the portable engine with
         tiles that fit 99 KB of shared memory per block."""
@@ -52,10 +53,12 @@ class PrefillKey(KernelKey):
         if arch == "sm_90a":
             bn = 128 if head_dim == 128 else 64
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
+            persistent = tuning.persistent and mask != "variable_window"
+            tma = tuning.tma and not (paged or packed or persistent or tuning.probe)
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
-                              persistent=tuning.persistent and mask != "variable_window",
-                              copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe)
+                              persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
+                              tma=tma)
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
         return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)
@@ -78,7 +81,7 @@ class PrefillKey(KernelKey):
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
                           producer=self.producer, loop=self.loop, copy_tpr=self.copy_tpr)
         return (f"pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {cpp_bool(self.paged)}, "
-                f"{cpp_bool(self.persistent)}>")
+                f"{cpp_bool(self.persistent)}, {cpp_bool(self.tma)}>")
 
     def defines(self) -> str:
         return f"#define PT_PROBE {self.probe}\n" if self.probe else ""
@@ -90,9 +93,10 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, arch: str) -> i
 
 
 class PrefillParams(ctypes.Structure):
-    """Mirror of pt::PrefillParams (prims_ts/cuda/fmha_prefill.cu)."""
+    """Mirror of pt::PrefillParams (prims_ts/cuda/fmha_prefill.cu); its size a multiple of 64
+    bytes, as the kernel's (its tensor maps are 64-byte aligned)."""
 
-    _fields_ = [(n, ctypes.c_void_p) for n in (
+    _fields_ = [("tmap_k", runtime.TensorMap), ("tmap_v", runtime.TensorMap)] + [(n, ctypes.c_void_p) for n in (
         "q", "k", "v", "o", "qo_indptr", "kv_indptr", "win_starts", "win_ends", "work", "block_tables",
         "seq_lens")] + [
         (n, ctypes.c_int64) for n in (
@@ -104,6 +108,9 @@ class PrefillParams(ctypes.Structure):
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
     ]
+
+
+PrefillParams = runtime.padded_to(PrefillParams, 64)
 
 
 @dataclass(frozen=True)
@@ -144,11 +151,12 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class PreparedPrefill(Prepared):
     """The loaded kernel, grid and parameter struct of one PrefillStatic on one device."""
 
-    __slots__ = ("p",)
+    __slots__ = ("p", "_tma", "_tma_at")
 
     def __init__(self, static: PrefillStatic, dev: int):
         arch, sms, _ = device_info(dev)
-        key = PrefillKey.choose(static.dtype, static.head_dim, static.mask, arch, static.paged, static.tuning)
+        key = PrefillKey.choose(static.dtype, static.head_dim, static.mask, arch, static.paged, static.tuning,
+                                static.packed)
         kernel = load(dev, key)
         p = PrefillParams()
         p.batch = static.batch
@@ -169,9 +177,36 @@ class PreparedPrefill(Prepared):
         self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), p)
         self._strides = None
         self.accepted = None
+        self._tma = None  # TMA keys: the encoders of K's and V's maps for the current strides
+        self._tma_at = (None, None)  # the addresses the maps in `p` were encoded for
+
+    def _set_tma(self, k, v) -> None:
+        """TMA keys: K and V [B, S, Hkv, D] as 4-D maps (D, Hkv, S, B) with (64, 1, BN, 1) boxes."""
+        es = k.element_size()
+        encoders = []
+        for t, name in ((k, "k"), (v, "v")):
+            dims = tuple(reversed(t.shape))  # D, Hkv, S, B
+            strides, inner = [], dims[0] * es
+            for n, st in zip(dims[1:], reversed(t.stride()[:3])):
+                # a dimension of one element takes any 16-byte multiple: the next after the inner
+                strides.append(st * es if n > 1 else inner)
+                inner = strides[-1] * n
+            encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, (64, 1, self.key.bn, 1), name))
+        self._tma = tuple(encoders)
+        self._tma_at = (None, None)
+
+    def _encode_tma(self, ka: int, va: int) -> None:
+        p = self.p
+        if ka != self._tma_at[0]:
+            self._tma[0].encode(p.tmap_k, ka)
+        if va != self._tma_at[1]:
+            self._tma[1].encode(p.tmap_v, va)
+        self._tma_at = (ka, va)
 
     def _set_strides(self, q, k, v, out) -> None:
         p, st = self.p, self.static
+        if self.key.tma:
+            self._set_tma(k, v)
         if st.paged:  # pools [P, Hkv, page_size, D]: page, slot, head
             ks, vs = k.stride(), v.stride()
             p.k_sb, p.k_sh, p.k_st = ks[0], ks[1], ks[2]
@@ -195,6 +230,8 @@ class PreparedPrefill(Prepared):
         p.q, p.k, p.v, p.o = a = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if (a[0] | a[1] | a[2] | a[3]) & 15:
             check_starts((("q", q), ("k", k), ("v", v), ("out", out)))
+        if self._tma is not None:
+            self._encode_tma(a[1], a[2])
         p.qo_indptr, p.work = _ptr(qo_indptr), _ptr(work)
         if self.static.paged:
             p.block_tables, p.seq_lens = block_tables.data_ptr(), seq_lens.data_ptr()
@@ -221,6 +258,8 @@ class PreparedPrefill(Prepared):
             return False
         p = self.p
         p.q, p.k, p.v, p.o = a
+        if self._tma is not None:
+            self._encode_tma(a[1], a[2])
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 

@@ -249,6 +249,53 @@ def get_kernel(device_index: int, ks: KernelSource, smem: int, threads: int) -> 
         return k
 
 
+class TensorMap(ctypes.Structure):
+    """CUtensorMap: 128 opaque bytes (pt::TmaMap, 64-byte aligned in a kernel's parameters)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+def padded_to(cls, align: int):
+    """`cls` (a ctypes.Structure) with tail bytes up to a multiple of `align`: the size of a C++
+    struct whose alignment is `align` (a member declared alignas(align))."""
+    name, kind = cls._fields_[-1][:2]
+    end = getattr(cls, name).offset + ctypes.sizeof(kind)
+    pad = (-end) % align
+    if not pad:
+        return cls
+    return type(cls.__name__, (ctypes.Structure,),
+                {"__doc__": cls.__doc__, "_fields_": list(cls._fields_) + [("_tail", ctypes.c_uint8 * pad)]})
+
+
+_TMA_DTYPES = {"f16": 6, "bf16": 9}  # CUtensorMapDataType
+
+
+class TileMapEncoder:
+    """cuTensorMapEncodeTiled for one tensor layout: a map over `dims` (innermost first) with
+    byte strides `strides` (dims 1..), boxes of `box` elements, the 128-byte swizzle and zeros
+    for elements outside the tensor; ``encode(map, address)`` writes the map of the tensor at
+    `address` (a plan re-encodes only when an address changes)."""
+
+    __slots__ = ("_args", "_fn", "what")
+
+    def __init__(self, dtype: str, dims: Sequence[int], strides: Sequence[int], box: Sequence[int], what: str):
+        rank = len(dims)
+        u64s, u32s = ctypes.c_uint64 * rank, ctypes.c_uint32 * rank
+        self.what = what
+        self._fn = _libcuda().cuTensorMapEncodeTiled
+        if self._fn is None:
+            raise KernelLaunchError("this CUDA driver has no cuTensorMapEncodeTiled (CUDA 12.0+), which TMA keys need")
+        self._args = (ctypes.c_int(_TMA_DTYPES[dtype]), ctypes.c_uint32(rank), u64s(*dims),
+                      (ctypes.c_uint64 * (rank - 1))(*strides), u32s(*box), u32s(*([1] * rank)),
+                      ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(2), ctypes.c_int(0))
+
+    def encode(self, out: TensorMap, address: int) -> None:
+        a = self._args
+        rc = self._fn(ctypes.byref(out), a[0], a[1], ctypes.c_void_p(address), *a[2:])
+        if rc:
+            raise KernelLaunchError(f"cuTensorMapEncodeTiled failed for {self.what}: {_libcuda().error(rc)}")
+
+
 class _LaunchConfig(ctypes.Structure):
     """CUlaunchConfig: grid, block, shared memory and stream of one cuLaunchKernelEx."""
 
@@ -267,6 +314,7 @@ class _LibCuda:
         lib = ctypes.CDLL("libcuda.so.1")
         self.cuLaunchKernel = lib.cuLaunchKernel
         self.cuLaunchKernelEx = getattr(lib, "cuLaunchKernelEx", None)
+        self.cuTensorMapEncodeTiled = getattr(lib, "cuTensorMapEncodeTiled", None)
         self.cuCtxGetCurrent = lib.cuCtxGetCurrent
         self.cuCtxSetCurrent = lib.cuCtxSetCurrent
         self.cuGetErrorString = lib.cuGetErrorString

@@ -239,11 +239,18 @@ struct RingPos {
   u32 q_phase = 0;  // the MMA warps: parity of the current item's Q (copied by the producer)
 };
 
+// Problems whose K/V tiles TMA boxes fill (Problem::TMA): one producer thread issues a
+// tile's boxes (Problem::tma_kv) and the stage's full barrier counts that thread's one
+// arrival plus the boxes' bytes; the other problems' tiles are cp.async copies by the whole
+// producer warpgroup.
+template <class P, class = void> struct UsesTma { static constexpr bool value = false; };
+template <class P> struct UsesTma<P, decltype(void(P::TMA))> { static constexpr bool value = P::TMA; };
+
 // The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, and
 // full[s] / empty[s] mbarriers at `bars`. The producer warpgroup (NTHREADS threads, `tid`
 // its index) copies tile it into stage it % STAGES once the MMA warps released the
 // stage's previous tile (all `consumer_warps` arrived on empty[s]); each thread's copies
-// arrive on full[s] when they land.
+// arrive on full[s] when they land (a TMA problem: thread 0's boxes, see UsesTma).
 template <class KVTile, int STAGES, int KV_TILES, bool SHARED_KV, int COPY_TPR = 4>
 struct KvRing {
   u32 base, bars;
@@ -285,6 +292,18 @@ struct KvRing {
   template <int NTHREADS, class Problem, class Range>
   __device__ __forceinline__ void produce_item(const Problem& pb, const Range& range, int n_tiles, int tid,
                                                RingPos& pos) const {
+    if constexpr (UsesTma<Problem>::value) {
+      if (tid != 0) return;  // TMA: thread 0 alone (its pos is the ring's)
+      for (int it = 0; it < n_tiles; ++it) {
+        if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
+        const KeyTile kt = range.tile(it);
+        mbar_arrive_expect_tx(full(pos.stage), (u32)(KV_TILES * KVTile::BYTES));
+        pb.template tma_kv<KVTile>(k(pos.stage), v(pos.stage), kt.k0, full(pos.stage));
+        advance(pos.stage, pos.phase);
+        ++pos.filled;
+      }
+      return;
+    }
     for (int it = 0; it < n_tiles; ++it) {
       if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
       const KeyTile kt = range.tile(it);
@@ -888,7 +907,10 @@ __device__ __forceinline__ void fmha_items(const Items& items, char* smem, float
     if (!items.get(items.first(), pb)) return;  // the whole CTA: nothing to do
     if constexpr (Cfg::PRODUCER) {
       const auto ring = fmha_ring<Cfg>(smem);
-      if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+      if (threadIdx.x == 0) {
+        ring.template init<UsesTma<Problem>::value ? 1 : Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+        if constexpr (UsesTma<Problem>::value) fence_mbar_init();
+      }
       __syncthreads();
       if (threadIdx.x >= THREADS) {  // the producer warpgroup
         if constexpr (Cfg::REBALANCE_REGS) setmaxnreg_dec<Cfg::PRODUCER_REGS>();
@@ -902,9 +924,10 @@ __device__ __forceinline__ void fmha_items(const Items& items, char* smem, float
     static_assert(Cfg::PRODUCER, "persistent CTAs: the producer ring");
     const auto ring = fmha_ring<Cfg>(smem);
     if (threadIdx.x == 0) {
-      ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+      ring.template init<UsesTma<Problem>::value ? 1 : Cfg::PRODUCER_THREADS>(Cfg::WARPS);
       mbar_init(fmha_q_full<Cfg>(smem), Cfg::PRODUCER_THREADS);
       mbar_init(fmha_q_empty<Cfg>(smem), Cfg::WARPS);
+      if constexpr (UsesTma<Problem>::value) fence_mbar_init();
     }
     __syncthreads();
     if (threadIdx.x >= THREADS) {  // the producer warpgroup: each item's Q, then its K/V tiles

@@ -67,6 +67,25 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
+// Barrier initialisations visible to the async proxy (TMA copies completing on them).
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// One arrival that also expects `bytes` of asynchronous (TMA) writes before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// TMA: the box at coordinates (c0 innermost, .., c3) of `map` into shared memory at `dst`
+// (1024-byte aligned for the 128-byte swizzle); its bytes complete on mbarrier `bar`.
+// Elements outside the tensor are written as zeros (and counted).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+}
 // Wait until the barrier's phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile(

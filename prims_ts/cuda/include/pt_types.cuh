@@ -12,6 +12,10 @@ typedef int i32;
 typedef long long i64;
 typedef unsigned long long u64;
 
+// A CUDA tensor map (CUtensorMap), encoded on the host and passed in a kernel's
+// __grid_constant__ parameters: what a TMA copy reads its box from.
+struct alignas(64) TmaMap { u64 opaque[16]; };
+
 // Storage-only 16-bit float types; arithmetic happens in float32.
 struct bf16 { u16 bits; };
 struct f16 { u16 bits; };
