@@ -188,18 +188,22 @@ def test_accepted_addresses_refuse_misalignment_and_overlap():
 # ----------------------------------------------------------------------------
 
 
-def test_prefill_params_mirror_the_kernels_layout():
-    """pt::PrefillParams opens with two 64-byte aligned tensor maps, so the struct is a multiple of
-    64 bytes: the mirror's maps at 0 and 128, the first pointer at 256, the size padded."""
+def test_prefill_tma_params_mirror_the_kernels_layout():
+    """pt::PrefillTmaParams: two 64-byte aligned tensor maps, then the PrefillParams, the struct a
+    multiple of 64 bytes: the mirror's maps at 0 and 128, the parameters at 256, the size padded;
+    a write through the inner struct lands in the outer one's bytes."""
     import ctypes
 
-    from prims_ts.cuda.prefill import PrefillParams
+    from prims_ts.cuda.prefill import PrefillParams, PrefillTmaParams
 
-    assert PrefillParams.tmap_k.offset == 0 and PrefillParams.tmap_v.offset == 128
-    assert PrefillParams.q.offset == 256
-    assert ctypes.sizeof(PrefillParams) % 64 == 0
-    last = PrefillParams.out_scale
-    assert ctypes.sizeof(PrefillParams) - (last.offset + last.size) < 64
+    assert PrefillTmaParams.tmap_k.offset == 0 and PrefillTmaParams.tmap_v.offset == 128
+    assert PrefillTmaParams.p.offset == 256
+    size = ctypes.sizeof(PrefillTmaParams)
+    assert size % 64 == 0 and size - (256 + ctypes.sizeof(PrefillParams)) < 64
+    tp = PrefillTmaParams()
+    tp.p.batch = 7
+    copy = PrefillTmaParams.from_buffer_copy(tp)
+    assert copy.p.batch == 7
 
 
 @pytest.mark.parametrize("mask", ["dense", "causal", "variable_window"])

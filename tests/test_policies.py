@@ -221,7 +221,8 @@ def test_persistent_choice_and_grid(persistent):
         for paged in (False, True):
             key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=paged, tuning=t)
             assert key.persistent == persistent and ("_pk" in key.name) == persistent
-            assert key.source().source.rstrip().endswith(f", {str(persistent).lower()}>(p);\n}}")
+            # prefill_kernel<cfg, mask, paged, persistent, tma>
+            assert key.source().source.rstrip().endswith(f", {str(persistent).lower()}, false>(p);\n}}")
         assert not PrefillKey.choose(torch.bfloat16, d, "variable_window", "sm_90a", tuning=t).persistent
         assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", tuning=t).persistent
     bsr = BlockSparseKey.choose("bf16", 128, True, 128, 512, "sm_90a", t)

@@ -28,8 +28,6 @@ namespace pt {
 enum MaskKind : int { MASK_DENSE = 0, MASK_CAUSAL = 1, MASK_VARWIN = 2 };
 
 struct PrefillParams {
-  TmaMap tmap_k;  // TMA keys: K and V as (D, Hkv, S, B) boxes of (64, 1, BN, 1); unused otherwise
-  TmaMap tmap_v;
   const void* q;
   const void* k;
   const void* v;
@@ -58,6 +56,14 @@ struct PrefillParams {
   int heads;    // query heads
   float scale_log2;
   float out_scale;
+};
+
+// The parameters of a TMA key: K's and V's maps, (D, Hkv, S, B) in boxes of (64, 1, BN, 1),
+// then the rest.
+struct PrefillTmaParams {
+  TmaMap tmap_k;
+  TmaMap tmap_v;
+  PrefillParams p;
 };
 
 template <class T, int BN, int MASK, bool PAGED, bool TMA_ = false>
@@ -136,7 +142,8 @@ struct PrefillProblem {
 // Work item w's problem (false: its q tile is past its request's queries). The variable
 // window's per-row ranges are set by the kernel (they need the CTA's shared memory).
 template <int BM, class Problem>
-__device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, Problem& pb) {
+__device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, Problem& pb,
+                                                const TmaMap* tmaps = nullptr) {
   using T = typename Problem::Elem;
   constexpr int MASK = Problem::MASK_KIND;
   constexpr bool PAGED = Problem::IS_PAGED;
@@ -194,8 +201,8 @@ __device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, P
   pb.b = b;
   pb.q0 = q0;
   if constexpr (Problem::TMA) {
-    pb.tmk = &p.tmap_k;
-    pb.tmv = &p.tmap_v;
+    pb.tmk = tmaps;
+    pb.tmv = tmaps + 1;
     pb.hk = hk;
   }
 
@@ -216,14 +223,17 @@ struct PrefillItems {
   using Problem = PrefillProblem<typename Cfg::T, Cfg::BN, MASK, PAGED, TMA>;
   static constexpr bool PERSIST = PERSIST_;
   const PrefillParams* p;
+  const TmaMap* tmaps;  // TMA: K's map, then V's
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int stride() const { return gridDim.x; }
   __device__ __forceinline__ int count() const { return p->n_items * p->heads; }
-  __device__ __forceinline__ bool get(int w, Problem& pb) const { return prefill_problem<Cfg::BM>(*p, w, pb); }
+  __device__ __forceinline__ bool get(int w, Problem& pb) const {
+    return prefill_problem<Cfg::BM>(*p, w, pb, tmaps);
+  }
 };
 
 template <class Cfg, int MASK, bool PAGED, bool PERSIST = false, bool TMA = false>
-__device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
+__device__ __forceinline__ void prefill_kernel(const PrefillParams& p, const TmaMap* tmaps = nullptr) {
   constexpr int BM = Cfg::BM;
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
@@ -231,11 +241,11 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
   static_assert(!TMA || (Cfg::PRODUCER && !PAGED && !PERSIST), "TMA: the producer ring, fixed storage, one item a CTA");
   using Items = PrefillItems<Cfg, MASK, PAGED, PERSIST, TMA>;
   if constexpr (MASK != MASK_VARWIN) {
-    fmha_items<Cfg>(Items{&p}, smem, p.scale_log2, p.out_scale);
+    fmha_items<Cfg>(Items{&p, tmaps}, smem, p.scale_log2, p.out_scale);
   } else {
     // one item per CTA: its rows' windows go to shared memory first (the whole CTA)
     typename Items::Problem pb;
-    if (!prefill_problem<BM>(p, blockIdx.x, pb)) return;
+    if (!prefill_problem<BM>(p, blockIdx.x, pb, tmaps)) return;
     int* lo = reinterpret_cast<int*>(smem + Cfg::SMEM_BYTES);
     int* hi = lo + BM;
     __shared__ int range[2];
@@ -263,6 +273,13 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p) {
     pb.kv_end = range[1] + 1;
     fmha_tile<Cfg>(pb, smem, p.scale_log2, p.out_scale);
   }
+}
+
+// A TMA key's entry: the maps live in the kernel's __grid_constant__ parameters.
+template <class Cfg, int MASK, bool PAGED, bool PERSIST, bool TMA>
+__device__ __forceinline__ void prefill_kernel(const PrefillTmaParams& tp) {
+  static_assert(TMA, "PrefillTmaParams: the TMA keys");
+  prefill_kernel<Cfg, MASK, PAGED, PERSIST, TMA>(tp.p, &tp.tmap_k);
 }
 
 }  // namespace pt

@@ -421,7 +421,11 @@ class Prepared:
     def for_plan(self, accepted: Accepted) -> "Prepared":
         c = copy.copy(self)
         params = type(self.launch.params).from_buffer_copy(self.launch.params)
-        setattr(c, self.PARAMS_ATTR, params)
+        c._own(params)
         c.launch = self.launch.with_params(params)
         c.accepted = accepted
         return c
+
+    def _own(self, params) -> None:
+        """Take `params` (a copy of the launch's struct) as this launch's parameters."""
+        setattr(self, self.PARAMS_ATTR, params)

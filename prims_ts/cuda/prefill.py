@@ -26,7 +26,7 @@ HEAD_DIMS = (128, 256)
 class PrefillKey(KernelKey):
     PREFIX = "pt_prefill"
     SOURCE = "fmha_prefill.cu"
-    PARAMS = "PrefillParams"
+    PARAMS = property(lambda self: "PrefillTmaParams" if self.tma else "PrefillParams")
 
     dtype: str = tag("", always=True)  # "bf16" | "f16"
     head_dim: int = tag("d", always=True)
@@ -93,10 +93,9 @@ def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, arch: str) -> i
 
 
 class PrefillParams(ctypes.Structure):
-    """Mirror of pt::PrefillParams (prims_ts/cuda/fmha_prefill.cu); its size a multiple of 64
-    bytes, as the kernel's (its tensor maps are 64-byte aligned)."""
+    """Mirror of pt::PrefillParams (prims_ts/cuda/fmha_prefill.cu)."""
 
-    _fields_ = [("tmap_k", runtime.TensorMap), ("tmap_v", runtime.TensorMap)] + [(n, ctypes.c_void_p) for n in (
+    _fields_ = [(n, ctypes.c_void_p) for n in (
         "q", "k", "v", "o", "qo_indptr", "kv_indptr", "win_starts", "win_ends", "work", "block_tables",
         "seq_lens")] + [
         (n, ctypes.c_int64) for n in (
@@ -110,7 +109,14 @@ class PrefillParams(ctypes.Structure):
     ]
 
 
-PrefillParams = runtime.padded_to(PrefillParams, 64)
+class _PrefillTmaParams(ctypes.Structure):
+    """Mirror of pt::PrefillTmaParams: K's and V's tensor maps (64-byte aligned, so the struct
+    is a multiple of 64 bytes), then the PrefillParams."""
+
+    _fields_ = [("tmap_k", runtime.TensorMap), ("tmap_v", runtime.TensorMap), ("p", PrefillParams)]
+
+
+PrefillTmaParams = runtime.padded_to(_PrefillTmaParams, 64)
 
 
 @dataclass(frozen=True)
@@ -151,14 +157,15 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class PreparedPrefill(Prepared):
     """The loaded kernel, grid and parameter struct of one PrefillStatic on one device."""
 
-    __slots__ = ("p", "_tma", "_tma_at")
+    __slots__ = ("p", "tp", "_tma", "_tma_at")
 
     def __init__(self, static: PrefillStatic, dev: int):
         arch, sms, _ = device_info(dev)
         key = PrefillKey.choose(static.dtype, static.head_dim, static.mask, arch, static.paged, static.tuning,
                                 static.packed)
         kernel = load(dev, key)
-        p = PrefillParams()
+        self.tp = PrefillTmaParams() if key.tma else None  # a TMA key's whole struct (p: its PrefillParams)
+        p = self.tp.p if key.tma else PrefillParams()
         p.batch = static.batch
         p.sq, p.sk = static.sq, static.sk
         p.num_q_tiles = (static.max_q_len + key.bm - 1) // key.bm
@@ -174,7 +181,7 @@ class PreparedPrefill(Prepared):
             p.page_shift = static.page_size.bit_length() - 1
         ctas = work_grid(n_items * static.num_qo_heads, key.persistent, sms, static.tuning.persistent_ctas)
         self.static, self.dev, self.key, self.p = static, dev, key, p
-        self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), p)
+        self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), self.tp if key.tma else p)
         self._strides = None
         self.accepted = None
         self._tma = None  # TMA keys: the encoders of K's and V's maps for the current strides
@@ -195,12 +202,18 @@ class PreparedPrefill(Prepared):
         self._tma = tuple(encoders)
         self._tma_at = (None, None)
 
+    def _own(self, params) -> None:
+        if self.key.tma:
+            self.tp, self.p = params, params.p
+        else:
+            self.p = params
+
     def _encode_tma(self, ka: int, va: int) -> None:
-        p = self.p
+        tp = self.tp
         if ka != self._tma_at[0]:
-            self._tma[0].encode(p.tmap_k, ka)
+            self._tma[0].encode(tp.tmap_k, ka)
         if va != self._tma_at[1]:
-            self._tma[1].encode(p.tmap_v, va)
+            self._tma[1].encode(tp.tmap_v, va)
         self._tma_at = (ka, va)
 
     def _set_strides(self, q, k, v, out) -> None:
