@@ -222,3 +222,33 @@ def test_prefill_tma_keys_only_for_fixed_storage(mask):
     assert key.tma == (mask == "variable_window") and key.persistent == (mask != "variable_window")
     assert not PrefillKey.choose(BF16, 128, mask, "sm_80", tuning=tma).tma
     assert Tuning.decode(tma.encode()) == tma
+
+
+def test_tensor_maps_are_encoded_aligned_and_copied(monkeypatch):
+    """The driver writes a tensor map only at a 64-byte (newer drivers: 128) aligned address, which
+    a ctypes struct is not: the encoder hands it an aligned scratch map and copies the bytes into
+    the parameters. A fake cuTensorMapEncodeTiled records what it is given."""
+    import ctypes
+
+    from prims_ts.cuda import runtime
+    from prims_ts.cuda.prefill import PrefillTmaParams
+
+    seen = []
+
+    def fake(out, dtype, rank, address, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        seen.append((out.value, dtype.value, rank.value, address.value, list(dims), list(strides), list(box),
+                     swizzle.value, oob.value))
+        ctypes.memmove(out.value, bytes(range(128)), 128)
+        return 0
+
+    class FakeLib:
+        cuTensorMapEncodeTiled = staticmethod(fake)
+
+    monkeypatch.setattr(runtime, "_libcuda", lambda: FakeLib())
+    enc = runtime.TileMapEncoder("bf16", (128, 2, 300, 3), (256, 512, 153600), (64, 1, 128, 1), "k")
+    tp = PrefillTmaParams()
+    enc.encode(tp.tmap_v, 0x7000)
+    out, dtype, rank, address, dims, strides, box, swizzle, oob = seen[0]
+    assert out % 128 == 0 and address == 0x7000 and (dtype, rank, swizzle, oob) == (9, 4, 3, 0)
+    assert dims == [128, 2, 300, 3] and strides == [256, 512, 153600] and box == [64, 1, 128, 1]
+    assert bytes(tp.tmap_v) == bytes(range(128)) and bytes(tp.tmap_k) == bytes(128)

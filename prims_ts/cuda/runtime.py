@@ -274,9 +274,11 @@ class TileMapEncoder:
     """cuTensorMapEncodeTiled for one tensor layout: a map over `dims` (innermost first) with
     byte strides `strides` (dims 1..), boxes of `box` elements, the 128-byte swizzle and zeros
     for elements outside the tensor; ``encode(map, address)`` writes the map of the tensor at
-    `address` (a plan re-encodes only when an address changes)."""
+    `address` (a plan re-encodes only when an address changes). The driver wants the map it
+    writes 64-byte aligned (128 on newer drivers), which a ctypes struct is not: it encodes
+    into an aligned scratch map of its own and copies the bytes (a map is position-free)."""
 
-    __slots__ = ("_args", "_fn", "what")
+    __slots__ = ("_args", "_fn", "what", "_scratch", "_map")
 
     def __init__(self, dtype: str, dims: Sequence[int], strides: Sequence[int], box: Sequence[int], what: str):
         rank = len(dims)
@@ -288,12 +290,16 @@ class TileMapEncoder:
         self._args = (ctypes.c_int(_TMA_DTYPES[dtype]), ctypes.c_uint32(rank), u64s(*dims),
                       (ctypes.c_uint64 * (rank - 1))(*strides), u32s(*box), u32s(*([1] * rank)),
                       ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(2), ctypes.c_int(0))
+        self._scratch = (ctypes.c_uint8 * (2 * ctypes.sizeof(TensorMap)))()
+        at = ctypes.addressof(self._scratch)
+        self._map = ctypes.c_void_p(at + (-at) % 128)
 
     def encode(self, out: TensorMap, address: int) -> None:
         a = self._args
-        rc = self._fn(ctypes.byref(out), a[0], a[1], ctypes.c_void_p(address), *a[2:])
+        rc = self._fn(self._map, a[0], a[1], ctypes.c_void_p(address), *a[2:])
         if rc:
             raise KernelLaunchError(f"cuTensorMapEncodeTiled failed for {self.what}: {_libcuda().error(rc)}")
+        ctypes.memmove(ctypes.addressof(out), self._map, ctypes.sizeof(TensorMap))
 
 
 class _LaunchConfig(ctypes.Structure):
