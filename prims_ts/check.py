@@ -608,6 +608,16 @@ def bsr_tensors(routes, device) -> Tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(flat, dtype=torch.int32, device=device))
 
 
+def bsr_valid_bits(batch: int, words: int, g: torch.Generator, device, kind: str) -> torch.Tensor:
+    """kv_valid_bits ``[batch, words]``: each bit set with probability 0.75, the first word's top bit
+    set; ``kind`` "int32" or "uint32" (the same bits)."""
+    on = (torch.rand(batch, words, 32, generator=g) < 0.75).to(torch.int64)
+    w = (on << torch.arange(32)).sum(-1)
+    w[0, 0] |= 1 << 31  # a word with the top bit set
+    bits = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).to(device)
+    return bits.view(torch.uint32) if kind == "uint32" else bits
+
+
 @dataclass(frozen=True)
 class BlockSparseSpec:
     entry: str  # "oneshot" | "wrapper" (plan, then run(out=))
@@ -683,15 +693,7 @@ class BlockSparseSpec:
         v.masked_fill_(unused, float("nan"))
         routes = bsr_routes(lens, sq, hkv, self.q_block, self.kv_block, g, empty=self.empty)
         block_indptr, block_indices = bsr_tensors(routes, device)
-        bits = None
-        if self.bits is not None:
-            words = -(-max_len // 32)
-            on = (torch.rand(b, words, 32, generator=g) < 0.75).to(torch.int64)
-            w = (on << torch.arange(32)).sum(-1)
-            w[0, 0] |= 1 << 31  # a word with the top bit set
-            bits = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).to(device)
-            if self.bits == "uint32":
-                bits = bits.view(torch.uint32)
+        bits = bsr_valid_bits(b, -(-max_len // 32), g, device, self.bits) if self.bits is not None else None
         q = _randn((b, sq, hq, d), dt, device, g)
         out = _poisoned(q.shape, self.out_dtype or dt, device)
         if self.entry == "oneshot":
@@ -782,11 +784,7 @@ class ContiguousBlockSparseSpec:
         k, v = _randn((b, skv, self.hkv, d), dt, device, g), _randn((b, skv, self.hkv, d), dt, device, g)
         routes = bsr_routes([skv] * b, sq, self.hkv, self.q_block, self.kv_block, g, empty=self.empty)
         block_indptr, block_indices = bsr_tensors(routes, device)
-        bits = None
-        if self.bits:
-            on = (torch.rand(b, -(-skv // 32), 32, generator=g) < 0.75).to(torch.int64)
-            w = (on << torch.arange(32)).sum(-1)
-            bits = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32).view(torch.uint32).to(device)
+        bits = bsr_valid_bits(b, -(-skv // 32), g, device, "uint32") if self.bits else None
         out = _poisoned(q.shape, dt, device)
         if self.entry == "oneshot":
             res = prims_ts.block_sparse_attention(q, k, v, block_indptr, block_indices, self.q_block, self.kv_block,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Dict, Iterator, Tuple
+from typing import Iterator
 
 import torch
 
@@ -188,11 +188,7 @@ class PreparedBlockSparse(Prepared):
         """A plan's launch with new addresses (and routes) and scale, when the operands are laid
         out as in its last full ``run`` (``Accepted``, block_indices at any length). False:
         nothing was launched, take the full path."""
-        acc = self.accepted
-        ops = (q, k_cache, v_cache, out, kv_indices, block_indptr, block_indices, valid_bits)
-        if not acc.same(ops):
-            return False
-        a = acc.addresses(ops, 3)
+        a = self.accepted.admit((q, k_cache, v_cache, out, kv_indices, block_indptr, block_indices, valid_bits))
         if a is None:
             return False
         bp = self.bp
@@ -205,13 +201,4 @@ class PreparedBlockSparse(Prepared):
         return True
 
 
-_PREPARED: Dict[Tuple[int, BlockSparseStatic], PreparedBlockSparse] = {}
-
-
-def prepared(static: BlockSparseStatic, dev: int) -> PreparedBlockSparse:
-    """The prepared launch of `static` on device `dev` (one per process)."""
-    pl = _PREPARED.get((dev, static))
-    if pl is None:
-        pl = PreparedBlockSparse(static, dev)
-        _PREPARED[(dev, static)] = pl
-    return pl
+prepared = PreparedBlockSparse.shared  # the shared prepared launch of a static key on a device

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -367,11 +367,7 @@ class PreparedDecode(Prepared):
         """A plan's launch with new query, pool and output addresses and scales, when the
         operands are laid out as in its last full ``run`` (``Accepted``; metadata and workspace
         are the plan's own). False: nothing was launched, take the full path."""
-        acc = self.accepted
-        ops = (query, k_cache, v_cache, out)
-        if not acc.same(ops):
-            return False
-        a = acc.addresses(ops, 3)
+        a = self.accepted.admit((query, k_cache, v_cache, out))
         if a is None:
             return False
         p = self.p
@@ -426,16 +422,7 @@ def write_rows(p: DecodeParams, last_strides, query, k_cache, v_cache, out, pack
     return strides
 
 
-_PREPARED: Dict[Tuple[int, DecodeStatic], PreparedDecode] = {}
-
-
-def prepared(static: DecodeStatic, dev: int) -> PreparedDecode:
-    """The prepared launch of `static` on device `dev` (one per process)."""
-    pl = _PREPARED.get((dev, static))
-    if pl is None:
-        pl = PreparedDecode(static, dev)
-        _PREPARED[(dev, static)] = pl
-    return pl
+prepared = PreparedDecode.shared  # the shared prepared launch of a static key on a device
 
 
 def decode_key(dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_kv_heads: int, group: int,

@@ -408,6 +408,11 @@ class Accepted:
                 return None
         return ptrs
 
+    def admit(self, tensors: Sequence[Optional[torch.Tensor]], out_index: int = 3) -> Optional[tuple]:
+        """The addresses of operands laid out as recorded (``same``) whose addresses pass
+        (``addresses``); None: take the full path."""
+        return self.addresses(tensors, out_index) if self.same(tensors) else None
+
 
 class Prepared:
     """Base of a prepared launch (``PreparedPrefill``, ``PreparedDecode``, ``PreparedBlockSparse``):
@@ -417,6 +422,17 @@ class Prepared:
 
     __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted")
     PARAMS_ATTR = "p"  # the attribute holding the parameter struct
+    _SHARED: ClassVar[Dict[tuple, "Prepared"]] = {}
+
+    @classmethod
+    def shared(cls, static, dev: int) -> "Prepared":
+        """The prepared launch of `static` on device `dev` that op calls share (one per process;
+        a plan takes its own copy, ``for_plan``)."""
+        pl = Prepared._SHARED.get((cls, dev, static))
+        if pl is None:
+            pl = cls(static, dev)
+            Prepared._SHARED[(cls, dev, static)] = pl
+        return pl
 
     def for_plan(self, accepted: Accepted) -> "Prepared":
         c = copy.copy(self)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -262,11 +262,7 @@ class PreparedPrefill(Prepared):
         """A plan's launch with new q, k, v, out addresses, when the four are laid out as in its
         last full ``run`` (``Accepted``; the metadata are the plan's own). False: nothing was
         launched, take the full path."""
-        acc = self.accepted
-        ops = (q, k, v, out)
-        if not acc.same(ops):
-            return False
-        a = acc.addresses(ops, 3)
+        a = self.accepted.admit((q, k, v, out))
         if a is None:
             return False
         p = self.p
@@ -277,17 +273,7 @@ class PreparedPrefill(Prepared):
         return True
 
 
-_PREPARED: Dict[Tuple[int, PrefillStatic], PreparedPrefill] = {}
-
-
-def prepared(static: PrefillStatic, dev: int) -> PreparedPrefill:
-    """The prepared launch of `static` on device `dev`, shared by every plan and op call with
-    the same static facts (one per process)."""
-    pl = _PREPARED.get((dev, static))
-    if pl is None:
-        pl = PreparedPrefill(static, dev)
-        _PREPARED[(dev, static)] = pl
-    return pl
+prepared = PreparedPrefill.shared  # the shared prepared launch of a static key on a device
 
 
 def prefill_key(dtype: torch.dtype, head_dim: int, mask: str, dev: int, paged: bool = False,

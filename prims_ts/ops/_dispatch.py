@@ -68,3 +68,12 @@ def plan_launch(prepared, bound: Sequence[Optional[torch.Tensor]], aligned: int 
     from ..cuda.keys import Accepted
 
     return prepared.for_plan(Accepted(aligned, [V.span(t) for t in bound if t is not None], loose))
+
+
+def fast_output(launch, out: Optional[torch.Tensor], shape, dtype: torch.dtype,
+                device: torch.device) -> Optional[torch.Tensor]:
+    """Where a plan's run may try its fast path (``launch.again``): ``out``, or a new output; None
+    when the plan has no prepared launch or the call is not plain eager (``plain_eager``)."""
+    if launch is None or not plain_eager(out):
+        return None
+    return torch.empty(shape, dtype=dtype, device=device) if out is None else out

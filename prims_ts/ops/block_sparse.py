@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import reference
-from ..cuda.keys import Tuning
+from ..cuda.keys import Tuning, cuda_index
 from . import _dispatch
 from . import _validate as V
 from .decode import _check_page_size, check_dtypes, named_cache, plan_cache, split_cache
@@ -493,13 +493,12 @@ class BlockSparsePagedTSWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
-        launch = plan.launch
-        if launch is not None and _dispatch.plain_eager(out):
-            sm = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
-            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
+        o = _dispatch.fast_output(plan.launch, out, plan.q_shape, plan.out_dtype, plan.device)
+        if o is not None:
             kv = paged_kv_cache
             k, v = kv if type(kv) is tuple and len(kv) == 2 else (kv, None)
-            if launch.again(q, k, v, o, paged_kv_indices, block_indptr, block_indices, kv_valid_bits, sm):
+            if plan.launch.again(q, k, v, o, paged_kv_indices, block_indptr, block_indices, kv_valid_bits,
+                                 V.fast_scale("sm_scale", sm_scale, plan.default_scale)):
                 return o
         dev, dt = plan.device, plan.dtype
         cache = paged_kv_cache
@@ -698,7 +697,7 @@ def _plan_device(device) -> torch.device:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             V.fail(f"device: {dev} was requested but CUDA is not available")
-        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        dev = torch.device("cuda", cuda_index(dev))
     elif dev.type != "cpu":
         V.fail(f"device: block-sparse plans run on CUDA (or the CPU reference), got {dev}")
     return dev
@@ -777,11 +776,10 @@ class BlockSparseTSWrapper:
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
         launch = plan.launch
-        if launch is not None and _dispatch.plain_eager(out):
-            sm = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
-            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
-            if launch.again(q, k, v, o, None, block_indptr, block_indices, kv_valid_bits, sm):
-                return o
+        o = _dispatch.fast_output(launch, out, plan.q_shape, plan.out_dtype, plan.device)
+        if o is not None and launch.again(q, k, v, o, None, block_indptr, block_indices, kv_valid_bits,
+                                          V.fast_scale("sm_scale", sm_scale, plan.default_scale)):
+            return o
         _check_contiguous_against_plan(plan, q, k, v, block_indptr, block_indices, kv_valid_bits)
         sm_scale = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
         if out is not None:

@@ -599,14 +599,11 @@ class BatchDecodePagedTSWrapper:
             raise RuntimeError("plan() must be called before run()")
         sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, plan.default_scale)
         output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-        launch = plan.launch
-        if launch is not None and _dispatch.plain_eager(out):
-            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
+        o = _dispatch.fast_output(plan.launch, out, plan.q_shape, plan.out_dtype, plan.device)
+        if o is not None:
             kv = paged_kv_cache
-            if type(kv) is tuple and len(kv) == 2:
-                if launch.again(q, kv[0], kv[1], o, sm_scale, output_scale):
-                    return o
-            elif launch.again(q, kv, None, o, sm_scale, output_scale):
+            k, v = kv if type(kv) is tuple and len(kv) == 2 else (kv, None)
+            if plan.launch.again(q, k, v, o, sm_scale, output_scale):
                 return o
         dev, dt = plan.device, plan.dtype
         cache = paged_kv_cache

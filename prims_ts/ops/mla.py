@@ -537,13 +537,11 @@ class BatchMLADecodePagedTSWrapper:
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
         if validate is False:
-            launch = plan.launch
-            if launch is not None and _dispatch.plain_eager(out):
-                sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
-                output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-                o = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
-                if launch.again(query, kv_cache, None, o, sm_scale, output_scale):
-                    return o
+            o = _dispatch.fast_output(plan.launch, out, plan.out_shape, plan.out_dtype, plan.device)
+            if o is not None and plan.launch.again(query, kv_cache, None, o,
+                                                   V.fast_scale("bmm1_scale", bmm1_scale, None),
+                                                   V.fast_scale("bmm2_scale", bmm2_scale, None)):
+                return o
         elif validate is not True:
             raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
         dev, dt = plan.device, plan.dtype

@@ -339,11 +339,9 @@ class BatchPrefillTSWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
-        launch = plan.launch
-        if launch is not None and _dispatch.plain_eager(out):
-            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
-            if launch.again(q, k, v, o):
-                return o
+        o = _dispatch.fast_output(plan.launch, out, plan.q_shape, plan.out_dtype, plan.device)
+        if o is not None and plan.launch.again(q, k, v, o):
+            return o
         dev, dt = plan.device, plan.dtype
         fast = (V.matches(q, plan.q_shape, dt, dev) and V.matches(k, plan.k_shape, dt, dev)
                 and V.matches(v, plan.k_shape, dt, dev))

@@ -317,11 +317,9 @@ class BatchPrefillPagedTSWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("plan() must be called before run()")
-        launch = plan.launch
-        if launch is not None and _dispatch.plain_eager(out):
-            o = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device) if out is None else out
-            if launch.again(q, k_cache, v_cache, o):
-                return o
+        o = _dispatch.fast_output(plan.launch, out, plan.q_shape, plan.out_dtype, plan.device)
+        if o is not None and plan.launch.again(q, k_cache, v_cache, o):
+            return o
         dev, dt = plan.device, plan.dtype
         fast = (V.matches(q, plan.q_shape, dt, dev) and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor
                 and k_cache.shape[1:] == plan.pool_geometry and v_cache.shape == k_cache.shape
