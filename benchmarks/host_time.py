@@ -1,6 +1,6 @@
 """Where the host time of each eager path goes (what a serving loop pays in Python).
 
-    PYTHONPATH=. python benchmarks/host_time.py [--match TEXT] [--top N]
+    PYTHONPATH=. python benchmarks/host_time.py [--match TEXT] [--path TEXT] [--top N]
 
 For each problem and path of ``bench --paths`` (peers left out): the CPU time per call over
 200 back-to-back calls (one-shots: 20 calls, each on an idle GPU, as they read metadata on the
@@ -9,7 +9,6 @@ figures beside the peers; this says which lines cost them.
 """
 import argparse
 import cProfile
-import io
 import pstats
 import time
 
@@ -19,16 +18,29 @@ from prims_ts import bench as B
 from prims_ts import bench_paths as P
 
 
+def table(stats: pstats.Stats, calls: int, top: int, key: str) -> str:
+    """The top entries by `key` (tottime or cumtime), per call of the path in microseconds
+    (under the profiler, which inflates small functions): calls made, own time, inclusive time."""
+    rows = []
+    for (file, line, fn), (_, nc, tt, ct, _) in stats.stats.items():
+        where = f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({fn})"
+        rows.append((tt if key == "tottime" else ct, nc / calls, tt / calls * 1e6, ct / calls * 1e6, where))
+    rows.sort(reverse=True)
+    head = f"  by {key}:   calls    own us    incl us  function"
+    return "\n".join([head] + [f"  {nc:16.1f} {tt:9.1f} {ct:10.1f}  {w}" for _, nc, tt, ct, w in rows[:top]])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--match", default=None)
+    ap.add_argument("--path", default=None, help="only the paths whose name holds this text (e.g. one-shot)")
     ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     for fam, prob in P.problems(None, a.match):
         x = B.FAMILIES[fam].make_inputs(prob, dev)
         for name, fn in P.PATHS[fam][0](prob, x):
-            if isinstance(fn, BaseException) or not name.startswith("ours"):
+            if isinstance(fn, BaseException) or not name.startswith("ours") or (a.path and a.path not in name):
                 continue
             n, idle = (20, True) if "one-shot" in name else (200, False)
             for _ in range(5):
@@ -51,13 +63,10 @@ def main() -> None:
                 if idle:
                     torch.cuda.synchronize()
             torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+            print(f"== {fam} {prob.name} | {name}: host {host * 1e6:.1f} us/call")
+            print(table(pstats.Stats(prof), n, a.top, "tottime"))
             if idle:  # where a one-shot's host work goes, call by call
-                pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(a.top)
-            body = s.getvalue()
-            body = body[body.find("ncalls"):]
-            print(f"== {fam} {prob.name} | {name}: host {host * 1e6:.1f} us/call\n{body}")
+                print(table(pstats.Stats(prof), n, a.top, "cumtime"))
         del x
         torch.cuda.empty_cache()
 

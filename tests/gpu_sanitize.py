@@ -3,6 +3,7 @@ compute-sanitizer (not collected by pytest).
 
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
+    compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --variant tma   (one ring variant's cases)
 
 Both tools slow kernels ~100x: keep every case small and the launches few.
 
@@ -408,9 +409,21 @@ def run_all(dev) -> None:
         torch.cuda.synchronize()
 
 
+def run_variant(dev, name: str) -> None:
+    """The prefill and block-sparse cases of one ring variant (``RING_VARIANTS[name]``) only."""
+    tuning = RING_VARIANTS[name]
+    print(f"ring variant {name} ({tuning.encode()}):")
+    prefill_cases(dev, tuning)
+    block_sparse_cases(dev, tuning)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     torch.manual_seed(0)
-    run_all("cuda")
+    if len(sys.argv) == 3 and sys.argv[1] == "--variant":
+        run_variant("cuda", sys.argv[2])
+    else:
+        run_all("cuda")
     print("sanitize cases done")
 
 

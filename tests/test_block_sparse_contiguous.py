@@ -362,7 +362,7 @@ GRID = [  # (q_block, kv_block, group, d, mask, bits, empty_every, skv)
     (64, 128, 2, 256, "dense", None, 4, 777),
     (16, 8, 8, 256, "causal", "int32", 2, 300),
     (32, 64, 4, 256, "causal", None, 4, 1029),
-    (128, 64, 8, 128, "dense", "uint32", 6, 4097),
+    (128, 64, 8, 128, "dense", "uint32", 3, 4097),
     (8, 256, 1, 128, "causal", None, 4, 1500),
 ]
 

@@ -214,7 +214,9 @@ def test_prefill_tma_keys_only_for_fixed_storage(mask):
     tma = Tuning(tma=True)
     assert PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=tma).tma
     assert PrefillKey.choose(BF16, 256, mask, "sm_90a", tuning=tma).name.endswith("_tma")
-    for kw in (dict(packed=True), dict(paged=True), dict(tuning=Tuning(tma=True, probe=1)), dict(tuning=Tuning())):
+    assert PrefillKey.choose(BF16, 128, mask, "sm_90a").tma  # the default
+    for kw in (dict(packed=True), dict(paged=True), dict(tuning=Tuning(tma=True, probe=1)),
+               dict(tuning=Tuning(tma=False))):
         kw.setdefault("tuning", tma)
         assert not PrefillKey.choose(BF16, 128, mask, "sm_90a", **kw).tma, kw
     # persistent CTAs keep the cp.async producer (the variable window has no persistent keys)

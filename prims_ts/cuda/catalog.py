@@ -27,7 +27,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "loop0_persistent": Tuning(loop=0, persistent=True, persistent_ctas=3),
     "loop2_persistent": Tuning(loop=2, persistent=True, persistent_ctas=3),
     "other_copy": Tuning(flip_copy=True),
-    "tma": Tuning(tma=True),
+    "cp_async": Tuning(tma=False),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.
@@ -45,6 +45,7 @@ def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelK
         for d in PREFILL_HEAD_DIMS:
             for mask in MASK_CODES:
                 yield PrefillKey.choose(dtype, d, mask, arch, tuning=tuning)
+                yield PrefillKey.choose(dtype, d, mask, arch, tuning=tuning, packed=True)
             for mask in ("dense", "causal"):
                 yield PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning)
     for dt in DTYPE_CODES.values():

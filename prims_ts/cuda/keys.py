@@ -65,8 +65,9 @@ class Tuning:
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
     # K/V tiles as TMA boxes (one producer thread) in the sm_90a prefill keys of fixed
-    # storage, one item a CTA; other problems keep the cp.async producer.
-    tma: bool = False
+    # storage, one item a CTA; other problems (packed, paged, persistent) keep the cp.async
+    # producer. False: cp.async there too.
+    tma: bool = True
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:
