@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -121,6 +121,21 @@ for s in "${stages[@]}"; do
         echo "== speedups over variant d (the defaults)"
         # shellcheck disable=SC2046
         "$PY" benchmarks/ab_table.py $(for v in $variants; do echo "$OUT/ab$v.json"; done) | tee "$OUT/${s}_table.txt" ;;
+    pathstree)
+        # host paths before/after in one call: `bench --paths` of the package at ab_base/ (see
+        # abtree), then of this tree's, each from its own tree's directory (paths_base.log,
+        # paths_new.log and their JSON)
+        [ -d ab_base/prims_ts ] || { echo "pathstree: no ab_base/prims_ts" >&2; exit 2; }
+        for v in base new; do
+            root=.; [ "$v" = base ] && root=ab_base
+            echo "== bench --paths, $v tree"
+            (cd "$root" && PYTHONPATH=. timeout 200 "$PY" -c "import os, sys; import prims_ts; \
+print('prims_ts from', os.path.dirname(os.path.realpath(prims_ts.__file__))); \
+from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench --paths --json "$OUT/paths_$v.json") \
+                >"$OUT/paths_$v.log" 2>&1
+            echo "   rc=$? $(head -1 "$OUT/paths_$v.log")"
+            grep -E "ours" "$OUT/paths_$v.log" | cut -c1-160
+        done ;;
     abtree)
         # before/after of a kernel change in one call: the package at ab_base/ (e.g. `mkdir ab_base
         # && git archive HEAD prims_ts | tar -x -C ab_base`, carried: it is git-ignored) against

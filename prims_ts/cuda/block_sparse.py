@@ -6,6 +6,7 @@ per CTA, or persistent CTAs walking them (Tuning.persistent).
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -44,6 +45,7 @@ class BlockSparseKey(KernelKey):
     contiguous: bool = tag("ct", False)  # K/V address policy: CSR pages, or contiguous [B, Skv, Hkv, D]
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
     def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int, arch: str,
                tuning: Tuning = DEFAULT_TUNING, contiguous: bool = False) -> "BlockSparseKey":
         """`rows`: the M rows of one route row, q_block_size (or Sq if smaller) x group."""

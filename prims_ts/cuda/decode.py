@@ -153,6 +153,7 @@ class DecodeKey(KernelKey):
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
     def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str = "sm_80",
            tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
         """The tile of each engine for a policy: on sm_90a, MLA rows of 64 take wgmma with a

@@ -8,6 +8,7 @@ struct with every static field written; ``run_*`` write the live ones and launch
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -44,6 +45,7 @@ class PrefillKey(KernelKey):
     tma: bool = tag("tma", False)  # K/V tiles as TMA boxes (Tuning.tma; fixed storage only)
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str, paged: bool = False,
                tuning: Tuning = DEFAULT_TUNING, packed: bool = False) -> "PrefillKey":
         """The tile of each engine: sm_90a takes wgmma with a producer warpgroup (BM 128; BN

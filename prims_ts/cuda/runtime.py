@@ -324,6 +324,14 @@ class _LibCuda:
         self.cuCtxGetCurrent = lib.cuCtxGetCurrent
         self.cuCtxSetCurrent = lib.cuCtxSetCurrent
         self.cuGetErrorString = lib.cuGetErrorString
+        self.cuMemcpyDtoHAsync = lib.cuMemcpyDtoHAsync_v2
+        self.cuMemcpyHtoDAsync = lib.cuMemcpyHtoDAsync_v2
+        self.cuStreamSynchronize = lib.cuStreamSynchronize
+        self.cuEventCreate = lib.cuEventCreate
+        self.cuEventRecord = lib.cuEventRecord
+        self.cuEventSynchronize = lib.cuEventSynchronize
+        for f in (self.cuMemcpyDtoHAsync, self.cuMemcpyHtoDAsync):
+            f.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
         self._ctx = ctypes.c_void_p()
         self._ctx_ref = ctypes.byref(self._ctx)
 
@@ -400,6 +408,126 @@ class PreparedLaunch:
                 drv.cuCtxSetCurrent(ctypes.c_void_p(cur))
         if rc:
             raise KernelLaunchError(f"launch of {self.name!r} grid={self.grid} failed: {drv.error(rc)}")
+
+
+# ----------------------------------------------------------------------------
+# Metadata between the host and a device: one pinned buffer per thread and device
+# ----------------------------------------------------------------------------
+
+_CU_EVENT_DISABLE_TIMING = 2
+_contexts: Dict[int, int] = {}
+
+
+def _device_context(device_index: int) -> int:
+    """torch's (primary) context of a device, which the copies below run in."""
+    ctx = _contexts.get(device_index)
+    if ctx is None:
+        import torch
+
+        with torch.cuda.device(device_index):
+            torch.cuda.current_stream(device_index)
+            ctx = _libcuda().current_context()
+        _contexts[device_index] = ctx
+    return ctx
+
+
+class _Pinned:
+    """A page-locked int32 host buffer (a torch tensor and its NumPy view) and, for uploads,
+    the event of the last copy that read it."""
+
+    __slots__ = ("tensor", "array", "address", "event", "pending")
+
+    def __init__(self, n: int):
+        import torch
+
+        self.tensor = torch.empty(n, dtype=torch.int32, pin_memory=True)
+        self.array = self.tensor.numpy()
+        self.address = self.tensor.data_ptr()
+        self.event = None
+        self.pending = False
+
+
+class _Staging(threading.local):
+    def __init__(self):
+        self.down: Dict[int, _Pinned] = {}
+        self.up: Dict[int, _Pinned] = {}
+
+
+_staging = _Staging()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise KernelLaunchError(f"{what} failed: {_libcuda().error(rc)}")
+
+
+def _buffer(table: Dict[int, _Pinned], device_index: int, n: int) -> _Pinned:
+    buf = table.get(device_index)
+    if buf is None or buf.array.shape[0] < n:
+        if buf is not None and buf.pending:  # a copy may still read the old buffer
+            _check(_libcuda().cuEventSynchronize(buf.event), "cuEventSynchronize")
+        grown = _Pinned(max(n, 4096, 2 * (buf.array.shape[0] if buf is not None else 0)))
+        if buf is not None:
+            grown.event = buf.event  # one event per thread and device
+        table[device_index] = buf = grown
+    return buf
+
+
+def read_int32(device_index: int, spans: Sequence[Tuple[int, int]]):
+    """The int32 values of device ranges (address, element count), back to back in one NumPy
+    array: an asynchronous copy each on torch's current stream, then one wait for that stream.
+    The array is a view of this thread's pinned buffer, valid until its next read: copy what
+    is kept. Not during CUDA-graph capture."""
+    total = sum(n for _, n in spans)
+    buf = _buffer(_staging.down, device_index, total)
+    drv = _libcuda()
+    ctx = _device_context(device_index)
+    stream = current_stream(device_index)
+    cur = drv.current_context()
+    if cur != ctx:
+        drv.cuCtxSetCurrent(ctypes.c_void_p(ctx))
+    try:
+        at = buf.address
+        for address, n in spans:
+            if n:
+                _check(drv.cuMemcpyDtoHAsync(at, address, 4 * n, stream), "cuMemcpyDtoHAsync")
+                at += 4 * n
+        _check(drv.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
+    finally:
+        if cur != ctx:
+            drv.cuCtxSetCurrent(ctypes.c_void_p(cur))
+    return buf.array[:total]
+
+
+def write_int32(device_index: int, values, address: int) -> None:
+    """Copy a host int32 array (C-contiguous) to device memory at `address`, asynchronously on
+    torch's current stream, through this thread's pinned upload buffer (whose previous copy is
+    waited for before it is overwritten: an event, normally long complete). Not during
+    CUDA-graph capture."""
+    n = values.shape[0] if values.ndim == 1 else values.size
+    if not n:
+        return
+    drv = _libcuda()
+    ctx = _device_context(device_index)
+    stream = current_stream(device_index)
+    cur = drv.current_context()
+    if cur != ctx:
+        drv.cuCtxSetCurrent(ctypes.c_void_p(ctx))
+    try:
+        buf = _buffer(_staging.up, device_index, n)
+        if buf.event is None:
+            ev = ctypes.c_void_p()
+            _check(drv.cuEventCreate(ctypes.byref(ev), _CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            buf.event = ev
+        elif buf.pending:
+            _check(drv.cuEventSynchronize(buf.event), "cuEventSynchronize")
+        buf.array[:n] = values.reshape(-1)
+        _check(drv.cuMemcpyHtoDAsync(address, buf.address, 4 * n, stream), "cuMemcpyHtoDAsync")
+        _check(drv.cuEventRecord(buf.event, ctypes.c_void_p(stream)), "cuEventRecord")
+        buf.pending = True
+    finally:
+        if cur != ctx:
+            drv.cuCtxSetCurrent(ctypes.c_void_p(cur))
 
 
 def current_stream(device_index: int) -> int:

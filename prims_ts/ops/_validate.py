@@ -386,25 +386,64 @@ def values_indptr(name: str, values, end: Optional[int], end_name: str, strict: 
         fail(f"{name}: the final {name} offset must equal {end_name} = {end}, got {int(t[-1])}")
 
 
+def _span(t: torch.Tensor) -> Optional[int]:
+    """Elements from a metadata tensor's first to its last (a contiguous tensor, or a
+    row-strided int32 table [B, C]); None: another layout."""
+    if t.is_contiguous():
+        return t.numel()
+    if t.dim() == 2 and (t.shape[1] == 1 or t.stride(1) == 1) and t.stride(0) >= t.shape[1]:
+        return (t.shape[0] - 1) * t.stride(0) + t.shape[1] if t.numel() else 0
+    return None
+
+
 def host_values(*tensors: torch.Tensor) -> List[np.ndarray]:
     """The values of int32 tensors on the host, flattened, as int64 NumPy arrays, with one
-    device-to-host copy (a one-shot's or a plan's only read of metadata); the checks then run
-    as whole-array NumPy operations (a microsecond each, where a small torch op costs several)."""
+    wait for the device (a one-shot's or a plan's only read of metadata): on CUDA, a copy of
+    each tensor's range into one pinned buffer on the current stream; elsewhere one
+    concatenated copy. The checks then run as whole-array NumPy operations (a microsecond
+    each, where a small torch op costs several)."""
     if not tensors:
         return []
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to("cpu").numpy().astype(np.int64)
+    t0 = tensors[0]
+    spans = None
+    if t0.is_cuda and all(t.device == t0.device and t.dtype is torch.int32 for t in tensors) \
+            and not torch.cuda.is_current_stream_capturing():
+        spans = [_span(t) for t in tensors]
+    if spans is None or None in spans:
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to("cpu").numpy().astype(np.int64)
+        out, at = [], 0
+        for t in tensors:  # views of the one copy
+            n = t.numel()
+            out.append(flat[at:at + n])
+            at += n
+        return out
+    from ..cuda import runtime
+
+    got = runtime.read_int32(t0.device.index, [(t.data_ptr(), n) for t, n in zip(tensors, spans)])
     out, at = [], 0
-    for t in tensors:  # views of the one copy
-        n = t.numel()
-        out.append(flat[at:at + n])
+    for t, n in zip(tensors, spans):
+        part = got[at:at + n]
+        if n != t.numel():  # a row-strided table: its rows
+            part = np.lib.stride_tricks.as_strided(part, t.shape, (4 * t.stride(0), 4))
+        out.append(part.astype(np.int64).reshape(-1))  # a copy: the buffer is reused
         at += n
     return out
 
 
 def to_device(device: torch.device, *arrays: np.ndarray) -> List[torch.Tensor]:
-    """Host arrays as int32 tensors on `device`, with one host-to-device copy."""
-    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int32).reshape(-1) for a in arrays])).to(device)
-    return list(flat.split([int(np.size(a)) for a in arrays]))
+    """Host arrays as int32 tensors on `device`, with one host-to-device copy (on CUDA, an
+    asynchronous one through a pinned buffer)."""
+    flat = np.concatenate([np.asarray(a, dtype=np.int32).reshape(-1) for a in arrays]) if len(arrays) > 1 \
+        else np.ascontiguousarray(arrays[0], dtype=np.int32).reshape(-1)
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        from ..cuda import runtime
+
+        t = torch.empty(flat.shape[0], dtype=torch.int32, device=device)
+        runtime.write_int32(device.index if device.index is not None else torch.cuda.current_device(), flat,
+                            t.data_ptr())
+    else:
+        t = torch.from_numpy(flat).to(device)
+    return list(t.split([int(np.size(a)) for a in arrays])) if len(arrays) > 1 else [t]
 
 
 def matches(t, shape, dtype: torch.dtype, device: torch.device) -> bool:
@@ -448,11 +487,15 @@ def values_block_table(name: str, table: np.ndarray, lens: np.ndarray, page_size
                        num_pages: Optional[int]) -> int:
     """The used entries of a page table (row b's first ceil(lens[b] / page_size)) are page IDs in
     ``[0, num_pages)`` (``num_pages`` None: only ``>= 0``). ``table`` ``[B, C]`` and ``lens`` are
-    host arrays, the lengths already checked against the row capacity. Returns the largest used
-    page ID."""
+    host arrays, the lengths already checked against the row capacity. Returns a bound of the
+    used page IDs: the largest entry of the table when every entry is a valid ID (two
+    reductions), else the largest used one."""
+    hi = num_pages if num_pages is not None else INT32_MAX + 1
+    top = int(table.max()) if table.size else -1
+    if top < hi and table.size and table.min() >= 0:
+        return top
     need = (np.asarray(lens, dtype=np.int64) + page_size - 1) // page_size
     used = np.arange(table.shape[1])[None, :] < need[:, None]  # [B, C]
-    hi = num_pages if num_pages is not None else INT32_MAX + 1
     bad = used & ((table < 0) | (table >= hi))
     if bad.any():
         b, c = first(bad)

@@ -439,7 +439,8 @@ class BlockSparsePagedTSWrapper:
     def _make_plan(self, paged_kv_indptr, seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim, q_block_size,
                    kv_block_size, page_size, max_blocks_per_row, use_kv_valid_bits, seq_lens_kv, mask_type,
                    q_data_type, kv_data_type, o_data_type, values) -> BlockSparsePlan:
-        """`values`: the one-shot's host copies (indptr, lengths) of metadata it already read."""
+        """`values`: the one-shot's host copies (indptr, lengths) of metadata it already read; its
+        plan runs the shared prepared launch once."""
         d, dtype, odt, mask_type = check_geometry(seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim,
                                                   q_block_size, kv_block_size, max_blocks_per_row, use_kv_valid_bits,
                                                   mask_type, q_data_type, kv_data_type, o_data_type)
@@ -471,7 +472,7 @@ class BlockSparsePagedTSWrapper:
 
             launch = K.prepared(static, device.index)  # loaded before any state changes
         kv_indptr, seq_lens = V.to_device(device, ip, lens)
-        if launch is not None:
+        if launch is not None and values is None:
             launch = _dispatch.plan_launch(launch, (kv_indptr, seq_lens), loose=(6,))
         return BlockSparsePlan(static, device, dtype, odt, (batch, seq_len_q, num_qo_heads, d),
                                (num_kv_heads, page_size, d), (batch, num_kv_heads, rows_r + 1), seq_len_kv,
@@ -517,26 +518,35 @@ class BlockSparsePagedTSWrapper:
                     and kv_valid_bits.is_contiguous())
         if not fast:
             _check_against_plan(plan, q, cache, paged_kv_indices, block_indptr, block_indices, kv_valid_bits)
-        sm_scale = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
-        if out is not None:
-            V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
-                         (("q", q),) + named_cache("paged_kv_cache", cache) + (
-                             ("paged_kv_indices", paged_kv_indices), ("block_indptr", block_indptr),
-                             ("block_indices", block_indices), ("kv_valid_bits", kv_valid_bits)))
-        if fast and plan.launch is not None and _dispatch.plain_eager(out):
-            if out is None:
-                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
-            plan.launch.run(q, kv[0], kv[1], out, plan.kv_indptr, paged_kv_indices, block_indptr, block_indices,
-                            plan.seq_lens, kv_valid_bits, sm_scale)
-            return out
-        k_cache, v_cache = split_cache(cache, "paged_kv_cache")
-        V.run_layout((("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache)))
-        st = plan.static
-        args = (plan.kv_indptr, paged_kv_indices, block_indptr, block_indices, plan.seq_lens, kv_valid_bits,
-                st.q_block_size, st.kv_block_size, "causal" if st.causal else "dense", sm_scale)
-        return _dispatch.call(torch.ops.prims_ts.block_sparse_attention,
-                              torch.ops.prims_ts.block_sparse_attention_out, _run, (q, k_cache, v_cache), args, out,
-                              plan.out_dtype, plan.tuning_code)
+        return _launch(plan, q, cache, kv if fast else None, paged_kv_indices, block_indptr, block_indices,
+                       kv_valid_bits, V.fast_scale("sm_scale", sm_scale, plan.default_scale), out)
+
+
+def _launch(plan: BlockSparsePlan, q, cache, kv, kv_indices, block_indptr, block_indices, valid_bits,
+            sm_scale: float, out) -> torch.Tensor:
+    """A run's (or a one-shot's) launch of operands checked against the plan (`kv`: the cache's
+    K and V pools when every operand is laid out as planned, else None): `out` checked, then
+    the prepared kernel, or the op where a tracer, a mode or a subclass must see the call."""
+    dev = plan.device
+    if out is not None:
+        V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
+                     (("q", q),) + named_cache("paged_kv_cache", cache) + (
+                         ("paged_kv_indices", kv_indices), ("block_indptr", block_indptr),
+                         ("block_indices", block_indices), ("kv_valid_bits", valid_bits)))
+    if kv is not None and plan.launch is not None and _dispatch.plain_eager(out):
+        if out is None:
+            out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
+        plan.launch.run(q, kv[0], kv[1], out, plan.kv_indptr, kv_indices, block_indptr, block_indices,
+                        plan.seq_lens, valid_bits, sm_scale)
+        return out
+    k_cache, v_cache = split_cache(cache, "paged_kv_cache")
+    V.run_layout((("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache)))
+    st = plan.static
+    args = (plan.kv_indptr, kv_indices, block_indptr, block_indices, plan.seq_lens, valid_bits,
+            st.q_block_size, st.kv_block_size, "causal" if st.causal else "dense", sm_scale)
+    return _dispatch.call(torch.ops.prims_ts.block_sparse_attention,
+                          torch.ops.prims_ts.block_sparse_attention_out, _run, (q, k_cache, v_cache), args, out,
+                          plan.out_dtype, plan.tuning_code)
 
 
 def _check_against_plan(plan: BlockSparsePlan, q, cache, kv_indices, block_indptr, block_indices, valid_bits) -> None:
@@ -590,8 +600,9 @@ def block_sparse_attention_with_paged_kv_cache(
     or FlashInfer main's ``seq_len_kv`` (``seq_lens_kv`` then optional: every request has
     ``seq_len_kv`` keys). Validates the live page and BSR metadata on the host with one copy
     and whole-tensor checks (lengths, the complete live page-ID prefix of every request,
-    canonical BSR rows whose blocks start before the request's length), then runs a
-    :class:`BlockSparsePagedTSWrapper` planned with the routes' largest row as its capacity.
+    canonical BSR rows whose blocks start before the request's length), then launches a
+    :class:`BlockSparsePagedTSWrapper` plan with the routes' largest row as its capacity once
+    (the shared prepared kernel).
     It cannot run during CUDA-graph capture: plan a wrapper outside capture and capture only
     its ``run``.
     """
@@ -651,12 +662,13 @@ def block_sparse_attention_with_paged_kv_cache(
         V.fail(f"paged_kv_indices: request {b} uses page ID {int(ids[i])}, outside [0, {num_pages}); entries must "
                "index the physical page pool")
     most = check_route_values(ptr.reshape(batch, hkv, rows_r + 1), routes, lens, kv_block_size)
-    w = BlockSparsePagedTSWrapper()
-    w._plan = w._make_plan(paged_kv_indptr, sq, bound, hq, hkv, d, q_block_size, kv_block_size, page_size,
-                           min(most, -(-bound // kv_block_size)), kv_valid_bits is not None, seq_lens_kv, mask_type,
-                           q.dtype, None, V.resolve_out_dtype(None, out, q), (ip, lens))
-    return w.run(q, paged_kv_cache, paged_kv_indices, block_indptr, block_indices, kv_valid_bits=kv_valid_bits,
-                 sm_scale=sm_scale, out=out)
+    plan = BlockSparsePagedTSWrapper()._make_plan(
+        paged_kv_indptr, sq, bound, hq, hkv, d, q_block_size, kv_block_size, page_size,
+        min(most, -(-bound // kv_block_size)), kv_valid_bits is not None, seq_lens_kv, mask_type, q.dtype, None,
+        V.resolve_out_dtype(None, out, q), (ip, lens))
+    kv = plan_cache(paged_kv_cache, plan.geometry, plan.dtype, plan.device, -1)  # None: a subclass (the op)
+    return _launch(plan, q, paged_kv_cache, kv, paged_kv_indices, block_indptr, block_indices, kv_valid_bits,
+                   V.fast_scale("sm_scale", sm_scale, plan.default_scale), out)
 
 
 # ----------------------------------------------------------------------------
@@ -739,6 +751,14 @@ class BlockSparseTSWrapper:
         kv_data_type: Optional[torch.dtype] = None,
         o_data_type: Optional[torch.dtype] = None,
     ) -> None:
+        self._plan = self._make_plan(batch_size, seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim,
+                                     q_block_size, kv_block_size, device, max_blocks_per_row, use_kv_valid_bits,
+                                     mask_type, q_data_type, kv_data_type, o_data_type)
+
+    def _make_plan(self, batch_size, seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim, q_block_size,
+                   kv_block_size, device, max_blocks_per_row, use_kv_valid_bits, mask_type, q_data_type, kv_data_type,
+                   o_data_type, one_shot: bool = False) -> "ContiguousBlockSparsePlan":
+        """The plan; a `one_shot`'s runs the shared prepared launch once."""
         batch = V.batch_size("batch_size", V.integer("batch_size", batch_size, minimum=1))
         d, dtype, odt, mask_type = check_geometry(seq_len_q, seq_len_kv, num_qo_heads, num_kv_heads, head_dim,
                                                   q_block_size, kv_block_size, max_blocks_per_row, use_kv_valid_bits,
@@ -754,8 +774,10 @@ class BlockSparseTSWrapper:
                 raise RuntimeError("BlockSparseTSWrapper: plan before capturing a CUDA graph (it loads the kernel)")
             from ..cuda import block_sparse as K
 
-            launch = _dispatch.plan_launch(K.prepared(static, dev.index), (), loose=(6,))
-        self._plan = ContiguousBlockSparsePlan(
+            launch = K.prepared(static, dev.index)
+            if not one_shot:
+                launch = _dispatch.plan_launch(launch, (), loose=(6,))
+        return ContiguousBlockSparsePlan(
             static, dev, dtype, odt, (batch, seq_len_q, num_qo_heads, d), (batch, seq_len_kv, num_kv_heads, d),
             (batch, num_kv_heads, rows_r + 1), use_kv_valid_bits, q_block_size, kv_block_size, mask_type, launch,
             self._tuning_code)
@@ -781,20 +803,29 @@ class BlockSparseTSWrapper:
                                           V.fast_scale("sm_scale", sm_scale, plan.default_scale)):
             return o
         _check_contiguous_against_plan(plan, q, k, v, block_indptr, block_indices, kv_valid_bits)
-        sm_scale = V.fast_scale("sm_scale", sm_scale, plan.default_scale)
-        if out is not None:
-            V.out_tensor(out, plan.q_shape, plan.out_dtype, plan.device,
-                         (("q", q), ("k", k), ("v", v), ("block_indptr", block_indptr),
-                          ("block_indices", block_indices), ("kv_valid_bits", kv_valid_bits)))
-        if launch is not None and _dispatch.plain_eager(out):
-            if out is None:
-                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device)
-            launch.run(q, k, v, out, None, None, block_indptr, block_indices, None, kv_valid_bits, sm_scale)
-            return out
-        return _dispatch.call(torch.ops.prims_ts.block_sparse_attention_contiguous,
-                              torch.ops.prims_ts.block_sparse_attention_contiguous_out, _run_contiguous, (q, k, v),
-                              (block_indptr, block_indices, kv_valid_bits, plan.q_block_size, plan.kv_block_size,
-                               plan.mask_type, sm_scale), out, plan.out_dtype, plan.tuning_code)
+        return _launch_contiguous(plan, q, k, v, block_indptr, block_indices, kv_valid_bits,
+                                  V.fast_scale("sm_scale", sm_scale, plan.default_scale), out)
+
+
+def _launch_contiguous(plan: "ContiguousBlockSparsePlan", q, k, v, block_indptr, block_indices, valid_bits,
+                       sm_scale: float, out) -> torch.Tensor:
+    """A run's (or a one-shot's) launch of operands checked against the plan: `out` checked,
+    then the prepared kernel, or the op where a tracer, a mode or a subclass must see the call."""
+    if out is not None:
+        V.out_tensor(out, plan.q_shape, plan.out_dtype, plan.device,
+                     (("q", q), ("k", k), ("v", v), ("block_indptr", block_indptr),
+                      ("block_indices", block_indices), ("kv_valid_bits", valid_bits)))
+    if plan.launch is not None and _dispatch.plain_eager(out) and all(
+            type(t) is torch.Tensor for t in (q, k, v, block_indptr, block_indices)) and (
+            valid_bits is None or type(valid_bits) is torch.Tensor):
+        if out is None:
+            out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=plan.device)
+        plan.launch.run(q, k, v, out, None, None, block_indptr, block_indices, None, valid_bits, sm_scale)
+        return out
+    return _dispatch.call(torch.ops.prims_ts.block_sparse_attention_contiguous,
+                          torch.ops.prims_ts.block_sparse_attention_contiguous_out, _run_contiguous, (q, k, v),
+                          (block_indptr, block_indices, valid_bits, plan.q_block_size, plan.kv_block_size,
+                           plan.mask_type, sm_scale), out, plan.out_dtype, plan.tuning_code)
 
 
 def _check_qkv_contiguous(q, k, v) -> None:
@@ -847,8 +878,8 @@ def block_sparse_attention(
 
     Validates the routes on the host with one copy and whole-array checks (canonical BSR rows:
     offsets inside ``block_indices`` and non-decreasing, block IDs strictly increasing and
-    starting before Skv), then runs a :class:`BlockSparseTSWrapper` planned with the routes'
-    largest row as its capacity. It cannot run during CUDA-graph capture: plan a wrapper
+    starting before Skv), then launches a :class:`BlockSparseTSWrapper` plan with the routes'
+    largest row as its capacity once (the shared prepared kernel). It cannot run during CUDA-graph capture: plan a wrapper
     outside capture and capture only its ``run``.
     """
     _check_qkv_contiguous(q, k, v)
@@ -873,8 +904,9 @@ def block_sparse_attention(
     ptr, routes = V.host_values(block_indptr, block_indices)
     lens = np.full(batch, skv, dtype=np.int64)
     most = check_route_values(ptr.reshape(batch, hkv, rows_r + 1), routes, lens, kv_block_size)
-    w = BlockSparseTSWrapper()
-    w.plan(batch, sq, skv, hq, hkv, d, q_block_size, kv_block_size, device=q.device,
-           max_blocks_per_row=min(most, -(-skv // kv_block_size)), use_kv_valid_bits=kv_valid_bits is not None,
-           mask_type=mask_type, q_data_type=q.dtype, o_data_type=V.resolve_out_dtype(None, out, q))
-    return w.run(q, k, v, block_indptr, block_indices, kv_valid_bits=kv_valid_bits, sm_scale=sm_scale, out=out)
+    plan = BlockSparseTSWrapper()._make_plan(batch, sq, skv, hq, hkv, d, q_block_size, kv_block_size, q.device,
+                                             min(most, -(-skv // kv_block_size)), kv_valid_bits is not None,
+                                             mask_type, q.dtype, None, V.resolve_out_dtype(None, out, q),
+                                             one_shot=True)
+    return _launch_contiguous(plan, q, k, v, block_indptr, block_indices, kv_valid_bits,
+                              V.fast_scale("sm_scale", sm_scale, plan.default_scale), out)

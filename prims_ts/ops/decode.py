@@ -515,6 +515,15 @@ class BatchDecodePagedTSWrapper:
         window_left: int = -1,
         max_kv_len: Optional[int] = None,
     ) -> None:
+        self._plan = self._make_plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                                     num_kv_heads, head_dim, page_size, seq_len_q, qo_indptr, max_seq_len_q,
+                                     q_data_type, kv_data_type, o_data_type, mask_type, window_left, max_kv_len)
+
+    def _make_plan(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+                   head_dim, page_size, seq_len_q, qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type,
+                   mask_type, window_left, max_kv_len, one_shot: bool = False) -> "DecodePlan":
+        """The plan; a `one_shot`'s runs the shared prepared launch once, with a workspace of
+        exactly what its policy needs."""
         V.int32_vector("paged_kv_indptr", paged_kv_indptr)
         if paged_kv_indptr.shape[0] < 2:
             V.fail(f"paged_kv_indptr: expected [B+1] with B >= 1, got shape {tuple(paged_kv_indptr.shape)}")
@@ -584,13 +593,15 @@ class BatchDecodePagedTSWrapper:
             from ..cuda import decode as K
 
             launch = K.prepared(static, device.index)  # loaded before any state changes
-        ws = torch.zeros(need, dtype=torch.uint8, device=device)
+            if one_shot:
+                need = launch.workspace_bytes
+        ws = torch.zeros(need, dtype=torch.uint8, device=device) if need else torch.empty(0, dtype=torch.uint8,
+                                                                                          device=device)
         (seq_lens,) = V.to_device(device, lens)
-        if launch is not None:
+        if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws))
-        self._plan = DecodePlan(static, device, dtype, odt, q_shape, (num_kv_heads, page_size, d), int(ids.max()),
-                                paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws, launch,
-                                self._tuning_code)
+        return DecodePlan(static, device, dtype, odt, q_shape, (num_kv_heads, page_size, d), int(ids.max()),
+                          paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws, launch, self._tuning_code)
 
     def run(self, q: torch.Tensor, paged_kv_cache: KVCache, *, bmm1_scale: Optional[float] = None,
             bmm2_scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -610,23 +621,31 @@ class BatchDecodePagedTSWrapper:
         kv = plan_cache(cache, plan.geometry, dt, dev, plan.max_page) if V.matches(q, plan.q_shape, dt, dev) else None
         if kv is None:
             _check_against_plan(plan, q, cache)
-        if out is not None:
-            V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
-                         (("q", q),) + named_cache("paged_kv_cache", cache) + plan.bound)
-        if kv is not None and plan.launch is not None and _dispatch.plain_eager(out):
-            if out is None:
-                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
-            plan.launch.run(q, kv[0], kv[1], plan.workspace, out, plan.kv_indptr, plan.kv_indices, plan.seq_lens,
-                            plan.qo_indptr, sm_scale, output_scale)
-            return out
-        k_cache, v_cache = split_cache(cache, "paged_kv_cache")
-        V.run_layout((("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache)))
-        st = plan.static
-        args = (plan.kv_indptr, plan.kv_indices, plan.seq_lens, plan.qo_indptr, st.seq_len_q, st.max_seq_len_q,
-                st.max_seq_len, "causal" if st.causal else "dense", st.window_left, sm_scale, output_scale)
-        return _dispatch.call(torch.ops.prims_ts.batch_decode, torch.ops.prims_ts.batch_decode_out, _run,
-                              (q, k_cache, v_cache, _workspace(plan.workspace)), args, out, plan.out_dtype,
-                              plan.tuning_code)
+        return _launch(plan, q, cache, kv, sm_scale, output_scale, out)
+
+
+def _launch(plan: "DecodePlan", q, cache, kv, sm_scale: float, output_scale: float, out) -> torch.Tensor:
+    """A run's (or a one-shot's) launch of tensors checked against the plan (`kv`: the cache's
+    K and V pools laid out as planned, else None): `out` checked, then the prepared kernel, or
+    the op where a tracer, a mode or a subclass must see the call."""
+    dev = plan.device
+    if out is not None:
+        V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
+                     (("q", q),) + named_cache("paged_kv_cache", cache) + plan.bound)
+    if kv is not None and plan.launch is not None and _dispatch.plain_eager(out):
+        if out is None:
+            out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
+        plan.launch.run(q, kv[0], kv[1], plan.workspace, out, plan.kv_indptr, plan.kv_indices, plan.seq_lens,
+                        plan.qo_indptr, sm_scale, output_scale)
+        return out
+    k_cache, v_cache = split_cache(cache, "paged_kv_cache")
+    V.run_layout((("q", q), ("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache)))
+    st = plan.static
+    args = (plan.kv_indptr, plan.kv_indices, plan.seq_lens, plan.qo_indptr, st.seq_len_q, st.max_seq_len_q,
+            st.max_seq_len, "causal" if st.causal else "dense", st.window_left, sm_scale, output_scale)
+    return _dispatch.call(torch.ops.prims_ts.batch_decode, torch.ops.prims_ts.batch_decode_out, _run,
+                          (q, k_cache, v_cache, _workspace(plan.workspace)), args, out, plan.out_dtype,
+                          plan.tuning_code)
 
 
 def _workspace(ws: torch.Tensor) -> torch.Tensor:
@@ -674,17 +693,24 @@ def batch_decode_with_paged_kv_cache(
     out: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """One-shot decode: a temporary :class:`BatchDecodePagedTSWrapper`'s plan (which reads and
-    validates the metadata on the host, every page ID against the cache included) and run.
+    """One-shot decode: a :class:`BatchDecodePagedTSWrapper` plan (which reads and validates the
+    metadata on the host, every page ID against the cache included) and one launch (of the
+    shared prepared kernel, with a workspace only where the policy splits).
     Not CUDA-graph capturable; plan a wrapper for that."""
     k_cache, _ = split_cache(paged_kv_cache, "paged_kv_cache")
     V.tensor("q", q, dtypes=V.INPUT_DTYPES)
     w = BatchDecodePagedTSWrapper(kv_layout)
-    w.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, q.shape[-2], k_cache.shape[1], q.shape[-1],
-           k_cache.shape[2], seq_len_q=seq_len_q, qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q,
-           q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=V.resolve_out_dtype(out_dtype, out, q),
-           mask_type=mask_type, window_left=window_left)
-    if w._plan.max_page >= k_cache.shape[0]:
-        V.fail(f"paged_kv_indices: page ID {w._plan.max_page} is outside [0, {k_cache.shape[0]}); entries must index "
+    plan = w._make_plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, q.shape[-2], k_cache.shape[1],
+                        q.shape[-1], k_cache.shape[2], seq_len_q, qo_indptr, max_seq_len_q, q.dtype, k_cache.dtype,
+                        V.resolve_out_dtype(out_dtype, out, q), mask_type, window_left, None, one_shot=True)
+    if plan.max_page >= k_cache.shape[0]:
+        V.fail(f"paged_kv_indices: page ID {plan.max_page} is outside [0, {k_cache.shape[0]}); entries must index "
                "the physical page pool")
-    return w.run(q, paged_kv_cache, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out)
+    sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, plan.default_scale)
+    output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+    dev, dt = plan.device, plan.dtype
+    kv = plan_cache(paged_kv_cache, plan.geometry, dt, dev, plan.max_page) if V.matches(q, plan.q_shape, dt, dev) \
+        else None
+    if kv is None:
+        _check_against_plan(plan, q, paged_kv_cache)
+    return _launch(plan, q, paged_kv_cache, kv, sm_scale, output_scale, out)

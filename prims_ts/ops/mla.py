@@ -461,12 +461,15 @@ class BatchMLADecodePagedTSWrapper:
         ``max_seq_len_q`` defaults to its largest delta and may be larger)."""
         self._plan = self._make_plan(block_tables, seq_lens, num_heads, kv_lora_rank, qk_rope_head_dim, page_size,
                                      seq_len_q, qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type,
-                                     mask_type, max_kv_len, None)
+                                     mask_type, max_kv_len)[0]
 
     def _make_plan(self, block_tables, seq_lens, num_heads, kv_lora_rank, qk_rope_head_dim, page_size, seq_len_q,
                    qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type, mask_type, max_kv_len,
-                   values) -> MLAPlan:
-        """`values`: the one-shot's host copies (lengths, offsets or None) of metadata it already read."""
+                   one_shot: bool = False) -> Tuple[MLAPlan, list]:
+        """The plan and the host values it read: (seq_lens, qo_indptr) values, or for a
+        `one_shot` (seq_lens, block_tables, qo_indptr) in the same one copy, for its live checks.
+        A one-shot's plan runs the shared prepared launch once, with a workspace of exactly what
+        its policy needs."""
         _check_ranks(kv_lora_rank, qk_rope_head_dim)
         V.int32_vector("seq_lens", seq_lens)
         batch = V.batch_size("seq_lens", seq_lens.shape[0])
@@ -490,10 +493,8 @@ class BatchMLADecodePagedTSWrapper:
             V.key_length_bound("max_kv_len", max_kv_len)
         if packed and max_seq_len_q is not None:
             V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
-        if values is None:
-            lens, *qo = V.host_values(seq_lens, *((qo_indptr,) if packed else ()))
-        else:
-            lens, qo = values[0], [values[1]]
+        values = V.host_values(seq_lens, *((block_tables,) if one_shot else ()), *((qo_indptr,) if packed else ()))
+        lens, qo = values[0], values[2 if one_shot else 1:]
         if max_kv_len is None:
             _values_lens(lens, V.MAX_SEQ_LEN_BOUND, "the supported bound")
             max_kv_len = int(lens.max())
@@ -525,11 +526,14 @@ class BatchMLADecodePagedTSWrapper:
             from ..cuda import decode as K
 
             launch = K.prepared(static, device.index)  # loaded before any state changes
-        ws = torch.zeros(need, dtype=torch.uint8, device=device)
-        if launch is not None:
+            if one_shot:
+                need = launch.workspace_bytes
+        ws = torch.zeros(need, dtype=torch.uint8, device=device) if need else torch.empty(0, dtype=torch.uint8,
+                                                                                          device=device)
+        if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (block_tables, seq_lens, qo_indptr, ws))
         return MLAPlan(static, device, dtype, odt, q_shape, out_shape(q_shape), page_size, block_tables, seq_lens,
-                       qo_indptr, ws, launch, self._tuning_code)
+                       qo_indptr, ws, launch, self._tuning_code), values
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, *, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
             out: Optional[torch.Tensor] = None, validate: bool = False) -> torch.Tensor:
@@ -553,26 +557,10 @@ class BatchMLADecodePagedTSWrapper:
             _check_against_plan(plan, query, kv_cache)
         sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
         output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-        if out is not None:
-            if isinstance(out, torch.Tensor) and out.dtype != plan.out_dtype:
-                V.fail(f"out: dtype {out.dtype} must equal the planned out_dtype {plan.out_dtype}")
-            V.out_tensor(out, plan.out_shape, plan.out_dtype, dev, (("query", query), ("kv_cache", kv_cache))
-                         + plan.bound)
+        _check_out(plan, query, kv_cache, out)
         if validate and not V.tracing():
             self._check_live_values(query, kv_cache)
-        if fast and plan.launch is not None and _dispatch.plain_eager(out):
-            if out is None:
-                out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=dev)
-            plan.launch.run(query, kv_cache, None, plan.workspace, out, None, plan.block_tables, plan.seq_lens,
-                            plan.qo_indptr, sm_scale, output_scale, bt_stride=plan.block_tables.stride(0))
-            return out
-        st = plan.static
-        V.run_layout((("query", query), ("kv_cache", kv_cache)))
-        args = (plan.block_tables, plan.seq_lens, plan.qo_indptr, st.max_seq_len_q, st.max_seq_len,
-                "causal" if st.causal else "dense", sm_scale, output_scale)
-        return _dispatch.call(torch.ops.prims_ts.batch_mla_decode, torch.ops.prims_ts.batch_mla_decode_out, _run,
-                              (query, latent_cache(kv_cache), _workspace(plan.workspace)), args, out, plan.out_dtype,
-                              plan.tuning_code, out_shape=plan.out_shape)
+        return _launch(plan, query, kv_cache, sm_scale, output_scale, out, fast)
 
     def _check_live_values(self, query, kv_cache, values=None) -> None:
         """The bound metadata's values against the plan and the cache (`values`: host copies of
@@ -601,6 +589,33 @@ class BatchMLADecodePagedTSWrapper:
         if plan.static.causal:
             _values_causal(q_lens, lens)
         V.values_block_table("block_tables", table, lens, plan.page_size, cache.shape[0])
+
+
+def _check_out(plan: MLAPlan, query, kv_cache, out) -> None:
+    if out is not None:
+        if isinstance(out, torch.Tensor) and out.dtype != plan.out_dtype:
+            V.fail(f"out: dtype {out.dtype} must equal the planned out_dtype {plan.out_dtype}")
+        V.out_tensor(out, plan.out_shape, plan.out_dtype, plan.device, (("query", query), ("kv_cache", kv_cache))
+                     + plan.bound)
+
+
+def _launch(plan: MLAPlan, query, kv_cache, sm_scale: float, output_scale: float, out, fast: bool = True):
+    """A run's (or a one-shot's) launch of tensors checked against the plan (`fast`: laid out
+    as planned; `out` checked): the prepared kernel, or the op where a tracer, a mode or a
+    subclass must see the call."""
+    if fast and plan.launch is not None and _dispatch.plain_eager(out):
+        if out is None:
+            out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=plan.device)
+        plan.launch.run(query, kv_cache, None, plan.workspace, out, None, plan.block_tables, plan.seq_lens,
+                        plan.qo_indptr, sm_scale, output_scale, bt_stride=plan.block_tables.stride(0))
+        return out
+    st = plan.static
+    V.run_layout((("query", query), ("kv_cache", kv_cache)))
+    args = (plan.block_tables, plan.seq_lens, plan.qo_indptr, st.max_seq_len_q, st.max_seq_len,
+            "causal" if st.causal else "dense", sm_scale, output_scale)
+    return _dispatch.call(torch.ops.prims_ts.batch_mla_decode, torch.ops.prims_ts.batch_mla_decode_out, _run,
+                          (query, latent_cache(kv_cache), _workspace(plan.workspace)), args, out, plan.out_dtype,
+                          plan.tuning_code, out_shape=plan.out_shape)
 
 
 def _check_against_plan(plan: MLAPlan, query, kv_cache) -> None:
@@ -643,14 +658,14 @@ def batch_mla_decode_with_paged_kv_cache(
     """One-shot fixed (``[B, SQ, H, 576]``) or packed-query (``[total_q, H, 576]`` + ``qo_indptr``)
     MLA decode over a paged latent cache; returns ``[..., 512]``.
 
-    A temporary :class:`BatchMLADecodePagedTSWrapper`'s plan and ``run(validate=True)``: reads
+    A :class:`BatchMLADecodePagedTSWrapper` plan, ``run(validate=True)``'s checks and one launch
+    (of the shared prepared kernel, with a workspace only where the policy splits): reads
     ``seq_lens``, ``qo_indptr`` and the used part of ``block_tables`` on the host to validate
     them and derive the plan bounds (``max_seq_len_q``: the query's SQ, or the largest delta of
     ``qo_indptr``; ``max_kv_len``: ``max(seq_lens)``; explicit values may be larger, and for a
     fixed query ``max_seq_len_q`` must equal SQ). Not CUDA-graph capturable: plan a wrapper and
     capture ``run(..., validate=False)`` instead.
     """
-    _check_ranks(kv_lora_rank, qk_rope_head_dim)
     _, sq, packed = _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q=False)
     h = _query_heads(query)
     cache = latent_cache(kv_cache)
@@ -659,21 +674,22 @@ def batch_mla_decode_with_paged_kv_cache(
     V.same_device([("query", query), ("kv_cache", cache), ("block_tables", block_tables), ("seq_lens", seq_lens),
                    ("qo_indptr", qo_indptr)])
     odt = _mla_out_dtype(out_dtype, out)
-    V.int32_vector("seq_lens", seq_lens)
-    V.block_table("block_tables", block_tables, seq_lens.shape[0])
-    if qo_indptr is not None:
-        V.int32_vector("qo_indptr", qo_indptr, length=seq_lens.shape[0] + 1)
     if V.tracing():
         raise RuntimeError("batch_mla_decode_with_paged_kv_cache reads metadata on the host and cannot be traced; "
                            "use BatchMLADecodePagedTSWrapper (plan outside, run inside)")
     # the plan's and run(validate=True)'s checks, on one copy of the metadata
-    values = V.host_values(seq_lens, block_tables, *((qo_indptr,) if qo_indptr is not None else ()))
     w = BatchMLADecodePagedTSWrapper()
-    w._plan = w._make_plan(block_tables, seq_lens, h, kv_lora_rank, qk_rope_head_dim, cache.shape[1], None, qo_indptr,
-                           sq, query.dtype, None, odt, mask_type, max_kv_len,
-                           (values[0], values[2] if qo_indptr is not None else None))
+    w._plan, values = w._make_plan(block_tables, seq_lens, h, kv_lora_rank, qk_rope_head_dim, cache.shape[1], None,
+                                   qo_indptr, sq, query.dtype, None, odt, mask_type, max_kv_len, one_shot=True)
+    plan = w._plan
     w._check_live_values(query, kv_cache, values)
-    return w.run(query, kv_cache, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out, validate=False)
+    fast = V.matches(query, plan.q_shape, plan.dtype, plan.device)
+    if not fast:
+        _check_against_plan(plan, query, kv_cache)
+    sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
+    output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+    _check_out(plan, query, kv_cache, out)
+    return _launch(plan, query, kv_cache, sm_scale, output_scale, out, fast)
 
 
 batch_decode_mla_with_paged_kv_cache = batch_mla_decode_with_paged_kv_cache

@@ -110,25 +110,29 @@ def batch_prefill_op(
 # ----------------------------------------------------------------------------
 
 
-def work_list(q_lens, kv_lens, mask_type: str, window_left: int, tile_m: int) -> torch.Tensor:
-    """(request, q tile) items, int32 ``[n, 2]``, ordered by decreasing cost (K/V rows visited),
-    then request, then tile: whole-array arithmetic over host arrays (or tensors) of lengths."""
+def work_list(q_lens, kv_lens, mask_type: str, window_left: int, tile_m: int) -> np.ndarray:
+    """(request, q tile) items, int32 ``[n, 2]`` on the host, ordered by decreasing cost (K/V
+    rows visited), then request, then tile: whole-array arithmetic over host arrays (or
+    tensors) of lengths; the items are made in (request, tile) order, so one stable sort by
+    cost gives the order."""
     q_lens, kv_lens = np.asarray(q_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
     tiles = (q_lens + tile_m - 1) // tile_m
     b = np.repeat(np.arange(q_lens.shape[0]), tiles)
     if b.size == 0:
-        return torch.zeros((0, 2), dtype=torch.int32)
-    t = np.arange(b.shape[0]) - (np.cumsum(tiles) - tiles)[b]
-    sq, sk = q_lens[b], kv_lens[b]
+        return np.zeros((0, 2), dtype=np.int32)
+    t = np.arange(b.shape[0]) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     if mask_type == "causal":
-        q1 = np.minimum(sq, (t + 1) * tile_m)
-        end = np.maximum(np.minimum(sk, sk - sq + q1), 0)
-        begin = np.maximum(sk - sq + t * tile_m - window_left, 0) if window_left >= 0 else np.zeros_like(sk)
-        cost = np.maximum(end - begin, 0)
+        sq, sk = q_lens[b], kv_lens[b]
+        end = np.clip(sk - sq + np.minimum(sq, (t + 1) * tile_m), 0, sk)
+        begin = np.maximum(sk - sq + t * tile_m - window_left, 0) if window_left >= 0 else 0
+        key = np.minimum(begin - end, 0)  # minus the K/V rows visited
     else:
-        cost = sk
-    order = np.lexsort((t, b, -cost))
-    return torch.from_numpy(np.stack([b[order], t[order]], axis=1).astype(np.int32))
+        key = -kv_lens[b]
+    order = np.argsort(key, kind="stable")
+    items = np.empty((b.shape[0], 2), dtype=np.int32)
+    items[:, 0] = b[order]
+    items[:, 1] = t[order]
+    return items
 
 
 def tile_m(dtype: torch.dtype, head_dim: int, mask_type: str, device: torch.device) -> int:
@@ -306,8 +310,8 @@ class BatchPrefillTSWrapper:
                 max_q_len = int(q_lens.max())
                 if device.type == "cuda":
                     bounds = q_lens if exact else np.full_like(q_lens, max_q_len)
-                    work = work_list(bounds, kv_lens, mask_type, window_left,
-                                     tile_m(q.dtype, d, mask_type, device)).to(device)
+                    work = V.to_device(device, work_list(bounds, kv_lens, mask_type, window_left,
+                                                 tile_m(q.dtype, d, mask_type, device)))[0].view(-1, 2)
         else:
             batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
             V.batch_size("q", batch)
@@ -329,7 +333,7 @@ class BatchPrefillTSWrapper:
             static = PrefillStatic(q.dtype, d, hq, hq // group, mask_type, window_left, sm_scale, output_scale, odt,
                                    batch, max_q_len, work.shape[0] if work is not None else None, packed,
                                    sq=0 if packed else q.shape[1], sk=0 if packed else k.shape[1], tuning=self.tuning)
-            launch = _prepare(static, device, (qo_indptr, kv_indptr, starts, ends, work))
+            launch = _prepare(static, device, (qo_indptr, kv_indptr, starts, ends, work), own=not exact)
         return PrefillPlan(static, (mask_type, window_left, sm_scale, output_scale, max_q_len), packed, device,
                            q.dtype, odt, q.shape, k.shape, qo_indptr, kv_indptr, starts, ends, work, launch,
                            self._tuning_code)
@@ -347,27 +351,37 @@ class BatchPrefillTSWrapper:
                 and V.matches(v, plan.k_shape, dt, dev))
         if not fast:
             _check_against_plan(plan, q, k, v)
-        if out is not None:
-            V.out_tensor(out, plan.q_shape, plan.out_dtype, dev, (("q", q), ("k", k), ("v", v)) + plan.bound)
-        if fast and plan.launch is not None and _dispatch.plain_eager(out):
-            if out is None:
-                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
-            plan.launch.run(q, k, v, out, plan.qo_indptr, plan.kv_indptr, plan.window_starts, plan.window_ends,
-                            plan.work)
-            return out
-        V.run_layout((("q", q), ("k", k), ("v", v)))
-        return _dispatch.call(torch.ops.prims_ts.batch_prefill, torch.ops.prims_ts.batch_prefill_out, _run,
-                              (q, k, v), plan.op_args(), out, plan.out_dtype, plan.tuning_code)
+        return _launch(plan, q, k, v, out, fast)
 
 
-def _prepare(static, device: torch.device, bound):
-    """The plan's own prepared launch, loaded now (None on the CPU, or while traced or captured:
-    the first op call prepares it then); `bound`: the plan's tensors."""
+def _launch(plan: PrefillPlan, q, k, v, out, fast: bool = True) -> torch.Tensor:
+    """A run's (or a one-shot's) launch of tensors checked against the plan (`fast`: laid out
+    as planned): `out` checked, then the prepared kernel, or the op where a tracer, a mode or
+    a subclass must see the call."""
+    dev = plan.device
+    if out is not None:
+        V.out_tensor(out, plan.q_shape, plan.out_dtype, dev, (("q", q), ("k", k), ("v", v)) + plan.bound)
+    if fast and plan.launch is not None and _dispatch.plain_eager(out):
+        if out is None:
+            out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
+        plan.launch.run(q, k, v, out, plan.qo_indptr, plan.kv_indptr, plan.window_starts, plan.window_ends,
+                        plan.work)
+        return out
+    V.run_layout((("q", q), ("k", k), ("v", v)))
+    return _dispatch.call(torch.ops.prims_ts.batch_prefill, torch.ops.prims_ts.batch_prefill_out, _run,
+                          (q, k, v), plan.op_args(), out, plan.out_dtype, plan.tuning_code)
+
+
+def _prepare(static, device: torch.device, bound, own: bool = True):
+    """The prepared launch of a plan, loaded now (None on the CPU, or while traced or captured:
+    the first op call prepares it then): the plan's own copy (`bound`: the plan's tensors), or
+    for a one-shot, whose plan runs once, the shared one (``own`` False)."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     from ..cuda import prefill as K
 
-    return _dispatch.plan_launch(K.prepared(static, device.index), bound)
+    shared = K.prepared(static, device.index)
+    return _dispatch.plan_launch(shared, bound) if own else shared
 
 
 def _check_against_plan(plan: PrefillPlan, q, k, v) -> None:
@@ -399,15 +413,15 @@ def batch_prefill(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One-shot fixed ``[B, S, H, D]`` or packed-ragged ``[T, H, D]`` context attention: a
-    :class:`BatchPrefillTSWrapper`'s plan and run.
+    :class:`BatchPrefillTSWrapper`'s plan and launch (over the shared prepared kernel: a plan
+    used once needs no copy of its own).
 
     Packed storage reads ``qo_indptr``/``kv_indptr`` on the host to validate them and build
     the heavy-first work list, so this function is not CUDA-graph capturable; plan a wrapper
     for that. Fixed storage reads nothing on the host except the variable-window bounds it
     validates.
     """
-    w = BatchPrefillTSWrapper()
-    w._plan = w._make_plan(q, k, v, qo_indptr, kv_indptr, mask_type, window_left, sm_scale, output_scale,
-                           V.resolve_out_dtype(out_dtype, out, q), variable_window_token_starts,
-                           variable_window_token_ends, exact=True)
-    return w.run(q, k, v, out=out)
+    plan = BatchPrefillTSWrapper()._make_plan(q, k, v, qo_indptr, kv_indptr, mask_type, window_left, sm_scale,
+                                              output_scale, V.resolve_out_dtype(out_dtype, out, q),
+                                              variable_window_token_starts, variable_window_token_ends, exact=True)
+    return _launch(plan, q, k, v, out)  # the plan checked q, k and v

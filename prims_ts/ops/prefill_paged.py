@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .. import reference
-from ..cuda.keys import Tuning
+from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
 from .prefill import HEAD_DIMS, check_causal_lengths, tile_m, work_list
@@ -234,7 +234,8 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, k_cache, v_cache, qo_indptr,
         max_q_len = int(q_lens.max())
         if device.type == "cuda":
             bounds = q_lens if exact else np.full_like(q_lens, max_q_len)
-            work = work_list(bounds, lens, mask_type, window_left, tile_m(q.dtype, d, mask_type, device)).to(device)
+            work = V.to_device(device, work_list(bounds, lens, mask_type, window_left,
+                                                 tile_m(q.dtype, d, mask_type, device)))[0].view(-1, 2)
     static = launch = None
     if not V.tracing():
         from ..cuda import prefill as K
@@ -243,7 +244,9 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, k_cache, v_cache, qo_indptr,
                                  max_q_len, work.shape[0] if work is not None else None, True, paged=True,
                                  page_size=page_size, tuning=tuning)
         if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            launch = _dispatch.plan_launch(K.prepared(static, device.index), (qo_indptr, table, lens_dev, work))
+            launch = K.prepared(static, device.index)  # a one-shot (`exact`) runs the shared launch once
+            if not exact:
+                launch = _dispatch.plan_launch(launch, (qo_indptr, table, lens_dev, work))
     return PagedPrefillPlan(static, (mask_type, window_left, sm_scale, output_scale, max_q_len), device, q.dtype, odt,
                             q.shape, (hkv, page_size, d), max_page, qo_indptr, table, lens_dev, work, launch,
                             tuning_code)
@@ -327,18 +330,26 @@ class BatchPrefillPagedTSWrapper:
                 and plan.max_page < k_cache.shape[0])
         if not fast:
             _check_against_plan(plan, q, k_cache, v_cache)
-        if out is not None:
-            V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
-                         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + plan.bound)
-        if fast and plan.launch is not None and _dispatch.plain_eager(out):
-            if out is None:
-                out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
-            plan.launch.run(q, k_cache, v_cache, out, plan.qo_indptr, work=plan.work, block_tables=plan.block_tables,
-                            seq_lens=plan.seq_lens_kv)
-            return out
-        V.run_layout((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
-        return _dispatch.call(torch.ops.prims_ts.batch_prefill_paged, torch.ops.prims_ts.batch_prefill_paged_out,
-                              _run, (q, k_cache, v_cache), plan.op_args(), out, plan.out_dtype, plan.tuning_code)
+        return _launch(plan, q, k_cache, v_cache, out, fast)
+
+
+def _launch(plan: PagedPrefillPlan, q, k_cache, v_cache, out, fast: bool = True) -> torch.Tensor:
+    """A run's (or a one-shot's) launch of tensors checked against the plan (`fast`: laid out
+    as planned): `out` checked, then the prepared kernel, or the op where a tracer, a mode or
+    a subclass must see the call."""
+    dev = plan.device
+    if out is not None:
+        V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
+                     (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + plan.bound)
+    if fast and plan.launch is not None and _dispatch.plain_eager(out):
+        if out is None:
+            out = torch.empty(plan.q_shape, dtype=plan.out_dtype, device=dev)
+        plan.launch.run(q, k_cache, v_cache, out, plan.qo_indptr, work=plan.work, block_tables=plan.block_tables,
+                        seq_lens=plan.seq_lens_kv)
+        return out
+    V.run_layout((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)))
+    return _dispatch.call(torch.ops.prims_ts.batch_prefill_paged, torch.ops.prims_ts.batch_prefill_paged_out,
+                          _run, (q, k_cache, v_cache), plan.op_args(), out, plan.out_dtype, plan.tuning_code)
 
 
 def _check_against_plan(plan: PagedPrefillPlan, q, k_cache, v_cache) -> None:
@@ -375,8 +386,8 @@ def batch_prefill_with_paged_kv_cache(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One-shot packed-Q attention over separate HND page pools ``[P, Hkv, page_size, D]``
-    with one row-strided block table: a :class:`BatchPrefillPagedTSWrapper` planned over
-    these tables and run.
+    with one row-strided block table: the plan of a :class:`BatchPrefillPagedTSWrapper` over
+    these tables, launched once (over the shared prepared kernel).
 
     Reads ``qo_indptr``, ``seq_lens_kv`` and ``block_tables`` on the host (one copy) to
     validate them (page IDs in ``[0, P)``, lengths within the table row, causal
@@ -403,7 +414,6 @@ def batch_prefill_with_paged_kv_cache(
         max_page = V.values_block_table("block_tables", table, lens, page_size, num_pages)
         return block_tables, seq_lens_kv, lens, qo, max_page
 
-    w = BatchPrefillPagedTSWrapper(kv_layout)
-    w._plan = _make_plan(w.tuning, w._tuning_code, q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left,
-                         sm_scale, output_scale, V.resolve_out_dtype(out_dtype, out, q), tables, exact=True)
-    return w.run(q, k_cache, v_cache, out=out)
+    plan = _make_plan(DEFAULT_TUNING, "", q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left, sm_scale,
+                      output_scale, V.resolve_out_dtype(out_dtype, out, q), tables, exact=True)
+    return _launch(plan, q, k_cache, v_cache, out)  # the plan checked q and the pools
