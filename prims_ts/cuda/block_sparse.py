@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from . import runtime
-from .decode import DecodeParams, _ptr, write_rows
+from .decode import DecodeParams, _ptr, write_bounds, write_rows
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
                    KernelKey, Prepared, Tuning, cpp_bool, device_info, fmha_config,
                    fmha_smem_bytes, load, producer_stages, tag, work_grid)
@@ -104,7 +104,7 @@ class BlockSparseParams(ctypes.Structure):
         ("block_indices", ctypes.c_void_p),
         ("valid_bits", ctypes.c_void_p),
     ] + [(n, ctypes.c_int32) for n in ("rows_r", "q_block", "kv_block", "row_tiles", "valid_words", "batch",
-                                       "seq_len_kv")]
+                                       "seq_len_kv", "num_listed")]
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,9 @@ class PreparedBlockSparse(Prepared):
             p.k_sp, p.k_sh, p.k_ss = ks[0], ks[2], ks[1]
             p.v_sp, p.v_sh, p.v_ss = vs[0], vs[2], vs[1]
         p.kv_indptr, p.kv_indices, p.seq_lens = _ptr(kv_indptr), _ptr(kv_indices), _ptr(seq_lens)
+        write_bounds(p, k_cache, kv_indptr, kv_indices, None)
         bp.block_indptr, bp.block_indices = block_indptr.data_ptr(), block_indices.data_ptr()
+        bp.num_listed = block_indices.shape[0]
         bp.valid_bits = _ptr(valid_bits)
         p.scale_log2 = sm_scale * LOG2E
         self.launch.launch(runtime.current_stream(self.dev))
@@ -198,6 +200,7 @@ class PreparedBlockSparse(Prepared):
         p.q, p.k, p.o = a[0], a[1], a[3]
         p.v = a[2] if v_cache is not None else a[1] + self._v_off
         p.kv_indices, bp.block_indptr, bp.block_indices, bp.valid_bits = a[4], a[5], a[6], a[7] or None
+        bp.num_listed = block_indices.shape[0]  # any length (a loose operand)
         p.scale_log2 = sm_scale * LOG2E
         self.launch.launch(runtime.current_stream(self.dev))
         return True

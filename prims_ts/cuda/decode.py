@@ -221,7 +221,7 @@ class DecodeParams(ctypes.Structure):
             "bt_stride")] + [
         (n, ctypes.c_int32) for n in (
             "sq", "rows_max", "row_tiles", "splits", "chunk", "group", "hkv", "page_shift", "window_left",
-            "out_dtype", "merge_staged")] + [
+            "out_dtype", "merge_staged", "num_pages", "num_indices", "total_q")] + [
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
     ]
@@ -357,6 +357,7 @@ class PreparedDecode(Prepared):
         p.qo_indptr = _ptr(qo_indptr)
         p.kv_indptr, p.kv_indices, p.seq_lens = _ptr(kv_indptr), kv_indices.data_ptr(), seq_lens.data_ptr()
         p.bt_stride = bt_stride
+        write_bounds(p, k_cache, kv_indptr, kv_indices, query if self.static.packed else None)
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
         self.launch.launch(runtime.current_stream(self.dev))
@@ -378,6 +379,15 @@ class PreparedDecode(Prepared):
         p.out_scale = output_scale
         self.launch.launch(runtime.current_stream(self.dev))
         return True
+
+
+def write_bounds(p: DecodeParams, pool, kv_indptr, kv_indices, packed_query) -> None:
+    """What the kernels check the live metadata against (they fail closed): the pools' page
+    count, kv_indices' length (CSR) or the block table's columns, a packed query's rows."""
+    p.num_pages = pool.shape[0]
+    p.num_indices = 0 if kv_indices is None else (kv_indices.shape[0] if kv_indptr is not None
+                                                   else kv_indices.shape[1])
+    p.total_q = 0 if packed_query is None else packed_query.shape[0]
 
 
 def write_rows(p: DecodeParams, last_strides, query, k_cache, v_cache, out, packed: bool,

@@ -16,6 +16,11 @@
 // Mask policy: key bound, optional valid bits (bit j % 32 of word j / 32 of the
 // request's row), bottom-right causal on the query token. A row that sees no key
 // writes zeros (the core's l = 0 path).
+// Fail closed (the routes are read live): a route row whose offsets leave block_indices,
+// whose block IDs do not increase strictly or start at or past the request's length, or
+// whose blocks' page IDs leave the pools, sees no key; every warp checks the row itself
+// (its lanes over the row's entries, one compare each), so no barrier is needed even
+// where the producer and the MMA warps build an item at different times.
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/block_sparse.py).
 #include "pt_decode.cuh"
@@ -34,6 +39,7 @@ struct BlockSparseParams {
   int valid_words;
   int batch;
   int seq_len_kv;            // CONTIG: every request's K/V length
+  int num_listed;            // block_indices' entries (the routes' offsets stay inside)
 };
 
 // The route's blocks as key tiles: block c covers keys [c * kv_block, (c + 1) * kv_block).
@@ -51,6 +57,28 @@ template <int BN> struct BsrRange {
     return {k0, min_(BN, end - k0)};
   }
 };
+
+// Warp-collective (every lane of the calling warp): route row `blocks[0 .. nblk)` keeps the
+// contract: block IDs strictly increasing, each block starting inside the request (sk keys),
+// and (pages non-null) every page ID of its keys inside the pools.
+template <class Problem>
+__device__ __forceinline__ bool route_ok(const Problem& pb, const int* blocks, int nblk, int kv_block) {
+  bool bad = false;  // accumulated without short-circuits: a lane's loads stay in flight together
+  const int sk = pb.sk;
+  for (int i = threadIdx.x & 31; i < nblk; i += 32) {
+    const int c = blocks[i];
+    const int prev = i > 0 ? blocks[i - 1] : -1;
+    const bool out = c < 0 || (i64)c * kv_block >= sk;
+    bad |= out | (prev >= c);
+    if (!out && pb.pages != nullptr) {
+      const int first = (c * kv_block) >> pb.p->page_shift;
+      const int n = ((min_(sk, (c + 1) * kv_block) - 1) >> pb.p->page_shift) - first + 1;
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) bad |= (unsigned)pb.pages[first + j] >= (unsigned)pb.p->num_pages;
+    }
+  }
+  return !__any_sync(0xffffffffu, bad);
+}
 
 template <class T, int DV, int BM, int BN, bool CAUSAL, bool CONTIG>
 struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
@@ -112,12 +140,14 @@ struct BlockSparseItems {
     }
     pb.bits = bp->valid_bits != nullptr ? bp->valid_bits + (i64)b * bp->valid_words : nullptr;
     const int* row_ptr = bp->block_indptr + ((i64)b * p.hkv + hk) * (bp->rows_r + 1) + r;
-    const int first_block = row_ptr[0];
-    pb.routes.blocks = bp->block_indices + first_block;
-    pb.routes.nblk = row_ptr[1] - first_block;
+    const int first_block = row_ptr[0], last_block = row_ptr[1];
+    const bool offsets_ok = first_block >= 0 && first_block <= last_block && last_block <= bp->num_listed;
+    pb.routes.blocks = bp->block_indices + (offsets_ok ? first_block : 0);
+    pb.routes.nblk = offsets_ok ? last_block - first_block : 0;
     pb.routes.tpb = bp->kv_block >= Cfg::BN ? bp->kv_block / Cfg::BN : 1;
     pb.routes.kv_block = bp->kv_block;
     pb.routes.sk = pb.sk;
+    if (!route_ok(pb, pb.routes.blocks, pb.routes.nblk, bp->kv_block)) pb.routes.nblk = 0;  // fail closed
     return true;
   }
 };

@@ -82,8 +82,9 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
     for (int o = 16; o > 0; o >>= 1) mx = max_(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
     for (int s = lane; s < S; s += 32) {
-      // an all-empty row (every lse -inf) weighs nothing and writes zeros
-      const float e = mx == neg_inf() ? 0.f : fast_exp2(wr[s] - mx);
+      // an all-empty row (every lse -inf) weighs nothing and writes zeros; so does a row
+      // that a split poisoned (lse +inf: a page ID outside the pools)
+      const float e = (mx == neg_inf() || mx == pos_inf()) ? 0.f : fast_exp2(wr[s] - mx);
       wr[s] = e;
       sum += e;
     }
@@ -236,6 +237,10 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   }
   pb.kv_begin = begin;
   pb.kv_end = max_(begin, end);
+  if (!pb.pages_ok(pb.kv_begin, pb.kv_end)) {  // fail closed: no key, and a poisoned merge
+    pb.kv_end = pb.kv_begin;
+    pb.poisoned = true;
+  }
   // Every split CTA runs the core, even with an empty range: it then writes a zero
   // partial with lse = -inf, which the merge weighs as nothing.
   if constexpr (Cfg::SWAP) {

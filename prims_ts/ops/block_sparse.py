@@ -403,9 +403,10 @@ class BlockSparsePagedTSWrapper:
     capacity ``max_blocks_per_row``), reads ``paged_kv_indptr`` (and ``seq_lens_kv``, if given:
     else every request has ``seq_len_kv`` keys) once on the host, validates them and copies
     them into the plan's own device tensors. ``run`` takes the live page IDs, routes and
-    valid bits (trusted, within the plan: canonical routes, live page IDs inside the cache),
-    does no host synchronisation and allocates nothing when ``out`` is given, so it can be
-    captured in a CUDA graph once warmed.
+    valid bits (read on the device only; the contract: canonical routes, live page IDs inside
+    the cache; a route row that breaks it, or reads a page ID outside the cache, writes
+    zeros and nothing is read out of bounds), does no host synchronisation and allocates
+    nothing when ``out`` is given, so it can be captured in a CUDA graph once warmed.
     """
 
     def __init__(self, *, tuning: Optional[Tuning] = None):
@@ -723,7 +724,8 @@ class BlockSparseTSWrapper:
     ``[B, Hkv, ceil(Sq / q_block_size) + 1]`` of absolute offsets into ``block_indices``, strictly
     increasing block IDs per row, every block starting before Skv). ``plan`` fixes the geometry,
     the mask, whether runs pass valid bits and the per-row capacity ``max_blocks_per_row``; it
-    reads no tensor. ``run`` takes any routes within that capacity (trusted), does no host
+    reads no tensor. ``run`` takes any routes within that capacity (read on the device only:
+    a row that breaks the BSR rules writes zeros, nothing is read out of bounds), does no host
     synchronisation, allocates nothing when ``out`` is given, and can be captured in a CUDA
     graph once warmed: a replay reads the routes in the captured tensors as they are then.
     """

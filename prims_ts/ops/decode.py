@@ -404,10 +404,12 @@ def prims_ts_batch_decode_with_kv_cache(
 
     No device-to-host synchronisation: shapes, dtypes, devices, the workspace size and
     scalar arguments are checked here (once per static key: the checks and the prepared
-    launch are cached under it); metadata *values* are trusted (the caller keeps
-    ``1 <= seq_lens[b] <= max_seq_len``, enough CSR pages per request, page IDs inside the
-    cache, packed offsets within ``max_seq_len_q`` and, for causal masks, each request's
-    query count <= its length). Capturable in a CUDA graph once this static key has run once.
+    launch are cached under it); metadata *values* are read on the device only (the caller
+    keeps ``1 <= seq_lens[b] <= max_seq_len``, enough CSR pages per request, page IDs inside
+    the cache, packed offsets within ``max_seq_len_q`` and, for causal masks, each request's
+    query count <= its length). Values that break it fail closed: nothing is read out of
+    bounds, such a request writes zeros (packed offsets outside the query rows: nothing).
+    Capturable in a CUDA graph once this static key has run once.
     """
     key = (_meta(query), _meta(kv_cache), _meta(workspace_buffer), _meta(paged_kv_indptr),
            _meta(paged_kv_indices), _meta(seq_lens), _meta(qo_indptr), _meta(out), max_seq_len, seq_len_q,

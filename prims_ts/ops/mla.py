@@ -330,10 +330,11 @@ def prims_ts_batch_decode_with_kv_cache_mla(
 
     No device-to-host synchronisation: shapes, dtypes, devices, the workspace size and scalar
     arguments are checked here (once per static key: the checks and the prepared launch are
-    cached under it); metadata *values* are trusted (the caller keeps
+    cached under it); metadata *values* are read on the device only (the caller keeps
     ``1 <= seq_lens[b] <= min(max_seq_len, block_tables.shape[1] * page_size)``, the used page
     IDs inside the cache, packed offsets within ``max_seq_len_q`` and, for causal masks, each
-    request's query count <= its length). Capturable in a CUDA graph once this static key has
+    request's query count <= its length); values that break it fail closed (no read out of
+    bounds; such a request writes zeros). Capturable in a CUDA graph once this static key has
     run once. Returns ``query.shape[:-1] + (512,)`` in ``out_dtype``; ``out``, when given,
     must have that dtype.
     """
@@ -427,8 +428,10 @@ class BatchMLADecodePagedTSWrapper:
     device, so a replay may change lengths, page IDs and (packed) query offsets in place within
     the planned bounds.
 
-    ``run(validate=False)`` (the default) trusts those values: no host synchronisation, no
-    allocation when ``out`` is given, CUDA-graph capturable after one warm-up run.
+    ``run(validate=False)`` (the default) reads those values on the device only (values that
+    break the plan's bounds fail closed: no read out of bounds, such a request writes zeros):
+    no host synchronisation, no allocation when ``out`` is given, CUDA-graph capturable after
+    one warm-up run.
     ``validate=True`` first reads them on the host and checks them against the plan and the
     cache (lengths within ``max_kv_len``, every used page ID in ``[0, P)``, ``qo_indptr`` well
     formed within ``max_seq_len_q``, causal query counts <= lengths).

@@ -10,6 +10,12 @@
 // Mask policy: key bound, bottom-right causal on the query token, left window.
 // Output policy: the output rows, or (split-KV) normalised partials and their
 // log-sum-exp in the workspace.
+// Fail closed: the live metadata are checked where they are read, one compare an entry.
+// Packed query offsets outside the query rows: the request's rows are not written (they
+// have no place). CSR offsets outside kv_indices, or a length that needs more pages than
+// the request lists (or than a split launch covers): the request has no key. A CTA whose
+// keys would read a page ID outside the pools computes nothing and, under split-KV,
+// poisons its row tile's merge (lse +inf). Rows without keys are written as zeros.
 #pragma once
 #include "pt_fmha.cuh"
 
@@ -46,6 +52,9 @@ struct DecodeParams {
   int window_left;
   int out_dtype;
   int merge_staged;  // split merge: 0 = register units (lanes), 1 = staged through shared memory
+  int num_pages;     // pages in the pools: every page ID read must be in [0, num_pages)
+  int num_indices;   // kv_indices' entries (CSR), or the block table's columns
+  int total_q;       // packed queries: the query rows qo_indptr must stay inside
   float scale_log2;
   float out_scale;
 };
@@ -78,6 +87,7 @@ struct DecodeProblem {
   const int* pages;  // this request's CSR page IDs
   int b, hk, split, q_start, row0;  // row0: first group row of this tile
   int q_rows, sk, sq, kv_begin, kv_end;
+  bool poisoned;  // a page ID of this CTA's keys lay outside the pools (split-KV: lse +inf)
   __device__ __forceinline__ BandRange<BN> range() const { return BandRange<BN>(kv_begin, kv_end, sk); }
 
   // The CTA's rows: request b, K/V head hk, row tile at group row row0_ of the request's
@@ -94,15 +104,45 @@ struct DecodeProblem {
     row0 = row0_;
     q_rows = min_(BM, max_rows - row0);
     if (q_rows <= 0) return false;
+    poisoned = false;
     sk = params.seq_lens != nullptr ? params.seq_lens[b] : 0;  // null: the caller sets sk (block-sparse CONTIG)
+    // the request's bounds (fail closed): query offsets outside the query rows leave nothing
+    // to write; K/V metadata that break theirs leave the request no key
+    if (params.qo_indptr != nullptr && (q_start_ < 0 || (i64)q_start_ + sq_ > params.total_q)) return false;
+    bool ok = true;
+    int first_page = 0;
+    if (params.kv_indices != nullptr) {
+      i64 listed = params.num_indices;  // block table: its columns
+      if (params.kv_indptr != nullptr) {
+        first_page = params.kv_indptr[b];
+        const int last = params.kv_indptr[b + 1];
+        ok = ok && first_page >= 0 && first_page <= last && last <= params.num_indices;
+        listed = (i64)last - first_page;
+      }
+      ok = ok && sk >= 0 && (i64)sk <= (listed << params.page_shift);
+    }
+    if (params.splits > 1) ok = ok && (i64)sk <= (i64)params.splits * params.chunk;
+    if (!ok) sk = 0;
     q = static_cast<const T*>(params.q) + b * params.q_sb + (i64)q_start * params.q_st +
         (i64)hk * params.group * params.q_sh;
     k = static_cast<const T*>(params.k) + hk * params.k_sh;
     v = static_cast<const T*>(params.v) + hk * params.v_sh;
     pages = params.kv_indices == nullptr  ? nullptr
-            : params.kv_indptr != nullptr ? params.kv_indices + params.kv_indptr[b]
+            : params.kv_indptr != nullptr ? params.kv_indices + first_page
                                           : params.kv_indices + b * params.bt_stride;
     return true;
+  }
+
+  // Warp-collective (every lane of the calling warp, each warp on its own: no barrier): the
+  // page IDs of keys [begin, end) (inside the request's listed pages) index the pools.
+  __device__ __forceinline__ bool pages_ok(int begin, int end) const {
+    if (pages == nullptr || begin >= end) return true;
+    bool bad = false;
+    const int last = (end - 1) >> p->page_shift;
+#pragma unroll 4
+    for (int i = (begin >> p->page_shift) + (threadIdx.x & 31); i <= last; i += 32)
+      bad |= (unsigned)pages[i] >= (unsigned)p->num_pages;  // no short-circuit: the loads in flight together
+    return !__any_sync(0xffffffffu, bad);
   }
 
   __device__ __forceinline__ const T* q_row(int r) const {
@@ -146,7 +186,7 @@ struct DecodeProblem {
     }
   }
   __device__ __forceinline__ void store_lse(int r, float lse) const {
-    if (p->splits > 1) p->ws_lse[partial_row(r)] = lse;
+    if (p->splits > 1) p->ws_lse[partial_row(r)] = poisoned ? pos_inf() : lse;
   }
 };
 

@@ -71,6 +71,7 @@ __device__ __forceinline__ float fast_log2(float x) {
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
 template <class T> __device__ __forceinline__ T min_(T a, T b) { return a < b ? a : b; }
 template <class T> __device__ __forceinline__ T max_(T a, T b) { return a > b ? a : b; }
