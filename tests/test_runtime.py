@@ -169,3 +169,23 @@ def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
     want = [getattr(cls, n).offset for n in names] + [ctypes.sizeof(cls)]
     got = [stored.get(i) for i in range(len(want))]
     assert got == want, [(n, g, w) for n, g, w in zip(names + ["sizeof"], got, want) if g != w]
+
+
+def test_host_values_from_spans_of_vectors_and_row_strided_tables():
+    """What a metadata read copies (each tensor's span: a vector, or a row-strided table's rows
+    and the gaps between them) gives back each tensor's values in order; other layouts have
+    no span (they take the concatenated copy)."""
+    import numpy as np
+
+    from prims_ts.ops import _validate as V
+
+    wide = torch.arange(5 * 9, dtype=torch.int32).view(5, 9) * 7 - 100
+    table = wide[1:, 2:6]  # row stride 9, 4 columns, an offset start
+    tensors = [torch.tensor([3, -1, 8], dtype=torch.int32), table, torch.zeros(0, dtype=torch.int32),
+               wide[:1, :1], wide[2]]
+    spans = [V._span(t) for t in tensors]
+    assert spans == [3, 3 * 9 + 4, 0, 1, 9]
+    got = np.concatenate([t.as_strided((n,), (1,)).numpy() for t, n in zip(tensors, spans)])
+    for t, v in zip(tensors, V.values_of_spans(tensors, spans, got)):
+        assert v.dtype == np.int64 and v.tolist() == t.reshape(-1).tolist()
+    assert V._span(wide.t()) is None and V._span(wide[:, ::2]) is None

@@ -420,6 +420,13 @@ def host_values(*tensors: torch.Tensor) -> List[np.ndarray]:
     from ..cuda import runtime
 
     got = runtime.read_int32(t0.device.index, [(t.data_ptr(), n) for t, n in zip(tensors, spans)])
+    return values_of_spans(tensors, spans, got)
+
+
+def values_of_spans(tensors: Sequence[torch.Tensor], spans: Sequence[int], got: np.ndarray) -> List[np.ndarray]:
+    """Each tensor's values, flattened, as int64 arrays (copies), from `got`: the int32
+    elements of every tensor's span (``_span``) back to back (a row-strided table's span
+    holds its rows and the gaps between them)."""
     out, at = [], 0
     for t, n in zip(tensors, spans):
         part = got[at:at + n]
