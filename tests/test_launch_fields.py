@@ -254,3 +254,44 @@ def test_tensor_maps_are_encoded_aligned_and_copied(monkeypatch):
     assert out % 128 == 0 and address == 0x7000 and (dtype, rank, swizzle, oob) == (9, 4, 3, 0)
     assert dims == [128, 2, 300, 3] and strides == [256, 512, 153600] and box == [64, 1, 128, 1]
     assert bytes(tp.tmap_v) == bytes(range(128)) and bytes(tp.tmap_k) == bytes(128)
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+def test_paged_tma_keys_and_pool_maps(mask, monkeypatch):
+    """Tuning(paged_tma=True) gives the sm_90a paged prefill keys TMA pages (not persistent ones,
+    not sm_80, not the default); a pool [P, Hkv, page_size, D] is mapped as (D, page_size, Hkv,
+    P) in boxes of (64, min(page_size, BN), 1, 1) over its strides in bytes (a combined cache's
+    K and V views included)."""
+    from prims_ts import Tuning
+    from prims_ts.cuda import prefill as K
+
+    t = Tuning(paged_tma=True)
+    for d, bn in ((128, 128), (256, 64)):
+        key = K.PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True, tuning=t)
+        assert key.tma and key.paged and key.bn == bn and key.name.endswith("_tma")
+    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True).tma
+    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True,
+                                   tuning=Tuning(paged_tma=True, persistent=True)).tma
+    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_80", paged=True, tuning=t).tma
+    assert K.PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=Tuning(paged_tma=True, tma=False)).tma is False
+
+    made = []
+
+    class FakeEncoder:
+        def __init__(self, dtype, dims, strides, box, what):
+            made.append((dtype, dims, strides, box, what))
+
+    monkeypatch.setattr(K.runtime, "TileMapEncoder", FakeEncoder)
+    for ps in (16, 128):
+        cache = torch.zeros(9, 2, 4, ps, 128, dtype=BF16)  # combined [P, 2, Hkv, ps, D]
+        pl = object.__new__(K.PreparedPrefill)
+        pl.key = K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True, tuning=t)
+        pl.static = K.PrefillStatic(BF16, 128, 8, 4, mask, -1, 0.1, 1.0, BF16, 2, 64, None, True, paged=True,
+                                    page_size=ps, tuning=t)
+        made.clear()
+        pl._set_tma(cache[:, 0], cache[:, 1])
+        es = 2
+        for (dtype, dims, strides, box, what), name in zip(made, ("k", "v")):
+            assert (dtype, what) == ("bf16", name)
+            assert dims == (128, ps, 4, 9) and box == (64, min(ps, 128), 1, 1)
+            assert strides == [128 * es, ps * 128 * es, 2 * 4 * ps * 128 * es]

@@ -13,10 +13,12 @@
 // PAGED: K/V row j of request b lives in page block_tables[b][j / page_size],
 // slot j % page_size; the page ID is read once per row for both K and V, and
 // K/V tiles are copied straight from the pages (no gather into a copy).
-// TMA (fixed storage on sm_90a, Tuning.tma): K/V tiles come as TMA boxes of the tensor maps
-// the host encodes over K and V as 4-D (D, Hkv, S, B): one box per 64-column panel, the
-// 128-byte swizzle of the wgmma tiles, keys past S zero-filled; one producer thread issues
-// them (pt_fmha.cuh: UsesTma).
+// TMA (sm_90a; fixed storage: Tuning.tma, pages: Tuning.paged_tma): K/V tiles come as TMA
+// boxes of the tensor maps the host encodes over K and V as 4-D (D, Hkv, S, B): one box per
+// 64-column panel, the 128-byte swizzle of the wgmma tiles, keys past S zero-filled; or over
+// the pools as (D, page_size, Hkv, P): a box per whole page of the tile below the request's
+// end (page_size rows, or BN rows of one page), the tail by cp.async with zeros past the end
+// (pt_fmha.cuh: PagedTma). One producer thread issues the boxes (UsesTma).
 // Range and mask policies: dense, bottom-right causal with optional left window,
 // per-row variable window.
 //
@@ -72,7 +74,6 @@ struct PrefillProblem {
   static constexpr int MASK_KIND = MASK;
   static constexpr bool IS_PAGED = PAGED;
   static constexpr bool TMA = TMA_;
-  static_assert(!TMA || !PAGED, "TMA: fixed contiguous storage");
   static constexpr bool WANTS_LSE = false;
   static constexpr bool SHORT_TILES = false;
   const T* q;
@@ -104,6 +105,31 @@ struct PrefillProblem {
     for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
       tma_load_4d(dst_k + (u32)(c * Tile::PANEL), tmk, c * 64, hk, k0, b, bar);
       tma_load_4d(dst_v + (u32)(c * Tile::PANEL), tmv, c * 64, hk, k0, b, bar);
+    }
+  }
+  // TMA over pages: the rows of a tile at k0 that whole pages below the request's end fill
+  // (from row 0: every page if the tile is below the end; else the whole pages before the
+  // cut one; none when a page spans the tile)
+  __device__ __forceinline__ int tma_rows(int k0) const {
+    const int live = sk - k0;
+    if (live >= BN) return BN;
+    return (1 << page_shift) >= BN ? 0 : (live >> page_shift) << page_shift;
+  }
+  // TMA over pages: tile rows 0 .. rows - 1 (keys k0 ..) of K and V, a box per page (per BN
+  // rows of one page) and 64-column panel, each at its rows of the panel
+  template <class Tile>
+  __device__ __forceinline__ void tma_pages(u32 dst_k, u32 dst_v, int k0, int rows, u32 bar) const {
+    const int ps = 1 << page_shift;
+    const int box = ps < BN ? ps : BN;
+    for (int r = 0; r < rows; r += box) {
+      const int j = k0 + r;
+      const int page = bt[j >> page_shift], slot = j & (ps - 1);
+#pragma unroll
+      for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
+        const u32 at = (u32)(c * Tile::PANEL + r * 128);
+        tma_load_4d(dst_k + at, tmk, c * 64, slot, hk, page, bar);
+        tma_load_4d(dst_v + at, tmv, c * 64, slot, hk, page, bar);
+      }
     }
   }
   __device__ __forceinline__ int kv_page(int j) const { return PAGED ? bt[j >> page_shift] : 0; }
@@ -238,7 +264,7 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p, const Tma
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
   static_assert(!PERSIST || (Cfg::PRODUCER && MASK != MASK_VARWIN), "persistent: the producer ring, no variable window");
-  static_assert(!TMA || (Cfg::PRODUCER && !PAGED && !PERSIST), "TMA: the producer ring, fixed storage, one item a CTA");
+  static_assert(!TMA || (Cfg::PRODUCER && !PERSIST), "TMA: the producer ring, one item a CTA");
   using Items = PrefillItems<Cfg, MASK, PAGED, PERSIST, TMA>;
   if constexpr (MASK != MASK_VARWIN) {
     fmha_items<Cfg>(Items{&p, tmaps}, smem, p.scale_log2, p.out_scale);

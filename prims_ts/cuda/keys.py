@@ -68,6 +68,9 @@ class Tuning:
     # storage, one item a CTA; other problems (packed, paged, persistent) keep the cp.async
     # producer. False: cp.async there too.
     tma: bool = True
+    # K/V pages as TMA boxes (a box a page, the tail by cp.async) in the sm_90a paged prefill
+    # keys, one item a CTA (built; not yet measured: off by default).
+    paged_tma: bool = False
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:

@@ -56,7 +56,7 @@ class PrefillKey(KernelKey):
             bn = 128 if head_dim == 128 else 64
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             persistent = tuning.persistent and mask != "variable_window"
-            tma = tuning.tma and not (paged or packed or persistent or tuning.probe)
+            tma = not (persistent or tuning.probe) and (tuning.paged_tma if paged else tuning.tma and not packed)
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
@@ -190,17 +190,20 @@ class PreparedPrefill(Prepared):
         self._tma_at = (None, None)  # the addresses the maps in `p` were encoded for
 
     def _set_tma(self, k, v) -> None:
-        """TMA keys: K and V [B, S, Hkv, D] as 4-D maps (D, Hkv, S, B) with (64, 1, BN, 1) boxes."""
+        """TMA keys: K and V [B, S, Hkv, D] as 4-D maps (D, Hkv, S, B) with (64, 1, BN, 1) boxes;
+        pools [P, Hkv, page_size, D] as (D, page_size, Hkv, P) with (64, min(page_size, BN), 1, 1)."""
         es = k.element_size()
+        bn = self.key.bn
+        box = (64, min(self.static.page_size, bn), 1, 1) if self.static.paged else (64, 1, bn, 1)
         encoders = []
         for t, name in ((k, "k"), (v, "v")):
-            dims = tuple(reversed(t.shape))  # D, Hkv, S, B
+            dims = tuple(reversed(t.shape))  # D, Hkv, S, B (pools: D, page_size, Hkv, P)
             strides, inner = [], dims[0] * es
             for n, st in zip(dims[1:], reversed(t.stride()[:3])):
                 # a dimension of one element takes any 16-byte multiple: the next after the inner
                 strides.append(st * es if n > 1 else inner)
                 inner = strides[-1] * n
-            encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, (64, 1, self.key.bn, 1), name))
+            encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, box, name))
         self._tma = tuple(encoders)
         self._tma_at = (None, None)
 

@@ -446,6 +446,15 @@ class _Pinned:
         self.event = None
         self.pending = False
 
+    def __del__(self):
+        # an upload may still read the buffer (its thread ended right after a one-shot): the
+        # host allocator must not hand the memory on before it has
+        if self.pending and self.event is not None and _libcuda_handle is not None:
+            try:
+                _libcuda_handle.cuEventSynchronize(self.event)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
 
 class _Staging(threading.local):
     def __init__(self):
@@ -466,6 +475,7 @@ def _buffer(table: Dict[int, _Pinned], device_index: int, n: int) -> _Pinned:
     if buf is None or buf.array.shape[0] < n:
         if buf is not None and buf.pending:  # a copy may still read the old buffer
             _check(_libcuda().cuEventSynchronize(buf.event), "cuEventSynchronize")
+            buf.pending = False
         grown = _Pinned(max(n, 4096, 2 * (buf.array.shape[0] if buf is not None else 0)))
         if buf is not None:
             grown.event = buf.event  # one event per thread and device

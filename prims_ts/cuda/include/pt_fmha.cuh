@@ -179,8 +179,11 @@ template <int BN> struct BandRange {
 // keeping only its pointers live; the page of each row is looked up once, in the K
 // pass, and kept (an int per copied chunk) for the V pass.
 // SHARED_KV (PAIRED only): V is a prefix of the K row, and only the K tile is copied.
-template <class Tile, int THREADS, bool PAIRED, bool SHARED_KV = false, int TPR = 4, class Problem>
-__device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows, int tid) {
+// FROM_ROW (PAIRED): tile rows below r_begin are left alone (a paged TMA tile's whole pages).
+template <class Tile, int THREADS, bool PAIRED, bool SHARED_KV = false, int TPR = 4, bool FROM_ROW = false,
+          class Problem>
+__device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows, int tid,
+                                              int r_begin = 0) {
   constexpr int N = Tile::BYTES / 16 / THREADS;
   static_assert((Tile::BYTES / 16) % THREADS == 0, "tile not divisible among threads");
   if constexpr (PAIRED) {
@@ -191,6 +194,7 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb,
 #pragma unroll 1
     for (int i = 0; i < ROWS / RSTEP; ++i) {
       const int r = tid / TPR + i * RSTEP;
+      if (FROM_ROW && r < r_begin) continue;
       const bool valid = r < rows;
       const int j = k0 + (valid ? r : 0);
       const int page = pb.kv_page(j);
@@ -245,6 +249,9 @@ struct RingPos {
 // producer warpgroup.
 template <class P, class = void> struct UsesTma { static constexpr bool value = false; };
 template <class P> struct UsesTma<P, decltype(void(P::TMA))> { static constexpr bool value = P::TMA; };
+// TMA problems over pages (a box a page, Problem::tma_pages; the tail by cp.async).
+template <class P, class = void> struct PagedTma { static constexpr bool value = false; };
+template <class P> struct PagedTma<P, decltype(void(P::TMA))> { static constexpr bool value = P::TMA && P::IS_PAGED; };
 
 // The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, and
 // full[s] / empty[s] mbarriers at `bars`. The producer warpgroup (NTHREADS threads, `tid`
@@ -292,7 +299,31 @@ struct KvRing {
   template <int NTHREADS, class Problem, class Range>
   __device__ __forceinline__ void produce_item(const Problem& pb, const Range& range, int n_tiles, int tid,
                                                RingPos& pos) const {
-    if constexpr (UsesTma<Problem>::value) {
+    if constexpr (PagedTma<Problem>::value) {
+      // Pages: thread 0 issues a box per whole page below the request's end (the bytes it
+      // expects); a tile's tail (a page cut by the end, keys past it) is the whole warpgroup's
+      // cp.async copy, zero past the end (a page's slots past the length hold anything, and V
+      // meets P = 0 there), counted on top of thread 0's one arrival, which comes last.
+      for (int it = 0; it < n_tiles; ++it) {
+        if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
+        const KeyTile kt = range.tile(it);
+        const int whole = pb.tma_rows(kt.k0);
+        if (tid == 0) {
+          mbar_expect_tx(full(pos.stage), (u32)(2 * whole * (KVTile::BYTES / (KVTile::PANEL / 128))));
+          pb.template tma_pages<KVTile>(k(pos.stage), v(pos.stage), kt.k0, whole, full(pos.stage));
+        }
+        if (whole < KVTile::PANEL / 128) {
+          load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR, true>(k(pos.stage), v(pos.stage), pb, kt.k0,
+                                                                          kt.rows, tid, whole);
+          cp_async_mbar_arrive_inc(full(pos.stage));
+          named_bar_sync(5, NTHREADS);  // every thread's count is in before thread 0 arrives
+        }
+        if (tid == 0) mbar_arrive(full(pos.stage));
+        advance(pos.stage, pos.phase);
+        ++pos.filled;
+      }
+      return;
+    } else if constexpr (UsesTma<Problem>::value) {
       if (tid != 0) return;  // TMA: thread 0 alone (its pos is the ring's)
       for (int it = 0; it < n_tiles; ++it) {
         if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);

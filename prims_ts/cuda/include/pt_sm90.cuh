@@ -67,6 +67,15 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
+// The same on top of the barrier's expected arrivals: the pending count goes up now and back
+// down when the copies land (a TMA stage's count-1 barrier waiting for cp.async copies too).
+__device__ __forceinline__ void cp_async_mbar_arrive_inc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// Expect `bytes` of asynchronous (TMA) writes in the current phase, without an arrival.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
 // Barrier initialisations visible to the async proxy (TMA copies completing on them).
 __device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // One arrival that also expects `bytes` of asynchronous (TMA) writes before the phase completes.
