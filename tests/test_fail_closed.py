@@ -136,6 +136,51 @@ def test_packed_query_offsets_outside_the_rows():
     assert torch.equal(out[:5], good[:5]) and torch.isnan(out[5:]).all()
 
 
+def test_pages_a_tile_loads_outside_the_band():
+    """A causal window's first tile starts below the window (tiles are BN-aligned): a bad page
+    ID there is one the CTA would load, so the request is written as zeros."""
+    gen = torch.Generator().manual_seed(9)
+    lens, ps, hq, hkv, d = [300, 260], 16, 8, 2, 128
+    indptr, indices, last, P = _csr(lens, ps, gen)
+    cache = torch.randn(P, 2, hkv, ps, d, generator=gen).to(BF16).to(DEVICE)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(BF16).to(DEVICE)
+    out = torch.full_like(q, NAN)
+    w = prims_ts.BatchDecodePagedTSWrapper()
+    w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=BF16, mask_type="causal", window_left=50)
+    replay = _graph(lambda: w.run(q, cache, out=out))
+    replay()
+    good = out.clone()
+    indices[int(indptr[0]) + 13] = P + 1000  # keys 208-223: below request 0's window (249..299), in its first tile
+    replay()
+    assert _zero(out[0]) and torch.equal(out[1], good[1])
+
+
+def test_packed_queries_past_the_planned_bound():
+    """A request given more queries than the plan's max_seq_len_q (its rows past the launch's row
+    tiles have no tile): its tiles' rows are zeros, the rows past them untouched, the other
+    requests unaffected; nothing is written past the workspace's partials."""
+    gen = torch.Generator().manual_seed(13)
+    lens, ps, hq, hkv, d = [900, 1500, 700], 16, 8, 2, 128
+    indptr, indices, last, P = _csr(lens, ps, gen)
+    cache = torch.randn(P, 2, hkv, ps, d, generator=gen).to(BF16).to(DEVICE)
+    qo = torch.tensor([0, 2, 5, 7], dtype=I32, device=DEVICE)
+    q = torch.randn(7, hq, d, generator=gen).to(BF16).to(DEVICE)
+    out = torch.full_like(q, NAN)
+    w = prims_ts.BatchDecodePagedTSWrapper()
+    w.plan(indptr, indices, last, hq, hkv, d, ps, qo_indptr=qo, q_data_type=BF16)  # max_seq_len_q 3
+    replay = _graph(lambda: w.run(q, cache, out=out))
+    replay()
+    good = out.clone()
+    out.fill_(NAN)
+    qo[2] = 6  # request 1: 4 queries
+    replay()
+    assert torch.equal(out[:2], good[:2]) and _zero(out[2:5]) and torch.isnan(out[5]).all()
+    assert torch.isfinite(out[6]).all()
+    qo[2] = 5
+    replay()
+    assert torch.equal(out, good)  # the split tickets and partials are intact
+
+
 def test_mla_wrapper_replay():
     gen = torch.Generator().manual_seed(11)
     lens, ps, h = [100, 700, 333, 64], 64, 16

@@ -434,3 +434,26 @@ def test_sm_scale_default_is_inverse_sqrt_d():
     w = plan_wrapper(prims_ts.Tuning(), q, k, v, qo, bt, sl, 16, out_dtype=FP32)
     torch.testing.assert_close(w.run(q, k, v), a, rtol=0, atol=0)  # the same kernel and problem
     assert prims_ts.batch_prefill_with_paged_kv_cache is batch_prefill_with_paged_kv_cache
+
+
+def test_tma_maps_follow_the_pool():
+    """The shared prepared launch of a TMA paged key (an op call) re-encodes its maps when the
+    pool's page count changes (no static key holds it): pages past the first pool's count
+    read their data, not the old map's zero fill."""
+    from prims_ts.ops import _validate as V
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("TMA pages: an sm_90a key")
+    g = torch.Generator().manual_seed(23)
+    ps, hkv, d, lens = 16, 2, 128, [100, 37]
+    qo = torch.tensor([0, 30, 50], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(50, 8, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for pool in (20, 60):
+        k = torch.randn(pool, hkv, ps, d, generator=g).to(torch.bfloat16).to(DEVICE)
+        v = torch.randn_like(k)
+        table = torch.arange(pool - 14, pool, dtype=torch.int32, device=DEVICE).view(2, 7)  # the pool's last pages
+        out = torch.ops.prims_ts.batch_prefill_paged(q, k, v, qo, table, sl, None, "causal", -1, d ** -0.5, 1.0, 30,
+                                                     V.dtype_code(torch.bfloat16), "paged_tma=True")
+        ref = R.batch_prefill_paged(q, k, v, qo, table, sl, mask_type="causal", compute_dtype=torch.float64)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], pool

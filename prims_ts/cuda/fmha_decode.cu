@@ -237,7 +237,11 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   }
   pb.kv_begin = begin;
   pb.kv_end = max_(begin, end);
-  if (!pb.pages_ok(pb.kv_begin, pb.kv_end)) {  // fail closed: no key, and a poisoned merge
+  // fail closed: the pages of every key the range's tiles load (BN-aligned, up to the length:
+  // past a causal band's end and before a window's start too) index the pools; else no key
+  // and a poisoned merge
+  if (pb.kv_end > pb.kv_begin &&
+      !pb.pages_ok(pb.kv_begin / BN * BN, min_(pb.sk, ((pb.kv_end - 1) / BN + 1) * BN))) {
     pb.kv_end = pb.kv_begin;
     pb.poisoned = true;
   }

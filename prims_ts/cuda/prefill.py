@@ -239,7 +239,8 @@ class PreparedPrefill(Prepared):
             block_tables=None, seq_lens=None) -> None:
         """Write the live fields and launch on the current stream. Contiguous: kv_indptr and
         the window bounds; paged: the block table and the K/V lengths."""
-        strides = (q.stride(), k.stride(), v.stride(), out.stride())
+        # TMA maps hold the shapes too (a pool's page count is in no static key)
+        strides = (q.stride(), k.stride(), v.stride(), out.stride(), k.shape if self.key.tma else None)
         if strides != self._strides:
             check_rows((("q", q), ("k", k), ("v", v), ("out", out)))
             self._set_strides(q, k, v, out)

@@ -12,10 +12,12 @@
 // log-sum-exp in the workspace.
 // Fail closed: the live metadata are checked where they are read, one compare an entry.
 // Packed query offsets outside the query rows: the request's rows are not written (they
-// have no place). CSR offsets outside kv_indices, or a length that needs more pages than
-// the request lists (or than a split launch covers): the request has no key. A CTA whose
-// keys would read a page ID outside the pools computes nothing and, under split-KV,
-// poisons its row tile's merge (lse +inf). Rows without keys are written as zeros.
+// have no place). More query rows than the launch's row tiles (past max_seq_len_q), CSR
+// offsets outside kv_indices, or a length that needs more pages than the request lists (or
+// than a split launch covers): the request has no key (the tiles' rows written as zeros, any
+// further ones not at all). A CTA whose tiles would read a page ID outside the pools
+// computes nothing and, under split-KV, poisons its row tile's merge (lse +inf). Rows
+// without keys are written as zeros.
 #pragma once
 #include "pt_fmha.cuh"
 
@@ -102,14 +104,17 @@ struct DecodeProblem {
     q_start = q_start_;
     sq = sq_;
     row0 = row0_;
-    q_rows = min_(BM, max_rows - row0);
+    // more live query rows than the launch has row tiles for (packed offsets past
+    // max_seq_len_q): the tiles' rows only, and the request fails closed below
+    const bool too_tall = max_rows > params.rows_max;
+    q_rows = min_(BM, min_(max_rows, params.rows_max) - row0);
     if (q_rows <= 0) return false;
     poisoned = false;
     sk = params.seq_lens != nullptr ? params.seq_lens[b] : 0;  // null: the caller sets sk (block-sparse CONTIG)
     // the request's bounds (fail closed): query offsets outside the query rows leave nothing
     // to write; K/V metadata that break theirs leave the request no key
     if (params.qo_indptr != nullptr && (q_start_ < 0 || (i64)q_start_ + sq_ > params.total_q)) return false;
-    bool ok = true;
+    bool ok = !too_tall;
     int first_page = 0;
     if (params.kv_indices != nullptr) {
       i64 listed = params.num_indices;  // block table: its columns
