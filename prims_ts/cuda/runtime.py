@@ -483,6 +483,27 @@ def _buffer(table: Dict[int, _Pinned], device_index: int, n: int) -> _Pinned:
     return buf
 
 
+class _OnDevice:
+    """torch's context of a device made current for a few driver calls (the caller's context
+    restored after); entering gives torch's current raw stream on the device."""
+
+    __slots__ = ("ctx", "cur", "stream")
+
+    def __init__(self, device_index: int):
+        self.ctx = _device_context(device_index)
+        self.stream = current_stream(device_index)
+
+    def __enter__(self) -> int:
+        self.cur = _libcuda().current_context()
+        if self.cur != self.ctx:
+            _libcuda_handle.cuCtxSetCurrent(ctypes.c_void_p(self.ctx))
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        if self.cur != self.ctx:
+            _libcuda_handle.cuCtxSetCurrent(ctypes.c_void_p(self.cur))
+
+
 def read_int32(device_index: int, spans: Sequence[Tuple[int, int]]):
     """The int32 values of device ranges (address, element count), back to back in one NumPy
     array: an asynchronous copy each on torch's current stream, then one wait for that stream.
@@ -490,22 +511,14 @@ def read_int32(device_index: int, spans: Sequence[Tuple[int, int]]):
     is kept. Not during CUDA-graph capture."""
     total = sum(n for _, n in spans)
     buf = _buffer(_staging.down, device_index, total)
-    drv = _libcuda()
-    ctx = _device_context(device_index)
-    stream = current_stream(device_index)
-    cur = drv.current_context()
-    if cur != ctx:
-        drv.cuCtxSetCurrent(ctypes.c_void_p(ctx))
-    try:
+    with _OnDevice(device_index) as stream:
+        drv = _libcuda_handle
         at = buf.address
         for address, n in spans:
             if n:
                 _check(drv.cuMemcpyDtoHAsync(at, address, 4 * n, stream), "cuMemcpyDtoHAsync")
                 at += 4 * n
         _check(drv.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
-    finally:
-        if cur != ctx:
-            drv.cuCtxSetCurrent(ctypes.c_void_p(cur))
     return buf.array[:total]
 
 
@@ -514,16 +527,11 @@ def write_int32(device_index: int, values, address: int) -> None:
     torch's current stream, through this thread's pinned upload buffer (whose previous copy is
     waited for before it is overwritten: an event, normally long complete). Not during
     CUDA-graph capture."""
-    n = values.shape[0] if values.ndim == 1 else values.size
+    n = values.size
     if not n:
         return
-    drv = _libcuda()
-    ctx = _device_context(device_index)
-    stream = current_stream(device_index)
-    cur = drv.current_context()
-    if cur != ctx:
-        drv.cuCtxSetCurrent(ctypes.c_void_p(ctx))
-    try:
+    with _OnDevice(device_index) as stream:
+        drv = _libcuda_handle
         buf = _buffer(_staging.up, device_index, n)
         if buf.event is None:
             ev = ctypes.c_void_p()
@@ -535,9 +543,6 @@ def write_int32(device_index: int, values, address: int) -> None:
         _check(drv.cuMemcpyHtoDAsync(address, buf.address, 4 * n, stream), "cuMemcpyHtoDAsync")
         _check(drv.cuEventRecord(buf.event, ctypes.c_void_p(stream)), "cuEventRecord")
         buf.pending = True
-    finally:
-        if cur != ctx:
-            drv.cuCtxSetCurrent(ctypes.c_void_p(cur))
 
 
 def current_stream(device_index: int) -> int:

@@ -618,12 +618,17 @@ class BatchDecodePagedTSWrapper:
             k, v = kv if type(kv) is tuple and len(kv) == 2 else (kv, None)
             if plan.launch.again(q, k, v, o, sm_scale, output_scale):
                 return o
-        dev, dt = plan.device, plan.dtype
-        cache = paged_kv_cache
-        kv = plan_cache(cache, plan.geometry, dt, dev, plan.max_page) if V.matches(q, plan.q_shape, dt, dev) else None
-        if kv is None:
-            _check_against_plan(plan, q, cache)
-        return _launch(plan, q, cache, kv, sm_scale, output_scale, out)
+        return _checked_launch(plan, q, paged_kv_cache, sm_scale, output_scale, out)
+
+
+def _checked_launch(plan: "DecodePlan", q, cache, sm_scale: float, output_scale: float, out) -> torch.Tensor:
+    """q and the cache against the plan (attribute compares; the precise error when they
+    differ), then ``_launch``."""
+    dev, dt = plan.device, plan.dtype
+    kv = plan_cache(cache, plan.geometry, dt, dev, plan.max_page) if V.matches(q, plan.q_shape, dt, dev) else None
+    if kv is None:
+        _check_against_plan(plan, q, cache)
+    return _launch(plan, q, cache, kv, sm_scale, output_scale, out)
 
 
 def _launch(plan: "DecodePlan", q, cache, kv, sm_scale: float, output_scale: float, out) -> torch.Tensor:
@@ -708,11 +713,5 @@ def batch_decode_with_paged_kv_cache(
     if plan.max_page >= k_cache.shape[0]:
         V.fail(f"paged_kv_indices: page ID {plan.max_page} is outside [0, {k_cache.shape[0]}); entries must index "
                "the physical page pool")
-    sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, plan.default_scale)
-    output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-    dev, dt = plan.device, plan.dtype
-    kv = plan_cache(paged_kv_cache, plan.geometry, dt, dev, plan.max_page) if V.matches(q, plan.q_shape, dt, dev) \
-        else None
-    if kv is None:
-        _check_against_plan(plan, q, paged_kv_cache)
-    return _launch(plan, q, paged_kv_cache, kv, sm_scale, output_scale, out)
+    return _checked_launch(plan, q, paged_kv_cache, V.fast_scale("bmm1_scale", bmm1_scale, plan.default_scale),
+                           V.fast_scale("bmm2_scale", bmm2_scale, None), out)

@@ -551,19 +551,8 @@ class BatchMLADecodePagedTSWrapper:
                 return o
         elif validate is not True:
             raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
-        dev, dt = plan.device, plan.dtype
-        fast = (V.matches(query, plan.q_shape, dt, dev) and type(kv_cache) is torch.Tensor
-                and kv_cache.dtype is dt and kv_cache.device == dev and kv_cache.shape[-1] == DIM_QK
-                and kv_cache.shape[-2] == plan.page_size and (kv_cache.dim() == 3 or
-                                                              (kv_cache.dim() == 4 and kv_cache.shape[1] == 1)))
-        if not fast:
-            _check_against_plan(plan, query, kv_cache)
-        sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
-        output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-        _check_out(plan, query, kv_cache, out)
-        if validate and not V.tracing():
-            self._check_live_values(query, kv_cache)
-        return _launch(plan, query, kv_cache, sm_scale, output_scale, out, fast)
+        live = self._check_live_values if validate and not V.tracing() else None
+        return _checked_launch(plan, query, kv_cache, bmm1_scale, bmm2_scale, out, live)
 
     def _check_live_values(self, query, kv_cache, values=None) -> None:
         """The bound metadata's values against the plan and the cache (`values`: host copies of
@@ -592,6 +581,25 @@ class BatchMLADecodePagedTSWrapper:
         if plan.static.causal:
             _values_causal(q_lens, lens)
         V.values_block_table("block_tables", table, lens, plan.page_size, cache.shape[0])
+
+
+def _checked_launch(plan: MLAPlan, query, kv_cache, bmm1_scale, bmm2_scale, out, live=None) -> torch.Tensor:
+    """query and the cache against the plan (attribute compares; the precise error when they
+    differ), the scales and ``out`` checked, `live(query, kv_cache)` (run(validate=True)'s value
+    checks) if given, then ``_launch``."""
+    dev, dt = plan.device, plan.dtype
+    fast = (V.matches(query, plan.q_shape, dt, dev) and type(kv_cache) is torch.Tensor
+            and kv_cache.dtype is dt and kv_cache.device == dev and kv_cache.shape[-1] == DIM_QK
+            and kv_cache.shape[-2] == plan.page_size and (kv_cache.dim() == 3 or
+                                                          (kv_cache.dim() == 4 and kv_cache.shape[1] == 1)))
+    if not fast:
+        _check_against_plan(plan, query, kv_cache)
+    sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
+    output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+    _check_out(plan, query, kv_cache, out)
+    if live is not None:
+        live(query, kv_cache)
+    return _launch(plan, query, kv_cache, sm_scale, output_scale, out, fast)
 
 
 def _check_out(plan: MLAPlan, query, kv_cache, out) -> None:
@@ -686,13 +694,7 @@ def batch_mla_decode_with_paged_kv_cache(
                                    qo_indptr, sq, query.dtype, None, odt, mask_type, max_kv_len, one_shot=True)
     plan = w._plan
     w._check_live_values(query, kv_cache, values)
-    fast = V.matches(query, plan.q_shape, plan.dtype, plan.device)
-    if not fast:
-        _check_against_plan(plan, query, kv_cache)
-    sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
-    output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-    _check_out(plan, query, kv_cache, out)
-    return _launch(plan, query, kv_cache, sm_scale, output_scale, out, fast)
+    return _checked_launch(plan, query, kv_cache, bmm1_scale, bmm2_scale, out)
 
 
 batch_decode_mla_with_paged_kv_cache = batch_mla_decode_with_paged_kv_cache
