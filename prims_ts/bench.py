@@ -689,7 +689,7 @@ def _paged_prefill_problems() -> List[Problem]:
     out = []
     for b, s in ((8, 2048), (2, 8192)):
         for causal in (False, True):
-            for ps in (16, 64, 128):
+            for ps in (16, 32, 64, 128):
                 pairs = visible_pairs(s, s, causal)
                 out.append(Problem(
                     family="paged_prefill",

@@ -4,6 +4,7 @@ compute-sanitizer (not collected by pytest).
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --variant tma   (one ring variant's cases)
+    compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --block-sparse   (the block-sparse cases)
 
 Both tools slow kernels ~100x: keep every case small and the launches few.
 
@@ -306,9 +307,47 @@ def block_sparse_case(dev, name, entry, mask, d, hq, hkv, q_block, kv_block, ps,
     assert err < 2e-2  # NaN (an unwritten row, a poisoned slot read) fails too
 
 
+# block_sparse_attention over contiguous K/V: (name, mask, D, Hq, Hkv, q_block, kv_block, Sq, Skv). Skv not a
+# block multiple; 64+-key blocks take the sm_90a TMA keys (the last tile cut by Skv), 8-key blocks the short tiles.
+CONTIG_BSR_CASES = [
+    ("contig kv128 causal", "causal", 128, 8, 2, 64, 128, 70, 300),
+    ("contig kv64 dense d256", "dense", 256, 4, 2, 32, 64, 40, 150),
+    ("contig kv8 dense", "dense", 128, 8, 2, 16, 8, 20, 45),
+]
+
+
+def contiguous_block_sparse_case(dev, name, mask, d, hq, hkv, q_block, kv_block, sq, skv, tuning=None) -> None:
+    """One block_sparse_attention launch (tuning None: the one-shot; else a BlockSparseTSWrapper planned
+    with it) into a NaN-poisoned out, random routes with empty rows, against the float64 reference."""
+    from prims_ts.check import bsr_routes, bsr_tensors
+
+    B, dt = 2, torch.bfloat16
+    g = torch.Generator().manual_seed(stable_seed("bsr contiguous", name))
+    q = torch.randn(B, sq, hq, d, generator=g).to(dt).to(dev)
+    k, v = (torch.randn(B, skv, hkv, d, generator=g).to(dt).to(dev) for _ in range(2))
+    block_indptr, block_indices = bsr_tensors(bsr_routes([skv] * B, sq, hkv, q_block, kv_block, g, empty=True), dev)
+    out = torch.full(q.shape, float("nan"), dtype=dt, device=dev)
+    if tuning is None:
+        res = prims_ts.block_sparse_attention(q, k, v, block_indptr, block_indices, q_block, kv_block,
+                                              mask_type=mask, out=out)
+    else:
+        wr = prims_ts.BlockSparseTSWrapper(tuning=tuning)
+        wr.plan(B, sq, skv, hq, hkv, d, q_block, kv_block, device=dev, max_blocks_per_row=-(-skv // kv_block),
+                use_kv_valid_bits=False, mask_type=mask, q_data_type=dt)
+        res = wr.run(q, k, v, block_indptr, block_indices, out=out)
+    assert res is out
+    ref = R.block_sparse_attention_contiguous(q, k, v, block_indptr, block_indices, q_block, kv_block,
+                                              mask_type=mask, compute_dtype=torch.float64)
+    err = relative_error(out, ref)
+    print(f"block-sparse {name} ({_label(tuning)}): rel err {err:.2e}")
+    assert err < 2e-2
+
+
 def block_sparse_cases(dev, tuning=None) -> None:
     for case in BSR_CASES:
         block_sparse_case(dev, *case, tuning=tuning)
+    for case in CONTIG_BSR_CASES:
+        contiguous_block_sparse_case(dev, *case, tuning=tuning)
 
 
 def _prefill(tuning, q, k, v, **kw):
@@ -418,10 +457,20 @@ def run_variant(dev, name: str) -> None:
     torch.cuda.synchronize()
 
 
+def run_block_sparse(dev) -> None:
+    """The block-sparse cases alone: the default tuning, then (sm_90a) the cp.async producer."""
+    block_sparse_cases(dev)
+    if _sm90(dev):
+        block_sparse_cases(dev, RING_VARIANTS["cp_async"])
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     torch.manual_seed(0)
     if len(sys.argv) == 3 and sys.argv[1] == "--variant":
         run_variant("cuda", sys.argv[2])
+    elif len(sys.argv) == 2 and sys.argv[1] == "--block-sparse":
+        run_block_sparse("cuda")
     else:
         run_all("cuda")
     print("sanitize cases done")

@@ -207,7 +207,7 @@ def test_prefill_tma_params_mirror_the_kernels_layout():
 
 
 @pytest.mark.parametrize("mask", ["dense", "causal", "variable_window"])
-def test_prefill_tma_keys_only_for_fixed_storage(mask):
+def test_prefill_tma_keys_follow_the_tuning(mask):
     from prims_ts import Tuning
     from prims_ts.cuda.prefill import PrefillKey
 
@@ -215,7 +215,8 @@ def test_prefill_tma_keys_only_for_fixed_storage(mask):
     assert PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=tma).tma
     assert PrefillKey.choose(BF16, 256, mask, "sm_90a", tuning=tma).name.endswith("_tma")
     assert PrefillKey.choose(BF16, 128, mask, "sm_90a").tma  # the default
-    for kw in (dict(packed=True), dict(paged=True), dict(tuning=Tuning(tma=True, probe=1)),
+    for kw in (dict(packed=True), dict(paged=True, tuning=Tuning(paged_tma=False)),
+               dict(tuning=Tuning(tma=True, probe=1)),
                dict(tuning=Tuning(tma=False))):
         kw.setdefault("tuning", tma)
         assert not PrefillKey.choose(BF16, 128, mask, "sm_90a", **kw).tma, kw
@@ -258,22 +259,22 @@ def test_tensor_maps_are_encoded_aligned_and_copied(monkeypatch):
 
 @pytest.mark.parametrize("mask", ["dense", "causal"])
 def test_paged_tma_keys_and_pool_maps(mask, monkeypatch):
-    """Tuning(paged_tma=True) gives the sm_90a paged prefill keys TMA pages (not persistent ones,
-    not sm_80, not the default); a pool [P, Hkv, page_size, D] is mapped as (D, page_size, Hkv,
-    P) in boxes of (64, min(page_size, BN), 1, 1) over its strides in bytes (a combined cache's
-    K and V views included)."""
+    """The sm_90a paged prefill keys take TMA pages by default (Tuning.paged_tma), never under
+    False, persistent CTAs or sm_80; a pool [P, Hkv, page_size, D] is mapped as (D, page_size,
+    Hkv, P) in boxes of (64, min(page_size, BN), 1, 1) over its strides in bytes (a combined
+    cache's K and V views included)."""
     from prims_ts import Tuning
     from prims_ts.cuda import prefill as K
 
-    t = Tuning(paged_tma=True)
+    t = Tuning()
     for d, bn in ((128, 128), (256, 64)):
-        key = K.PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True, tuning=t)
+        key = K.PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True)
         assert key.tma and key.paged and key.bn == bn and key.name.endswith("_tma")
-    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True).tma
-    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True,
-                                   tuning=Tuning(paged_tma=True, persistent=True)).tma
-    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_80", paged=True, tuning=t).tma
-    assert K.PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=Tuning(paged_tma=True, tma=False)).tma is False
+        assert not K.PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True, tuning=Tuning(paged_tma=False)).tma
+    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True, tuning=Tuning(persistent=True)).tma
+    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_80", paged=True).tma
+    assert K.PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=Tuning(tma=False)).tma is False
+    assert Tuning.decode(Tuning(paged_tma=False).encode()) == Tuning(paged_tma=False)
 
     made = []
 
@@ -286,12 +287,67 @@ def test_paged_tma_keys_and_pool_maps(mask, monkeypatch):
         cache = torch.zeros(9, 2, 4, ps, 128, dtype=BF16)  # combined [P, 2, Hkv, ps, D]
         pl = object.__new__(K.PreparedPrefill)
         pl.key = K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True, tuning=t)
-        pl.static = K.PrefillStatic(BF16, 128, 8, 4, mask, -1, 0.1, 1.0, BF16, 2, 64, None, True, paged=True,
-                                    page_size=ps, tuning=t)
         made.clear()
-        pl._set_tma(cache[:, 0], cache[:, 1])
+        pl._set_maps(cache[:, 0], cache[:, 1], True, min(ps, pl.key.bn))
         es = 2
         for (dtype, dims, strides, box, what), name in zip(made, ("k", "v")):
             assert (dtype, what) == ("bf16", name)
             assert dims == (128, ps, 4, 9) and box == (64, min(ps, 128), 1, 1)
             assert strides == [128 * es, ps * 128 * es, 2 * 4 * ps * 128 * es]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_tma_keys_and_maps(causal, monkeypatch):
+    """sm_90a block-sparse keys of whole key tiles (blocks of 64+) take TMA boxes: contiguous K/V
+    under Tuning.tma, pages under Tuning.paged_tma (both the default); not persistent CTAs, not
+    sm_80. A plan maps contiguous K/V [B, Skv, Hkv, D] as (D, Hkv, Skv, B) in (64, 1, BN, 1)
+    boxes, a combined cache's halves as pools, and sets them again when the pool's page count
+    changes."""
+    import ctypes
+
+    from prims_ts import Tuning
+    from prims_ts.cuda import block_sparse as K
+
+    choose = K.BlockSparseKey.choose
+    for kvb, d, bn in ((64, 128, 64), (128, 128, 128), (128, 256, 64)):
+        for ct in (True, False):
+            key = choose("bf16", d, causal, kvb, 512, "sm_90a", Tuning(), ct)
+            assert key.tma and key.contiguous == ct and key.bn == bn and key.PARAMS == "BlockSparseTmaParams"
+        assert not choose("bf16", d, causal, kvb, 512, "sm_90a", Tuning(tma=False), True).tma
+        assert choose("bf16", d, causal, kvb, 512, "sm_90a", Tuning(tma=False), False).tma
+        assert not choose("bf16", d, causal, kvb, 512, "sm_90a", Tuning(paged_tma=False), False).tma
+    assert not choose("bf16", 128, causal, 128, 512, "sm_90a", Tuning(persistent=True), True).tma
+    assert not choose("bf16", 128, causal, 32, 512, "sm_90a", Tuning(), True).tma
+    assert not choose("bf16", 128, causal, 128, 512, "sm_80", Tuning(), True).tma
+    size = ctypes.sizeof(K.BlockSparseTmaParams)
+    assert size % 64 == 0 and 0 <= size - (256 + ctypes.sizeof(K.BlockSparseParams)) < 64
+    assert K.BlockSparseTmaParams.bp.offset == 256
+
+    made = []
+
+    class FakeEncoder:
+        def __init__(self, dtype, dims, strides, box, what):
+            made.append((dtype, dims, strides, box, what))
+
+        def encode(self, out, address):
+            pass
+
+    monkeypatch.setattr(K.runtime, "TileMapEncoder", FakeEncoder)
+    pl = object.__new__(K.PreparedBlockSparse)
+    pl.key = choose("bf16", 128, causal, 128, 512, "sm_90a", Tuning(), True)
+    pl.static = K.BlockSparseStatic(BF16, 128, 8, 2, 0, 3, 256, 128, 128, 0, causal, BF16, contiguous=True,
+                                    seq_len_kv=300)
+    pl._maps = None
+    k, v = torch.zeros(3, 300, 2, 128, dtype=BF16), torch.zeros(3, 300, 2, 128, dtype=BF16)
+    pl._tma_views(k, v)
+    assert [m[1:4] for m in made] == [((128, 2, 300, 3), [256, 512, 300 * 512], (64, 1, 128, 1))] * 2
+    made.clear()
+    pl._tma_views(k, v)
+    assert made == []  # the same layout: the same maps
+    pl.key = choose("bf16", 128, causal, 128, 512, "sm_90a", Tuning(), False)
+    pl.static = K.BlockSparseStatic(BF16, 128, 8, 2, 64, 3, 256, 128, 128, 0, causal, BF16)
+    for pages in (5, 7):
+        made.clear()
+        pl._tma_views(torch.zeros(pages, 2, 2, 64, 128, dtype=BF16), None)
+        assert [m[1:4] for m in made] == [((128, 64, 2, pages), [256, 64 * 256, 2 * 2 * 64 * 256],
+                                           (64, 64, 1, 1))] * 2

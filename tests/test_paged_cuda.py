@@ -454,6 +454,6 @@ def test_tma_maps_follow_the_pool():
         v = torch.randn_like(k)
         table = torch.arange(pool - 14, pool, dtype=torch.int32, device=DEVICE).view(2, 7)  # the pool's last pages
         out = torch.ops.prims_ts.batch_prefill_paged(q, k, v, qo, table, sl, None, "causal", -1, d ** -0.5, 1.0, 30,
-                                                     V.dtype_code(torch.bfloat16), "paged_tma=True")
+                                                     V.dtype_code(torch.bfloat16), "")
         ref = R.batch_prefill_paged(q, k, v, qo, table, sl, mask_type="causal", compute_dtype=torch.float64)
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16], pool

@@ -221,8 +221,8 @@ def test_persistent_choice_and_grid(persistent):
         for paged in (False, True):
             key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=paged, tuning=t)
             assert key.persistent == persistent and ("_pk" in key.name) == persistent
-            # prefill_kernel<cfg, mask, paged, persistent, tma>: fixed storage one item a CTA takes TMA
-            tma = not (persistent or paged)
+            # prefill_kernel<cfg, mask, paged, persistent, tma>: one item a CTA takes TMA
+            tma = not persistent
             assert key.source().source.rstrip().endswith(f", {str(persistent).lower()}, {str(tma).lower()}>(p);\n}}")
         assert not PrefillKey.choose(torch.bfloat16, d, "variable_window", "sm_90a", tuning=t).persistent
         assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", tuning=t).persistent
@@ -238,15 +238,14 @@ def test_persistent_choice_and_grid(persistent):
 def test_catalogue_defaults_and_variants():
     """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
     tuning of catalog.VARIANTS builds at least one key the default does not, except the staged
-    split merge, a runtime choice, and fixed storage by cp.async, whose keys are the packed
-    problems' defaults); the portable engine has no variants."""
+    split merge, a runtime choice); the portable engine has no variants."""
     default = {ks.name for ks in catalog.all_keys("sm_90a")}
     every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     assert default < every
     for t in catalog.VARIANTS:
         own = {k.name for k in catalog.default_keys("sm_90a", t)}
         assert own <= every
-        assert bool(own - default) == (t not in (Tuning(merge_staged=True), Tuning(tma=False))), t
+        assert bool(own - default) == (t != Tuning(merge_staged=True)), t
     assert {ks.name for ks in catalog.all_keys("sm_80")} == {ks.name for ks in catalog.all_keys("sm_80", True)}
 
 

@@ -26,11 +26,12 @@ class BlockSparseKey(KernelKey):
     """KV blocks of 64+ keys on sm_90a take the wgmma engine (BM 64 for short rows at D128,
     else 128; BN 128 when the block size allows at D128, else 64); smaller blocks (8/16/32:
     one short tile of BN 16/32 per block) and other archs the mma.sync engine with BM 64
-    (BN 32 at D256, to fit 99 KB)."""
+    (BN 32 at D256, to fit 99 KB). sm_90a keys of one item a CTA take their key tiles as TMA
+    boxes: contiguous K/V under Tuning.tma, pages under Tuning.paged_tma."""
 
     PREFIX = "pt_bsr"
     SOURCE = "fmha_block_sparse.cu"
-    PARAMS = "BlockSparseParams"
+    PARAMS = property(lambda self: "BlockSparseTmaParams" if self.tma else "BlockSparseParams")
 
     dtype: str = tag("", always=True)
     head_dim: int = tag("d", always=True)
@@ -43,6 +44,7 @@ class BlockSparseKey(KernelKey):
     persistent: bool = tag("pk", False)  # CTAs walk several work items (Tuning.persistent)
     copy_tpr: int = tag("cp", 4)  # the producer's threads per K/V row (Tuning.copy_tpr)
     contiguous: bool = tag("ct", False)  # K/V address policy: CSR pages, or contiguous [B, Skv, Hkv, D]
+    tma: bool = tag("tma", False)  # key tiles as TMA boxes (Tuning.tma / Tuning.paged_tma)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -53,9 +55,10 @@ class BlockSparseKey(KernelKey):
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             loop = tuning.loop_for(head_dim)
+            tma = not tuning.persistent and (tuning.tma if contiguous else tuning.paged_tma)
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   loop if bm == 128 else min(loop, 1),  # pingpong: two MMA warpgroups
-                                  tuning.persistent, tuning.copy_for(head_dim), contiguous)
+                                  tuning.persistent, tuning.copy_for(head_dim), contiguous, tma)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80,
                                   contiguous=contiguous)
@@ -80,7 +83,7 @@ class BlockSparseKey(KernelKey):
                           self.arch, stages=self.stages, producer=self.producer, loop=self.loop,
                           copy_tpr=self.copy_tpr)
         return (f"pt::block_sparse_kernel<{cfg}, {cpp_bool(self.causal)}, {cpp_bool(self.persistent)}, "
-                f"{cpp_bool(self.contiguous)}>")
+                f"{cpp_bool(self.contiguous)}, {cpp_bool(self.tma)}>")
 
 
 def block_sparse_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[BlockSparseKey]:
@@ -107,6 +110,16 @@ class BlockSparseParams(ctypes.Structure):
                                        "seq_len_kv", "num_listed")]
 
 
+class _BlockSparseTmaParams(ctypes.Structure):
+    """Mirror of pt::BlockSparseTmaParams: a TMA key's K and V maps (64-byte aligned, so the
+    struct is padded to a multiple of 64 bytes), then its parameters."""
+
+    _fields_ = [("tmap_k", runtime.TensorMap), ("tmap_v", runtime.TensorMap), ("bp", BlockSparseParams)]
+
+
+BlockSparseTmaParams = runtime.padded_to(_BlockSparseTmaParams, 64)
+
+
 @dataclass(frozen=True)
 class BlockSparseStatic:
     """Everything a block-sparse launch needs besides tensor addresses."""
@@ -131,8 +144,7 @@ class BlockSparseStatic:
 class PreparedBlockSparse(Prepared):
     """The loaded kernel, grid and parameter struct of one BlockSparseStatic on one device."""
 
-    __slots__ = ("bp", "_v_off")
-    PARAMS_ATTR = "bp"
+    __slots__ = ("bp", "tp", "_v_off", "_maps_layout")
 
     def __init__(self, static: BlockSparseStatic, dev: int):
         arch, sms, _ = device_info(dev)
@@ -143,7 +155,8 @@ class PreparedBlockSparse(Prepared):
                                     static.kv_block_size, rows, arch, static.tuning, static.contiguous)
         kernel = load(dev, key)
         row_tiles = -(-rows // key.bm)
-        bp = BlockSparseParams()
+        self.tp = BlockSparseTmaParams() if key.tma else None  # a TMA key's whole struct (bp: its parameters)
+        bp = self.tp.bp if key.tma else BlockSparseParams()
         p = bp.d
         p.group, p.hkv = group, static.num_kv_heads
         p.page_shift = max(static.page_size.bit_length() - 1, 0)
@@ -158,10 +171,27 @@ class PreparedBlockSparse(Prepared):
         items = static.batch * static.num_kv_heads * rows_r * row_tiles
         ctas = work_grid(items, key.persistent, sms, static.tuning.persistent_ctas)
         self.static, self.dev, self.key, self.bp = static, dev, key, bp
-        self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), bp)
+        self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), self.tp if key.tma else bp)
         self._strides = None
         self.accepted = None
         self._v_off = 0
+        self._maps = self._maps_at = None
+
+    def _own(self, params) -> None:
+        if self.key.tma:
+            self.tp, self.bp = params, params.bp
+        else:
+            self.bp = params
+
+    def _tma_views(self, k_cache, v_cache):
+        """A TMA key's K and V as 4-D tensors (a combined cache's halves as views), their maps
+        set again when their layout (the pools' page count too) changed."""
+        layout = (k_cache.shape, k_cache.stride(), None if v_cache is None else (v_cache.shape, v_cache.stride()))
+        if self._maps is None or layout != self._maps_layout:
+            k, v = (k_cache, v_cache) if v_cache is not None else (k_cache[:, 0], k_cache[:, 1])
+            st = self.static
+            self._set_maps(k, v, not st.contiguous, self.key.bn if st.contiguous else min(st.page_size, self.key.bn))
+            self._maps_layout = layout
 
     def run(self, q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens,
             valid_bits, sm_scale: float) -> None:
@@ -182,6 +212,9 @@ class PreparedBlockSparse(Prepared):
         bp.num_listed = block_indices.shape[0]
         bp.valid_bits = _ptr(valid_bits)
         p.scale_log2 = sm_scale * LOG2E
+        if self.tp is not None:
+            self._tma_views(k_cache, v_cache)
+            self._encode_maps(self.tp, p.k, p.v)
         self.launch.launch(runtime.current_stream(self.dev))
         if self.accepted is not None:
             self.accepted.record((q, k_cache, v_cache, out, kv_indices, block_indptr, block_indices, valid_bits))
@@ -202,6 +235,8 @@ class PreparedBlockSparse(Prepared):
         p.kv_indices, bp.block_indptr, bp.block_indices, bp.valid_bits = a[4], a[5], a[6], a[7] or None
         bp.num_listed = block_indices.shape[0]  # any length (a loose operand)
         p.scale_log2 = sm_scale * LOG2E
+        if self.tp is not None:  # the same layout as the last full run: its maps, new addresses
+            self._encode_maps(self.tp, p.k, p.v)
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 

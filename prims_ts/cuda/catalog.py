@@ -27,8 +27,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "loop0_persistent": Tuning(loop=0, persistent=True, persistent_ctas=3),
     "loop2_persistent": Tuning(loop=2, persistent=True, persistent_ctas=3),
     "other_copy": Tuning(flip_copy=True),
-    "cp_async": Tuning(tma=False),
-    "paged_tma": Tuning(paged_tma=True),
+    "cp_async": Tuning(tma=False, paged_tma=False),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.

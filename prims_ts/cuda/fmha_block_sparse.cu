@@ -13,6 +13,9 @@
 // Address policy: the decode problem's CSR pages; or (CONTIG, block_sparse_attention)
 // contiguous K/V [B, Skv, Hkv, D], request b's key j at b * k_sp + j * k_ss (the pool
 // stride fields hold the request and token strides), no page table, every request Skv keys.
+// TMA (sm_90a, blocks a multiple of BN: Tuning.tma for CONTIG, Tuning.paged_tma for pages):
+// the key tiles come as the boxes of prefill's maps (pt_fmha.cuh: TmaKv), contiguous K/V as
+// (D, Hkv, Skv, B), the pools as (D, page_size, Hkv, P) with the tail page by cp.async.
 // Mask policy: key bound, optional valid bits (bit j % 32 of word j / 32 of the
 // request's row), bottom-right causal on the query token. A row that sees no key
 // writes zeros (the core's l = 0 path).
@@ -40,6 +43,13 @@ struct BlockSparseParams {
   int batch;
   int seq_len_kv;            // CONTIG: every request's K/V length
   int num_listed;            // block_indices' entries (the routes' offsets stay inside)
+};
+
+// The parameters of a TMA key: K's and V's maps, then the rest.
+struct BlockSparseTmaParams {
+  TmaMap tmap_k;
+  TmaMap tmap_v;
+  BlockSparseParams bp;
 };
 
 // The route's blocks as key tiles: block c covers keys [c * kv_block, (c + 1) * kv_block).
@@ -80,13 +90,29 @@ __device__ __forceinline__ bool route_ok(const Problem& pb, const int* blocks, i
   return !__any_sync(0xffffffffu, bad);
 }
 
-template <class T, int DV, int BM, int BN, bool CAUSAL, bool CONTIG>
+template <class T, int DV, int BM, int BN, bool CAUSAL, bool CONTIG, bool TMA_ = false>
 struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
   using Base = DecodeProblem<T, DV, BM, BN, CAUSAL>;
   static constexpr bool SHORT_TILES = true;
+  static constexpr bool TMA = TMA_;
+  static constexpr bool IS_PAGED = !CONTIG;
   const u32* bits;  // this request's valid-bit words, or null
   BsrRange<BN> routes;
   int t0;           // the route row's first query token
+  TmaKv tma;        // TMA: the maps, K/V head and request
+
+  template <class Tile>
+  __device__ __forceinline__ void tma_kv(u32 dst_k, u32 dst_v, int k0, u32 bar) const {
+    tma.template rows<Tile>(dst_k, dst_v, k0, bar);
+  }
+  __device__ __forceinline__ int tma_rows(int k0) const {
+    return TmaKv::whole_page_rows<BN>(k0, this->sk, this->p->page_shift);
+  }
+  template <class Tile>
+  __device__ __forceinline__ void tma_pages(u32 dst_k, u32 dst_v, int k0, int rows, u32 bar, int lane,
+                                            int lanes) const {
+    tma.template pages<Tile, BN>(*this, dst_k, dst_v, k0, rows, this->p->page_shift, bar, lane, lanes);
+  }
 
   __device__ __forceinline__ BsrRange<BN> range() const { return routes; }
   // CONTIG: k and v point at the request's rows of the K/V head (see the items' get)
@@ -114,11 +140,12 @@ struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
 };
 
 // PERSIST: CTA c walks items c, c + gridDim.x, ...; otherwise item blockIdx.x alone.
-template <class Cfg, bool CAUSAL, bool PERSIST_, bool CONTIG>
+template <class Cfg, bool CAUSAL, bool PERSIST_, bool CONTIG, bool TMA>
 struct BlockSparseItems {
-  using Problem = BlockSparseProblem<typename Cfg::T, Cfg::DV, Cfg::BM, Cfg::BN, CAUSAL, CONTIG>;
+  using Problem = BlockSparseProblem<typename Cfg::T, Cfg::DV, Cfg::BM, Cfg::BN, CAUSAL, CONTIG, TMA>;
   static constexpr bool PERSIST = PERSIST_;
   const BlockSparseParams* bp;
+  const TmaMap* tmaps;  // TMA: K's map, then V's
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int stride() const { return gridDim.x; }
   __device__ __forceinline__ int count() const { return bp->batch * bp->d.hkv * bp->rows_r * bp->row_tiles; }
@@ -138,6 +165,7 @@ struct BlockSparseItems {
       pb.k += b * p.k_sp;
       pb.v += b * p.v_sp;
     }
+    if constexpr (TMA) pb.tma = TmaKv{tmaps, tmaps + 1, hk, b};
     pb.bits = bp->valid_bits != nullptr ? bp->valid_bits + (i64)b * bp->valid_words : nullptr;
     const int* row_ptr = bp->block_indptr + ((i64)b * p.hkv + hk) * (bp->rows_r + 1) + r;
     const int first_block = row_ptr[0], last_block = row_ptr[1];
@@ -152,12 +180,21 @@ struct BlockSparseItems {
   }
 };
 
-template <class Cfg, bool CAUSAL, bool PERSIST = false, bool CONTIG = false>
-__device__ __forceinline__ void block_sparse_kernel(const BlockSparseParams& bp) {
+template <class Cfg, bool CAUSAL, bool PERSIST = false, bool CONTIG = false, bool TMA = false>
+__device__ __forceinline__ void block_sparse_kernel(const BlockSparseParams& bp, const TmaMap* tmaps = nullptr) {
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
   static_assert(!PERSIST || Cfg::PRODUCER, "persistent: the producer ring");
-  fmha_items<Cfg>(BlockSparseItems<Cfg, CAUSAL, PERSIST, CONTIG>{&bp}, smem, bp.d.scale_log2, bp.d.out_scale);
+  static_assert(!TMA || (Cfg::PRODUCER && !PERSIST), "TMA: the producer ring, one item a CTA");
+  fmha_items<Cfg>(BlockSparseItems<Cfg, CAUSAL, PERSIST, CONTIG, TMA>{&bp, tmaps}, smem, bp.d.scale_log2,
+                  bp.d.out_scale);
+}
+
+// A TMA key's entry: the maps live in the kernel's __grid_constant__ parameters.
+template <class Cfg, bool CAUSAL, bool PERSIST, bool CONTIG, bool TMA>
+__device__ __forceinline__ void block_sparse_kernel(const BlockSparseTmaParams& tp) {
+  static_assert(TMA, "BlockSparseTmaParams: the TMA keys");
+  block_sparse_kernel<Cfg, CAUSAL, PERSIST, CONTIG, TMA>(tp.bp, &tp.tmap_k);
 }
 
 }  // namespace pt

@@ -18,7 +18,8 @@
 // 64-column panel, the 128-byte swizzle of the wgmma tiles, keys past S zero-filled; or over
 // the pools as (D, page_size, Hkv, P): a box per whole page of the tile below the request's
 // end (page_size rows, or BN rows of one page), the tail by cp.async with zeros past the end
-// (pt_fmha.cuh: PagedTma). One producer thread issues the boxes (UsesTma).
+// (pt_fmha.cuh: PagedTma, TmaKv). One producer thread issues fixed storage's boxes (UsesTma),
+// the first producer warp's lanes a tile's pages.
 // Range and mask policies: dense, bottom-right causal with optional left window,
 // per-row variable window.
 //
@@ -93,44 +94,19 @@ struct PrefillProblem {
   const int* lo;  // variable window bounds per tile row (shared memory)
   const int* hi;
   int b, q0;      // request, first query row of the tile
-  const TmaMap* tmk;  // TMA: the maps (in the kernel's parameters) and this problem's K/V head
-  const TmaMap* tmv;
-  int hk;
+  TmaKv tma;  // TMA: the maps (in the kernel's parameters), this problem's K/V head and request
 
   __device__ __forceinline__ const T* q_row(int r) const { return q + r * q_st; }
-  // TMA: keys k0 .. k0 + BN - 1 of K and V into the stage's tiles, a box per 64-column panel
+  // TMA (TmaKv): fixed storage's key tiles, or the whole pages of a paged one
   template <class Tile>
   __device__ __forceinline__ void tma_kv(u32 dst_k, u32 dst_v, int k0, u32 bar) const {
-#pragma unroll
-    for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
-      tma_load_4d(dst_k + (u32)(c * Tile::PANEL), tmk, c * 64, hk, k0, b, bar);
-      tma_load_4d(dst_v + (u32)(c * Tile::PANEL), tmv, c * 64, hk, k0, b, bar);
-    }
+    tma.template rows<Tile>(dst_k, dst_v, k0, bar);
   }
-  // TMA over pages: the rows of a tile at k0 that whole pages below the request's end fill
-  // (from row 0: every page if the tile is below the end; else the whole pages before the
-  // cut one; none when a page spans the tile)
-  __device__ __forceinline__ int tma_rows(int k0) const {
-    const int live = sk - k0;
-    if (live >= BN) return BN;
-    return (1 << page_shift) >= BN ? 0 : (live >> page_shift) << page_shift;
-  }
-  // TMA over pages: tile rows 0 .. rows - 1 (keys k0 ..) of K and V, a box per page (per BN
-  // rows of one page) and 64-column panel, each at its rows of the panel
+  __device__ __forceinline__ int tma_rows(int k0) const { return TmaKv::whole_page_rows<BN>(k0, sk, page_shift); }
   template <class Tile>
-  __device__ __forceinline__ void tma_pages(u32 dst_k, u32 dst_v, int k0, int rows, u32 bar) const {
-    const int ps = 1 << page_shift;
-    const int box = ps < BN ? ps : BN;
-    for (int r = 0; r < rows; r += box) {
-      const int j = k0 + r;
-      const int page = bt[j >> page_shift], slot = j & (ps - 1);
-#pragma unroll
-      for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
-        const u32 at = (u32)(c * Tile::PANEL + r * 128);
-        tma_load_4d(dst_k + at, tmk, c * 64, slot, hk, page, bar);
-        tma_load_4d(dst_v + at, tmv, c * 64, slot, hk, page, bar);
-      }
-    }
+  __device__ __forceinline__ void tma_pages(u32 dst_k, u32 dst_v, int k0, int rows, u32 bar, int lane,
+                                            int lanes) const {
+    tma.template pages<Tile, BN>(*this, dst_k, dst_v, k0, rows, page_shift, bar, lane, lanes);
   }
   __device__ __forceinline__ int kv_page(int j) const { return PAGED ? bt[j >> page_shift] : 0; }
   __device__ __forceinline__ const T* k_row(int page, int j) const {
@@ -227,9 +203,7 @@ __device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, P
   pb.b = b;
   pb.q0 = q0;
   if constexpr (Problem::TMA) {
-    pb.tmk = tmaps;
-    pb.tmv = tmaps + 1;
-    pb.hk = hk;
+    pb.tma = TmaKv{tmaps, tmaps + 1, hk, b};
   }
 
   // ---- range policy (the variable window's: prefill_kernel) --------------------

@@ -64,13 +64,14 @@ class Tuning:
     # PT_PROBE (pt_fmha.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
-    # K/V tiles as TMA boxes (one producer thread) in the sm_90a prefill keys of fixed
-    # storage, one item a CTA; other problems (packed, paged, persistent) keep the cp.async
-    # producer. False: cp.async there too.
+    # K/V tiles as TMA boxes (one producer thread) in the sm_90a keys of contiguous K/V:
+    # fixed-storage prefill and block-sparse, one item a CTA; packed and persistent problems
+    # keep the cp.async producer. False: cp.async there too.
     tma: bool = True
-    # K/V pages as TMA boxes (a box a page, the tail by cp.async) in the sm_90a paged prefill
-    # keys, one item a CTA (built; not yet measured: off by default).
-    paged_tma: bool = False
+    # K/V pages as TMA boxes (a box a page, the first warp's lanes sharing the pages; the tail
+    # by cp.async) in the sm_90a paged prefill and block-sparse keys, one item a CTA. False:
+    # the cp.async producer.
+    paged_tma: bool = True
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:
@@ -424,7 +425,7 @@ class Prepared:
     per (key, device) serves op calls; a plan owns a copy (``for_plan``) with its own struct and
     an ``Accepted`` memo, which its full ``run`` records and ``again`` relaunches from."""
 
-    __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted")
+    __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted", "_maps", "_maps_at")
     PARAMS_ATTR = "p"  # the attribute holding the parameter struct
     _SHARED: ClassVar[Dict[tuple, "Prepared"]] = {}
 
@@ -449,3 +450,33 @@ class Prepared:
     def _own(self, params) -> None:
         """Take `params` (a copy of the launch's struct) as this launch's parameters."""
         setattr(self, self.PARAMS_ATTR, params)
+
+    # TMA keys (pt_fmha.cuh: TmaKv): the encoders of K's and V's maps for their current layout
+    # (_maps), and the addresses this launch's struct holds maps of (_maps_at: a plan's copy
+    # encodes into its own struct)
+    def _set_maps(self, k: torch.Tensor, v: torch.Tensor, paged: bool, rows: int) -> None:
+        """K's and V's maps for their layout, innermost dimension first: [B, S, Hkv, D] as (D, Hkv,
+        S, B) with boxes of (64, 1, rows, 1); pools [P, Hkv, page_size, D] as (D, page_size, Hkv, P)
+        with (64, rows, 1, 1). 64-column panels, the 128-byte swizzle, zeros outside the tensor."""
+        es = k.element_size()
+        box = (64, rows, 1, 1) if paged else (64, 1, rows, 1)
+        encoders = []
+        for t, name in ((k, "k"), (v, "v")):
+            dims = tuple(reversed(t.shape))
+            strides, inner = [], dims[0] * es
+            for n, st in zip(dims[1:], reversed(t.stride()[:3])):
+                # a dimension of one element takes any 16-byte multiple: the next after the inner
+                strides.append(st * es if n > 1 else inner)
+                inner = strides[-1] * n
+            encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, box, name))
+        self._maps = tuple(encoders)
+        self._maps_at = (None, None)
+
+    def _encode_maps(self, maps, ka: int, va: int) -> None:
+        """The maps of K at `ka` and V at `va` into `maps` (a struct with tmap_k, tmap_v), each
+        only when its address changed."""
+        if ka != self._maps_at[0]:
+            self._maps[0].encode(maps.tmap_k, ka)
+        if va != self._maps_at[1]:
+            self._maps[1].encode(maps.tmap_v, va)
+        self._maps_at = (ka, va)

@@ -159,7 +159,7 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class PreparedPrefill(Prepared):
     """The loaded kernel, grid and parameter struct of one PrefillStatic on one device."""
 
-    __slots__ = ("p", "tp", "_tma", "_tma_at")
+    __slots__ = ("p", "tp")
 
     def __init__(self, static: PrefillStatic, dev: int):
         arch, sms, _ = device_info(dev)
@@ -186,26 +186,7 @@ class PreparedPrefill(Prepared):
         self.launch = runtime.PreparedLaunch(kernel, key.name, (ctas, 1, 1), self.tp if key.tma else p)
         self._strides = None
         self.accepted = None
-        self._tma = None  # TMA keys: the encoders of K's and V's maps for the current strides
-        self._tma_at = (None, None)  # the addresses the maps in `p` were encoded for
-
-    def _set_tma(self, k, v) -> None:
-        """TMA keys: K and V [B, S, Hkv, D] as 4-D maps (D, Hkv, S, B) with (64, 1, BN, 1) boxes;
-        pools [P, Hkv, page_size, D] as (D, page_size, Hkv, P) with (64, min(page_size, BN), 1, 1)."""
-        es = k.element_size()
-        bn = self.key.bn
-        box = (64, min(self.static.page_size, bn), 1, 1) if self.static.paged else (64, 1, bn, 1)
-        encoders = []
-        for t, name in ((k, "k"), (v, "v")):
-            dims = tuple(reversed(t.shape))  # D, Hkv, S, B (pools: D, page_size, Hkv, P)
-            strides, inner = [], dims[0] * es
-            for n, st in zip(dims[1:], reversed(t.stride()[:3])):
-                # a dimension of one element takes any 16-byte multiple: the next after the inner
-                strides.append(st * es if n > 1 else inner)
-                inner = strides[-1] * n
-            encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, box, name))
-        self._tma = tuple(encoders)
-        self._tma_at = (None, None)
+        self._maps = self._maps_at = None
 
     def _own(self, params) -> None:
         if self.key.tma:
@@ -213,18 +194,10 @@ class PreparedPrefill(Prepared):
         else:
             self.p = params
 
-    def _encode_tma(self, ka: int, va: int) -> None:
-        tp = self.tp
-        if ka != self._tma_at[0]:
-            self._tma[0].encode(tp.tmap_k, ka)
-        if va != self._tma_at[1]:
-            self._tma[1].encode(tp.tmap_v, va)
-        self._tma_at = (ka, va)
-
     def _set_strides(self, q, k, v, out) -> None:
         p, st = self.p, self.static
         if self.key.tma:
-            self._set_tma(k, v)
+            self._set_maps(k, v, st.paged, min(st.page_size, self.key.bn) if st.paged else self.key.bn)
         if st.paged:  # pools [P, Hkv, page_size, D]: page, slot, head
             ks, vs = k.stride(), v.stride()
             p.k_sb, p.k_sh, p.k_st = ks[0], ks[1], ks[2]
@@ -249,8 +222,8 @@ class PreparedPrefill(Prepared):
         p.q, p.k, p.v, p.o = a = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if (a[0] | a[1] | a[2] | a[3]) & 15:
             check_starts((("q", q), ("k", k), ("v", v), ("out", out)))
-        if self._tma is not None:
-            self._encode_tma(a[1], a[2])
+        if self._maps is not None:
+            self._encode_maps(self.tp, a[1], a[2])
         p.qo_indptr, p.work = _ptr(qo_indptr), _ptr(work)
         if self.static.paged:
             p.block_tables, p.seq_lens = block_tables.data_ptr(), seq_lens.data_ptr()
@@ -273,16 +246,10 @@ class PreparedPrefill(Prepared):
             return False
         p = self.p
         p.q, p.k, p.v, p.o = a
-        if self._tma is not None:
-            self._encode_tma(a[1], a[2])
+        if self._maps is not None:
+            self._encode_maps(self.tp, a[1], a[2])
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 
 
 prepared = PreparedPrefill.shared  # the shared prepared launch of a static key on a device
-
-
-def prefill_key(dtype: torch.dtype, head_dim: int, mask: str, dev: int, paged: bool = False,
-                tuning: Tuning = DEFAULT_TUNING) -> PrefillKey:
-    """The prefill kernel (contiguous or paged) on CUDA device `dev`."""
-    return PrefillKey.choose(dtype, head_dim, mask, device_info(dev)[0], paged, tuning)

@@ -253,6 +253,54 @@ template <class P> struct UsesTma<P, decltype(void(P::TMA))> { static constexpr 
 template <class P, class = void> struct PagedTma { static constexpr bool value = false; };
 template <class P> struct PagedTma<P, decltype(void(P::TMA))> { static constexpr bool value = P::TMA && P::IS_PAGED; };
 
+// The TMA boxes of a problem's key tiles, shared by the problems that take them (prefill,
+// block-sparse). `tmk` / `tmv`: K's and V's maps in the kernel's parameters; `hk`: the K/V
+// head; `b`: the request (contiguous maps).
+struct TmaKv {
+  const TmaMap* tmk;
+  const TmaMap* tmv;
+  int hk, b;
+  // contiguous maps (D, Hkv, S, B), boxes (64, 1, BN, 1): keys k0 .. k0 + BN - 1 of K and V,
+  // a box per 64-column panel (the maps zero keys past S)
+  template <class Tile>
+  __device__ __forceinline__ void rows(u32 dst_k, u32 dst_v, int k0, u32 bar) const {
+#pragma unroll
+    for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
+      tma_load_4d(dst_k + (u32)(c * Tile::PANEL), tmk, c * 64, hk, k0, b, bar);
+      tma_load_4d(dst_v + (u32)(c * Tile::PANEL), tmv, c * 64, hk, k0, b, bar);
+    }
+  }
+  // pool maps (D, page_size, Hkv, P), boxes (64, min(page_size, BN), 1, 1): the rows of a tile
+  // at k0 that whole pages below the request's end (sk keys) fill, from row 0: every row if
+  // the tile is below the end; else the whole pages before the cut one; none when one page
+  // spans the tile
+  template <int BN>
+  __device__ __forceinline__ static int whole_page_rows(int k0, int sk, int page_shift) {
+    const int live = sk - k0;
+    if (live >= BN) return BN;
+    return (1 << page_shift) >= BN ? 0 : (live >> page_shift) << page_shift;
+  }
+  // tile rows 0 .. rows - 1 (keys k0 ..) of K and V from the pools, a box per page (per BN
+  // rows of one page) and 64-column panel; the pages are dealt over `lanes` threads (`lane`
+  // this one's), each reading its pages' IDs (pb.kv_page) and issuing their boxes
+  template <class Tile, int BN, class Problem>
+  __device__ __forceinline__ void pages(const Problem& pb, u32 dst_k, u32 dst_v, int k0, int rows, int page_shift,
+                                        u32 bar, int lane, int lanes) const {
+    const int ps = 1 << page_shift;
+    const int box = ps < BN ? ps : BN;
+    for (int r = lane * box; r < rows; r += lanes * box) {
+      const int j = k0 + r;
+      const int page = pb.kv_page(j), slot = j & (ps - 1);
+#pragma unroll
+      for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
+        const u32 at = (u32)(c * Tile::PANEL + r * 128);
+        tma_load_4d(dst_k + at, tmk, c * 64, slot, hk, page, bar);
+        tma_load_4d(dst_v + at, tmv, c * 64, slot, hk, page, bar);
+      }
+    }
+  }
+};
+
 // The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, and
 // full[s] / empty[s] mbarriers at `bars`. The producer warpgroup (NTHREADS threads, `tid`
 // its index) copies tile it into stage it % STAGES once the MMA warps released the
@@ -308,10 +356,11 @@ struct KvRing {
         if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
         const KeyTile kt = range.tile(it);
         const int whole = pb.tma_rows(kt.k0);
-        if (tid == 0) {
-          mbar_expect_tx(full(pos.stage), (u32)(2 * whole * (KVTile::BYTES / (KVTile::PANEL / 128))));
-          pb.template tma_pages<KVTile>(k(pos.stage), v(pos.stage), kt.k0, whole, full(pos.stage));
-        }
+        // thread 0 expects the bytes before it arrives (below); the first warp's lanes share
+        // the boxes (a box's bytes may land before the expectation: the phase still waits on
+        // thread 0's arrival)
+        if (tid == 0) mbar_expect_tx(full(pos.stage), (u32)(2 * whole * (KVTile::BYTES / (KVTile::PANEL / 128))));
+        if (tid < 32) pb.template tma_pages<KVTile>(k(pos.stage), v(pos.stage), kt.k0, whole, full(pos.stage), tid, 32);
         if (whole < KVTile::PANEL / 128) {
           load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR, true>(k(pos.stage), v(pos.stage), pb, kt.k0,
                                                                           kt.rows, tid, whole);
