@@ -168,7 +168,7 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
         grep -h "^prims_ts from" "$OUT"/abtree*-*.log
         "$PY" benchmarks/ab_table.py "${runs[@]}" | tee "$OUT/abtree_table.txt" ;;
     probe)
-        # where a prefill kernel's time goes (pt_fmha.cuh: PT_PROBE, Tuning.probe): probe 0 as
+        # where a prefill kernel's time goes (pt_fmha_config.cuh: PT_PROBE, Tuning.probe): probe 0 as
         # built, 1 without the K/V copies after the first stages (the MMA warps alone), 2 without
         # the math (the data path alone). The results are wrong under 1 and 2: only the times
         # mean anything.

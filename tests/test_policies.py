@@ -303,14 +303,14 @@ def test_prefill_tile_m_follows_the_arch():
 
 
 def test_no_kernel_the_library_compiles_defines_the_probe():
-    """PT_PROBE (pt_fmha.cuh) is a measurement aid whose kernels compute wrong results
+    """PT_PROBE (pt_fmha_config.cuh) is a measurement aid whose kernels compute wrong results
     (Tuning.probe, set by gpu_session.sh `probe`): no catalogued key's source defines it, and
     the header's default is off."""
     from prims_ts.cuda import runtime
 
     for arch in ("sm_90a", "sm_80"):
         assert not [ks.name for ks in catalog.all_keys(arch, variants=True) if "PT_PROBE" in ks.source]
-    assert "#define PT_PROBE 0" in runtime.include_sources()["pt_fmha.cuh"]
+    assert "#define PT_PROBE 0" in runtime.include_sources()["pt_fmha_config.cuh"]
 
 
 # ----------------------------------------------------------------------------

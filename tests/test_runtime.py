@@ -119,7 +119,7 @@ def test_overlapped_consumer_loops_keep_the_wgmma_pipeline(cache, monkeypatch):
 @pytest.mark.parametrize("probe", [1, 2])
 def test_prefill_probes_compile_and_probe_2_refuses_persistent_ctas(cache, monkeypatch, probe):
     """Tuning.probe (gpu_session.sh `probe`) defines PT_PROBE in the sm_90a prefill keys
-    (pt_fmha.cuh): each probe compiles for the default keys; probe 2 (one item per CTA)
+    (pt_fmha_config.cuh): each probe compiles for the default keys; probe 2 (one item per CTA)
     refuses the persistent kernels at compile time."""
     import dataclasses
 
@@ -189,3 +189,11 @@ def test_host_values_from_spans_of_vectors_and_row_strided_tables():
     for t, v in zip(tensors, V.values_of_spans(tensors, spans, got)):
         assert v.dtype == np.int64 and v.tolist() == t.reshape(-1).tolist()
     assert V._span(wide.t()) is None and V._span(wide[:, ::2]) is None
+
+
+@pytest.mark.parametrize("header", sorted(h for h in runtime.include_sources() if h.startswith("pt_fmha")))
+def test_core_headers_stand_alone(cache, header):
+    """Each of the FMHA core's headers compiles on its own: it includes what it uses."""
+    ks = runtime.KernelSource(f"header:{header}", "pt_header_alone",
+                              f'#include "{header}"\nextern "C" __global__ void pt_header_alone() {{}}\n')
+    assert runtime.compile_cubin(ks, "sm_90a")[:4] == b"\x7fELF"

@@ -14,7 +14,7 @@
 // contiguous K/V [B, Skv, Hkv, D], request b's key j at b * k_sp + j * k_ss (the pool
 // stride fields hold the request and token strides), no page table, every request Skv keys.
 // TMA (sm_90a, blocks a multiple of BN: Tuning.tma for CONTIG, Tuning.paged_tma for pages):
-// the key tiles come as the boxes of prefill's maps (pt_fmha.cuh: TmaKv), contiguous K/V as
+// the key tiles come as the boxes of prefill's maps (pt_fmha_copy.cuh: TmaKv), contiguous K/V as
 // (D, Hkv, Skv, B), the pools as (D, page_size, Hkv, P) with the tail page by cp.async.
 // Mask policy: key bound, optional valid bits (bit j % 32 of word j / 32 of the
 // request's row), bottom-right causal on the query token. A row that sees no key

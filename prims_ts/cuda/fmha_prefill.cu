@@ -18,7 +18,7 @@
 // 64-column panel, the 128-byte swizzle of the wgmma tiles, keys past S zero-filled; or over
 // the pools as (D, page_size, Hkv, P): a box per whole page of the tile below the request's
 // end (page_size rows, or BN rows of one page), the tail by cp.async with zeros past the end
-// (pt_fmha.cuh: PagedTma, TmaKv). One producer thread issues fixed storage's boxes (UsesTma),
+// (pt_fmha_ring.cuh: KvRing; pt_fmha_copy.cuh: PagedTma, TmaKv). One producer thread issues fixed storage's boxes (UsesTma),
 // the first producer warp's lanes a tile's pages.
 // Range and mask policies: dense, bottom-right causal with optional left window,
 // per-row variable window.

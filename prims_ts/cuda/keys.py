@@ -61,7 +61,7 @@ class Tuning:
     merge_staged: bool = False
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     mla_swapped: bool = True
-    # PT_PROBE (pt_fmha.cuh) in the sm_90a prefill keys, a measurement aid with wrong
+    # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
     # K/V tiles as TMA boxes (one producer thread) in the sm_90a keys of contiguous K/V:
@@ -451,7 +451,7 @@ class Prepared:
         """Take `params` (a copy of the launch's struct) as this launch's parameters."""
         setattr(self, self.PARAMS_ATTR, params)
 
-    # TMA keys (pt_fmha.cuh: TmaKv): the encoders of K's and V's maps for their current layout
+    # TMA keys (pt_fmha_copy.cuh: TmaKv): the encoders of K's and V's maps for their current layout
     # (_maps), and the addresses this launch's struct holds maps of (_maps_at: a plan's copy
     # encodes into its own struct)
     def _set_maps(self, k: torch.Tensor, v: torch.Tensor, paged: bool, rows: int) -> None:

@@ -4,7 +4,7 @@
 //   ->  O += P V  ->  epilogue (1/l, output scale, cast)
 //
 // Everything that differs between the APIs is a *policy* supplied by the caller
-// through the `Problem` type (see pt_policies.cuh):
+// through the `Problem` type (prefill: fmha_prefill.cu; decode-shaped: pt_decode.cuh):
 //   address  q_row(r): where query row r lives; kv_page(j), then k_row(page, j) and
 //            v_row(page, j): where K/V row j lives (a paged policy resolves the page
 //            once per row for both; a contiguous one ignores it);
@@ -23,414 +23,17 @@
 // shared memory, P from registers). Either way each warp owns 16 query rows (and,
 // with WARPS_N > 1, a share of each tile's keys) with the same fragment layout, so
 // masking, softmax and epilogue are shared; K/V tiles of BN keys stream through a
-// STAGES-deep cp.async ring.
+// STAGES-deep ring.
+//
+// The headers: pt_fmha_config.cuh (FmhaConfig: tile, warps, shared-memory map),
+// pt_fmha_copy.cuh (key tiles, cp.async and TMA copies), pt_fmha_ring.cuh (the producer
+// ring), pt_fmha_softmax.cuh (the online softmax, shared with the swapped-operand tile),
+// this file (one item's loops and epilogue, a CTA's items).
 #pragma once
-#include "pt_sm80.cuh"
-#include "pt_sm90.cuh"
-
-// PT_PROBE: a measurement aid, 0 in every kernel the library launches (Tuning.probe,
-// set by benchmarks/gpu_session.sh `probe`, defines it in the sm_90a prefill keys, whose
-// names then end in _probe<n>). It splits a producer-ring kernel's time between its two
-// sides; the results are wrong under either. 1: the producer copies the first STAGES tiles
-// of a CTA and afterwards only hands the stages over (the MMA warps' speed without the K/V
-// data path). 2: the MMA warps load Q, then only take and hand back each stage (the K/V
-// data path's speed, no math, no output; one item per CTA only).
-#ifndef PT_PROBE
-#define PT_PROBE 0
-#endif
+#include "pt_fmha_ring.cuh"
+#include "pt_fmha_softmax.cuh"
 
 namespace pt {
-
-template <bool C, class A, class B> struct Select { using type = A; };
-template <class A, class B> struct Select<false, A, B> { using type = B; };
-
-// Round a shared-memory pointer up to 1024 bytes (wgmma's swizzle-atom alignment);
-// kernels using it reserve 1024 bytes of slack.
-__device__ __forceinline__ char* align_smem_1024(char* p) {
-  const u32 a = smem_addr(p);
-  return p + (((a + 1023u) & ~1023u) - a);
-}
-
-template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
-          int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
-          int LOOP_ = 0, int COPY_TPR_ = 4>
-struct FmhaConfig {
-  using T = T_;
-  static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
-  static constexpr int ARCH = ARCH_;
-  static constexpr int D = D_;    // Q/K width (the QK^T reduction)
-  static constexpr int DV = DV_;  // V/O width
-  // V row j is the first DV values of K row j (MLA latents): one tile per stage serves
-  // both products, loaded once
-  static constexpr bool SHARED_KV = SHARED_KV_;
-  static constexpr int BM = BM_;
-  static constexpr int BN = BN_;
-  static constexpr bool Q_IN_REGS = Q_IN_REGS_;
-  // Warps along the rows (16 each) and along the keys: with WARPS_N > 1 each warp
-  // scores BN / WARPS_N keys of every tile. Without SPLIT_O each such warp keeps its
-  // own (m, l, O) over all D columns, merged once at the end. With SPLIT_O the warps of
-  // a row band share one running max per tile and exchange P through shared memory;
-  // each then multiplies all BN keys of P into its D / WARPS_N columns of O (wide heads:
-  // O's registers are divided, not repeated).
-  static constexpr int WARPS_M = BM / 16;
-  static constexpr int WARPS_N = WARPS_N_;
-  static constexpr bool SPLIT_O = SPLIT_O_;
-  static constexpr int BNW = BN / WARPS_N;  // keys of a tile per warp
-  static constexpr int DTW = SPLIT_O ? DV / 8 / WARPS_N : DV / 8;  // O n-tiles (8 columns) per warp
-  static constexpr int WARPS = WARPS_M * WARPS_N;
-  static constexpr int THREADS = WARPS * 32;  // the MMA (consumer) threads
-  static constexpr int STAGES = STAGES_;
-  // PRODUCER (wgmma engine): one more warpgroup issues every K/V copy; the ring's stages
-  // are handed over through mbarriers (full: copies landed; empty: every MMA warp is done
-  // with it) instead of CTA-wide barriers, so the MMA warpgroups never wait for each
-  // other and spend no issue slots on addresses.
-  static constexpr bool PRODUCER = PRODUCER_;
-  static constexpr int PRODUCER_THREADS = PRODUCER ? 128 : 0;
-  static constexpr int LAUNCH_THREADS = THREADS + PRODUCER_THREADS;
-  // Register shares: at 384 threads the launch gives each thread 168 registers; the
-  // producer gives back down to 40 and the two MMA warpgroups take 232. At 256 threads
-  // every thread already has plenty, and the shares stay as launched.
-  static constexpr bool REBALANCE_REGS = PRODUCER && LAUNCH_THREADS == 384;
-  // The consumer loop of the producer ring (whole-row warpgroups only). LOOP 1 (OVERLAP):
-  // QK^T of tile it and PV of tile it - 1 in flight together, the softmax of tile it under
-  // the PV. LOOP 2 adds PINGPONG (two MMA warpgroups): they take turns issuing their
-  // GEMMs (named barriers 3 and 4), so that one's softmax runs under the other's GEMMs.
-  static constexpr bool OVERLAP = LOOP_ >= 1;
-  static constexpr bool PINGPONG = LOOP_ == 2 && THREADS == 256;
-  // the producer's threads per K/V row (load_kv_tiles PAIRED): 4 or 8
-  static constexpr int COPY_TPR = COPY_TPR_;
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
-  using KVTile = typename Select<ARCH_ == 90, SmemTileW<BN, D>, SmemTile<BN, D>>::type;
-  static constexpr int SMEM_Q = QTile::BYTES;
-  static constexpr int SMEM_KV = KVTile::BYTES;
-  static constexpr int KV_TILES = SHARED_KV ? 1 : 2;  // tiles per stage
-  static constexpr int SMEM_RING = KV_TILES * STAGES * SMEM_KV;
-  // SPLIT_O exchange, after the pipeline: one float per warp row (row maxima, then
-  // sums), then P of the tile as A fragments [WARPS_M][BN / 16][32 lanes] x 16 bytes
-  static constexpr int SMEM_XCHG_RED = WARPS * 16 * 4;
-  static constexpr int SMEM_XCHG = SPLIT_O ? SMEM_XCHG_RED + WARPS_M * (BN / 16) * 32 * 16 : 0;
-  // full[STAGES], empty[STAGES], then q_full / q_empty (persistent CTAs: Q copied by the producer)
-  static constexpr int SMEM_BARS = PRODUCER ? 2 * STAGES * 8 + 16 : 0;
-  static constexpr int SMEM_PIPE = SMEM_Q + SMEM_RING + SMEM_XCHG + SMEM_BARS;
-  // key-split merge (reuses the pipeline's bytes): (m, l) per warp and row, then
-  // the O fragments of the WARPS_N - 1 warps that hand theirs over
-  static constexpr int SMEM_MERGE = WARPS_N > 1 && !SPLIT_O ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * DV * 4 : 0;
-  static constexpr int SMEM_BYTES = SMEM_PIPE > SMEM_MERGE ? SMEM_PIPE : SMEM_MERGE;
-  static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_ && (WARPS_N_ == 1 || SPLIT_O_)),
-                "wgmma engine: warpgroups of 64 rows, Q in smem, keys split only with O split");
-  static_assert(BN % (16 * WARPS_N) == 0 && D % 64 == 0 && STAGES >= 2, "tile shape");
-  static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0 && (ARCH_ == 80 || (DTW * 8) % 64 == 0)),
-                "SPLIT_O: column pairs per warp (whole 64-column panels per warpgroup on wgmma)");
-  static_assert(!PRODUCER || (ARCH_ == 90 && BM % 64 == 0), "producer warpgroup: the wgmma engine");
-  static_assert(PRODUCER || COPY_TPR_ == 4, "COPY_TPR: the producer's copy (4 elsewhere)");
-  static_assert(LOOP_ == 0 || (PRODUCER && WARPS_N_ == 1 && !SPLIT_O_ && LOOP_ <= 2),
-                "overlapped loops: the producer ring, whole rows");
-  static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
-};
-
-// Copy `rows` valid rows (of at most ROWS) into a swizzled tile; zero-fill the rest.
-// `tid`: this thread's index among the THREADS copying threads.
-// ROLLED: a loop, not unrolled (the producer warpgroup's small register share).
-template <class Tile, int THREADS, class RowFn, bool ROLLED = false>
-__device__ __forceinline__ void load_tile(u32 smem_base, int rows, RowFn row_ptr, int tid) {
-  constexpr int TOTAL = Tile::BYTES / 16;
-  static_assert(TOTAL % THREADS == 0, "tile not divisible among threads");
-#pragma unroll(ROLLED ? 1 : TOTAL / THREADS)
-  for (int i = 0; i < TOTAL / THREADS; ++i) {
-    int idx = tid + i * THREADS;
-    int r = idx / Tile::CHUNKS;
-    int c = idx % Tile::CHUNKS;
-    bool valid = r < rows;
-    const char* src = reinterpret_cast<const char*>(row_ptr(valid ? r : 0)) + c * 16;
-    cp_async_16(smem_base + Tile::offset(r, c), src, valid);
-  }
-}
-
-// A tile of the range policy: keys k0 .. k0 + rows - 1 (rows <= BN; the rest of the
-// tile is zero-filled and masked).
-struct KeyTile {
-  int k0, rows;
-};
-
-// The range policy of the contiguous problems: keys [begin, end) of a request with sk
-// keys, in BN-aligned tiles, walked from the last (the masked diagonal of causal
-// problems) to the first.
-template <int BN> struct BandRange {
-  int nb_last, count, sk;
-  __device__ __forceinline__ BandRange(int begin, int end, int sk_) : sk(sk_) {
-    const int nb_first = begin / BN;
-    nb_last = end > begin ? (end - 1) / BN : nb_first - 1;
-    count = nb_last - nb_first + 1;
-  }
-  __device__ __forceinline__ int n_tiles() const { return count; }
-  __device__ __forceinline__ KeyTile tile(int it) const {
-    const int k0 = (nb_last - it) * BN;
-    return {k0, min_(BN, sk - k0)};
-  }
-};
-
-// Copy K/V rows k0 .. k0 + rows - 1 into two tiles (same layout); zero-fill the rest.
-// PAIRED (the producer warpgroup, short on registers): TPR (4 or 8) threads per row, each
-// looks the row's page up once and copies every TPR-th 16-byte chunk of its K and V rows
-// (16 * TPR contiguous bytes per row and copy instruction: 8 rows x 64 bytes a warp at 4,
-// 4 rows x one 128-byte line at 8; FmhaConfig COPY_TPR). Otherwise K first, then V, each pass
-// keeping only its pointers live; the page of each row is looked up once, in the K
-// pass, and kept (an int per copied chunk) for the V pass.
-// SHARED_KV (PAIRED only): V is a prefix of the K row, and only the K tile is copied.
-// FROM_ROW (PAIRED): tile rows below r_begin are left alone (a paged TMA tile's whole pages).
-template <class Tile, int THREADS, bool PAIRED, bool SHARED_KV = false, int TPR = 4, bool FROM_ROW = false,
-          class Problem>
-__device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows, int tid,
-                                              int r_begin = 0) {
-  constexpr int N = Tile::BYTES / 16 / THREADS;
-  static_assert((Tile::BYTES / 16) % THREADS == 0, "tile not divisible among threads");
-  if constexpr (PAIRED) {
-    constexpr int ROWS = Tile::BYTES / (Tile::CHUNKS * 16);
-    constexpr int RSTEP = THREADS / TPR;
-    static_assert((TPR == 4 || TPR == 8) && ROWS % RSTEP == 0 && Tile::CHUNKS % TPR == 0, "paired copy shape");
-    const int c0 = tid % TPR;
-#pragma unroll 1
-    for (int i = 0; i < ROWS / RSTEP; ++i) {
-      const int r = tid / TPR + i * RSTEP;
-      if (FROM_ROW && r < r_begin) continue;
-      const bool valid = r < rows;
-      const int j = k0 + (valid ? r : 0);
-      const int page = pb.kv_page(j);
-      auto copy_row = [&](u32 dst, const void* src) {  // every TPR-th chunk of row r
-#pragma unroll
-        for (int k = 0; k < Tile::CHUNKS / TPR; ++k) {
-          const int c = c0 + k * TPR;
-          cp_async_16(dst + Tile::offset(r, c), reinterpret_cast<const char*>(src) + c * 16, valid);
-        }
-      };
-      copy_row(sk, pb.k_row(page, j));
-      if constexpr (!SHARED_KV) copy_row(sv, pb.v_row(page, j));
-    }
-  } else {
-    // chunk i of this thread: row r, 16-byte chunk c, key j (row 0's key past `rows`)
-    auto chunk = [&](int i, int& r, int& c, int& j) {
-      const int idx = tid + i * THREADS;
-      r = idx / Tile::CHUNKS;
-      c = idx % Tile::CHUNKS;
-      j = k0 + (r < rows ? r : 0);
-    };
-    int page[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      int r, c, j;
-      chunk(i, r, c, j);
-      page[i] = pb.kv_page(j);
-      cp_async_16(sk + Tile::offset(r, c), reinterpret_cast<const char*>(pb.k_row(page[i], j)) + c * 16, r < rows);
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      int r, c, j;
-      chunk(i, r, c, j);
-      cp_async_16(sv + Tile::offset(r, c), reinterpret_cast<const char*>(pb.v_row(page[i], j)) + c * 16, r < rows);
-    }
-  }
-}
-
-// Where a role stands in the producer ring: the next stage, its pass parity and (the
-// producer) how many tiles it has filled. A persistent CTA keeps one per role across its
-// work items: the ring is initialised once and its passes run on from item to item.
-struct RingPos {
-  int stage = 0;
-  u32 phase = 0;
-  int filled = 0;
-  u32 q_phase = 0;  // the MMA warps: parity of the current item's Q (copied by the producer)
-};
-
-// Problems whose K/V tiles TMA boxes fill (Problem::TMA): one producer thread issues a
-// tile's boxes (Problem::tma_kv) and the stage's full barrier counts that thread's one
-// arrival plus the boxes' bytes; the other problems' tiles are cp.async copies by the whole
-// producer warpgroup.
-template <class P, class = void> struct UsesTma { static constexpr bool value = false; };
-template <class P> struct UsesTma<P, decltype(void(P::TMA))> { static constexpr bool value = P::TMA; };
-// TMA problems over pages (a box a page, Problem::tma_pages; the tail by cp.async).
-template <class P, class = void> struct PagedTma { static constexpr bool value = false; };
-template <class P> struct PagedTma<P, decltype(void(P::TMA))> { static constexpr bool value = P::TMA && P::IS_PAGED; };
-
-// The TMA boxes of a problem's key tiles, shared by the problems that take them (prefill,
-// block-sparse). `tmk` / `tmv`: K's and V's maps in the kernel's parameters; `hk`: the K/V
-// head; `b`: the request (contiguous maps).
-struct TmaKv {
-  const TmaMap* tmk;
-  const TmaMap* tmv;
-  int hk, b;
-  // contiguous maps (D, Hkv, S, B), boxes (64, 1, BN, 1): keys k0 .. k0 + BN - 1 of K and V,
-  // a box per 64-column panel (the maps zero keys past S)
-  template <class Tile>
-  __device__ __forceinline__ void rows(u32 dst_k, u32 dst_v, int k0, u32 bar) const {
-#pragma unroll
-    for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
-      tma_load_4d(dst_k + (u32)(c * Tile::PANEL), tmk, c * 64, hk, k0, b, bar);
-      tma_load_4d(dst_v + (u32)(c * Tile::PANEL), tmv, c * 64, hk, k0, b, bar);
-    }
-  }
-  // pool maps (D, page_size, Hkv, P), boxes (64, min(page_size, BN), 1, 1): the rows of a tile
-  // at k0 that whole pages below the request's end (sk keys) fill, from row 0: every row if
-  // the tile is below the end; else the whole pages before the cut one; none when one page
-  // spans the tile
-  template <int BN>
-  __device__ __forceinline__ static int whole_page_rows(int k0, int sk, int page_shift) {
-    const int live = sk - k0;
-    if (live >= BN) return BN;
-    return (1 << page_shift) >= BN ? 0 : (live >> page_shift) << page_shift;
-  }
-  // tile rows 0 .. rows - 1 (keys k0 ..) of K and V from the pools, a box per page (per BN
-  // rows of one page) and 64-column panel; the pages are dealt over `lanes` threads (`lane`
-  // this one's), each reading its pages' IDs (pb.kv_page) and issuing their boxes
-  template <class Tile, int BN, class Problem>
-  __device__ __forceinline__ void pages(const Problem& pb, u32 dst_k, u32 dst_v, int k0, int rows, int page_shift,
-                                        u32 bar, int lane, int lanes) const {
-    const int ps = 1 << page_shift;
-    const int box = ps < BN ? ps : BN;
-    for (int r = lane * box; r < rows; r += lanes * box) {
-      const int j = k0 + r;
-      const int page = pb.kv_page(j), slot = j & (ps - 1);
-#pragma unroll
-      for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
-        const u32 at = (u32)(c * Tile::PANEL + r * 128);
-        tma_load_4d(dst_k + at, tmk, c * 64, slot, hk, page, bar);
-        tma_load_4d(dst_v + at, tmv, c * 64, slot, hk, page, bar);
-      }
-    }
-  }
-};
-
-// The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, and
-// full[s] / empty[s] mbarriers at `bars`. The producer warpgroup (NTHREADS threads, `tid`
-// its index) copies tile it into stage it % STAGES once the MMA warps released the
-// stage's previous tile (all `consumer_warps` arrived on empty[s]); each thread's copies
-// arrive on full[s] when they land (a TMA problem: thread 0's boxes, see UsesTma).
-template <class KVTile, int STAGES, int KV_TILES, bool SHARED_KV, int COPY_TPR = 4>
-struct KvRing {
-  u32 base, bars;
-  __device__ __forceinline__ u32 k(int s) const { return base + (u32)(KV_TILES * s) * KVTile::BYTES; }
-  __device__ __forceinline__ u32 v(int s) const { return base + (u32)(KV_TILES * s + KV_TILES - 1) * KVTile::BYTES; }
-  __device__ __forceinline__ u32 full(int s) const { return bars + 8u * s; }
-  __device__ __forceinline__ u32 empty(int s) const { return bars + 8u * (STAGES + s); }
-  static constexpr int BAR_BYTES = 2 * STAGES * 8;
-
-  // the next tile's stage; the pass parity flips when the ring wraps
-  __device__ __forceinline__ static void advance(int& stage, u32& phase) {
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  }
-  // an MMA thread: the tile in `stage` has landed and is visible to wgmma
-  __device__ __forceinline__ void acquire(int stage, u32 phase) const {
-    mbar_wait(full(stage), phase);
-    fence_proxy_async();
-  }
-  // an MMA warp is done with `stage` (its reads of it, wgmma included, have completed)
-  __device__ __forceinline__ void release(int stage) const {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(empty(stage));
-  }
-
-  // one thread, before the CTA-wide barrier that precedes any use
-  template <int NTHREADS>
-  __device__ __forceinline__ void init(int consumer_warps) const {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full(s), NTHREADS);
-      mbar_init(empty(s), consumer_warps);
-    }
-  }
-
-  // one work item's tiles, from where `pos` stands (the caller waits its copies at the end)
-  template <int NTHREADS, class Problem, class Range>
-  __device__ __forceinline__ void produce_item(const Problem& pb, const Range& range, int n_tiles, int tid,
-                                               RingPos& pos) const {
-    if constexpr (PagedTma<Problem>::value) {
-      // Pages: thread 0 issues a box per whole page below the request's end (the bytes it
-      // expects); a tile's tail (a page cut by the end, keys past it) is the whole warpgroup's
-      // cp.async copy, zero past the end (a page's slots past the length hold anything, and V
-      // meets P = 0 there), counted on top of thread 0's one arrival, which comes last.
-      for (int it = 0; it < n_tiles; ++it) {
-        if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
-        const KeyTile kt = range.tile(it);
-        const int whole = pb.tma_rows(kt.k0);
-        // thread 0 expects the bytes before it arrives (below); the first warp's lanes share
-        // the boxes (a box's bytes may land before the expectation: the phase still waits on
-        // thread 0's arrival)
-        if (tid == 0) mbar_expect_tx(full(pos.stage), (u32)(2 * whole * (KVTile::BYTES / (KVTile::PANEL / 128))));
-        if (tid < 32) pb.template tma_pages<KVTile>(k(pos.stage), v(pos.stage), kt.k0, whole, full(pos.stage), tid, 32);
-        if (whole < KVTile::PANEL / 128) {
-          load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR, true>(k(pos.stage), v(pos.stage), pb, kt.k0,
-                                                                          kt.rows, tid, whole);
-          cp_async_mbar_arrive_inc(full(pos.stage));
-          named_bar_sync(5, NTHREADS);  // every thread's count is in before thread 0 arrives
-        }
-        if (tid == 0) mbar_arrive(full(pos.stage));
-        advance(pos.stage, pos.phase);
-        ++pos.filled;
-      }
-      return;
-    } else if constexpr (UsesTma<Problem>::value) {
-      if (tid != 0) return;  // TMA: thread 0 alone (its pos is the ring's)
-      for (int it = 0; it < n_tiles; ++it) {
-        if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
-        const KeyTile kt = range.tile(it);
-        mbar_arrive_expect_tx(full(pos.stage), (u32)(KV_TILES * KVTile::BYTES));
-        pb.template tma_kv<KVTile>(k(pos.stage), v(pos.stage), kt.k0, full(pos.stage));
-        advance(pos.stage, pos.phase);
-        ++pos.filled;
-      }
-      return;
-    }
-    for (int it = 0; it < n_tiles; ++it) {
-      if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
-      const KeyTile kt = range.tile(it);
-      if (PT_PROBE != 1 || pos.filled < STAGES)
-        load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows,
-                                                                  tid);
-      cp_async_mbar_arrive(full(pos.stage));
-      advance(pos.stage, pos.phase);
-      ++pos.filled;
-    }
-  }
-  template <int NTHREADS, class Problem, class Range>
-  __device__ __forceinline__ void produce(const Problem& pb, const Range& range, int n_tiles, int tid) const {
-    RingPos pos;
-    produce_item<NTHREADS>(pb, range, n_tiles, tid, pos);
-    cp_async_wait<0>();
-  }
-};
-
-// The ring of a producer-ring FmhaConfig: stages after Q, mbarriers after the exchange area.
-template <class Cfg>
-__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::SHARED_KV, Cfg::COPY_TPR> fmha_ring(
-    char* smem) {
-  const u32 sQ = smem_addr(smem);
-  return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};
-}
-// Q's pair of mbarriers after the ring's (persistent CTAs): q_full, the producer's copy of an
-// item's Q has landed; q_empty, every MMA warp is done reading it (its last S^T has landed).
-template <class Cfg>
-__device__ __forceinline__ u32 fmha_q_full(char* smem) {
-  return fmha_ring<Cfg>(smem).bars + 16u * Cfg::STAGES;
-}
-template <class Cfg>
-__device__ __forceinline__ u32 fmha_q_empty(char* smem) {
-  return fmha_q_full<Cfg>(smem) + 8u;
-}
-
-// The MMA threads of a producer-ring CTA copy the Q tile themselves and wait for it
-// (named barrier 1: the producer warpgroup never joins).
-template <class QTile, int THREADS, class Problem>
-__device__ __forceinline__ void load_q_for_mma(u32 sQ, const Problem& pb) {
-  load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
-  cp_async_commit();
-  cp_async_wait<0>();
-  fence_proxy_async();
-  named_bar_sync(1, THREADS);
-}
 
 // One work item (a BM-row tile over its key range). Producer-ring configs: the MMA
 // threads only (the ring is set up and fed by fmha_items), from where `pos` stands.
@@ -530,6 +133,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_row[2] = {neg_inf(), neg_inf()};  // running max of raw scores, rows g and g+8
   float l_row[2] = {0.f, 0.f};              // this thread's share of the running sums
+  using Softmax = RowSoftmax<NT>;
 
   constexpr int QF = Cfg::Q_IN_REGS ? KD : 1;
   u32 q_frag[QF][4];
@@ -573,36 +177,6 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
           if ((Problem::SHORT_TILES && l >= kt.rows) || !pb.visible(r, kt.k0 + l)) s[nt][e] = neg_inf();
         }
       }
-    }
-  };
-  // this warp's row maxima over its keys of the tile and the running max
-  auto tile_max = [&](const float (&s)[NT][4], float (&mx)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = m_row[h];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx[h] = max_(mx[h], max_(s[nt][2 * h], s[nt][2 * h + 1]));
-      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    }
-  };
-  // P = exp2(S - max) in place; the running max and sums move on; corr rescales O
-  auto exp_tile = [&](float (&s)[NT][4], const float (&mx)[2], float (&corr)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // A row that has seen no key yet keeps m = -inf; subtract 0 then so that
-      // exp2(-inf - base) is 0 and never NaN.
-      const float base = mx[h] == neg_inf() ? 0.f : mx[h] * scale_log2;
-      corr[h] = fast_exp2(m_row[h] * scale_log2 - base);
-      m_row[h] = mx[h];
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        s[nt][2 * h] = fast_exp2(s[nt][2 * h] * scale_log2 - base);
-        s[nt][2 * h + 1] = fast_exp2(s[nt][2 * h + 1] * scale_log2 - base);
-        sum += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-      l_row[h] = l_row[h] * corr[h] + sum;
     }
   };
   auto rescale_o = [&](const float (&corr)[2]) {
@@ -660,8 +234,8 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       float mx[2];
       fence_regs(s);
       mask_tile(s, kt);
-      tile_max(s, mx);
-      exp_tile(s, mx, corr);
+      Softmax::tile_max(m_row, s, mx);
+      Softmax::exp_tile(m_row, l_row, s, mx, corr, scale_log2);
     };
     if (n_tiles > 0) {
       float corr[2];
@@ -752,7 +326,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
 
     // ---- online softmax -----------------------------------------------------
     float mx[2], corr[2];
-    tile_max(s, mx);
+    Softmax::tile_max(m_row, s, mx);
     if constexpr (SPLIT_O) {  // the band's max over all its warps' keys
       if (t == 0) {
         xred[warp * 16 + g] = mx[0];
@@ -766,7 +340,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
           mx[h] = max_(mx[h], xred[(wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h]);
       }
     }
-    exp_tile(s, mx, corr);
+    Softmax::exp_tile(m_row, l_row, s, mx, corr, scale_log2);
     rescale_o(corr);
 
     // ---- O += P V -------------------------------------------------------------
@@ -863,11 +437,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   pos.phase = phase;
 
   // ---- epilogue ---------------------------------------------------------------
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 1);
-    l_row[h] += __shfl_xor_sync(0xffffffffu, l_row[h], 2);
-  }
+  Softmax::sum_quad(l_row);
   if constexpr (SPLIT_O) {
     // one running max per band already; the sums add up over the band's warps
     mma_sync();
@@ -943,11 +513,11 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = l_row[h];
-    const float inv = l > 0.f ? out_scale / l : 0.f;
+    const float inv = OnlineSoftmax::inverse(l, out_scale);
     const int r = row0 + g + 8 * h;
     if constexpr (Problem::WANTS_LSE) {
       // log2-domain log-sum-exp of the scaled scores, for merging split-KV partials
-      if (r < pb.q_rows && t == 0 && (!SPLIT_O || warp_n == 0)) pb.store_lse(r, l > 0.f ? m_row[h] * scale_log2 + fast_log2(l) : neg_inf());
+      if (r < pb.q_rows && t == 0 && (!SPLIT_O || warp_n == 0)) pb.store_lse(r, OnlineSoftmax::lse(m_row[h], l, scale_log2));
     }
     if (r < pb.q_rows) {
 #pragma unroll

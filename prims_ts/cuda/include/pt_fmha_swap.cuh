@@ -3,14 +3,14 @@
 // most of its work and the mma.sync tile is issue-bound. The keys become wgmma's M:
 //
 //   S^T = K Q^T      m64 x BM, k = D: A = the K tile (K-major), B = Q (K-major)
-//   softmax over M   per query column: a shuffle over the warp's row groups, one
-//                    shared-memory exchange over the 4 warps
+//   softmax over M   per query column (pt_fmha_softmax.cuh: OnlineSoftmax): a shuffle over
+//                    the warp's row groups, one shared-memory exchange over the 4 warps
 //   O^T += V^T P^T   m64 x BM per 64-column panel of V, k = 16 keys: A = the V panel read
 //                    M-major (transposed), B = P^T written to shared memory (K-major)
 //
 // One MMA warpgroup (128 threads, O^T in DV / 64 x BM / 8 x 4 registers a thread) and a
 // producer warpgroup. V is the first DV columns of the K row (SHARED_KV). The core's tile
-// ring (pt_fmha.cuh: KvRing) feeds it: STAGES whole 64 x D tiles (72 KB at D 576, so two
+// ring (pt_fmha_ring.cuh: KvRing) feeds it: STAGES whole 64 x D tiles (72 KB at D 576, so two
 // fit beside Q), acquired and released a tile at a time. (A ring of 64-column panel slots,
 // acquired and released panel by panel to copy further ahead, measured 1-2% slower at
 // BM 16 and 29% at BM 32, and was retired: benchmarks/NOTES.md, MLA, the panel ring.)
@@ -180,12 +180,10 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
         float v = m_q[j][c];
 #pragma unroll
         for (int w = 0; w < Cfg::WARPS; ++w) v = max_(v, red[w * BM + 8 * j + 2 * t + c]);
-        // a column that has seen no key keeps m = -inf; subtract 0 then (never NaN)
-        const float base = v == neg_inf() ? 0.f : v * scale_log2;
-        const float corr = fast_exp2(m_q[j][c] * scale_log2 - base);
-        m_q[j][c] = v;
-        s[j][c] = fast_exp2(s[j][c] * scale_log2 - base);
-        s[j][c + 2] = fast_exp2(s[j][c + 2] * scale_log2 - base);
+        float corr;
+        const float base = OnlineSoftmax::rebase(m_q[j][c], v, scale_log2, corr);
+        s[j][c] = OnlineSoftmax::p(s[j][c], scale_log2, base);
+        s[j][c + 2] = OnlineSoftmax::p(s[j][c + 2], scale_log2, base);
         l_q[j][c] = l_q[j][c] * corr + s[j][c] + s[j][c + 2];
         mx[j][c] = corr;
       }
@@ -251,10 +249,9 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
 #pragma unroll
       for (int w = 0; w < Cfg::WARPS; ++w) l += red[w * BM + q];
       if constexpr (Problem::WANTS_LSE) {
-        if (warp == 0 && g == 0 && q < pb.q_rows)
-          pb.store_lse(q, l > 0.f ? m_q[j][c] * scale_log2 + fast_log2(l) : neg_inf());
+        if (warp == 0 && g == 0 && q < pb.q_rows) pb.store_lse(q, OnlineSoftmax::lse(m_q[j][c], l, scale_log2));
       }
-      const float inv = l > 0.f ? out_scale / l : 0.f;
+      const float inv = OnlineSoftmax::inverse(l, out_scale);
 #pragma unroll
       for (int mp = 0; mp < MP; ++mp)
 #pragma unroll

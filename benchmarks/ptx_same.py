@@ -1,0 +1,83 @@
+"""Does a source change leave every kernel's PTX as it was? (No GPU needed.)
+
+    python benchmarks/ptx_same.py BASE_TREE [--filter SUBSTR] [--arch sm_90a --arch sm_80]
+
+BASE_TREE: a checkout holding the committed package (e.g. `mkdir /tmp/base && git archive HEAD
+prims_ts | tar -x -C /tmp/base`). For each arch, every key that `catalog.default_keys` yields
+under the default tuning and each variant (names containing SUBSTR, e.g. bf16) is compiled to
+PTX by NVRTC in both trees (one subprocess per tree); the PTX is compared without comments and
+file/line directives. Prints each key that differs and exits 1 if any does: a refactor whose
+PTX is unchanged needs no device run to prove it.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HASHER = r"""
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[1])
+import prims_ts
+from prims_ts.cuda import catalog, runtime
+root = sys.argv[1].rstrip('/')
+assert prims_ts.__file__.startswith(root), (prims_ts.__file__, root)
+nvrtc, headers = runtime._nvrtc(), runtime.include_sources()
+out = {}
+for arch in sys.argv[3].split(','):
+    virtual = 'compute_' + arch[3:]
+    opts = [o.replace(arch, virtual) for o in runtime._options(arch)]
+    seen = set()
+    for tuning in [catalog.DEFAULT_TUNING] + catalog.VARIANTS:
+        for key in catalog.default_keys(arch, tuning):
+            if key.name in seen or sys.argv[4] not in key.name:
+                continue
+            seen.add(key.name)
+            src = key.source()
+            prog = nvrtc.createProgram(src.source, src.name + '.cu', [v.encode() for v in headers.values()],
+                                       [n.encode() for n in headers])
+            try:
+                nvrtc.compileProgram(prog, opts)
+            except Exception:
+                print(key.name, nvrtc.getProgramLog(prog), file=sys.stderr)
+                raise
+            ptx = nvrtc.getPTX(prog)
+            nvrtc.destroyProgram(prog)
+            ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+            lines = [ln for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith(('//', '.file', '.loc'))]
+            out[arch + ':' + key.name] = hashlib.sha256('\n'.join(lines).encode()).hexdigest()
+json.dump(out, open(sys.argv[2], 'w'))
+"""
+
+
+def hashes(tree: str, arches, substr: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "h.json")
+        subprocess.run([sys.executable, "-c", HASHER, os.path.abspath(tree), path, ",".join(arches), substr],
+                       check=True, cwd=tmp)
+        with open(path) as f:
+            return json.load(f)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("base")
+    ap.add_argument("--arch", action="append", help="default: sm_90a and sm_80")
+    ap.add_argument("--filter", default="", help="only keys whose name contains this")
+    args = ap.parse_args()
+    arches = args.arch or ["sm_90a", "sm_80"]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base, new = hashes(args.base, arches, args.filter), hashes(here, arches, args.filter)
+    differ = sorted(k for k in base.keys() & new.keys() if base[k] != new[k])
+    only = sorted(base.keys() ^ new.keys())
+    for k in differ:
+        print("differs:", k)
+    for k in only:
+        print("in one tree only:", k)
+    print(f"{len(base.keys() & new.keys()) - len(differ)} of {len(base.keys() | new.keys())} keys with the same PTX")
+    return 1 if differ or only else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+// The online softmax (exp2, scale * log2(e) folded into the scores): the steps of one row's
+// running maximum and sum (OnlineSoftmax: the core's rows and the swapped-operand tile's query
+// columns), and the core's two rows per thread over a key tile's S fragments (RowSoftmax).
+#pragma once
+#include "pt_fmha_config.cuh"
+
+namespace pt {
+
+// The steps of one row (or the swapped tile's query column) over its running maximum m of the
+// raw scores and its running sum.
+struct OnlineSoftmax {
+  // Move the maximum m on to mx (>= m). Returns the base the tile's exponents subtract; corr
+  // rescales what was summed (and O) to it. A row that has seen no key keeps m = -inf and
+  // subtracts 0, so that exp2(-inf - base) is 0 and never NaN.
+  __device__ __forceinline__ static float rebase(float& m, float mx, float scale_log2, float& corr) {
+    const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
+    corr = fast_exp2(m * scale_log2 - base);
+    m = mx;
+    return base;
+  }
+  __device__ __forceinline__ static float p(float s, float scale_log2, float base) {
+    return fast_exp2(s * scale_log2 - base);
+  }
+  // The epilogue, `sum` the row's whole sum: what O is multiplied by (0 for a row without
+  // keys), and the log2-domain log-sum-exp of the scaled scores (split-KV partials).
+  __device__ __forceinline__ static float inverse(float sum, float out_scale) {
+    return sum > 0.f ? out_scale / sum : 0.f;
+  }
+  __device__ __forceinline__ static float lse(float m, float sum, float scale_log2) {
+    return sum > 0.f ? m * scale_log2 + fast_log2(sum) : neg_inf();
+  }
+};
+
+// A thread's rows g and g + 8 of its warp's 16 over S fragments [NT][4] (the mma.sync C
+// layout, which wgmma's accumulators share): element e of n-tile nt is row g + 8 * (e >> 1);
+// the four lanes of a quad (t = lane & 3) hold a row's keys between them. m / l: the two
+// rows' running maxima of the raw scores and this thread's shares of their running sums
+// (the caller's: -inf and 0 before the first tile).
+template <int NT>
+struct RowSoftmax {
+  // this warp's row maxima over its keys of the tile and the running maxima
+  __device__ __forceinline__ static void tile_max(const float (&m)[2], const float (&s)[NT][4], float (&mx)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = m[h];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx[h] = max_(mx[h], max_(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    }
+  }
+  // P = exp2(S - max) in place; the running maxima move on to mx and the sums take the
+  // tile's; corr rescales O
+  __device__ __forceinline__ static void exp_tile(float (&m)[2], float (&l)[2], float (&s)[NT][4],
+                                                  const float (&mx)[2], float (&corr)[2], float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float base = OnlineSoftmax::rebase(m[h], mx[h], scale_log2, corr[h]);
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * h] = OnlineSoftmax::p(s[nt][2 * h], scale_log2, base);
+        s[nt][2 * h + 1] = OnlineSoftmax::p(s[nt][2 * h + 1], scale_log2, base);
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+      l[h] = l[h] * corr[h] + sum;
+    }
+  }
+  // the epilogue: each row's sum over its quad
+  __device__ __forceinline__ static void sum_quad(float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+  }
+};
+
+}  // namespace pt
