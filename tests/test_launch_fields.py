@@ -220,9 +220,9 @@ def test_prefill_tma_keys_follow_the_tuning(mask):
                dict(tuning=Tuning(tma=False))):
         kw.setdefault("tuning", tma)
         assert not PrefillKey.choose(BF16, 128, mask, "sm_90a", **kw).tma, kw
-    # persistent CTAs keep the cp.async producer (the variable window has no persistent keys)
+    # persistent CTAs take TMA boxes too (the variable window has no persistent keys)
     key = PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=Tuning(tma=True, persistent=True))
-    assert key.tma == (mask == "variable_window") and key.persistent == (mask != "variable_window")
+    assert key.tma and key.persistent == (mask != "variable_window")
     assert not PrefillKey.choose(BF16, 128, mask, "sm_80", tuning=tma).tma
     assert Tuning.decode(tma.encode()) == tma
 
@@ -259,8 +259,8 @@ def test_tensor_maps_are_encoded_aligned_and_copied(monkeypatch):
 
 @pytest.mark.parametrize("mask", ["dense", "causal"])
 def test_paged_tma_keys_and_pool_maps(mask, monkeypatch):
-    """The sm_90a paged prefill keys take TMA pages by default (Tuning.paged_tma), never under
-    False, persistent CTAs or sm_80; a pool [P, Hkv, page_size, D] is mapped as (D, page_size,
+    """The sm_90a paged prefill keys take TMA pages by default (Tuning.paged_tma; persistent CTAs
+    too), never under False or on sm_80; a pool [P, Hkv, page_size, D] is mapped as (D, page_size,
     Hkv, P) in boxes of (64, min(page_size, BN), 1, 1) over its strides in bytes (a combined
     cache's K and V views included)."""
     from prims_ts import Tuning
@@ -271,7 +271,7 @@ def test_paged_tma_keys_and_pool_maps(mask, monkeypatch):
         key = K.PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True)
         assert key.tma and key.paged and key.bn == bn and key.name.endswith("_tma")
         assert not K.PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True, tuning=Tuning(paged_tma=False)).tma
-    assert not K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True, tuning=Tuning(persistent=True)).tma
+    assert K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True, tuning=Tuning(persistent=True)).tma
     assert not K.PrefillKey.choose(BF16, 128, mask, "sm_80", paged=True).tma
     assert K.PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=Tuning(tma=False)).tma is False
     assert Tuning.decode(Tuning(paged_tma=False).encode()) == Tuning(paged_tma=False)
@@ -299,7 +299,7 @@ def test_paged_tma_keys_and_pool_maps(mask, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_sparse_tma_keys_and_maps(causal, monkeypatch):
     """sm_90a block-sparse keys of whole key tiles (blocks of 64+) take TMA boxes: contiguous K/V
-    under Tuning.tma, pages under Tuning.paged_tma (both the default); not persistent CTAs, not
+    under Tuning.tma, pages under Tuning.paged_tma (both the default; persistent CTAs too), not
     sm_80. A plan maps contiguous K/V [B, Skv, Hkv, D] as (D, Hkv, Skv, B) in (64, 1, BN, 1)
     boxes, a combined cache's halves as pools, and sets them again when the pool's page count
     changes."""
@@ -316,7 +316,7 @@ def test_block_sparse_tma_keys_and_maps(causal, monkeypatch):
         assert not choose("bf16", d, causal, kvb, 512, "sm_90a", Tuning(tma=False), True).tma
         assert choose("bf16", d, causal, kvb, 512, "sm_90a", Tuning(tma=False), False).tma
         assert not choose("bf16", d, causal, kvb, 512, "sm_90a", Tuning(paged_tma=False), False).tma
-    assert not choose("bf16", 128, causal, 128, 512, "sm_90a", Tuning(persistent=True), True).tma
+    assert choose("bf16", 128, causal, 128, 512, "sm_90a", Tuning(persistent=True), True).tma
     assert not choose("bf16", 128, causal, 32, 512, "sm_90a", Tuning(), True).tma
     assert not choose("bf16", 128, causal, 128, 512, "sm_80", Tuning(), True).tma
     size = ctypes.sizeof(K.BlockSparseTmaParams)

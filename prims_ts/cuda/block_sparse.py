@@ -26,8 +26,8 @@ class BlockSparseKey(KernelKey):
     """KV blocks of 64+ keys on sm_90a take the wgmma engine (BM 64 for short rows at D128,
     else 128; BN 128 when the block size allows at D128, else 64); smaller blocks (8/16/32:
     one short tile of BN 16/32 per block) and other archs the mma.sync engine with BM 64
-    (BN 32 at D256, to fit 99 KB). sm_90a keys of one item a CTA take their key tiles as TMA
-    boxes: contiguous K/V under Tuning.tma, pages under Tuning.paged_tma."""
+    (BN 32 at D256, to fit 99 KB). sm_90a keys take their key tiles as TMA boxes: contiguous
+    K/V under Tuning.tma, pages under Tuning.paged_tma."""
 
     PREFIX = "pt_bsr"
     SOURCE = "fmha_block_sparse.cu"
@@ -55,7 +55,7 @@ class BlockSparseKey(KernelKey):
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             loop = tuning.loop_for(head_dim)
-            tma = not tuning.persistent and (tuning.tma if contiguous else tuning.paged_tma)
+            tma = tuning.tma if contiguous else tuning.paged_tma
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   loop if bm == 128 else min(loop, 1),  # pingpong: two MMA warpgroups
                                   tuning.persistent, tuning.copy_for(head_dim), contiguous, tma)

@@ -185,7 +185,7 @@ __device__ __forceinline__ void block_sparse_kernel(const BlockSparseParams& bp,
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
   static_assert(!PERSIST || Cfg::PRODUCER, "persistent: the producer ring");
-  static_assert(!TMA || (Cfg::PRODUCER && !PERSIST), "TMA: the producer ring, one item a CTA");
+  static_assert(!TMA || Cfg::PRODUCER, "TMA: the producer ring");
   fmha_items<Cfg>(BlockSparseItems<Cfg, CAUSAL, PERSIST, CONTIG, TMA>{&bp, tmaps}, smem, bp.d.scale_log2,
                   bp.d.out_scale);
 }

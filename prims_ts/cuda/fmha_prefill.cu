@@ -238,7 +238,7 @@ __device__ __forceinline__ void prefill_kernel(const PrefillParams& p, const Tma
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
   static_assert(!PERSIST || (Cfg::PRODUCER && MASK != MASK_VARWIN), "persistent: the producer ring, no variable window");
-  static_assert(!TMA || (Cfg::PRODUCER && !PERSIST), "TMA: the producer ring, one item a CTA");
+  static_assert(!TMA || Cfg::PRODUCER, "TMA: the producer ring");
   using Items = PrefillItems<Cfg, MASK, PAGED, PERSIST, TMA>;
   if constexpr (MASK != MASK_VARWIN) {
     fmha_items<Cfg>(Items{&p, tmaps}, smem, p.scale_log2, p.out_scale);

@@ -65,12 +65,12 @@ class Tuning:
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
     # K/V tiles as TMA boxes (one producer thread) in the sm_90a keys of contiguous K/V:
-    # fixed-storage prefill and block-sparse, one item a CTA; packed and persistent problems
-    # keep the cp.async producer. False: cp.async there too.
+    # fixed-storage prefill and block-sparse (persistent CTAs too); packed problems keep the
+    # cp.async producer. False: cp.async there too.
     tma: bool = True
     # K/V pages as TMA boxes (a box a page, the first warp's lanes sharing the pages; the tail
-    # by cp.async) in the sm_90a paged prefill and block-sparse keys, one item a CTA. False:
-    # the cp.async producer.
+    # by cp.async) in the sm_90a paged prefill and block-sparse keys (persistent CTAs too).
+    # False: the cp.async producer.
     paged_tma: bool = True
 
     def __post_init__(self):

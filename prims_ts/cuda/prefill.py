@@ -56,7 +56,7 @@ class PrefillKey(KernelKey):
             bn = 128 if head_dim == 128 else 64
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             persistent = tuning.persistent and mask != "variable_window"
-            tma = not (persistent or tuning.probe) and (tuning.paged_tma if paged else tuning.tma and not packed)
+            tma = not tuning.probe and (tuning.paged_tma if paged else tuning.tma and not packed)
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
