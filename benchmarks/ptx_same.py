@@ -5,9 +5,11 @@
 BASE_TREE: a checkout holding the committed package (e.g. `mkdir /tmp/base && git archive HEAD
 prims_ts | tar -x -C /tmp/base`). For each arch, every key that `catalog.default_keys` yields
 under the default tuning and each variant (names containing SUBSTR, e.g. bf16) is compiled to
-PTX by NVRTC in both trees (one subprocess per tree); the PTX is compared without comments and
-file/line directives. Prints each key that differs and exits 1 if any does: a refactor whose
-PTX is unchanged needs no device run to prove it.
+PTX by NVRTC in both trees (one subprocess per tree); the PTX is compared without comments,
+file/line directives and the definitions of static constexpr members (unread data), and with the
+names of out-of-line device functions numbered by first appearance (mangled names change when a
+template gains a parameter). Prints each key that differs and exits 1 if
+any does: a refactor whose PTX is unchanged needs no device run to prove it.
 """
 import argparse
 import json
@@ -17,7 +19,7 @@ import sys
 import tempfile
 
 HASHER = r"""
-import hashlib, json, sys
+import hashlib, json, re, sys
 sys.path.insert(0, sys.argv[1])
 import prims_ts
 from prims_ts.cuda import catalog, runtime
@@ -45,7 +47,16 @@ for arch in sys.argv[3].split(','):
             ptx = nvrtc.getPTX(prog)
             nvrtc.destroyProgram(prog)
             ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-            lines = [ln for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith(('//', '.file', '.loc'))]
+            # comments, file / line directives and the definitions of static constexpr members
+            # (data no code reads; their mangled names change with a template's parameters;
+            # code that did read one names it, and then differs itself)
+            lines = [ln for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith(('//', '.file', '.loc'))
+                     and not (ln.startswith('.global .align') and ' _ZN2pt' in ln)]
+            # the names of the device functions left out of line, in order of appearance (theirs too
+            # change with a template's parameters)
+            names = {}
+            lines = [re.sub(r'_ZZ?N2pt\w+', lambda m: names.setdefault(m.group(0), 'pt_fn%d' % len(names)), ln)
+                     for ln in lines]
             out[arch + ':' + key.name] = hashlib.sha256('\n'.join(lines).encode()).hexdigest()
 json.dump(out, open(sys.argv[2], 'w'))
 """

@@ -351,3 +351,21 @@ def test_block_sparse_tma_keys_and_maps(causal, monkeypatch):
         pl._tma_views(torch.zeros(pages, 2, 2, 64, 128, dtype=BF16), None)
         assert [m[1:4] for m in made] == [((128, 64, 2, pages), [256, 64 * 256, 2 * 2 * 64 * 256],
                                            (64, 64, 1, 1))] * 2
+
+def test_lean_mma_keys():
+    """Tuning(lean_mma=True) gives the sm_90a prefill, paged and block-sparse keys the MMA warps'
+    leaner form (FmhaConfig's LEAN, `_ln` names); the default and the sm_80 engine keep theirs."""
+    from prims_ts import Tuning
+    from prims_ts.cuda.block_sparse import BlockSparseKey
+    from prims_ts.cuda.prefill import PrefillKey
+
+    t = Tuning(lean_mma=True)
+    for paged in (False, True):
+        key = PrefillKey.choose(BF16, 128, "causal", "sm_90a", paged=paged, tuning=t)
+        assert key.lean and key.name.endswith("_ln") and ", 2, 4, true>" in key.call()
+        default = PrefillKey.choose(BF16, 128, "causal", "sm_90a", paged=paged)
+        assert not default.lean and ", 2, 4>" in default.call()
+        assert not PrefillKey.choose(BF16, 128, "causal", "sm_80", paged=paged, tuning=t).lean
+    assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", t, True).lean
+    assert not BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", t, True).lean  # mma.sync engine
+    assert Tuning.decode(t.encode()) == t

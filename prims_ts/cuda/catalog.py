@@ -19,7 +19,8 @@ from .prefill import MASK_CODES, PrefillKey
 # The producer-ring variants of the prefill-family kernels on sm_90a (each selects some keys
 # the default does not): the plain (0), overlapped (1) and pingpong (2) consumer loops,
 # persistent CTAs with the plain loop and with pingpong (a few CTAs walk many items), the
-# producer copy the default does not take, and K/V tiles as TMA boxes (fixed-storage prefill).
+# producer copy the default does not take, every producer by cp.async (the default: TMA boxes),
+# and the MMA warps' leaner instructions (Tuning.lean_mma).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -28,6 +29,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "loop2_persistent": Tuning(loop=2, persistent=True, persistent_ctas=3),
     "other_copy": Tuning(flip_copy=True),
     "cp_async": Tuning(tma=False, paged_tma=False),
+    "lean_mma": Tuning(lean_mma=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.

@@ -72,6 +72,10 @@ class Tuning:
     # by cp.async) in the sm_90a paged prefill and block-sparse keys (persistent CTAs too).
     # False: the cp.async producer.
     paged_tma: bool = True
+    # The sm_90a prefill and block-sparse keys' MMA warps with fewer instructions: row maxima
+    # by fmax, a tile's wgmma descriptors built once and advanced by one add a k-step (built;
+    # not yet measured: off by default).
+    lean_mma: bool = False
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:
@@ -242,11 +246,12 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
-                producer: bool = False, loop: int = 0, copy_tpr: int = 4) -> str:
-    """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out."""
+                producer: bool = False, loop: int = 0, copy_tpr: int = 4, lean: bool = False) -> str:
+    """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out (LEAN only when set)."""
     b = cpp_bool
     return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
-            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}, {copy_tpr}>")
+            f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}, {copy_tpr}"
+            f"{', true' if lean else ''}>")
 
 
 def smem_limit(arch: str) -> int:

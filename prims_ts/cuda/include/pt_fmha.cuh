@@ -133,7 +133,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_row[2] = {neg_inf(), neg_inf()};  // running max of raw scores, rows g and g+8
   float l_row[2] = {0.f, 0.f};              // this thread's share of the running sums
-  using Softmax = RowSoftmax<NT>;
+  using Softmax = RowSoftmax<NT, Cfg::LEAN>;
 
   constexpr int QF = Cfg::Q_IN_REGS ? KD : 1;
   u32 q_frag[QF][4];
@@ -153,13 +153,19 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     if constexpr (Cfg::ARCH == 90) {
       const u32 q_wg = sQ + (u32)(warp_m >> 2) * 64 * 128;
       const u32 k_wg = sK(stage) + (u32)key0 * 128;
+      const u64 dq = Cfg::LEAN ? desc_kmajor(q_wg) : 0, dk = Cfg::LEAN ? desc_kmajor(k_wg) : 0;  // LEAN's bases
       fence_regs(s);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < KD; ++ks) {
         const u32 koff = (u32)(ks & 3) * 32;  // 16 columns = 32 bytes into the panel
-        Wgmma<T, BNW>::ss(s, desc_kmajor(q_wg + (ks >> 2) * QTile::PANEL + koff),
-                          desc_kmajor(k_wg + (ks >> 2) * KVTile::PANEL + koff), ks > 0);
+        if constexpr (Cfg::LEAN) {  // a descriptor's address field is addr >> 4: one add a step
+          Wgmma<T, BNW>::ss(s, dq + (((ks >> 2) * QTile::PANEL + koff) >> 4),
+                            dk + (((ks >> 2) * KVTile::PANEL + koff) >> 4), ks > 0);
+        } else {
+          Wgmma<T, BNW>::ss(s, desc_kmajor(q_wg + (ks >> 2) * QTile::PANEL + koff),
+                            desc_kmajor(k_wg + (ks >> 2) * KVTile::PANEL + koff), ks > 0);
+        }
       }
       wgmma_commit();
     }
@@ -203,9 +209,15 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     if constexpr (Cfg::ARCH == 90 && !SPLIT_O) {
       fence_regs(o);
       wgmma_fence();
+      if constexpr (Cfg::LEAN) {
+        const u64 dv = desc_nmajor(sV(stage), KVTile::PANEL);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + kk * 16 * 128, KVTile::PANEL), 1);
+        for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], dv + (kk * 16 * 128 >> 4), 1);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + kk * 16 * 128, KVTile::PANEL), 1);
+      }
       wgmma_commit();
     }
   };

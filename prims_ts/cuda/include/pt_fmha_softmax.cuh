@@ -36,17 +36,25 @@ struct OnlineSoftmax {
 // the four lanes of a quad (t = lane & 3) hold a row's keys between them. m / l: the two
 // rows' running maxima of the raw scores and this thread's shares of their running sums
 // (the caller's: -inf and 0 before the first tile).
-template <int NT>
+// FMAX: the maxima by fmaxf (one min/max instruction; the default compares and selects).
+template <int NT, bool FMAX = false>
 struct RowSoftmax {
+  __device__ __forceinline__ static float max2(float a, float b) {
+    if constexpr (FMAX) {
+      return fmaxf(a, b);
+    } else {
+      return max_(a, b);
+    }
+  }
   // this warp's row maxima over its keys of the tile and the running maxima
   __device__ __forceinline__ static void tile_max(const float (&m)[2], const float (&s)[NT][4], float (&mx)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       mx[h] = m[h];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mx[h] = max_(mx[h], max_(s[nt][2 * h], s[nt][2 * h + 1]));
-      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = max_(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      for (int nt = 0; nt < NT; ++nt) mx[h] = max2(mx[h], max2(s[nt][2 * h], s[nt][2 * h + 1]));
+      mx[h] = max2(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = max2(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
     }
   }
   // P = exp2(S - max) in place; the running maxima move on to mx and the sums take the
