@@ -146,6 +146,7 @@ class PreparedBlockSparse(Prepared):
     """The loaded kernel, grid and parameter struct of one BlockSparseStatic on one device."""
 
     __slots__ = ("bp", "tp", "_v_off", "_maps_layout")
+    PARAMS_ATTR = "bp"
 
     def __init__(self, static: BlockSparseStatic, dev: int):
         arch, sms, _ = device_info(dev)
@@ -177,12 +178,6 @@ class PreparedBlockSparse(Prepared):
         self.accepted = None
         self._v_off = 0
         self._maps = self._maps_at = None
-
-    def _own(self, params) -> None:
-        if self.key.tma:
-            self.tp, self.bp = params, params.bp
-        else:
-            self.bp = params
 
     def _tma_views(self, k_cache, v_cache):
         """A TMA key's K and V as 4-D tensors (a combined cache's halves as views), their maps

@@ -453,7 +453,10 @@ class Prepared:
         return c
 
     def _own(self, params) -> None:
-        """Take `params` (a copy of the launch's struct) as this launch's parameters."""
+        """Take `params` (a copy of the launch's struct) as this launch's parameters; a TMA key's
+        struct is the maps and then its parameters (`tp`, and its field named PARAMS_ATTR)."""
+        if getattr(self.key, "tma", False):
+            self.tp, params = params, getattr(params, self.PARAMS_ATTR)
         setattr(self, self.PARAMS_ATTR, params)
 
     # TMA keys (pt_fmha_copy.cuh: TmaKv): the encoders of K's and V's maps for their current layout

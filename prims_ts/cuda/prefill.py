@@ -189,12 +189,6 @@ class PreparedPrefill(Prepared):
         self.accepted = None
         self._maps = self._maps_at = None
 
-    def _own(self, params) -> None:
-        if self.key.tma:
-            self.tp, self.p = params, params.p
-        else:
-            self.p = params
-
     def _set_strides(self, q, k, v, out) -> None:
         p, st = self.p, self.static
         if self.key.tma:
