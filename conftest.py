@@ -17,15 +17,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(params=["loop0", "loop1", "loop2", "loop0_persistent", "loop2_persistent", "other_copy", "cp_async",
-                        "lean_mma"])
+                        "lean_mma", "plain_mma"])
 def ring_variant(request):
     """A Tuning of the prefill-family kernels' producer ring on sm_90a (prefill, paged prefill,
     block-sparse; ``prims_ts.cuda.catalog.RING_VARIANTS``): the plain (0), overlapped (1) and
     pingpong (2) consumer loops, persistent CTAs walking several work items (with the plain
     loop and with pingpong, which BM 64 block-sparse tiles take as loop 1; three CTAs, so
     each walks many items), the producer copy the default does not take, and K/V tiles by
-    cp.async everywhere (the default: TMA boxes for contiguous K/V and pages), and the MMA warps'
-    leaner instructions (fmax row maxima, descriptors advanced by adds). Tests pass it to
+    cp.async everywhere (the default: TMA boxes for contiguous K/V and pages), the MMA warps'
+    leaner instructions (fmax row maxima, descriptors advanced by adds) at every head dim and at
+    none (the default: D128). Tests pass it to
     a wrapper (``tuning=``). Other devices have no ring: they run the first variant only."""
     from prims_ts.cuda.catalog import RING_VARIANTS
 

@@ -269,7 +269,7 @@ def test_paged_tma_keys_and_pool_maps(mask, monkeypatch):
     t = Tuning()
     for d, bn in ((128, 128), (256, 64)):
         key = K.PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True)
-        assert key.tma and key.paged and key.bn == bn and key.name.endswith("_tma")
+        assert key.tma and key.paged and key.bn == bn and "_tma" in key.name
         assert not K.PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True, tuning=Tuning(paged_tma=False)).tma
     assert K.PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True, tuning=Tuning(persistent=True)).tma
     assert not K.PrefillKey.choose(BF16, 128, mask, "sm_80", paged=True).tma
@@ -353,19 +353,23 @@ def test_block_sparse_tma_keys_and_maps(causal, monkeypatch):
                                            (64, 64, 1, 1))] * 2
 
 def test_lean_mma_keys():
-    """Tuning(lean_mma=True) gives the sm_90a prefill, paged and block-sparse keys the MMA warps'
-    leaner form (FmhaConfig's LEAN, `_ln` names); the default and the sm_80 engine keep theirs."""
+    """The sm_90a prefill, paged and block-sparse keys' MMA warps take the leaner form (FmhaConfig's
+    LEAN, `_ln` names) at D128 by default, at D256 under Tuning(lean_mma=True), nowhere under
+    False; the sm_80 engine never."""
     from prims_ts import Tuning
     from prims_ts.cuda.block_sparse import BlockSparseKey
     from prims_ts.cuda.prefill import PrefillKey
 
-    t = Tuning(lean_mma=True)
+    on, off = Tuning(lean_mma=True), Tuning(lean_mma=False)
     for paged in (False, True):
-        key = PrefillKey.choose(BF16, 128, "causal", "sm_90a", paged=paged, tuning=t)
-        assert key.lean and key.name.endswith("_ln") and ", 2, 4, true>" in key.call()
         default = PrefillKey.choose(BF16, 128, "causal", "sm_90a", paged=paged)
-        assert not default.lean and ", 2, 4>" in default.call()
-        assert not PrefillKey.choose(BF16, 128, "causal", "sm_80", paged=paged, tuning=t).lean
-    assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", t, True).lean
-    assert not BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", t, True).lean  # mma.sync engine
-    assert Tuning.decode(t.encode()) == t
+        assert default.lean and default.name.endswith("_ln") and ", 2, 4, true>" in default.call()
+        assert not PrefillKey.choose(BF16, 256, "causal", "sm_90a", paged=paged).lean
+        assert PrefillKey.choose(BF16, 256, "causal", "sm_90a", paged=paged, tuning=on).lean
+        plain = PrefillKey.choose(BF16, 128, "causal", "sm_90a", paged=paged, tuning=off)
+        assert not plain.lean and ", 2, 4>" in plain.call()
+        assert not PrefillKey.choose(BF16, 128, "causal", "sm_80", paged=paged, tuning=on).lean
+    assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", Tuning(), True).lean
+    assert not BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", off, True).lean
+    assert not BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", on, True).lean  # mma.sync engine
+    assert Tuning.decode(on.encode()) == on and Tuning.decode(off.encode()) == off

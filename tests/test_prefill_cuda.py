@@ -66,7 +66,8 @@ def check_key(w, dtype, d, mask, tuning):
     if arch == "sm_90a":
         assert key.arch == 90 and key.loop == tuning.loop_for(d) and key.copy_tpr == tuning.copy_for(d), key.name
         assert key.persistent == (tuning.persistent and mask != "variable_window"), key.name
-        assert key.tma == (tuning.tma and not plan.packed and not key.persistent), key.name
+        assert key.tma == (tuning.tma and not plan.packed), key.name  # persistent CTAs too
+        assert key.lean == tuning.lean_for(d), key.name
     if plan.launch is not None:
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
 

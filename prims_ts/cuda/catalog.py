@@ -20,7 +20,8 @@ from .prefill import MASK_CODES, PrefillKey
 # the default does not): the plain (0), overlapped (1) and pingpong (2) consumer loops,
 # persistent CTAs with the plain loop and with pingpong (a few CTAs walk many items), the
 # producer copy the default does not take, every producer by cp.async (the default: TMA boxes),
-# and the MMA warps' leaner instructions (Tuning.lean_mma).
+# the MMA warps' leaner instructions everywhere and nowhere (Tuning.lean_mma; the default: at
+# D128).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -30,6 +31,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "other_copy": Tuning(flip_copy=True),
     "cp_async": Tuning(tma=False, paged_tma=False),
     "lean_mma": Tuning(lean_mma=True),
+    "plain_mma": Tuning(lean_mma=False),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.

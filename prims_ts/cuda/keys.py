@@ -73,9 +73,9 @@ class Tuning:
     # False: the cp.async producer.
     paged_tma: bool = True
     # The sm_90a prefill and block-sparse keys' MMA warps with fewer instructions: row maxima
-    # by fmax, a tile's wgmma descriptors built once and advanced by one add a k-step (built;
-    # not yet measured: off by default).
-    lean_mma: bool = False
+    # by fmax, a tile's wgmma descriptors built once and advanced by one add a k-step. None:
+    # at D128, where it wins; D256's plain loop, short of registers, loses by it.
+    lean_mma: Optional[bool] = None
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:
@@ -91,6 +91,9 @@ class Tuning:
         if self.loop is not None:
             return self.loop
         return 2 if head_dim <= 128 else 0
+
+    def lean_for(self, head_dim: int) -> bool:
+        return self.lean_mma if self.lean_mma is not None else head_dim <= 128
 
     def copy_for(self, head_dim: int) -> int:
         tpr = self.copy_tpr if self.copy_tpr is not None else (8 if head_dim > 128 else 4)

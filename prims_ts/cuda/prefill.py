@@ -61,7 +61,7 @@ class PrefillKey(KernelKey):
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
-                              tma=tma, lean=tuning.lean_mma)
+                              tma=tma, lean=tuning.lean_for(head_dim))
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
         return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)

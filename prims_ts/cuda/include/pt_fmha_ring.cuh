@@ -97,17 +97,17 @@ struct KvRing {
         advance(pos.stage, pos.phase);
         ++pos.filled;
       }
-      return;
-    }
-    for (int it = 0; it < n_tiles; ++it) {
-      if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
-      const KeyTile kt = range.tile(it);
-      if (PT_PROBE != 1 || pos.filled < STAGES)
-        load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows,
-                                                                  tid);
-      cp_async_mbar_arrive(full(pos.stage));
-      advance(pos.stage, pos.phase);
-      ++pos.filled;
+    } else {
+      for (int it = 0; it < n_tiles; ++it) {
+        if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
+        const KeyTile kt = range.tile(it);
+        if (PT_PROBE != 1 || pos.filled < STAGES)
+          load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows,
+                                                                    tid);
+        cp_async_mbar_arrive(full(pos.stage));
+        advance(pos.stage, pos.phase);
+        ++pos.filled;
+      }
     }
   }
   template <int NTHREADS, class Problem, class Range>
