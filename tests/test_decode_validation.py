@@ -39,6 +39,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 import prims_ts
+import prims_ts.ops._validate as V
 import prims_ts.ops.decode as decode_ops
 from prims_ts.ops._validate import dtype_code
 from prims_ts.testing import huge_page_stride, recording_no_host_reads, reference_must_not_run
@@ -93,7 +94,7 @@ def ws_bytes(batch=B, hq=HQ, hkv=HKV, d=D, max_seq_len=MAX_LEN, max_seq_len_q=1,
 @pytest.fixture(autouse=True)
 def fresh_static_checks(monkeypatch):
     """An empty standalone check cache for each test (see the module docstring)."""
-    monkeypatch.setattr(decode_ops, "_CHECKED", {})
+    monkeypatch.setattr(decode_ops, "_CHECKED", V.memo())
 
 
 def make_ws(nbytes=None, dtype=U8):
@@ -552,7 +553,7 @@ def test_standalone_static_key_cache_still_checks_per_call_inputs(counted_static
     ]
     for match, (a, k) in per_call:
         out.fill_(NAN)
-        assert decode_ops._meta(k["out"]) == decode_ops._meta(out)  # the cached static key
+        assert V.meta(k["out"]) == V.meta(out)  # the cached static key
         expect(ValueError, match, prims_ts_batch_decode_with_kv_cache, *a, **k)
         assert torch.isnan(out).all(), match
     args, kw = base(bmm1_scale="0.1", out=out)

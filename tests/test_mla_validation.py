@@ -38,6 +38,7 @@ from prims_ts import (
     get_prims_ts_batch_decode_mla_workspace_size,
     prims_ts_batch_decode_with_kv_cache_mla,
 )
+import prims_ts.ops._validate as V
 import prims_ts.ops.mla as mla_ops
 from prims_ts import Tuning
 from prims_ts.ops._validate import dtype_code
@@ -98,7 +99,7 @@ def ws_bytes(batch=B, h=H, max_seq_len=MAX_LEN, max_seq_len_q=1, page_size=PS):
 @pytest.fixture(autouse=True)
 def fresh_static_checks(monkeypatch):
     """An empty standalone check cache for each test (see the module docstring)."""
-    monkeypatch.setattr(mla_ops, "_CHECKED", {})
+    monkeypatch.setattr(mla_ops, "_CHECKED", V.memo())
 
 
 def make_ws(nbytes=None, dtype=U8):
@@ -621,7 +622,7 @@ def test_standalone_static_key_cache_still_checks_per_call_inputs(counted_static
     ]
     for match, (a, k) in per_call:
         out.fill_(NAN)
-        assert mla_ops._meta(k["out"]) == mla_ops._meta(out)  # the cached static key
+        assert V.meta(k["out"]) == V.meta(out)  # the cached static key
         expect(ValueError, match, prims_ts_batch_decode_with_kv_cache_mla, *a, **k)
         assert torch.isnan(out).all(), match
     a, k = base(bmm2_scale=None, out=out)

@@ -345,6 +345,36 @@ def test_oneshot_errors(exc, match, make):
     expect(exc, match, batch_prefill_with_paged_kv_cache, *args, **kwargs)
 
 
+def test_oneshot_static_checks_once_per_static_key(monkeypatch):
+    """A second one-shot with the same static facts skips the static checks (shapes, dtypes,
+    devices, scalars), yet what is not in that key is still refused every call: a misaligned q,
+    an out sharing bytes with an input or a metadata tensor, bad lengths and page IDs."""
+    import prims_ts.ops.prefill_paged as pp
+    from prims_ts.ops import _validate as V
+
+    calls = []
+    real = pp._oneshot_checks
+    monkeypatch.setattr(pp, "_ONESHOT_CHECKED", V.memo())
+    monkeypatch.setattr(pp, "_oneshot_checks", lambda *a: calls.append(1) or real(*a))
+    out = torch.empty(_q.shape, dtype=BF16)
+    for _ in range(2):
+        args, kw = base(out=out)
+        batch_prefill_with_paged_kv_cache(*args, **kw)
+    assert len(calls) == 1
+    meta, out_in_meta = _shared("block_tables")
+    per_call = [
+        (r"\bq\b", base(q=torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape), out=out)),
+        (r"\bout\b.*\bq\b", base(out=_q)),
+        (r"\bout\b.*block_tables", base(block_tables=meta, out=out_in_meta)),
+        ("seq_lens_kv", base(seq_lens_kv=[49, 5], out=out)),
+        ("block_tables", base(block_tables=[[3, P, 7], [5, 0, 2]], out=out)),
+        ("qo_indptr", base(qo_indptr=[0, 3, 4], out=out)),
+    ]
+    for match, (a, k) in per_call:
+        expect(ValueError, match, batch_prefill_with_paged_kv_cache, *a, **k)
+    assert len(calls) == 1  # every refused call had the first one's static facts
+
+
 def test_error_leaves_out_untouched():
     """A refused call writes nothing: the poisoned out is still all NaN."""
     for mods in (dict(block_tables=[[3, P, 7], [5, 0, 2]]), dict(seq_lens_kv=[2, 5], mask_type="causal"),

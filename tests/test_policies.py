@@ -5,6 +5,7 @@ import itertools
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,6 +77,32 @@ def test_work_list_window_and_dense():
     assert [b for b, _ in dense[:2]] == [1, 1] and len(dense) == 4
     assert work_list(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), "dense", -1,
                      128).shape == (0, 2)
+
+
+def test_uniform_causal_batches_take_the_implicit_order(monkeypatch):
+    """plan_work builds no list for a causal problem (no left window) whose requests all have the
+    same query bound and K/V length: the kernel's implicit order (item i: request i % B, q tile
+    T - 1 - i // B; fmha_prefill.cu) is then the list's, item for item. Requests that differ, a
+    window or a dense mask (its list orders by request) get a list."""
+    from prims_ts.ops import _validate as V
+    from prims_ts.ops import prefill as P
+
+    cuda = torch.device("cuda")
+    for batch, sq, sk in ((1, 1, 1), (3, 1000, 1000), (8, 2048, 2048), (2, 300, 4096)):
+        q_lens, kv_lens = np.full(batch, sq), np.full(batch, sk)
+        assert P.plan_work(cuda, q_lens, kv_lens, True, "causal", -1, torch.bfloat16, 128) is None
+        assert P.plan_work(cuda, q_lens, kv_lens, False, "causal", -1, torch.bfloat16, 128) is None
+        tiles = (sq + 127) // 128
+        implicit = [[i % batch, tiles - 1 - i // batch] for i in range(batch * tiles)]
+        assert work_list(q_lens, kv_lens, "causal", -1, 128).tolist() == implicit
+    monkeypatch.setattr(P, "tile_m", lambda *a: 128)
+    monkeypatch.setattr(V, "to_device", lambda device, a: [torch.from_numpy(a.reshape(-1))])
+    for q_lens, kv_lens, mask, window in (([3, 5], [7, 7], "causal", -1), ([4, 4], [7, 9], "causal", -1),
+                                          ([1000] * 2, [1000] * 2, "causal", 300), ([64] * 2, [64] * 2, "dense", -1)):
+        work = P.plan_work(cuda, np.array(q_lens), np.array(kv_lens), True, mask, window, torch.bfloat16, 128)
+        assert work is not None and work.shape[1] == 2
+    assert P.plan_work(torch.device("cpu"), np.array([3, 5]), np.array([7, 7]), True, "causal", -1, torch.bfloat16,
+                       128) is None  # the CPU runs the reference: no list at all
 
 
 @pytest.mark.parametrize("batch,heads,sq,length", list(itertools.product([1, 64, 128], [8, 16, 32, 64, 128], [1, 4],

@@ -197,3 +197,50 @@ def test_core_headers_stand_alone(cache, header):
     ks = runtime.KernelSource(f"header:{header}", "pt_header_alone",
                               f'#include "{header}"\nextern "C" __global__ void pt_header_alone() {{}}\n')
     assert runtime.compile_cubin(ks, "sm_90a")[:4] == b"\x7fELF"
+
+
+def test_bounded_memo_forgets_its_oldest_entries():
+    """The memos keyed by per-call facts stay bounded (first in, first out); the shared prepared
+    launches and the static-check memos are such memos."""
+    from prims_ts.cuda.keys import MEMO_LIMIT, BoundedMemo, Prepared
+    from prims_ts.ops import decode as decode_ops
+    from prims_ts.ops import mla as mla_ops
+    from prims_ts.ops import prefill_paged
+
+    m = BoundedMemo(3)
+    for i in range(5):
+        assert m.put(i, str(i)) == str(i)
+    assert list(m) == [2, 3, 4] and m.get(4) == "4" and m.get(0) is None
+    for memo in (Prepared._SHARED, decode_ops._CHECKED, mla_ops._CHECKED, prefill_paged._ONESHOT_CHECKED):
+        assert isinstance(memo, BoundedMemo) and memo.limit == MEMO_LIMIT
+
+
+def test_checked_once_keys_on_static_facts_and_types():
+    """checked_once runs the checks once per key of the arguments' static facts (a tensor's type,
+    shape, dtype, strides and device; another value with its type), keeps no failed check, and
+    checks every time an argument cannot be a key."""
+    from prims_ts.ops import _validate as V
+
+    memo, calls = V.memo(), []
+
+    def check(t, n):
+        calls.append(n)
+        if n == 0:
+            raise ValueError("n: zero")
+        return (t.shape[0], n)
+
+    x = torch.zeros(4)
+    assert V.checked_once(memo, (x, 1), check) == (4, 1)
+    assert V.checked_once(memo, (torch.ones(4), 1), check) == (4, 1) and calls == [1]  # same facts
+    assert V.checked_once(memo, (x, True), check) == (4, True) and calls == [1, True]  # True is not 1
+    V.checked_once(memo, (torch.zeros(4, dtype=torch.float64), 1), check)
+    V.checked_once(memo, (x[::2], 1), check)
+    assert len(calls) == 4
+    for _ in range(2):
+        with pytest.raises(ValueError, match="n: zero"):
+            V.checked_once(memo, (x, 0), check)
+    assert calls[-2:] == [0, 0]
+    seen = []
+    for _ in range(2):
+        assert V.checked_once(memo, (x, {1: 2}), lambda t, n: seen.append(n) or "checked") == "checked"
+    assert len(seen) == 2  # a dict cannot be a key: checked every time

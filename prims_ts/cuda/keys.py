@@ -427,6 +427,27 @@ class Accepted:
         return self.addresses(tensors, out_index) if self.same(tensors) else None
 
 
+class BoundedMemo(dict):
+    """A memo that forgets its oldest entry once it holds `limit` (first in, first out; a hit is a
+    plain dict lookup): the caches keyed by per-call facts (shapes, batch sizes, lengths), which
+    a long-running server would otherwise grow without end. A forgotten entry is rebuilt on its
+    next use; whoever still holds the value keeps it."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, value):
+        if len(self) >= self.limit:
+            del self[next(iter(self))]
+        self[key] = value
+        return value
+
+
+# the memos of prepared launches and of static checks: ample for every shape a server plans
+MEMO_LIMIT = 1024
+
+
 class Prepared:
     """Base of a prepared launch (``PreparedPrefill``, ``PreparedDecode``, ``PreparedBlockSparse``):
     the loaded kernel, grid and parameter struct of one static key on one device. The shared one
@@ -435,7 +456,7 @@ class Prepared:
 
     __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted", "_maps", "_maps_at")
     PARAMS_ATTR = "p"  # the attribute holding the parameter struct
-    _SHARED: ClassVar[Dict[tuple, "Prepared"]] = {}
+    _SHARED: ClassVar[BoundedMemo] = BoundedMemo(MEMO_LIMIT)
 
     @classmethod
     def shared(cls, static, dev: int) -> "Prepared":
@@ -443,8 +464,7 @@ class Prepared:
         a plan takes its own copy, ``for_plan``)."""
         pl = Prepared._SHARED.get((cls, dev, static))
         if pl is None:
-            pl = cls(static, dev)
-            Prepared._SHARED[(cls, dev, static)] = pl
+            pl = Prepared._SHARED.put((cls, dev, static), cls(static, dev))
         return pl
 
     def for_plan(self, accepted: Accepted) -> "Prepared":

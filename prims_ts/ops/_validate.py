@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..cuda.keys import DEFAULT_TUNING, Tuning
+from ..cuda.keys import DEFAULT_TUNING, MEMO_LIMIT, BoundedMemo, Tuning
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,6 +30,36 @@ def tracing() -> bool:
         return bool(torch.compiler.is_compiling())
     except Exception:  # pragma: no cover
         return False
+
+
+def meta(t) -> tuple:
+    """A tensor's static facts (type, shape, dtype, strides, device: what static checks read), a
+    tuple's or list's (a (K, V) cache), or another value with its type (True is not 1)."""
+    if isinstance(t, torch.Tensor):
+        return (type(t), t.shape, t.dtype, t.stride(), t.device)
+    if isinstance(t, (tuple, list)):
+        return (type(t),) + tuple(meta(x) for x in t)
+    return (type(t), t)
+
+
+def memo() -> BoundedMemo:
+    """A memo of static checks (``checked_once``), bounded like the prepared launches'."""
+    return BoundedMemo(MEMO_LIMIT)
+
+
+def checked_once(memo: BoundedMemo, args: tuple, check):
+    """``check(*args)``, the static checks of a call (they read no tensor value or address), once
+    per key of the arguments' ``meta``, then its memoised result; while traced, or with an
+    argument that cannot be a key, every time (the checks name a bad one), and nothing is kept.
+    Only a result is kept: a call that fails its checks is checked again next time."""
+    if tracing():
+        return check(*args)
+    key = tuple(meta(a) for a in args)
+    try:
+        got = memo.get(key)
+    except TypeError:  # an unhashable argument
+        return check(*args)
+    return got if got is not None else memo.put(key, check(*args))
 
 
 def _dtype_name(d) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -275,15 +275,6 @@ def _check_page_size(page_size) -> int:
 # ----------------------------------------------------------------------------
 
 
-def _meta(t) -> tuple:
-    """A tensor's static facts (a standalone call's cache key), or a tuple cache's, or its type."""
-    if isinstance(t, torch.Tensor):
-        return (type(t), t.shape, t.dtype, t.stride(), t.device)
-    if isinstance(t, (tuple, list)):
-        return (type(t),) + tuple(_meta(x) for x in t)
-    return (type(t),)
-
-
 def named_cache(name: str, cache) -> tuple:
     """(name, tensor) pairs of a combined cache or a (K, V) tuple (the overlap checks' inputs)."""
     if isinstance(cache, (tuple, list)):
@@ -330,7 +321,7 @@ def operands(out, workspace, named: Tuple[Tuple[str, Optional[torch.Tensor]], ..
             (out, workspace) + tuple(t for _, t in named))
 
 
-_CHECKED: Dict[tuple, Standalone] = {}
+_CHECKED = V.memo()
 
 
 def _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens, max_seq_len,
@@ -411,17 +402,10 @@ def prims_ts_batch_decode_with_kv_cache(
     bounds, such a request writes zeros (packed offsets outside the query rows: nothing).
     Capturable in a CUDA graph once this static key has run once.
     """
-    key = (_meta(query), _meta(kv_cache), _meta(workspace_buffer), _meta(paged_kv_indptr),
-           _meta(paged_kv_indices), _meta(seq_lens), _meta(qo_indptr), _meta(out), max_seq_len, seq_len_q,
-           max_seq_len_q, out_dtype, mask_type, window_left, kv_layout)
     traced = V.tracing()
-    checked = None if traced else _CHECKED.get(key)
-    if checked is None:
-        checked = _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens,
-                                     max_seq_len, seq_len_q, qo_indptr, max_seq_len_q, out_dtype, out, mask_type,
-                                     window_left, kv_layout)
-        if not traced:
-            _CHECKED[key] = checked
+    checked = V.checked_once(_CHECKED, (query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens,
+                                        max_seq_len, seq_len_q, qo_indptr, max_seq_len_q, out_dtype, out, mask_type,
+                                        window_left, kv_layout), _standalone_checks)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(checked.head_dim))
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     cache = (kv_cache,) if isinstance(kv_cache, torch.Tensor) else tuple(kv_cache)

@@ -17,7 +17,7 @@ page table ``block_tables int32 [B, C]``; ``seq_lens int32 [B]``; output ``[...,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from .. import reference
 from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
-from .decode import (WORKSPACE_DTYPES, Standalone, _check_page_size, _meta, _workspace, check_dtypes, decode_static,
+from .decode import (WORKSPACE_DTYPES, Standalone, _check_page_size, _workspace, check_dtypes, decode_static,
                      operands)
 from .prefill_paged import PAGE_SIZES
 
@@ -272,7 +272,7 @@ def _mla_out_dtype(out_dtype, out) -> torch.dtype:
 # ----------------------------------------------------------------------------
 
 
-_CHECKED: Dict[tuple, Standalone] = {}
+_CHECKED = V.memo()
 
 
 def _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens,
@@ -338,16 +338,10 @@ def prims_ts_batch_decode_with_kv_cache_mla(
     run once. Returns ``query.shape[:-1] + (512,)`` in ``out_dtype``; ``out``, when given,
     must have that dtype.
     """
-    key = (_meta(query), _meta(kv_cache), _meta(workspace_buffer), _meta(block_tables), _meta(seq_lens),
-           _meta(qo_indptr), _meta(out), kv_lora_rank, qk_rope_head_dim, max_seq_len, max_seq_len_q, mask_type,
-           out_dtype)
     traced = V.tracing()
-    checked = None if traced else _CHECKED.get(key)
-    if checked is None:
-        checked = _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables,
-                                     seq_lens, max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype)
-        if not traced:
-            _CHECKED[key] = checked
+    checked = V.checked_once(_CHECKED, (query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables,
+                                        seq_lens, max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype),
+                             _standalone_checks)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:

@@ -24,7 +24,7 @@ from .. import reference
 from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
-from .prefill import HEAD_DIMS, check_causal_lengths, tile_m, work_list
+from .prefill import HEAD_DIMS, check_causal_lengths, plan_work
 
 MASKS = ("dense", "causal")
 PAGE_SIZES = (16, 32, 64, 128)
@@ -209,11 +209,25 @@ class PagedPrefillPlan:
         return (self.qo_indptr, self.block_tables, self.seq_lens_kv, self.work) + self.scalars
 
 
-def _make_plan(tuning: Tuning, tuning_code: str, q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left,
-               sm_scale, output_scale, out_dtype, tables, exact: bool) -> PagedPrefillPlan:
-    """The plan of a validated problem. `tables(device, num_pages)` validates the page
-    metadata and returns (block_tables [B, C], seq_lens_kv [B] on the device, the K/V lengths
-    and the Q offsets on the host (None while traced), the largest used page ID)."""
+@dataclass(frozen=True)
+class _Problem:
+    """What the static checks of a paged prefill derive (no tensor value read)."""
+
+    hq: int
+    hkv: int
+    head_dim: int
+    num_pages: int
+    batch: int
+    device: torch.device
+    mask_type: str
+    window_left: int
+    sm_scale: float
+    output_scale: float
+    out_dtype: torch.dtype
+
+
+def _check_problem(q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left, sm_scale, output_scale,
+                   out_dtype) -> _Problem:
     hq, hkv, d, num_pages = _check_tensors(q, k_cache, v_cache, page_size)
     mask_type, window_left, sm_scale, output_scale = _common_args(mask_type, window_left, sm_scale, output_scale, d)
     V.int32_vector("qo_indptr", qo_indptr)
@@ -222,7 +236,18 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, k_cache, v_cache, qo_indptr,
     batch = V.batch_size("qo_indptr", qo_indptr.shape[0] - 1)
     device = V.same_device([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("qo_indptr", qo_indptr)])
     odt = V.out_dtype(out_dtype, None, q.dtype)
-    table, lens_dev, lens, qo, max_page = tables(device, batch, num_pages)
+    return _Problem(hq, hkv, d, num_pages, batch, device, mask_type, window_left, sm_scale, output_scale, odt)
+
+
+def _make_plan(tuning: Tuning, tuning_code: str, q, qo_indptr, page_size, pb: _Problem, tables,
+               exact: bool) -> PagedPrefillPlan:
+    """The plan of a problem that passed its static checks (`pb`). `tables(device, batch,
+    num_pages)` validates the page metadata and returns (block_tables [B, C], seq_lens_kv [B]
+    on the device, the K/V lengths and the Q offsets on the host (None while traced), the
+    largest used page ID)."""
+    hq, hkv, d, batch, device, odt = pb.hq, pb.hkv, pb.head_dim, pb.batch, pb.device, pb.out_dtype
+    mask_type, window_left, sm_scale, output_scale = pb.mask_type, pb.window_left, pb.sm_scale, pb.output_scale
+    table, lens_dev, lens, qo, max_page = tables(device, batch, pb.num_pages)
     work = None
     if qo is None:
         max_q_len = q.shape[0]  # traced: a safe bound, the implicit tile order
@@ -232,10 +257,7 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, k_cache, v_cache, qo_indptr,
         if mask_type == "causal":
             check_causal_lengths(q_lens, lens, "qo_indptr")
         max_q_len = int(q_lens.max())
-        if device.type == "cuda":
-            bounds = q_lens if exact else np.full_like(q_lens, max_q_len)
-            work = V.to_device(device, work_list(bounds, lens, mask_type, window_left,
-                                                 tile_m(q.dtype, d, mask_type, device)))[0].view(-1, 2)
+        work = plan_work(device, q_lens, lens, exact, mask_type, window_left, q.dtype, d)
     static = launch = None
     if not V.tracing():
         from ..cuda import prefill as K
@@ -312,8 +334,9 @@ class BatchPrefillPagedTSWrapper:
             lens_dev, table = V.to_device(device, lens, ids[pos])
             return table.view(batch, cols), lens_dev, lens, qo, int(ids.max())
 
-        self._plan = _make_plan(self.tuning, self._tuning_code, q, k_cache, v_cache, qo_indptr, page_size, mask_type,
-                                window_left, sm_scale, output_scale, out_dtype, tables, exact=False)
+        pb = _check_problem(q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left, sm_scale, output_scale,
+                            out_dtype)
+        self._plan = _make_plan(self.tuning, self._tuning_code, q, qo_indptr, page_size, pb, tables, exact=False)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -368,6 +391,23 @@ def _check_against_plan(plan: PagedPrefillPlan, q, k_cache, v_cache) -> None:
         V.fail(f"k_cache: the plan reads page ID {plan.max_page} but the pools hold {num_pages} pages")
 
 
+_ONESHOT_CHECKED = V.memo()
+
+
+def _oneshot_checks(q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, page_size, kv_layout, mask_type,
+                    window_left, sm_scale, output_scale, out_dtype, out) -> _Problem:
+    """The one-shot's static checks: the problem's, then its block table's and lengths' shapes."""
+    page_size = check_page_size(page_size, kv_layout)
+    pb = _check_problem(q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left, sm_scale, output_scale,
+                        V.resolve_out_dtype(out_dtype, out, q))
+    V.block_table("block_tables", block_tables, pb.batch)
+    V.int32_vector("seq_lens_kv", seq_lens_kv, length=pb.batch)
+    V.same_device([("qo_indptr", qo_indptr), ("block_tables", block_tables), ("seq_lens_kv", seq_lens_kv)])
+    if block_tables.device != pb.device:
+        V.fail(f"block_tables: is on {block_tables.device}, expected q's device {pb.device}")
+    return pb
+
+
 def batch_prefill_with_paged_kv_cache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -394,17 +434,15 @@ def batch_prefill_with_paged_kv_cache(
     ``Sq <= Sk``) and to build the heavy-first work list, so it is not CUDA-graph
     capturable; plan a wrapper for that.
     """
-    page_size = check_page_size(page_size, kv_layout)
+    pb = V.checked_once(_ONESHOT_CHECKED, (q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, page_size,
+                                          kv_layout, mask_type, window_left, sm_scale, output_scale, out_dtype, out),
+                        _oneshot_checks)
 
     def tables(device, batch, num_pages):
-        _, cols = V.block_table("block_tables", block_tables, batch)
-        V.int32_vector("seq_lens_kv", seq_lens_kv, length=batch)
-        V.same_device([("qo_indptr", qo_indptr), ("block_tables", block_tables), ("seq_lens_kv", seq_lens_kv)])
-        if block_tables.device != device:
-            V.fail(f"block_tables: is on {block_tables.device}, expected q's device {device}")
         if V.tracing():
             return block_tables, seq_lens_kv, None, None, num_pages - 1  # traced: the values are trusted
         qo, lens, table = V.host_values(qo_indptr, seq_lens_kv, block_tables)
+        cols = block_tables.shape[1]
         table = table.reshape(batch, cols)
         bad = (lens < 1) | (lens > cols * page_size)
         if bad.any():
@@ -414,6 +452,5 @@ def batch_prefill_with_paged_kv_cache(
         max_page = V.values_block_table("block_tables", table, lens, page_size, num_pages)
         return block_tables, seq_lens_kv, lens, qo, max_page
 
-    plan = _make_plan(DEFAULT_TUNING, "", q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left, sm_scale,
-                      output_scale, V.resolve_out_dtype(out_dtype, out, q), tables, exact=True)
+    plan = _make_plan(DEFAULT_TUNING, "", q, qo_indptr, page_size, pb, tables, exact=True)
     return _launch(plan, q, k_cache, v_cache, out)  # the plan checked q and the pools
