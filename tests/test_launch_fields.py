@@ -373,3 +373,24 @@ def test_lean_mma_keys():
     assert not BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", off, True).lean
     assert not BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", on, True).lean  # mma.sync engine
     assert Tuning.decode(on.encode()) == on and Tuning.decode(off.encode()) == off
+
+
+def test_lazy_rescale_keys():
+    """Tuning(lazy_rescale=True) gives the sm_90a prefill, paged and block-sparse keys the lazy
+    running maxima (FmhaConfig's LAZY after LEAN, `_lz` names); the default keys' configs keep
+    their form (no LAZY argument), and the sm_80 engine never takes it."""
+    from prims_ts import Tuning
+    from prims_ts.cuda.block_sparse import BlockSparseKey
+    from prims_ts.cuda.prefill import PrefillKey
+
+    lz = Tuning(lazy_rescale=True)
+    for paged in (False, True):
+        for d, lean in ((128, "true"), (256, "false")):
+            key = PrefillKey.choose(BF16, d, "causal", "sm_90a", paged=paged, tuning=lz)
+            assert key.lazy and key.name.endswith("_lz") and f", {lean}, true>" in key.call(), key.call()
+            default = PrefillKey.choose(BF16, d, "causal", "sm_90a", paged=paged)
+            assert not default.lazy and "_lz" not in default.name and ", true, true>" not in default.call()
+        assert not PrefillKey.choose(BF16, 128, "causal", "sm_80", paged=paged, tuning=lz).lazy
+    assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", lz, True).lazy
+    assert not BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", lz, True).lazy  # mma.sync engine
+    assert Tuning.decode(lz.encode()) == lz

@@ -76,6 +76,11 @@ class Tuning:
     # by fmax, a tile's wgmma descriptors built once and advanced by one add a k-step. None:
     # at D128, where it wins; D256's plain loop, short of registers, loses by it.
     lean_mma: Optional[bool] = None
+    # The sm_90a prefill and block-sparse keys' online softmax keeps a row's running maximum
+    # until a tile's exceeds it by more than 2^8 in the exponent (P stays <= 256, exact after
+    # the final division), so that most tiles rescale neither O nor the sums (built; not yet
+    # measured: off by default).
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:
@@ -249,12 +254,15 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
-                producer: bool = False, loop: int = 0, copy_tpr: int = 4, lean: bool = False) -> str:
-    """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out (LEAN only when set)."""
+                producer: bool = False, loop: int = 0, copy_tpr: int = 4, lean: bool = False,
+                lazy: bool = False) -> str:
+    """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out up to the last
+    one set (LEAN, LAZY: only when set)."""
     b = cpp_bool
+    tail = (f", {b(lean)}, true" if lazy else ", true" if lean else "")
     return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
             f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}, {copy_tpr}"
-            f"{', true' if lean else ''}>")
+            f"{tail}>")
 
 
 def smem_limit(arch: str) -> int:

@@ -133,7 +133,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_row[2] = {neg_inf(), neg_inf()};  // running max of raw scores, rows g and g+8
   float l_row[2] = {0.f, 0.f};              // this thread's share of the running sums
-  using Softmax = RowSoftmax<NT, Cfg::LEAN>;
+  using Softmax = RowSoftmax<NT, Cfg::LEAN, Cfg::LAZY>;
 
   constexpr int QF = Cfg::Q_IN_REGS ? KD : 1;
   u32 q_frag[QF][4];
@@ -186,6 +186,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     }
   };
   auto rescale_o = [&](const float (&corr)[2]) {
+    if (!Softmax::rescales(corr)) return;
 #pragma unroll
     for (int i = 0; i < DT; ++i) {
       o[i][0] *= corr[0];

@@ -29,7 +29,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
-          int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false>
+          int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false, bool LAZY_ = false>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -78,6 +78,9 @@ struct FmhaConfig {
   // LEAN (Tuning.lean_mma; the wgmma engine): row maxima by fmax, and each tile's wgmma
   // descriptors built once and advanced by one add a k-step
   static constexpr bool LEAN = LEAN_;
+  // LAZY (Tuning.lazy_rescale): a row's running maximum moves only when a tile's exceeds it
+  // by more than RowSoftmax's LAZY_SLACK in the exponent; O is rescaled only when one did
+  static constexpr bool LAZY = LAZY_;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;

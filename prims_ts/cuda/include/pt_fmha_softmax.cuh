@@ -37,8 +37,15 @@ struct OnlineSoftmax {
 // rows' running maxima of the raw scores and this thread's shares of their running sums
 // (the caller's: -inf and 0 before the first tile).
 // FMAX: the maxima by fmaxf (one min/max instruction; the default compares and selects).
-template <int NT, bool FMAX = false>
+// LAZY: a row keeps its running maximum m while the tile's stays within m + LAZY_SLACK /
+// scale_log2, so that P = exp2(S * scale_log2 - m * scale_log2) <= 2^LAZY_SLACK (256: exact in
+// the 16-bit P operand, far from fp32's range) and corr is 1: O and the sums need no rescale.
+// The sums and O stay relative to the same m, so the final O / l is unchanged; m is then a
+// bound, not the maximum (the split-KV merge and the LSE take any reference). The quad's lanes
+// (and a SPLIT_O band's warps) share m and mx, so they decide alike.
+template <int NT, bool FMAX = false, bool LAZY = false>
 struct RowSoftmax {
+  static constexpr float LAZY_SLACK = 8.f;
   __device__ __forceinline__ static float max2(float a, float b) {
     if constexpr (FMAX) {
       return fmaxf(a, b);
@@ -63,7 +70,15 @@ struct RowSoftmax {
                                                   const float (&mx)[2], float (&corr)[2], float scale_log2) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float base = OnlineSoftmax::rebase(m[h], mx[h], scale_log2, corr[h]);
+      float base;
+      // LAZY keeps m where the difference is finite and small (a row that has seen no key has
+      // m = -inf: inf or NaN here, and it moves, as it always does otherwise)
+      if (LAZY && (mx[h] - m[h]) * scale_log2 <= LAZY_SLACK) {
+        corr[h] = 1.f;
+        base = m[h] * scale_log2;
+      } else {
+        base = OnlineSoftmax::rebase(m[h], mx[h], scale_log2, corr[h]);
+      }
       float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -72,6 +87,15 @@ struct RowSoftmax {
         sum += s[nt][2 * h] + s[nt][2 * h + 1];
       }
       l[h] = l[h] * corr[h] + sum;
+    }
+  }
+  // whether O needs corr at all: any row of the warp whose maximum moved (LAZY; otherwise
+  // always, as corr is then rarely exactly 1)
+  __device__ __forceinline__ static bool rescales(const float (&corr)[2]) {
+    if constexpr (LAZY) {
+      return __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f);
+    } else {
+      return true;
     }
   }
   // the epilogue: each row's sum over its quad
