@@ -216,9 +216,9 @@ def test_bounded_memo_forgets_its_oldest_entries():
 
 
 def test_checked_once_keys_on_static_facts_and_types():
-    """checked_once runs the checks once per key of the arguments' static facts (a tensor's type,
-    shape, dtype, strides and device; another value with its type), keeps no failed check, and
-    checks every time an argument cannot be a key."""
+    """checked_once runs the checks once per key (a tensor's ``meta``: type, shape, dtype, strides
+    and device; another value with its type), keeps no failed check, and checks every time a key
+    cannot be hashed."""
     from prims_ts.ops import _validate as V
 
     memo, calls = V.memo(), []
@@ -229,18 +229,21 @@ def test_checked_once_keys_on_static_facts_and_types():
             raise ValueError("n: zero")
         return (t.shape[0], n)
 
+    def once(t, n, check=check):
+        return V.checked_once(memo, (V.meta(t), V.meta(n)), check, t, n)
+
     x = torch.zeros(4)
-    assert V.checked_once(memo, (x, 1), check) == (4, 1)
-    assert V.checked_once(memo, (torch.ones(4), 1), check) == (4, 1) and calls == [1]  # same facts
-    assert V.checked_once(memo, (x, True), check) == (4, True) and calls == [1, True]  # True is not 1
-    V.checked_once(memo, (torch.zeros(4, dtype=torch.float64), 1), check)
-    V.checked_once(memo, (x[::2], 1), check)
+    assert once(x, 1) == (4, 1)
+    assert once(torch.ones(4), 1) == (4, 1) and calls == [1]  # the same static facts
+    assert once(x, True) == (4, True) and calls == [1, True]  # True is not 1
+    once(torch.zeros(4, dtype=torch.float64), 1)
+    once(x[::2], 1)
     assert len(calls) == 4
     for _ in range(2):
         with pytest.raises(ValueError, match="n: zero"):
-            V.checked_once(memo, (x, 0), check)
+            once(x, 0)
     assert calls[-2:] == [0, 0]
     seen = []
     for _ in range(2):
-        assert V.checked_once(memo, (x, {1: 2}), lambda t, n: seen.append(n) or "checked") == "checked"
+        assert once(x, {1: 2}, lambda t, n: seen.append(n) or "checked") == "checked"
     assert len(seen) == 2  # a dict cannot be a key: checked every time

@@ -339,9 +339,12 @@ def prims_ts_batch_decode_with_kv_cache_mla(
     must have that dtype.
     """
     traced = V.tracing()
-    checked = V.checked_once(_CHECKED, (query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables,
-                                        seq_lens, max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype),
-                             _standalone_checks)
+    m = V.meta
+    key = (m(query), m(kv_cache), m(workspace_buffer), m(block_tables), m(seq_lens), m(qo_indptr), m(out),
+           kv_lora_rank, qk_rope_head_dim, max_seq_len, max_seq_len_q, mask_type, out_dtype)
+    checked = V.checked_once(_CHECKED, key, _standalone_checks, query, kv_cache, workspace_buffer, kv_lora_rank,
+                             qk_rope_head_dim, block_tables, seq_lens, max_seq_len, qo_indptr, max_seq_len_q, out,
+                             mask_type, out_dtype)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:
