@@ -90,8 +90,8 @@ def test_uniform_causal_batches_take_the_implicit_order(monkeypatch):
     cuda = torch.device("cuda")
     for batch, sq, sk in ((1, 1, 1), (3, 1000, 1000), (8, 2048, 2048), (2, 300, 4096)):
         q_lens, kv_lens = np.full(batch, sq), np.full(batch, sk)
-        assert P.plan_work(cuda, q_lens, kv_lens, True, "causal", -1, torch.bfloat16, 128) is None
-        assert P.plan_work(cuda, q_lens, kv_lens, False, "causal", -1, torch.bfloat16, 128) is None
+        assert P.plan_work(cuda, q_lens, kv_lens, sq, True, "causal", -1, torch.bfloat16, 128) is None
+        assert P.plan_work(cuda, q_lens, kv_lens, sq, False, "causal", -1, torch.bfloat16, 128) is None
         tiles = (sq + 127) // 128
         implicit = [[i % batch, tiles - 1 - i // batch] for i in range(batch * tiles)]
         assert work_list(q_lens, kv_lens, "causal", -1, 128).tolist() == implicit
@@ -99,9 +99,10 @@ def test_uniform_causal_batches_take_the_implicit_order(monkeypatch):
     monkeypatch.setattr(V, "to_device", lambda device, a: [torch.from_numpy(a.reshape(-1))])
     for q_lens, kv_lens, mask, window in (([3, 5], [7, 7], "causal", -1), ([4, 4], [7, 9], "causal", -1),
                                           ([1000] * 2, [1000] * 2, "causal", 300), ([64] * 2, [64] * 2, "dense", -1)):
-        work = P.plan_work(cuda, np.array(q_lens), np.array(kv_lens), True, mask, window, torch.bfloat16, 128)
+        work = P.plan_work(cuda, np.array(q_lens), np.array(kv_lens), max(q_lens), True, mask, window, torch.bfloat16,
+                           128)
         assert work is not None and work.shape[1] == 2
-    assert P.plan_work(torch.device("cpu"), np.array([3, 5]), np.array([7, 7]), True, "causal", -1, torch.bfloat16,
+    assert P.plan_work(torch.device("cpu"), np.array([3, 5]), np.array([7, 7]), 5, True, "causal", -1, torch.bfloat16,
                        128) is None  # the CPU runs the reference: no list at all
 
 

@@ -60,8 +60,8 @@ class BlockSparseKey(KernelKey):
             tma = tuning.tma if contiguous else tuning.paged_tma
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   loop if bm == 128 else min(loop, 1),  # pingpong: two MMA warpgroups
-                                  tuning.persistent, tuning.copy_for(head_dim), contiguous, tma, tuning.lean_for(head_dim),
-                                  tuning.lazy_rescale)
+                                  tuning.persistent, tuning.copy_for(head_dim), contiguous, tma,
+                                  tuning.lean_for(head_dim), tuning.lazy_rescale)
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80,
                                   contiguous=contiguous)

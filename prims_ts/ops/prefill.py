@@ -135,17 +135,17 @@ def work_list(q_lens, kv_lens, mask_type: str, window_left: int, tile_m: int) ->
     return items
 
 
-def plan_work(device: torch.device, q_lens: np.ndarray, kv_lens: np.ndarray, exact: bool, mask_type: str,
-              window_left: int, dtype: torch.dtype, head_dim: int) -> Optional[torch.Tensor]:
+def plan_work(device: torch.device, q_lens: np.ndarray, kv_lens: np.ndarray, max_q_len: int, exact: bool,
+              mask_type: str, window_left: int, dtype: torch.dtype, head_dim: int) -> Optional[torch.Tensor]:
     """A CUDA plan's work list on the device (``[n, 2]``), or None: the kernel's implicit order.
-    `exact`: the items of each request's query count (a one-shot); else of the longest (a
-    wrapper plan, whose query offsets are read live). A causal problem without a left window
+    `exact`: the items of each request's query count (a one-shot); else of the longest,
+    `max_q_len` (a wrapper plan, whose query offsets are read live). A causal problem without a left window
     whose requests all have the same query bound and K/V length gets no list: the kernel's
     implicit order (the highest q tiles first, requests in order within a tile) is the list's
     order then, item for item."""
     if device.type != "cuda":
         return None
-    bounds = q_lens if exact else np.full_like(q_lens, int(q_lens.max()))
+    bounds = q_lens if exact else np.full_like(q_lens, max_q_len)
     if mask_type == "causal" and window_left < 0 and (bounds == bounds[0]).all() and (kv_lens == kv_lens[0]).all():
         return None
     items = work_list(bounds, kv_lens, mask_type, window_left, tile_m(dtype, head_dim, mask_type, device))
@@ -325,7 +325,7 @@ class BatchPrefillTSWrapper:
                 if mask_type == "causal":
                     check_causal_lengths(q_lens, kv_lens, "qo_indptr")
                 max_q_len = int(q_lens.max())
-                work = plan_work(device, q_lens, kv_lens, exact, mask_type, window_left, q.dtype, d)
+                work = plan_work(device, q_lens, kv_lens, max_q_len, exact, mask_type, window_left, q.dtype, d)
         else:
             batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
             V.batch_size("q", batch)
