@@ -561,6 +561,28 @@ def test_standalone_static_key_cache_still_checks_per_call_inputs(counted_static
     assert len(counted_static_checks) == 1, "a per-call refusal re-ran the static checks"
 
 
+def test_standalone_overlap_check_runs_once_per_operand_addresses(counted_static_checks, monkeypatch):
+    """The overlap check of a call whose operands start where a passing call's did (same key, so
+    same extents) is that call's; any moved operand is checked again, and refused if it overlaps."""
+    seen = []
+    real = V.disjoint
+    monkeypatch.setattr(V, "disjoint", lambda *a: (seen.append(1), real(*a)))
+    out = torch.empty(_q.shape, dtype=BF16)
+    args, kw = base(out=out)
+    for _ in range(3):
+        prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    assert len(seen) == 1
+    args2, kw2 = base(out=torch.empty(_q.shape, dtype=BF16))  # another out address
+    prims_ts_batch_decode_with_kv_cache(*args2, **kw2)
+    assert len(seen) == 2
+    prims_ts_batch_decode_with_kv_cache(*args, **kw)  # the first addresses again: checked again
+    assert len(seen) == 3
+    a, k = base(out=_q)  # out on the query's bytes, right after a passing call
+    expect(ValueError, r"\bout\b.*query", prims_ts_batch_decode_with_kv_cache, *a, **k)
+    prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    assert len(seen) == 4 and len(counted_static_checks) == 1  # the passing addresses: not checked again
+
+
 def test_standalone_static_key_cache_rechecks_a_changed_static_fact(counted_static_checks):
     """Another dtype, shape or scalar is another static key: its static checks run (and refuse)."""
     args, kw = base()

@@ -35,6 +35,8 @@ def tracing() -> bool:
 def meta(t) -> tuple:
     """A tensor's static facts (type, shape, dtype, strides, device: what static checks read), a
     tuple's or list's (a (K, V) cache), or another value with its type (True is not 1)."""
+    if type(t) is torch.Tensor:  # the common case, its type implied (a call's keys are built per call)
+        return (t.shape, t.dtype, t.stride(), t.device)
     if isinstance(t, torch.Tensor):
         return (type(t), t.shape, t.dtype, t.stride(), t.device)
     if isinstance(t, (tuple, list)):
@@ -505,13 +507,12 @@ def no_overlap(name: str, t: torch.Tensor, others: Sequence[Tuple[str, Optional[
             fail(f"{name} must not overlap {other} storage")
 
 
-def disjoint(checked: Sequence[int], names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]],
+def disjoint(checked: Sequence[int], names: Sequence[str], starts: Sequence[Optional[int]],
              extents: Sequence[int]) -> None:
     """Per-call overlap check of tensors on one device whose extents (``byte_extent``) a static
-    key fixed: each ``tensors[i]``, ``i`` in ``checked``, shares no byte with any other (in order,
-    so ``out`` before ``workspace_buffer`` names the pair as ``no_overlap`` would). Eager
-    calls only: it reads addresses."""
-    starts = [None if t is None else t.data_ptr() for t in tensors]
+    key fixed, given their first addresses (``data_ptr``; None: no tensor): each ``i``-th, ``i``
+    in ``checked``, shares no byte with any other (in order, so ``out`` before
+    ``workspace_buffer`` names the pair as ``no_overlap`` would). Eager calls only."""
     for i in checked:
         a0, n = starts[i], extents[i]
         if not n:

@@ -298,14 +298,20 @@ class Standalone:
     mask_type: str = "dense"
     window_left: int = -1
     launch: Optional[object] = None  # cuda.decode.PreparedDecode
+    passed: Optional[tuple] = None  # the operands' addresses of the last call that passed check_call
 
     def check_call(self, operands: tuple) -> None:
         """The per-call checks of an eager call under this key: ``out`` starts 16-byte aligned,
-        and neither ``out`` nor the workspace overlaps another operand."""
-        out = operands[0]
-        if out is not None and out.data_ptr() & 15:
-            V.out_start(out)
-        V.disjoint((0, 1), self.names, operands, self.extents)
+        and neither ``out`` nor the workspace overlaps another operand. The key fixes the
+        operands' extents, so the addresses of a call that passed decide the outcome: a serving
+        loop's persistent buffers pass with one compare."""
+        starts = tuple([None if t is None else t.data_ptr() for t in operands])
+        if starts == self.passed:
+            return
+        if starts[0] is not None and starts[0] & 15:
+            V.out_start(operands[0])
+        V.disjoint((0, 1), self.names, starts, self.extents)
+        self.passed = starts
 
     def prepared(self, device: torch.device):
         if self.launch is None:
