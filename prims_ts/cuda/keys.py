@@ -78,8 +78,8 @@ class Tuning:
     lean_mma: Optional[bool] = None
     # The sm_90a prefill and block-sparse keys' online softmax keeps a row's running maximum
     # until a tile's exceeds it by more than 2^8 in the exponent (P stays <= 256, exact after
-    # the final division), so that most tiles rescale neither O nor the sums (built; not yet
-    # measured: off by default).
+    # the final division), so that most tiles rescale neither O nor the sums. Off by default:
+    # its measured gain is within the runs' drift so far (benchmarks/NOTES.md).
     lazy_rescale: bool = False
 
     def __post_init__(self):
