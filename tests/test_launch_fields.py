@@ -183,6 +183,97 @@ def test_accepted_addresses_refuse_misalignment_and_overlap():
     assert acc.addresses(bad, 3) is not None
 
 
+def test_accepted_memo_of_passed_addresses_sees_a_loose_operand_grow():
+    """A run whose addresses (and loose lengths) are the last passing run's passes at once; a loose
+    operand at the same start but longer, now reaching into the output, is checked and refused."""
+    ops = _ops()
+    big = torch.empty(64 + ops[3].numel(), dtype=BF16)
+    ops[3] = big[64:].view(ops[3].shape)  # out after 128 bytes of room
+    room = big[:64].view(torch.int32)  # 32 int32 slots before out
+    ops[4] = room[:8]
+    acc = Accepted(4, loose=(4,))
+    acc.record(ops)
+    assert acc.addresses(ops, 3) is not None
+    assert acc.passed is not None
+    assert acc.addresses(ops, 3) is not None  # the memo
+    grown = list(ops)
+    grown[4] = big[:96].view(torch.int32)  # the same start, 64 bytes into out
+    assert acc.addresses(grown, 3) is None
+    assert acc.addresses(ops, 3) is not None
+    acc.record(ops)  # a full run: its extents anew, the memo forgotten
+    assert acc.passed is None
+
+
+# ----------------------------------------------------------------------------
+# PreparedDecode.rerun: a standalone's later calls write only addresses and scales
+# ----------------------------------------------------------------------------
+
+
+def _stub_prepared(monkeypatch):
+    """PreparedDecode on CPU tensors: no kernel is loaded or launched (the struct is plain ctypes)."""
+    import types
+
+    from prims_ts.cuda import decode as KD
+    from prims_ts.cuda import runtime
+
+    monkeypatch.setattr(KD, "device_info", lambda dev: ("sm_90a", 132, 232448))
+    monkeypatch.setattr(KD, "load", lambda dev, key: runtime.LoadedKernel(1, key.smem, key.threads, 0))
+    monkeypatch.setattr(runtime, "_libcuda", lambda: types.SimpleNamespace(cuLaunchKernelEx=None, cuLaunchKernel=None))
+    launched = []
+    monkeypatch.setattr(runtime.PreparedLaunch, "launch", lambda self, stream: launched.append(bytes(self.params)))
+    monkeypatch.setattr(runtime, "current_stream", lambda dev: 0)
+    return KD, launched
+
+
+def _addr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+@pytest.mark.parametrize("form", ["combined", "separate", "latent"])
+@pytest.mark.parametrize("max_len", [64, 8192])  # one split, several (the workspace pointers)
+def test_rerun_writes_what_a_full_run_writes(form, max_len, monkeypatch):
+    KD, launched = _stub_prepared(monkeypatch)
+    from prims_ts.cuda.keys import DEFAULT_TUNING
+
+    b, ps = 2, 16
+    if form == "latent":
+        hq, hkv, d, dv = 16, 1, 576, 512
+    else:
+        hq, hkv, d, dv = 8, 2, 128, 128
+    static = KD.DecodeStatic(BF16, d, hq, hkv, ps, False, -1, BF16, b, 1, 1, max_len, False, DEFAULT_TUNING)
+
+    def operands():
+        q = torch.randn(b, hq, d, dtype=BF16)
+        o = torch.empty(b, hq, dv, dtype=BF16)
+        ws = torch.empty(1 << 22, dtype=torch.uint8)
+        if form == "combined":
+            k, v = torch.randn(6, 2, hkv, ps, d, dtype=BF16), None
+        elif form == "separate":
+            k, v = torch.randn(6, hkv, ps, d, dtype=BF16), torch.randn(6, hkv, ps, d, dtype=BF16)
+        else:
+            k, v = torch.randn(6, ps, d, dtype=BF16), None
+        ip = torch.tensor([0, 3, 6], dtype=torch.int32)
+        ids = torch.arange(6, dtype=torch.int32)
+        lens = torch.tensor([40, 48], dtype=torch.int32)
+        return q, k, v, ws, o, ip, ids, lens
+
+    first, second = operands(), operands()
+    a = KD.PreparedDecode(static, 0).for_plan(None)
+    q, k, v, ws, o, ip, ids, lens = first
+    a.run(q, k, v, ws, o, ip, ids, lens, None, 0.125, 1.0)
+    q, k, v, ws, o, ip, ids, lens = second
+    assert a.rerun(_addr(q), _addr(k), _addr(v), _addr(o), _addr(ws), 0, _addr(ip), _addr(ids), _addr(lens),
+                   0.25, 0.5)
+    fresh = KD.PreparedDecode(static, 0).for_plan(None)
+    fresh.run(q, k, v, ws, o, ip, ids, lens, None, 0.25, 0.5)
+    assert launched[1] == launched[2]  # the rerun's struct is the full run's, byte for byte
+    assert launched[0] != launched[1]
+    # a misaligned start: refused, nothing launched (the full run names it)
+    assert not a.rerun(_addr(q) + 2, _addr(k), _addr(v), _addr(o), _addr(ws), 0, _addr(ip), _addr(ids),
+                       _addr(lens), 0.25, 0.5)
+    assert len(launched) == 3
+
+
 # ----------------------------------------------------------------------------
 # Prefill: the TMA keys' parameter layout and choice
 # ----------------------------------------------------------------------------
@@ -394,3 +485,86 @@ def test_lazy_rescale_keys():
     assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", lz, True).lazy
     assert not BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", lz, True).lazy  # mma.sync engine
     assert Tuning.decode(lz.encode()) == lz
+
+
+def _standalone_structs(monkeypatch, call, make):
+    """The struct a standalone's second direct launch writes (new tensors, the first's layouts),
+    and the one a full run of the same operands writes."""
+    KD, launched = _stub_prepared(monkeypatch)
+    from prims_ts.ops import _dispatch
+    from prims_ts.ops import _validate as V
+    from prims_ts.ops import decode as decode_ops
+    from prims_ts.ops import mla as mla_ops
+
+    monkeypatch.setattr(_dispatch, "launchable", lambda query, out: True)
+    monkeypatch.setattr(decode_ops, "_CHECKED", V.memo())
+    monkeypatch.setattr(mla_ops, "_CHECKED", V.memo())
+    full = []
+    real_run = KD.PreparedDecode.run
+    monkeypatch.setattr(KD.PreparedDecode, "run", lambda self, *a, **k: (full.append((a, k)), real_run(self, *a, **k)))
+    call(*make(0))
+    second = make(1)  # another address of every operand
+    call(*second)
+    assert len(launched) == 2 and len(full) == 1  # the second call: the rerun
+    memo = decode_ops._CHECKED or mla_ops._CHECKED
+    assert len(memo) == 1
+    fresh = KD.PreparedDecode(next(iter(memo.values())).static, None).for_plan(None)
+    return launched, fresh, second
+
+
+def _decode_operands(form, packed):
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        hq, hkv, d, ps = 8, 2, 128, 16
+        q = torch.randn(5 if packed else 2, hq, d, generator=g).to(BF16)
+        if form == "separate":
+            cache = (torch.randn(6, hkv, ps, d, generator=g).to(BF16), torch.randn(6, hkv, ps, d, generator=g).to(BF16))
+        else:
+            cache = torch.randn(6, 2, hkv, ps, d, generator=g).to(BF16)
+        ws = torch.zeros(1 << 20, dtype=torch.uint8)
+        ip = torch.tensor([0, 3, 6], dtype=torch.int32)
+        ids = torch.randperm(6, generator=g).to(torch.int32)
+        lens = torch.tensor([40, 48], dtype=torch.int32)
+        qo = torch.tensor([0, 3, 5], dtype=torch.int32) if packed else None
+        out = torch.empty(q.shape, dtype=BF16)
+        return q, cache, ws, ip, ids, lens, qo, out
+    return make
+
+
+@pytest.mark.parametrize("form,packed", [("combined", False), ("separate", False), ("combined", True)])
+def test_standalone_decode_rerun_is_the_full_runs_struct(form, packed, monkeypatch):
+    from prims_ts import prims_ts_batch_decode_with_kv_cache
+
+    make = _decode_operands(form, packed)
+
+    def call(q, cache, ws, ip, ids, lens, qo, out):
+        prims_ts_batch_decode_with_kv_cache(q, cache, ws, ip, ids, lens, 64, qo_indptr=qo,
+                                            max_seq_len_q=3 if packed else None, bmm1_scale=0.25, out=out)
+
+    launched, fresh, (q, cache, ws, ip, ids, lens, qo, out) = _standalone_structs(monkeypatch, call, make)
+    k, v = cache if form == "separate" else (cache, None)
+    fresh.run(q, k, v, ws, out, ip, ids, lens, qo, 0.25, 1.0)
+    assert launched[1] == launched[2]
+    assert launched[0] != launched[1]
+
+
+def test_standalone_mla_rerun_is_the_full_runs_struct(monkeypatch):
+    from prims_ts import prims_ts_batch_decode_with_kv_cache_mla
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(2, 1, 16, 576, generator=g).to(BF16)
+        pool = torch.randn(6, 32, 576, generator=g).to(BF16)
+        ws = torch.zeros(1 << 22, dtype=torch.uint8)
+        table = torch.randperm(6, generator=g).to(torch.int32).view(2, 3)
+        lens = torch.tensor([40, 96], dtype=torch.int32)
+        out = torch.empty(2, 1, 16, 512, dtype=BF16)
+        return q, pool, ws, table, lens, out
+
+    def call(q, pool, ws, table, lens, out):
+        prims_ts_batch_decode_with_kv_cache_mla(q, pool, ws, 512, 64, table, lens, 96, bmm1_scale=0.25, out=out)
+
+    launched, fresh, (q, pool, ws, table, lens, out) = _standalone_structs(monkeypatch, call, make)
+    fresh.run(q, pool, None, ws, out, None, table, lens, None, 0.25, 1.0, bt_stride=table.stride(0))
+    assert launched[1] == launched[2]
+    assert launched[0] != launched[1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -227,6 +228,11 @@ class DecodeParams(ctypes.Structure):
     ]
 
 
+# DecodeParams' leading pointers, q to seq_lens, written at once (PreparedDecode.rerun)
+_POINTERS = struct.Struct("=11Q")
+assert DecodeParams.q.offset == 0 and DecodeParams.seq_lens.offset == 10 * 8
+
+
 # ----------------------------------------------------------------------------
 # Workspace
 # ----------------------------------------------------------------------------
@@ -361,9 +367,33 @@ class PreparedDecode(Prepared):
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
         self.launch.launch(runtime.current_stream(self.dev))
+        self._v_off = (p.v or 0) - (p.k or 0)
         if self.accepted is not None:
             self.accepted.record((query, k_cache, v_cache, out))
-            self._v_off = (p.v or 0) - (p.k or 0)
+
+    def rerun(self, q: int, k: int, v: int, o: int, ws: int, qo_indptr: int, kv_indptr: int, kv_indices: int,
+              seq_lens: int, sm_scale: float, output_scale: float) -> bool:
+        """The last full ``run``'s launch again with new addresses (ints, 0 for None; ``v`` 0: the
+        pool's V at its offset from K in that run) and scales: the caller vouches that every operand
+        is laid out as in that run (a standalone's own copy under its static key). False: a start
+        is not 16-byte aligned and nothing was launched (the full ``run`` names it)."""
+        if not v:
+            v = k + self._v_off
+        if (q | k | v | o) & 15:
+            return False
+        p = self.p
+        if self._ws_offsets is not None:
+            if ws & 15:
+                return False
+            lse, wo, count, _ = self._ws_offsets
+            _POINTERS.pack_into(p, 0, q, k, v, o, ws + wo, ws + lse, ws + count, qo_indptr, kv_indptr, kv_indices,
+                                seq_lens)
+        else:
+            _POINTERS.pack_into(p, 0, q, k, v, o, 0, 0, 0, qo_indptr, kv_indptr, kv_indices, seq_lens)
+        p.scale_log2 = sm_scale * LOG2E
+        p.out_scale = output_scale
+        self.launch.launch(runtime.current_stream(self.dev))
+        return True
 
     def again(self, query, k_cache, v_cache, out, sm_scale: float, output_scale: float) -> bool:
         """A plan's launch with new query, pool and output addresses and scales, when the

@@ -286,7 +286,9 @@ def named_cache(name: str, cache) -> tuple:
 class Standalone:
     """What a standalone call's static checks derived for one static key, and what its calls
     under that key share: the operands' names and byte extents (the per-call overlap check
-    reads only their addresses) and, from the first direct launch on, the prepared launch."""
+    reads only their addresses) and, from the first direct launch on, a prepared launch of its
+    own. The key fixes every operand's layout, so once a call has written that launch's struct
+    in full, a later call writes only its addresses and scales (``PreparedDecode.rerun``)."""
 
     static: Optional[object]  # cuda.decode.DecodeStatic (None while traced: the op builds its own)
     out_dtype: torch.dtype
@@ -297,28 +299,41 @@ class Standalone:
     head_dim: int = 0
     mask_type: str = "dense"
     window_left: int = -1
-    launch: Optional[object] = None  # cuda.decode.PreparedDecode
+    launch: Optional[object] = None  # cuda.decode.PreparedDecode: this key's own copy
+    written: bool = False  # a full run under this key wrote launch's struct
     passed: Optional[tuple] = None  # the operands' addresses of the last call that passed check_call
 
-    def check_call(self, operands: tuple) -> None:
+    def check_call(self, operands: tuple) -> tuple:
         """The per-call checks of an eager call under this key: ``out`` starts 16-byte aligned,
         and neither ``out`` nor the workspace overlaps another operand. The key fixes the
         operands' extents, so the addresses of a call that passed decide the outcome: a serving
-        loop's persistent buffers pass with one compare."""
+        loop's persistent buffers pass with one compare. Returns the addresses (None: no tensor)."""
         starts = tuple([None if t is None else t.data_ptr() for t in operands])
         if starts == self.passed:
-            return
+            return starts
         if starts[0] is not None and starts[0] & 15:
             V.out_start(operands[0])
         V.disjoint((0, 1), self.names, starts, self.extents)
         self.passed = starts
+        return starts
 
     def prepared(self, device: torch.device):
         if self.launch is None:
             from ..cuda import decode as K
 
-            self.launch = K.prepared(self.static, device.index)
+            self.launch = K.prepared(self.static, device.index).for_plan(None)
         return self.launch
+
+    def launch_direct(self, device: torch.device, full, addresses: tuple, sm_scale: float,
+                      output_scale: float) -> None:
+        """Launch this key's prepared kernel: ``full(launch)`` (a full ``run``) the first time,
+        then ``rerun`` with ``addresses`` (q, k, v, o, workspace, qo_indptr, kv_indptr, kv_indices,
+        seq_lens; 0 for None), falling back to ``full`` when it refuses (a misaligned start)."""
+        launch = self.prepared(device)
+        if self.written and launch.rerun(*addresses, sm_scale, output_scale):
+            return
+        full(launch)
+        self.written = True
 
 
 def operands(out, workspace, named: Tuple[Tuple[str, Optional[torch.Tensor]], ...]) -> Tuple[tuple, tuple]:
@@ -419,14 +434,18 @@ def prims_ts_batch_decode_with_kv_cache(
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     cache = (kv_cache,) if isinstance(kv_cache, torch.Tensor) else tuple(kv_cache)
     if not traced:
-        checked.check_call((out, workspace_buffer, query) + cache
-                           + (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr))
+        a = checked.check_call((out, workspace_buffer, query) + cache
+                               + (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr))
     if _dispatch.launchable(query, out):
         if out is None:
             out = torch.empty(query.shape, dtype=checked.out_dtype, device=query.device)
-        checked.prepared(query.device).run(query, cache[0], cache[1] if len(cache) == 2 else None, workspace_buffer,
-                                           out, paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sm_scale,
-                                           output_scale)
+        two = len(cache) == 2
+        ip, ids, lens, qo = a[-4:]
+        checked.launch_direct(
+            query.device,
+            lambda launch: launch.run(query, cache[0], cache[1] if two else None, workspace_buffer, out,
+                                      paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sm_scale, output_scale),
+            (a[2], a[3], a[4] if two else 0, out.data_ptr(), a[1], qo or 0, ip, ids, lens), sm_scale, output_scale)
         return out
     k_cache, v_cache = split_cache(kv_cache)
     V.run_layout((("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache)))  # per call: not in the key

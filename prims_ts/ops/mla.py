@@ -16,6 +16,7 @@ page table ``block_tables int32 [B, C]``; ``seq_lens int32 [B]``; output ``[...,
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -155,6 +156,7 @@ def _fixed_sq(seq_len_q, max_seq_len_q, default: int = 1) -> int:
     return seq_len_q if seq_len_q is not None else (max_seq_len_q if max_seq_len_q is not None else default)
 
 
+@functools.lru_cache(maxsize=1024)  # per static key: plans and one-shots ask again
 def _workspace_bytes(batch, num_heads, max_seq_len, max_seq_len_q, device) -> int:
     from ..cuda.decode import MLA_DIM_QK, decode_policy, mla_workspace_bytes
     from ..cuda.keys import device_limits
@@ -196,6 +198,17 @@ def get_prims_ts_batch_decode_mla_workspace_size(
     V.choice("mask_type", mask_type, MASKS)
     check_dtypes(q_dtype, kv_dtype, out_dtype, ("q_dtype", "kv_dtype", "out_dtype"))
     return _workspace_bytes(batch_size, num_heads, max_seq_len, _fixed_sq(seq_len_q, max_seq_len_q), device)
+
+
+_NO_WORKSPACE = {}
+
+
+def _no_workspace(device: torch.device) -> torch.Tensor:
+    """The empty workspace of a plan whose policy does not split (one per device: it holds nothing)."""
+    ws = _NO_WORKSPACE.get(device)
+    if ws is None:
+        ws = _NO_WORKSPACE[device] = torch.empty(0, dtype=torch.uint8, device=device)
+    return ws
 
 
 def _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q: bool) -> Tuple[int, Optional[int], bool]:
@@ -348,12 +361,15 @@ def prims_ts_batch_decode_with_kv_cache_mla(
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:
-        checked.check_call((out, workspace_buffer, query, kv_cache, block_tables, seq_lens, qo_indptr))
+        a = checked.check_call((out, workspace_buffer, query, kv_cache, block_tables, seq_lens, qo_indptr))
     if _dispatch.launchable(query, out):
         if out is None:
             out = torch.empty(out_shape(query), dtype=checked.out_dtype, device=query.device)
-        checked.prepared(query.device).run(query, kv_cache, None, workspace_buffer, out, None, block_tables, seq_lens,
-                                           qo_indptr, sm_scale, output_scale, bt_stride=block_tables.stride(0))
+        checked.launch_direct(
+            query.device,
+            lambda launch: launch.run(query, kv_cache, None, workspace_buffer, out, None, block_tables, seq_lens,
+                                      qo_indptr, sm_scale, output_scale, bt_stride=block_tables.stride(0)),
+            (a[2], a[3], 0, out.data_ptr(), a[1], a[6] or 0, 0, a[4], a[5]), sm_scale, output_scale)
         return out
     V.run_layout((("query", query), ("kv_cache", kv_cache)))  # per call: not in the key
     args = (block_tables, seq_lens, qo_indptr, checked.max_sq, max_seq_len, checked.mask_type, sm_scale,
@@ -528,8 +544,7 @@ class BatchMLADecodePagedTSWrapper:
             launch = K.prepared(static, device.index)  # loaded before any state changes
             if one_shot:
                 need = launch.workspace_bytes
-        ws = torch.zeros(need, dtype=torch.uint8, device=device) if need else torch.empty(0, dtype=torch.uint8,
-                                                                                          device=device)
+        ws = torch.zeros(need, dtype=torch.uint8, device=device) if need else _no_workspace(device)
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (block_tables, seq_lens, qo_indptr, ws))
         return MLAPlan(static, device, dtype, odt, q_shape, out_shape(q_shape), page_size, block_tables, seq_lens,
@@ -551,11 +566,13 @@ class BatchMLADecodePagedTSWrapper:
         live = self._check_live_values if validate and not V.tracing() else None
         return _checked_launch(plan, query, kv_cache, bmm1_scale, bmm2_scale, out, live)
 
-    def _check_live_values(self, query, kv_cache, values=None) -> None:
+    def _check_live_values(self, query, kv_cache, values=None, cache=None) -> None:
         """The bound metadata's values against the plan and the cache (`values`: host copies of
-        (seq_lens, block_tables, qo_indptr) already read, else one copy now)."""
+        (seq_lens, block_tables, qo_indptr) already read, else one copy now; `cache`: the
+        cache's latent pool, if the caller has it)."""
         plan = self._plan
-        cache = latent_cache(kv_cache)
+        if cache is None:
+            cache = latent_cache(kv_cache)
         if values is None:
             values = V.host_values(plan.seq_lens, plan.block_tables,
                                    *((plan.qo_indptr,) if plan.qo_indptr is not None else ()))
@@ -690,7 +707,7 @@ def batch_mla_decode_with_paged_kv_cache(
     w._plan, values = w._make_plan(block_tables, seq_lens, h, kv_lora_rank, qk_rope_head_dim, cache.shape[1], None,
                                    qo_indptr, sq, query.dtype, None, odt, mask_type, max_kv_len, one_shot=True)
     plan = w._plan
-    w._check_live_values(query, kv_cache, values)
+    w._check_live_values(query, kv_cache, values, cache)
     return _checked_launch(plan, query, kv_cache, bmm1_scale, bmm2_scale, out)
 
 
