@@ -156,12 +156,17 @@ def _fixed_sq(seq_len_q, max_seq_len_q, default: int = 1) -> int:
     return seq_len_q if seq_len_q is not None else (max_seq_len_q if max_seq_len_q is not None else default)
 
 
-@functools.lru_cache(maxsize=1024)  # per static key: plans and one-shots ask again
 def _workspace_bytes(batch, num_heads, max_seq_len, max_seq_len_q, device) -> int:
-    from ..cuda.decode import MLA_DIM_QK, decode_policy, mla_workspace_bytes
     from ..cuda.keys import device_limits
 
     _, sms, limit = device_limits(device)
+    return _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit)
+
+
+@functools.lru_cache(maxsize=1024)  # per static key and device limits: plans and one-shots ask again
+def _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit) -> int:
+    from ..cuda.decode import MLA_DIM_QK, decode_policy, mla_workspace_bytes
+
     pol = decode_policy(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sms, limit)
     V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
     return max(256, int(mla_workspace_bytes(batch, num_heads, max_seq_len_q, max_seq_len, sms, limit)))
