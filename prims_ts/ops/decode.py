@@ -609,8 +609,7 @@ class BatchDecodePagedTSWrapper:
             launch = K.prepared(static, device.index)  # loaded before any state changes
             if one_shot:
                 need = launch.workspace_bytes
-        ws = torch.zeros(need, dtype=torch.uint8, device=device) if need else torch.empty(0, dtype=torch.uint8,
-                                                                                          device=device)
+        ws = plan_workspace(need, device)
         (seq_lens,) = V.to_device(device, lens)
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws))
@@ -665,6 +664,20 @@ def _launch(plan: "DecodePlan", q, cache, kv, sm_scale: float, output_scale: flo
     return _dispatch.call(torch.ops.prims_ts.batch_decode, torch.ops.prims_ts.batch_decode_out, _run,
                           (q, k_cache, v_cache, _workspace(plan.workspace)), args, out, plan.out_dtype,
                           plan.tuning_code)
+
+
+_NO_WORKSPACE = {}
+
+
+def plan_workspace(need: int, device: torch.device) -> torch.Tensor:
+    """A decode-shaped plan's workspace: `need` zeroed bytes, or (a policy that does not split)
+    one empty tensor per device, shared (it holds nothing)."""
+    if need:
+        return torch.zeros(need, dtype=torch.uint8, device=device)
+    ws = _NO_WORKSPACE.get(device)
+    if ws is None:
+        ws = _NO_WORKSPACE[device] = torch.empty(0, dtype=torch.uint8, device=device)
+    return ws
 
 
 def _workspace(ws: torch.Tensor) -> torch.Tensor:

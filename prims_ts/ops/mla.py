@@ -28,7 +28,7 @@ from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
 from .decode import (WORKSPACE_DTYPES, Standalone, _check_page_size, _workspace, check_dtypes, decode_static,
-                     operands)
+                     operands, plan_workspace)
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -203,17 +203,6 @@ def get_prims_ts_batch_decode_mla_workspace_size(
     V.choice("mask_type", mask_type, MASKS)
     check_dtypes(q_dtype, kv_dtype, out_dtype, ("q_dtype", "kv_dtype", "out_dtype"))
     return _workspace_bytes(batch_size, num_heads, max_seq_len, _fixed_sq(seq_len_q, max_seq_len_q), device)
-
-
-_NO_WORKSPACE = {}
-
-
-def _no_workspace(device: torch.device) -> torch.Tensor:
-    """The empty workspace of a plan whose policy does not split (one per device: it holds nothing)."""
-    ws = _NO_WORKSPACE.get(device)
-    if ws is None:
-        ws = _NO_WORKSPACE[device] = torch.empty(0, dtype=torch.uint8, device=device)
-    return ws
 
 
 def _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q: bool) -> Tuple[int, Optional[int], bool]:
@@ -549,7 +538,7 @@ class BatchMLADecodePagedTSWrapper:
             launch = K.prepared(static, device.index)  # loaded before any state changes
             if one_shot:
                 need = launch.workspace_bytes
-        ws = torch.zeros(need, dtype=torch.uint8, device=device) if need else _no_workspace(device)
+        ws = plan_workspace(need, device)
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (block_tables, seq_lens, qo_indptr, ws))
         return MLAPlan(static, device, dtype, odt, q_shape, out_shape(q_shape), page_size, block_tables, seq_lens,
