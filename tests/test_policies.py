@@ -180,8 +180,8 @@ def test_consumer_loop_choice(loop):
     for d in (128, 256):
         key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t)
         assert key.loop == loop and ("_l%d" % loop in key.name) == (loop > 0)
-        lean = ", true" if t.lean_for(d) else ""
-        assert f", {loop}, {t.copy_for(d)}{lean}>" in key.source().source
+        tail = f", {'true' if t.lean_for(d) else 'false'}, true" if t.lazy_rescale else (", true" if t.lean_for(d) else "")
+        assert f", {loop}, {t.copy_for(d)}{tail}>" in key.source().source
         assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", tuning=t).loop == 0
     assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", t).loop == loop
     assert BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a", t).loop == min(loop, 1)
@@ -231,7 +231,7 @@ def test_producer_copy_choice(tpr):
     for key in chosen:
         assert key.copy_tpr == tpr and (f"_cp{tpr}" in key.name) == (tpr != 4), key
         cfg = key.source().source.rsplit("pt::", 2)[-2:]
-        assert any(f", {tpr}>" in c or f", {tpr}, true>" in c for c in cfg), key.name
+        assert any(f", {tpr}{tail}>" in c for c in cfg for tail in ("", ", true", ", false, true", ", true, true")), key.name
         assert {dataclasses.replace(key, copy_tpr=c).name for c in keys.KV_COPY_TPRS} <= names, key.name
     assert PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80", tuning=t).copy_tpr == 4
     assert BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", t).copy_tpr == 4

@@ -21,7 +21,8 @@ from .prefill import MASK_CODES, PrefillKey
 # persistent CTAs with the plain loop and with pingpong (a few CTAs walk many items), the
 # producer copy the default does not take, every producer by cp.async (the default: TMA boxes),
 # the MMA warps' leaner instructions everywhere and nowhere (Tuning.lean_mma; the default: at
-# D128), and the online softmax's running maxima kept within 2^8 (Tuning.lazy_rescale).
+# D128), and the online softmax rescaling on every new running maximum (the default keeps a
+# maximum within 2^8: Tuning.lazy_rescale).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -32,7 +33,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "cp_async": Tuning(tma=False, paged_tma=False),
     "lean_mma": Tuning(lean_mma=True),
     "plain_mma": Tuning(lean_mma=False),
-    "lazy_rescale": Tuning(lazy_rescale=True),
+    "eager_rescale": Tuning(lazy_rescale=False),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.

@@ -78,9 +78,9 @@ class Tuning:
     lean_mma: Optional[bool] = None
     # The sm_90a prefill and block-sparse keys' online softmax keeps a row's running maximum
     # until a tile's exceeds it by more than 2^8 in the exponent (P stays <= 256, exact after
-    # the final division), so that most tiles rescale neither O nor the sums. Off by default:
-    # its measured gain is within the runs' drift so far (benchmarks/NOTES.md).
-    lazy_rescale: bool = False
+    # the final division), so that most tiles rescale neither O nor the sums (page 16 +5-7%,
+    # the other rows within drift: benchmarks/NOTES.md). False: rescale on every new maximum.
+    lazy_rescale: bool = True
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:
