@@ -100,6 +100,7 @@ def ws_bytes(batch=B, h=H, max_seq_len=MAX_LEN, max_seq_len_q=1, page_size=PS):
 def fresh_static_checks(monkeypatch):
     """An empty standalone check cache for each test (see the module docstring)."""
     monkeypatch.setattr(mla_ops, "_CHECKED", V.memo())
+    monkeypatch.setattr(mla_ops, "_ONESHOT_CHECKED", V.memo())
 
 
 def make_ws(nbytes=None, dtype=U8):
@@ -864,6 +865,38 @@ ONESHOT_CASES = [
 def test_oneshot_errors(exc, match, make):
     args, kwargs = make()
     expect(exc, match, batch_mla_decode_with_paged_kv_cache, *args, **kwargs)
+
+
+def test_oneshot_static_checks_once_per_static_key(monkeypatch):
+    """A second one-shot with the same static facts skips the static checks (the query's, the
+    cache's, the plan arguments', out's shape and dtype), yet what is not in that key is still
+    refused every call: a misaligned query, an out sharing bytes with an input, bad lengths,
+    page IDs and query offsets."""
+    calls = []
+    real = mla_ops._oneshot_checks
+    monkeypatch.setattr(mla_ops, "_oneshot_checks", lambda *a: calls.append(1) or real(*a))
+    out = torch.empty(B, 1, H, DV, dtype=BF16)
+    for _ in range(2):
+        args, kw = oneshot(out=out)
+        batch_mla_decode_with_paged_kv_cache(*args, **kw)
+    assert len(calls) == 1
+    wide = torch.zeros(_q.numel() + 8, dtype=BF16)
+    per_call = [
+        (r"query", oneshot(query=wide[1:1 + _q.numel()].view(_q.shape), out=out)),
+        (r"\bout\b.*\bquery\b", oneshot(out=_q.view(-1)[:out.numel()].view(out.shape))),
+        ("seq_lens", oneshot(seq_lens=[0, 5], out=out)),
+        ("block_tables", oneshot(block_tables=[[3, P, -1], [5, 0, 0]], out=out)),
+    ]
+    for match, (a, k) in per_call:
+        expect(ValueError, match, batch_mla_decode_with_paged_kv_cache, *a, **k)
+    assert len(calls) == 1  # every refused call had the first one's static facts
+    pout = torch.empty(QO[-1], H, DV, dtype=BF16)
+    args, kw = oneshot_packed(out=pout)
+    batch_mla_decode_with_paged_kv_cache(*args, **kw)
+    assert len(calls) == 2
+    args, kw = oneshot_packed(qo_indptr=[0, 3, 4], out=pout)
+    expect(ValueError, "qo_indptr", batch_mla_decode_with_paged_kv_cache, *args, **kw)
+    assert len(calls) == 2
 
 
 # ----------------------------------------------------------------------------

@@ -351,12 +351,12 @@ def prims_ts_batch_decode_with_kv_cache_mla(
            kv_lora_rank, qk_rope_head_dim, max_seq_len, max_seq_len_q, mask_type, out_dtype)
     checked = V.checked_once(_CHECKED, key, _standalone_checks, query, kv_cache, workspace_buffer, kv_lora_rank,
                              qk_rope_head_dim, block_tables, seq_lens, max_seq_len, qo_indptr, max_seq_len_q, out,
-                             mask_type, out_dtype)
+                             mask_type, out_dtype, traced=traced)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:
         a = checked.check_call((out, workspace_buffer, query, kv_cache, block_tables, seq_lens, qo_indptr))
-    if _dispatch.launchable(query, out):
+    if _dispatch.launchable(query, out, traced):
         if out is None:
             out = torch.empty(out_shape(query), dtype=checked.out_dtype, device=query.device)
         checked.launch_direct(
@@ -425,6 +425,56 @@ class MLAPlan:
                 ("workspace_buffer", self.workspace))
 
 
+@dataclass(frozen=True)
+class _PlanArgs:
+    """What a plan's static checks derived from its arguments (no metadata value read)."""
+
+    batch: int
+    cols: int  # block_tables' columns
+    packed: bool
+    device: torch.device
+    num_heads: int
+    page_size: int
+    mask_type: str
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    max_seq_len_q: Optional[int]  # fixed queries: SQ; packed: the given bound, None for the largest delta
+    max_kv_len: Optional[int]  # None: the largest of seq_lens
+
+
+def _plan_checks(block_tables, seq_lens, num_heads, kv_lora_rank, qk_rope_head_dim, page_size, seq_len_q, qo_indptr,
+                 max_seq_len_q, q_data_type, kv_data_type, o_data_type, mask_type, max_kv_len) -> _PlanArgs:
+    """Every check of a plan's arguments that reads no metadata value."""
+    _check_ranks(kv_lora_rank, qk_rope_head_dim)
+    V.int32_vector("seq_lens", seq_lens)
+    batch = V.batch_size("seq_lens", seq_lens.shape[0])
+    if batch < 1:
+        V.fail("seq_lens: expected at least one request, got shape [0]")
+    _, cols = V.block_table("block_tables", block_tables, batch)
+    packed = qo_indptr is not None
+    if packed:
+        V.int32_vector("qo_indptr", qo_indptr, length=batch + 1)
+        if seq_len_q is not None and seq_len_q != 1:
+            V.fail(f"seq_len_q: packed queries take their lengths from qo_indptr, got seq_len_q={seq_len_q}")
+    device = V.same_device([("block_tables", block_tables), ("seq_lens", seq_lens), ("qo_indptr", qo_indptr)])
+    if device.type == "meta":
+        V.fail("seq_lens: plan reads the metadata values; got tensors on the meta device")
+    _check_num_heads("num_heads", V.integer("num_heads", num_heads))
+    page_size = _check_page_size(page_size)
+    mask_type = V.choice("mask_type", mask_type, MASKS)
+    dtype, odt = check_dtypes(q_data_type, kv_data_type,
+                              o_data_type if o_data_type is not None else DEFAULT_OUT_DTYPE)
+    if max_kv_len is not None:
+        V.key_length_bound("max_kv_len", max_kv_len)
+    if packed:
+        if max_seq_len_q is not None:
+            V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
+    else:
+        max_seq_len_q = _fixed_sq(seq_len_q, max_seq_len_q)
+    return _PlanArgs(batch, cols, packed, device, num_heads, page_size, mask_type, dtype, odt, max_seq_len_q,
+                     max_kv_len)
+
+
 class BatchMLADecodePagedTSWrapper:
     """Plan/run MLA decode over a paged latent cache.
 
@@ -476,33 +526,18 @@ class BatchMLADecodePagedTSWrapper:
     def _make_plan(self, block_tables, seq_lens, num_heads, kv_lora_rank, qk_rope_head_dim, page_size, seq_len_q,
                    qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type, mask_type, max_kv_len,
                    one_shot: bool = False) -> Tuple[MLAPlan, list]:
-        """The plan and the host values it read: (seq_lens, qo_indptr) values, or for a
-        `one_shot` (seq_lens, block_tables, qo_indptr) in the same one copy, for its live checks.
-        A one-shot's plan runs the shared prepared launch once, with a workspace of exactly what
-        its policy needs."""
-        _check_ranks(kv_lora_rank, qk_rope_head_dim)
-        V.int32_vector("seq_lens", seq_lens)
-        batch = V.batch_size("seq_lens", seq_lens.shape[0])
-        if batch < 1:
-            V.fail("seq_lens: expected at least one request, got shape [0]")
-        _, cols = V.block_table("block_tables", block_tables, batch)
-        packed = qo_indptr is not None
-        if packed:
-            V.int32_vector("qo_indptr", qo_indptr, length=batch + 1)
-            if seq_len_q is not None and seq_len_q != 1:
-                V.fail(f"seq_len_q: packed queries take their lengths from qo_indptr, got seq_len_q={seq_len_q}")
-        device = V.same_device([("block_tables", block_tables), ("seq_lens", seq_lens), ("qo_indptr", qo_indptr)])
-        if device.type == "meta":
-            V.fail("seq_lens: plan reads the metadata values; got tensors on the meta device")
-        _check_num_heads("num_heads", V.integer("num_heads", num_heads))
-        page_size = _check_page_size(page_size)
-        mask_type = V.choice("mask_type", mask_type, MASKS)
-        dtype, odt = check_dtypes(q_data_type, kv_data_type,
-                                  o_data_type if o_data_type is not None else DEFAULT_OUT_DTYPE)
-        if max_kv_len is not None:
-            V.key_length_bound("max_kv_len", max_kv_len)
-        if packed and max_seq_len_q is not None:
-            V.integer("max_seq_len_q", max_seq_len_q, minimum=1)
+        """The plan and the host values it read (see ``_plan_from``)."""
+        args = _plan_checks(block_tables, seq_lens, num_heads, kv_lora_rank, qk_rope_head_dim, page_size, seq_len_q,
+                            qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type, mask_type, max_kv_len)
+        return self._plan_from(args, block_tables, seq_lens, qo_indptr, one_shot)
+
+    def _plan_from(self, a: "_PlanArgs", block_tables, seq_lens, qo_indptr, one_shot: bool) -> Tuple[MLAPlan, list]:
+        """The plan of arguments that passed their static checks (`a`), and the host values it
+        read: (seq_lens, qo_indptr) values, or for a `one_shot` (seq_lens, block_tables,
+        qo_indptr) in the same one copy, for its live checks. A one-shot's plan runs the shared
+        prepared launch once, with a workspace of exactly what its policy needs."""
+        batch, packed, page_size, num_heads, device = a.batch, a.packed, a.page_size, a.num_heads, a.device
+        max_kv_len, max_seq_len_q = a.max_kv_len, a.max_seq_len_q
         values = V.host_values(seq_lens, *((block_tables,) if one_shot else ()), *((qo_indptr,) if packed else ()))
         lens, qo = values[0], values[2 if one_shot else 1:]
         if max_kv_len is None:
@@ -511,8 +546,9 @@ class BatchMLADecodePagedTSWrapper:
         else:
             _values_lens(lens, max_kv_len, "max_kv_len")
         need_cols = -(-max_kv_len // page_size)
-        if cols < need_cols:
-            V.fail(f"block_tables: must have at least ceil(max_kv_len / page_size) columns ({need_cols}), got {cols}")
+        if a.cols < need_cols:
+            V.fail(f"block_tables: must have at least ceil(max_kv_len / page_size) columns ({need_cols}), "
+                   f"got {a.cols}")
         if packed:
             V.values_indptr("qo_indptr", qo[0], None, "")
             q_lens = np.diff(qo[0])
@@ -523,14 +559,13 @@ class BatchMLADecodePagedTSWrapper:
                 V.fail(f"max_seq_len_q: {max_seq_len_q} is below the largest query count in qo_indptr ({most})")
             q_shape = (int(qo[0][-1]), num_heads, DIM_QK)
         else:
-            max_seq_len_q = _fixed_sq(seq_len_q, max_seq_len_q)
             q_lens = np.full(batch, max_seq_len_q, dtype=np.int64)
             q_shape = (batch, max_seq_len_q, num_heads, DIM_QK)
-        if mask_type == "causal":
+        if a.mask_type == "causal":
             _values_causal(q_lens, lens)
         need = _workspace_bytes(batch, num_heads, max_kv_len, max_seq_len_q, device)
-        static = _static(dtype, num_heads, page_size, odt, packed, batch, 1 if packed else max_seq_len_q,
-                         max_seq_len_q, max_kv_len, mask_type, self.tuning)
+        static = _static(a.dtype, num_heads, page_size, a.out_dtype, packed, batch, 1 if packed else max_seq_len_q,
+                         max_seq_len_q, max_kv_len, a.mask_type, self.tuning)
         launch = None
         if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             from ..cuda import decode as K
@@ -541,8 +576,8 @@ class BatchMLADecodePagedTSWrapper:
         ws = plan_workspace(need, device)
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (block_tables, seq_lens, qo_indptr, ws))
-        return MLAPlan(static, device, dtype, odt, q_shape, out_shape(q_shape), page_size, block_tables, seq_lens,
-                       qo_indptr, ws, launch, self._tuning_code), values
+        return MLAPlan(static, device, a.dtype, a.out_dtype, q_shape, out_shape(q_shape), page_size, block_tables,
+                       seq_lens, qo_indptr, ws, launch, self._tuning_code), values
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, *, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
             out: Optional[torch.Tensor] = None, validate: bool = False) -> torch.Tensor:
@@ -560,13 +595,13 @@ class BatchMLADecodePagedTSWrapper:
         live = self._check_live_values if validate and not V.tracing() else None
         return _checked_launch(plan, query, kv_cache, bmm1_scale, bmm2_scale, out, live)
 
-    def _check_live_values(self, query, kv_cache, values=None, cache=None) -> None:
+    def _check_live_values(self, query, kv_cache, values=None, num_pages: Optional[int] = None) -> None:
         """The bound metadata's values against the plan and the cache (`values`: host copies of
-        (seq_lens, block_tables, qo_indptr) already read, else one copy now; `cache`: the
-        cache's latent pool, if the caller has it)."""
+        (seq_lens, block_tables, qo_indptr) already read, else one copy now; `num_pages`: the
+        cache's page count, if the caller has it)."""
         plan = self._plan
-        if cache is None:
-            cache = latent_cache(kv_cache)
+        if num_pages is None:
+            num_pages = latent_cache(kv_cache).shape[0]
         if values is None:
             values = V.host_values(plan.seq_lens, plan.block_tables,
                                    *((plan.qo_indptr,) if plan.qo_indptr is not None else ()))
@@ -588,7 +623,7 @@ class BatchMLADecodePagedTSWrapper:
             q_lens = np.full_like(lens, query.shape[1])
         if plan.static.causal:
             _values_causal(q_lens, lens)
-        V.values_block_table("block_tables", table, lens, plan.page_size, cache.shape[0])
+        V.values_block_table("block_tables", table, lens, plan.page_size, num_pages)
 
 
 def _checked_launch(plan: MLAPlan, query, kv_cache, bmm1_scale, bmm2_scale, out, live=None) -> torch.Tensor:
@@ -685,6 +720,40 @@ def batch_mla_decode_with_paged_kv_cache(
     fixed query ``max_seq_len_q`` must equal SQ). Not CUDA-graph capturable: plan a wrapper and
     capture ``run(..., validate=False)`` instead.
     """
+    if V.tracing():
+        raise RuntimeError("batch_mla_decode_with_paged_kv_cache reads metadata on the host and cannot be traced; "
+                           "use BatchMLADecodePagedTSWrapper (plan outside, run inside)")
+    m = V.meta
+    key = (m(query), m(kv_cache), m(block_tables), m(seq_lens), m(qo_indptr), m(out), m(max_seq_len_q),
+           m(kv_lora_rank), m(qk_rope_head_dim), mask_type, m(max_kv_len), out_dtype)
+    one = V.checked_once(_ONESHOT_CHECKED, key, _oneshot_checks, query, kv_cache, block_tables, seq_lens, qo_indptr,
+                         max_seq_len_q, kv_lora_rank, qk_rope_head_dim, mask_type, max_kv_len, out, out_dtype)
+    sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
+    output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
+    # the plan's and run(validate=True)'s value checks, on one copy of the metadata
+    w = BatchMLADecodePagedTSWrapper()
+    w._plan, values = w._plan_from(one.args, block_tables, seq_lens, qo_indptr, one_shot=True)
+    plan = w._plan
+    w._check_live_values(query, kv_cache, values, one.num_pages)
+    if out is not None:  # its shape, dtype and device: checked once under the key; its overlaps: per call
+        V.no_overlap("out", out, (("query", query), ("kv_cache", kv_cache)) + plan.bound)
+    return _launch(plan, query, kv_cache, sm_scale, output_scale, out)
+
+
+_ONESHOT_CHECKED = V.memo()
+
+
+@dataclass(frozen=True)
+class _OneShot:
+    args: _PlanArgs
+    num_pages: int
+
+
+def _oneshot_checks(query, kv_cache, block_tables, seq_lens, qo_indptr, max_seq_len_q, kv_lora_rank,
+                    qk_rope_head_dim, mask_type, max_kv_len, out, out_dtype) -> _OneShot:
+    """The one-shot's static checks (the query's, the cache's, the plan's arguments', ``out``'s
+    shape, dtype and device), once per key of its arguments' static facts; under one key the
+    query and the cache are laid out as its plan's launch takes them."""
     _, sq, packed = _query_mode(query, qo_indptr, max_seq_len_q, require_max_seq_len_q=False)
     h = _query_heads(query)
     cache = latent_cache(kv_cache)
@@ -693,16 +762,13 @@ def batch_mla_decode_with_paged_kv_cache(
     V.same_device([("query", query), ("kv_cache", cache), ("block_tables", block_tables), ("seq_lens", seq_lens),
                    ("qo_indptr", qo_indptr)])
     odt = _mla_out_dtype(out_dtype, out)
-    if V.tracing():
-        raise RuntimeError("batch_mla_decode_with_paged_kv_cache reads metadata on the host and cannot be traced; "
-                           "use BatchMLADecodePagedTSWrapper (plan outside, run inside)")
-    # the plan's and run(validate=True)'s checks, on one copy of the metadata
-    w = BatchMLADecodePagedTSWrapper()
-    w._plan, values = w._make_plan(block_tables, seq_lens, h, kv_lora_rank, qk_rope_head_dim, cache.shape[1], None,
-                                   qo_indptr, sq, query.dtype, None, odt, mask_type, max_kv_len, one_shot=True)
-    plan = w._plan
-    w._check_live_values(query, kv_cache, values, cache)
-    return _checked_launch(plan, query, kv_cache, bmm1_scale, bmm2_scale, out)
+    args = _plan_checks(block_tables, seq_lens, h, kv_lora_rank, qk_rope_head_dim, cache.shape[1], None, qo_indptr,
+                        sq, query.dtype, None, odt, mask_type, max_kv_len)
+    if not packed and query.shape[0] != args.batch:
+        V.fail(f"query must have shape {(args.batch,) + tuple(query.shape[1:])} (the plan's), got "
+               f"{tuple(query.shape)}")
+    V.out_tensor(out, out_shape(tuple(query.shape)), odt, args.device, ())
+    return _OneShot(args, cache.shape[0])
 
 
 batch_decode_mla_with_paged_kv_cache = batch_mla_decode_with_paged_kv_cache
