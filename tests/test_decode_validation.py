@@ -583,6 +583,34 @@ def test_standalone_overlap_check_runs_once_per_operand_addresses(counted_static
     assert len(seen) == 4 and len(counted_static_checks) == 1  # the passing addresses: not checked again
 
 
+def test_standalone_indices_length_is_not_in_the_static_key(counted_static_checks, monkeypatch):
+    """A serving loop slices ``paged_kv_indices`` to each step's page count: a call whose indices
+    have another length keeps the static key (no second check pass), and its overlap check uses
+    that call's length: the same start with a longer tensor reaching into the workspace (or an
+    ``out`` inside the longer range) is refused."""
+    store = torch.zeros(64 + ws_bytes(), dtype=U8)
+    ws = store[64:]
+    short = store[:4 * len(INDICES)].view(torch.int32)
+    short.copy_(ip(INDICES))
+    out = torch.empty(_q.shape, dtype=BF16)
+    longer = torch.tensor(INDICES + [0] * 9, dtype=torch.int32)  # 12 entries: another length
+    args, kw = base(paged_kv_indices=longer, out=out)
+    prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    indptr, lens = ip(INDPTR), ip(LENS)
+    args, kw = base(paged_kv_indices=short, workspace_buffer=ws, paged_kv_indptr=indptr, seq_lens=lens, out=out)
+    prims_ts_batch_decode_with_kv_cache(*args, **kw)
+    assert len(counted_static_checks) == 1
+    # every operand where the last passing call had it, the indices longer: 80 bytes, into the workspace
+    seen = []
+    real = V.disjoint
+    monkeypatch.setattr(V, "disjoint", lambda *a: (seen.append(a[3]), real(*a)))
+    reaching = store[:4 * 20].view(torch.int32)
+    args, kw = base(paged_kv_indices=reaching, workspace_buffer=ws, paged_kv_indptr=indptr, seq_lens=lens, out=out)
+    expect(ValueError, "workspace_buffer.*paged_kv_indices", prims_ts_batch_decode_with_kv_cache, *args, **kw)
+    assert len(seen) == 1 and 80 in seen[0]  # the standalone's own check, with this call's length
+    assert len(counted_static_checks) == 1
+
+
 def test_standalone_static_key_cache_rechecks_a_changed_static_fact(counted_static_checks):
     """Another dtype, shape or scalar is another static key: its static checks run (and refuse)."""
     args, kw = base()

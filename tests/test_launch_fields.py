@@ -497,7 +497,7 @@ def _standalone_structs(monkeypatch, call, make):
     from prims_ts.ops import decode as decode_ops
     from prims_ts.ops import mla as mla_ops
 
-    monkeypatch.setattr(_dispatch, "launchable", lambda query, out: True)
+    monkeypatch.setattr(_dispatch, "launchable", lambda query, out, traced=None: True)
     monkeypatch.setattr(decode_ops, "_CHECKED", V.memo())
     monkeypatch.setattr(mla_ops, "_CHECKED", V.memo())
     full = []
@@ -519,12 +519,13 @@ def _decode_operands(form, packed):
         hq, hkv, d, ps = 8, 2, 128, 16
         q = torch.randn(5 if packed else 2, hq, d, generator=g).to(BF16)
         if form == "separate":
-            cache = (torch.randn(6, hkv, ps, d, generator=g).to(BF16), torch.randn(6, hkv, ps, d, generator=g).to(BF16))
+            cache = (torch.randn(9, hkv, ps, d, generator=g).to(BF16), torch.randn(9, hkv, ps, d, generator=g).to(BF16))
         else:
-            cache = torch.randn(6, 2, hkv, ps, d, generator=g).to(BF16)
+            cache = torch.randn(9, 2, hkv, ps, d, generator=g).to(BF16)
         ws = torch.zeros(1 << 20, dtype=torch.uint8)
         ip = torch.tensor([0, 3, 6], dtype=torch.int32)
-        ids = torch.randperm(6, generator=g).to(torch.int32)
+        # a serving loop's kv_indices slice: another length each call, under one static key
+        ids = torch.randperm(9, generator=g)[:6 + 3 * seed].to(torch.int32)
         lens = torch.tensor([40, 48], dtype=torch.int32)
         qo = torch.tensor([0, 3, 5], dtype=torch.int32) if packed else None
         out = torch.empty(q.shape, dtype=BF16)

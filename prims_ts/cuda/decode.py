@@ -372,11 +372,12 @@ class PreparedDecode(Prepared):
             self.accepted.record((query, k_cache, v_cache, out))
 
     def rerun(self, q: int, k: int, v: int, o: int, ws: int, qo_indptr: int, kv_indptr: int, kv_indices: int,
-              seq_lens: int, sm_scale: float, output_scale: float) -> bool:
+              seq_lens: int, sm_scale: float, output_scale: float, num_indices: int = -1) -> bool:
         """The last full ``run``'s launch again with new addresses (ints, 0 for None; ``v`` 0: the
-        pool's V at its offset from K in that run) and scales: the caller vouches that every operand
-        is laid out as in that run (a standalone's own copy under its static key). False: a start
-        is not 16-byte aligned and nothing was launched (the full ``run`` names it)."""
+        pool's V at its offset from K in that run), scales and, unless -1, CSR ``kv_indices``'
+        length: the caller vouches that every other operand is laid out as in that run (a
+        standalone's own copy under its static key). False: a start is not 16-byte aligned and
+        nothing was launched (the full ``run`` names it)."""
         if not v:
             v = k + self._v_off
         if (q | k | v | o) & 15:
@@ -390,6 +391,8 @@ class PreparedDecode(Prepared):
                                 seq_lens)
         else:
             _POINTERS.pack_into(p, 0, q, k, v, o, 0, 0, 0, qo_indptr, kv_indptr, kv_indices, seq_lens)
+        if num_indices >= 0:
+            p.num_indices = num_indices
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
         self.launch.launch(runtime.current_stream(self.dev))

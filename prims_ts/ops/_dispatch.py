@@ -18,17 +18,18 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import _validate as V
 
 
-def plain_eager(out: Optional[torch.Tensor] = None) -> bool:
+def plain_eager(out: Optional[torch.Tensor] = None, traced: Optional[bool] = None) -> bool:
     """Nothing traces or intercepts this call (and ``out``, if given, is a plain tensor): a run
-    whose other tensors already matched its plan may launch its prepared kernel directly."""
-    return ((out is None or type(out) is torch.Tensor) and not V.tracing()
+    whose other tensors already matched its plan may launch its prepared kernel directly.
+    ``traced``: the caller's ``V.tracing()``, if it has it."""
+    return ((out is None or type(out) is torch.Tensor) and not (V.tracing() if traced is None else traced)
             and not torch._C._is_torch_function_mode_enabled() and _get_current_dispatch_mode() is None)
 
 
-def launchable(query: torch.Tensor, out: Optional[torch.Tensor]) -> bool:
+def launchable(query: torch.Tensor, out: Optional[torch.Tensor], traced: Optional[bool] = None) -> bool:
     """A standalone call whose static checks passed may launch its prepared kernel directly: a
     plain eager call (see ``plain_eager``) on a plain CUDA ``query``."""
-    return type(query) is torch.Tensor and query.is_cuda and plain_eager(out)
+    return type(query) is torch.Tensor and query.is_cuda and plain_eager(out, traced)
 
 
 def eager_direct(tensors: Sequence[Optional[torch.Tensor]]) -> bool:

@@ -44,19 +44,28 @@ def meta(t) -> tuple:
     return (type(t), t)
 
 
+def meta_loose(t) -> tuple:
+    """``meta`` of a 1-D metadata tensor whose length may change from call to call (a serving
+    loop's ``paged_kv_indices`` slice): its dtype, strides, contiguity and device, not its shape
+    (the caller reads its length per call)."""
+    if type(t) is torch.Tensor:
+        return (None, t.dtype, t.stride(), t.is_contiguous(), t.device)
+    return meta(t)
+
+
 def memo() -> BoundedMemo:
     """A memo of static checks (``checked_once``), bounded like the prepared launches'."""
     return BoundedMemo(MEMO_LIMIT)
 
 
-def checked_once(memo: BoundedMemo, key: tuple, check, *args):
+def checked_once(memo: BoundedMemo, key: tuple, check, *args, traced: Optional[bool] = None):
     """``check(*args)``, the static checks of a call (they read no tensor value or address), once
     per `key` (the caller's: its tensors' ``meta`` and its other arguments, written out, which
     costs a few microseconds less than a loop over them), then its memoised result; while
     traced, or with an argument that cannot be a key, every time (the checks name a bad one),
     and nothing is kept. Only a result is kept: a call that fails its checks is checked again
-    next time."""
-    if tracing():
+    next time. ``traced``: the caller's ``tracing()``, if it has it."""
+    if tracing() if traced is None else traced:
         return check(*args)
     try:
         got = memo.get(key)

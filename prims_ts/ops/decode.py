@@ -301,20 +301,27 @@ class Standalone:
     window_left: int = -1
     launch: Optional[object] = None  # cuda.decode.PreparedDecode: this key's own copy
     written: bool = False  # a full run under this key wrote launch's struct
-    passed: Optional[tuple] = None  # the operands' addresses of the last call that passed check_call
+    passed: Optional[tuple] = None  # the operands' addresses (and loose length) of the last call that passed
+    loose: int = -1  # the operand whose length the key leaves out (decode's paged_kv_indices; -1: none)
 
     def check_call(self, operands: tuple) -> tuple:
         """The per-call checks of an eager call under this key: ``out`` starts 16-byte aligned,
         and neither ``out`` nor the workspace overlaps another operand. The key fixes the
-        operands' extents, so the addresses of a call that passed decide the outcome: a serving
-        loop's persistent buffers pass with one compare. Returns the addresses (None: no tensor)."""
+        operands' extents (but the ``loose`` one's, read here), so the addresses of a call that
+        passed decide the outcome: a serving loop's persistent buffers pass with one compare.
+        Returns the addresses (None: no tensor)."""
         starts = tuple([None if t is None else t.data_ptr() for t in operands])
-        if starts == self.passed:
+        i = self.loose
+        memo = starts if i < 0 else (starts, operands[i].nbytes)
+        if memo == self.passed:
             return starts
         if starts[0] is not None and starts[0] & 15:
             V.out_start(operands[0])
-        V.disjoint((0, 1), self.names, starts, self.extents)
-        self.passed = starts
+        extents = self.extents
+        if i >= 0:
+            extents = extents[:i] + (operands[i].nbytes,) + extents[i + 1:]
+        V.disjoint((0, 1), self.names, starts, extents)
+        self.passed = memo
         return starts
 
     def prepared(self, device: torch.device):
@@ -325,12 +332,13 @@ class Standalone:
         return self.launch
 
     def launch_direct(self, device: torch.device, full, addresses: tuple, sm_scale: float,
-                      output_scale: float) -> None:
+                      output_scale: float, num_indices: int = -1) -> None:
         """Launch this key's prepared kernel: ``full(launch)`` (a full ``run``) the first time,
         then ``rerun`` with ``addresses`` (q, k, v, o, workspace, qo_indptr, kv_indptr, kv_indices,
-        seq_lens; 0 for None), falling back to ``full`` when it refuses (a misaligned start)."""
+        seq_lens; 0 for None) and the loose ``num_indices`` (-1: the key fixes it), falling back
+        to ``full`` when it refuses (a misaligned start)."""
         launch = self.prepared(device)
-        if self.written and launch.rerun(*addresses, sm_scale, output_scale):
+        if self.written and launch.rerun(*addresses, sm_scale, output_scale, num_indices):
             return
         full(launch)
         self.written = True
@@ -389,7 +397,7 @@ def _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged
     names, tensors = operands(out, workspace_buffer, (("query", query),) + named_cache("kv_cache", kv_cache)
                               + tuple(metadata))
     return Standalone(static, odt, names, tuple(V.byte_extent(t) for t in tensors), sq, max_sq, d, mask_type,
-                      window_left)
+                      window_left, loose=names.index("paged_kv_indices"))
 
 
 def prims_ts_batch_decode_with_kv_cache(
@@ -425,18 +433,18 @@ def prims_ts_batch_decode_with_kv_cache(
     """
     traced = V.tracing()
     m = V.meta
-    key = (m(query), m(kv_cache), m(workspace_buffer), m(paged_kv_indptr), m(paged_kv_indices), m(seq_lens),
+    key = (m(query), m(kv_cache), m(workspace_buffer), m(paged_kv_indptr), V.meta_loose(paged_kv_indices), m(seq_lens),
            m(qo_indptr), m(out), max_seq_len, seq_len_q, max_seq_len_q, out_dtype, mask_type, window_left, kv_layout)
     checked = V.checked_once(_CHECKED, key, _standalone_checks, query, kv_cache, workspace_buffer, paged_kv_indptr,
                              paged_kv_indices, seq_lens, max_seq_len, seq_len_q, qo_indptr, max_seq_len_q, out_dtype,
-                             out, mask_type, window_left, kv_layout)
+                             out, mask_type, window_left, kv_layout, traced=traced)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(checked.head_dim))
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     cache = (kv_cache,) if isinstance(kv_cache, torch.Tensor) else tuple(kv_cache)
     if not traced:
         a = checked.check_call((out, workspace_buffer, query) + cache
                                + (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr))
-    if _dispatch.launchable(query, out):
+    if _dispatch.launchable(query, out, traced):
         if out is None:
             out = torch.empty(query.shape, dtype=checked.out_dtype, device=query.device)
         two = len(cache) == 2
@@ -445,7 +453,8 @@ def prims_ts_batch_decode_with_kv_cache(
             query.device,
             lambda launch: launch.run(query, cache[0], cache[1] if two else None, workspace_buffer, out,
                                       paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sm_scale, output_scale),
-            (a[2], a[3], a[4] if two else 0, out.data_ptr(), a[1], qo or 0, ip, ids, lens), sm_scale, output_scale)
+            (a[2], a[3], a[4] if two else 0, out.data_ptr(), a[1], qo or 0, ip, ids, lens), sm_scale, output_scale,
+            paged_kv_indices.shape[0])
         return out
     k_cache, v_cache = split_cache(kv_cache)
     V.run_layout((("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache)))  # per call: not in the key
