@@ -19,7 +19,15 @@ import torch
 from prims_ts.cuda import runtime
 
 SOURCE = r'''
-extern "C" __global__ void pt_tma_probe(const unsigned long long* tmap, unsigned int* out, int page, int head) {
+struct ProbeArgs {  // one by-value struct, as the package's kernels take (PreparedLaunch passes one pointer)
+    const unsigned long long* tmap;
+    unsigned int* out;
+    int page, head;
+};
+extern "C" __global__ void pt_tma_probe(const ProbeArgs a) {
+    const unsigned long long* tmap = a.tmap;
+    unsigned int* out = a.out;
+    const int page = a.page, head = a.head;
     extern __shared__ unsigned char raw[];
     unsigned char* smem = raw + ((1024 - ((unsigned long long)raw & 1023)) & 1023);
     __shared__ __align__(8) unsigned long long bar;
