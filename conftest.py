@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from prims_ts.cuda.catalog import RING_VARIANTS
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
@@ -16,8 +18,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["loop0", "loop1", "loop2", "loop0_persistent", "loop2_persistent", "other_copy", "cp_async",
-                        "lean_mma", "plain_mma", "lazy_rescale"])
+@pytest.fixture(params=list(RING_VARIANTS))
 def ring_variant(request):
     """A Tuning of the prefill-family kernels' producer ring on sm_90a (prefill, paged prefill,
     block-sparse; ``prims_ts.cuda.catalog.RING_VARIANTS``): the plain (0), overlapped (1) and
@@ -26,10 +27,9 @@ def ring_variant(request):
     each walks many items), the producer copy the default does not take, and K/V tiles by
     cp.async everywhere (the default: TMA boxes for contiguous K/V and pages), the MMA warps'
     leaner instructions (fmax row maxima, descriptors advanced by adds) at every head dim and at
-    none (the default: D128), and running maxima kept while within 2^8 (O rescaled rarely). Tests pass it to
-    a wrapper (``tuning=``). Other devices have no ring: they run the first variant only."""
-    from prims_ts.cuda.catalog import RING_VARIANTS
-
+    none (the default: D128), and O rescaled whenever a running maximum moves (the default keeps a
+    maximum while within 2^8). Tests pass it to a wrapper (``tuning=``). Other devices have no
+    ring: they run the first variant only."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         if request.param != "loop0":
             pytest.skip("the producer ring's variants are sm_90a kernels")

@@ -225,3 +225,37 @@ def test_tuning_argument_is_in_the_schemas():
     out = torch.full(q.shape, float("nan"), dtype=FP32)
     torch.ops.prims_ts.batch_prefill_out(*out_args(q, k, v, out, meta, scalars), tuning=LOOP1)
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
+
+
+def test_plain_eager_sees_modes_tracers_and_subclasses():
+    """The direct-launch rule (``_dispatch.plain_eager``): a torch-function mode, a dispatch
+    mode (a user's or an infra mode such as FakeTensorMode) or a subclass ``out`` each send the
+    call through the op, where they see it; a plain call skips the dispatcher."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from prims_ts.ops import _dispatch
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class SeenFn(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert _dispatch.plain_eager()
+    assert _dispatch.plain_eager(torch.empty(2))
+    assert not _dispatch.plain_eager(torch.empty(2).as_subclass(Sub))
+    assert not _dispatch.plain_eager(traced=True)
+    with Seen():
+        assert not _dispatch.plain_eager()
+    with SeenFn():
+        assert not _dispatch.plain_eager()
+    with FakeTensorMode():
+        assert not _dispatch.plain_eager()
+    assert _dispatch.plain_eager()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _is_torch_function_mode_enabled, _len_torch_dispatch_stack
 
 from . import _validate as V
 
@@ -23,7 +23,7 @@ def plain_eager(out: Optional[torch.Tensor] = None, traced: Optional[bool] = Non
     whose other tensors already matched its plan may launch its prepared kernel directly.
     ``traced``: the caller's ``V.tracing()``, if it has it."""
     return ((out is None or type(out) is torch.Tensor) and not (V.tracing() if traced is None else traced)
-            and not torch._C._is_torch_function_mode_enabled() and _get_current_dispatch_mode() is None)
+            and not _is_torch_function_mode_enabled() and not _len_torch_dispatch_stack())
 
 
 def launchable(query: torch.Tensor, out: Optional[torch.Tensor], traced: Optional[bool] = None) -> bool:
