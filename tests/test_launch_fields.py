@@ -318,6 +318,36 @@ def test_prefill_tma_keys_follow_the_tuning(mask):
     assert Tuning.decode(tma.encode()) == tma
 
 
+@pytest.mark.parametrize("mask", ["dense", "causal", "variable_window"])
+def test_prefill_key_tile_per_head_dim(mask):
+    """BN of the sm_90a keys: contiguous K/V in TMA boxes takes TMA_BN (80 keys at D256 where two
+    stages fit beside the 64 KB Q tile: not with a variable window's extra bytes), pages and
+    packed K/V keep 64 at D256; Tuning.prefill_bn overrides the TMA keys only, where it fits."""
+    from prims_ts import Tuning
+    from prims_ts.cuda.keys import SM90_SMEM_LIMIT
+    from prims_ts.cuda.prefill import PrefillKey
+
+    wide = 64 if mask == "variable_window" else 80
+    assert PrefillKey.choose(BF16, 256, mask, "sm_90a").bn == wide
+    assert PrefillKey.choose(BF16, 128, mask, "sm_90a").bn == 128
+    for kw in (dict(packed=True), dict(paged=True), dict(tuning=Tuning(tma=False))):
+        if "paged" in kw and mask == "variable_window":
+            continue
+        assert PrefillKey.choose(BF16, 256, mask, "sm_90a", **kw).bn == 64, kw
+        assert PrefillKey.choose(BF16, 128, mask, "sm_90a", **kw).bn == 128, kw
+    narrow = Tuning(prefill_bn=64)
+    assert PrefillKey.choose(BF16, 256, mask, "sm_90a", tuning=narrow).bn == 64
+    assert PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=narrow).bn == 64
+    assert PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=Tuning(prefill_bn=80)).bn == 80
+    assert PrefillKey.choose(BF16, 256, mask, "sm_90a", tuning=Tuning(prefill_bn=128)).bn == 64  # no 2 stages
+    for d in (128, 256):
+        key = PrefillKey.choose(BF16, d, mask, "sm_90a")
+        assert key.smem <= SM90_SMEM_LIMIT and key.stages >= 2
+    with pytest.raises(ValueError, match="prefill_bn"):
+        Tuning(prefill_bn=96)
+    assert Tuning.decode(Tuning(prefill_bn=80).encode()) == Tuning(prefill_bn=80)
+
+
 def test_tensor_maps_are_encoded_aligned_and_copied(monkeypatch):
     """The driver writes a tensor map only at a 64-byte (newer drivers: 128) aligned address, which
     a ctypes struct is not: the encoder hands it an aligned scratch map and copies the bytes into

@@ -32,6 +32,7 @@ LOG2E = 1.4426950408889634
 
 FMHA_LOOPS = (0, 1, 2)
 KV_COPY_TPRS = (4, 8)
+PREFILL_BNS = (64, 80, 128)  # Tuning.prefill_bn (the wgmma n of QK^T: pt_wgmma.cuh)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class Tuning:
     # the final division), so that most tiles rescale neither O nor the sums (page 16 +5-7%,
     # the other rows within drift: benchmarks/NOTES.md). False: rescale on every new maximum.
     lazy_rescale: bool = True
+    # The key tile (BN rows) of the sm_90a prefill keys whose K/V tiles are TMA boxes of
+    # contiguous K/V (fixed-storage prefill), at the head dims where two stages of it fit.
+    # None: prefill.TMA_BN (128 at D128, 80 at D256; 64 at D256 where 80 does not fit).
+    prefill_bn: Optional[int] = None
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:
@@ -89,6 +94,8 @@ class Tuning:
             raise ValueError(f"tuning: copy_tpr must be None or one of {KV_COPY_TPRS}, got {self.copy_tpr!r}")
         if self.persistent_ctas is not None and self.persistent_ctas < 1:
             raise ValueError(f"tuning: persistent_ctas must be None or >= 1, got {self.persistent_ctas!r}")
+        if self.prefill_bn is not None and self.prefill_bn not in PREFILL_BNS:
+            raise ValueError(f"tuning: prefill_bn must be None or one of {PREFILL_BNS}, got {self.prefill_bn!r}")
         if self.probe not in (0, 1, 2):
             raise ValueError(f"tuning: probe must be 0, 1 or 2, got {self.probe!r}")
 

@@ -15,11 +15,15 @@ from typing import Optional, Tuple
 import torch
 
 from . import runtime
-from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
+from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, SM90_SMEM_LIMIT,
+                   SMEM_MARGIN, WGMMA_ALIGN_SLACK,
                    KernelKey, Prepared, Tuning, check_rows, check_starts, cpp_bool, device_info, fmha_config,
                    fmha_smem_bytes, load, producer_stages, tag, work_grid)
 
 MASK_CODES = {"dense": 0, "causal": 1, "variable_window": 2}  # pt::MaskKind
+# The sm_90a key tile (BN) of contiguous K/V in TMA boxes, per head dim (Tuning.prefill_bn;
+# benchmarks/NOTES.md): D256 takes 80 keys (two stages beside its 64 KB Q tile), D128 128
+TMA_BN = {128: 128, 256: 80}
 HEAD_DIMS = (128, 256)
 
 
@@ -51,14 +55,19 @@ class PrefillKey(KernelKey):
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str, paged: bool = False,
                tuning: Tuning = DEFAULT_TUNING, packed: bool = False) -> "PrefillKey":
         """The tile of each engine: sm_90a takes wgmma with a producer warpgroup (BM 128; BN
-        128 at D128, 64 at D256; as many stages as fit), other archs the portable engine with
-        tiles that fit 99 KB of shared memory per block."""
+        128 at D128, at D256 80 for contiguous K/V in TMA boxes (``TMA_BN``) and 64 otherwise;
+        as many stages as fit), other archs the portable engine with tiles that fit 99 KB of
+        shared memory per block."""
         dt = DTYPE_CODES[dtype]
         if arch == "sm_90a":
-            bn = 128 if head_dim == 128 else 64
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             persistent = tuning.persistent and mask != "variable_window"
             tma = not tuning.probe and (tuning.paged_tma if paged else tuning.tma and not packed)
+            bn = 128 if head_dim == 128 else 64  # pages, packed K/V, and where no two stages of want fit
+            want = tuning.prefill_bn if tuning.prefill_bn is not None else TMA_BN[head_dim]
+            if (tma and not paged
+                    and fmha_smem_bytes(128, want, head_dim, 2, producer=True) + extra + SMEM_MARGIN <= SM90_SMEM_LIMIT):
+                bn = want
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,

@@ -5,7 +5,7 @@ to write by hand. Run `python -m prims_ts.cuda.tools.gen_wgmma` after editing.
 """
 from pathlib import Path
 
-SHAPES_SS = (16, 32, 64, 128)  # QK^T: n = BN keys (or query rows, swapped), A and B from shared memory
+SHAPES_SS = (16, 32, 64, 80, 128)  # QK^T: n = BN keys (or query rows, swapped), A and B from shared memory
 SHAPES_RS = (64, 128, 256)  # PV: n = head dim, A (P) from registers, B (V) N-major
 SHAPES_SS_TA = (16, 32)  # swapped PV (O^T += V^T P^T): n = query rows, A (V) M-major, B (P^T) K-major
 TYPES = {"bf16": "bf16", "f16": "f16"}
