@@ -27,9 +27,10 @@ def ring_variant(request):
     each walks many items), the producer copy the default does not take, and K/V tiles by
     cp.async everywhere (the default: TMA boxes for contiguous K/V and pages), the MMA warps'
     leaner instructions (fmax row maxima, descriptors advanced by adds) at every head dim and at
-    none (the default: D128), and O rescaled whenever a running maximum moves (the default keeps a
-    maximum while within 2^8). Tests pass it to a wrapper (``tuning=``). Other devices have no
-    ring: they run the first variant only."""
+    none (the default: D128), O rescaled whenever a running maximum moves (the default keeps a
+    maximum while within 2^8), and the portable engine (sm_80's mma.sync tiles, no ring), which
+    the grids check on a Hopper GPU this way. Tests pass it to a wrapper (``tuning=``). Other
+    devices have no ring (the portable engine is theirs): they run the first variant only."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         if request.param != "loop0":
             pytest.skip("the producer ring's variants are sm_90a kernels")

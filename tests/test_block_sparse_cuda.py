@@ -220,7 +220,9 @@ def check_key(pb: Problem, w, tuning, causal: bool) -> None:
     arch = device_limits(plan.device)[0]
     rows = min(pb.q_block, pb.sq) * (pb.hq // pb.hkv)
     key = BlockSparseKey.choose(DTYPE_CODES[pb.dtype], pb.d, causal, pb.kv_block, rows, arch, tuning)
-    if arch == "sm_90a" and pb.kv_block % 64 == 0:
+    if arch == "sm_90a" and pb.kv_block % 64 == 0 and tuning.portable:
+        assert key.arch == 80, key.name
+    elif arch == "sm_90a" and pb.kv_block % 64 == 0:
         loop = tuning.loop_for(pb.d)
         assert key.arch == 90 and key.loop == (loop if key.bm == 128 else min(loop, 1)), key.name
         assert key.persistent == tuning.persistent and key.copy_tpr == tuning.copy_for(pb.d), key.name

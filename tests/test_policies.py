@@ -330,6 +330,32 @@ def test_prefill_tile_m_follows_the_arch():
     assert prefill.prefill_tile_m(torch.bfloat16, 128, "causal", "sm_80") == 128
 
 
+def test_portable_tuning_takes_the_portable_engine_on_sm90a(monkeypatch):
+    """Tuning(portable=True): the prefill-family keys of sm_80's engine on an sm_90a device (how
+    the grids check it on a Hopper GPU), and the work lists count that engine's q tiles."""
+    from prims_ts import Tuning
+    from prims_ts.cuda import keys
+    from prims_ts.cuda.block_sparse import BlockSparseKey
+    from prims_ts.ops import _validate as V
+    from prims_ts.ops import prefill as P
+
+    t = Tuning(portable=True)
+    for d in (128, 256):
+        for kw in (dict(), dict(packed=True), dict(paged=True)):
+            assert prefill.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t, **kw) == \
+                prefill.PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", **kw)
+        assert BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t) == \
+            BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_80")
+    assert prefill.prefill_tile_m(torch.bfloat16, 256, "causal", "sm_90a", paged=True, tuning=t) == 64
+    assert Tuning.decode(t.encode()) == t
+    # on an sm_90a device a dense D256 work list counts 128-row tiles, under `portable` 64-row ones
+    monkeypatch.setattr(keys, "device_limits", lambda device: ("sm_90a", 132, 232448))
+    monkeypatch.setattr(V, "to_device", lambda device, a: [torch.from_numpy(a.reshape(-1))])
+    q_lens, kv_lens, cuda = np.array([300, 200]), np.array([300, 400]), torch.device("cuda")
+    assert P.plan_work(cuda, q_lens, kv_lens, 300, True, "dense", -1, torch.bfloat16, 256).shape[0] == 3 + 2
+    assert P.plan_work(cuda, q_lens, kv_lens, 300, True, "dense", -1, torch.bfloat16, 256, t).shape[0] == 5 + 4
+
+
 def test_no_kernel_the_library_compiles_defines_the_probe():
     """PT_PROBE (pt_fmha_config.cuh) is a measurement aid whose kernels compute wrong results
     (Tuning.probe, set by gpu_session.sh `probe`): no catalogued key's source defines it, and

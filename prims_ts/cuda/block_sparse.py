@@ -26,7 +26,7 @@ class BlockSparseKey(KernelKey):
     """KV blocks of 64+ keys on sm_90a take the wgmma engine (BM 64 for short rows at D128,
     else 128; BN 128 when the block size allows at D128, else 64); smaller blocks (8/16/32:
     one short tile of BN 16/32 per block) and other archs the mma.sync engine with BM 64
-    (BN 32 at D256, to fit 99 KB). sm_90a keys take their key tiles as TMA boxes: contiguous
+    (BN 32 at D256, to fit 99 KB), sm_90a too under Tuning.portable. sm_90a keys take their key tiles as TMA boxes: contiguous
     K/V under Tuning.tma, pages under Tuning.paged_tma."""
 
     PREFIX = "pt_bsr"
@@ -53,7 +53,7 @@ class BlockSparseKey(KernelKey):
     def choose(dtype: str, head_dim: int, causal: bool, kv_block_size: int, rows: int, arch: str,
                tuning: Tuning = DEFAULT_TUNING, contiguous: bool = False) -> "BlockSparseKey":
         """`rows`: the M rows of one route row, q_block_size (or Sq if smaller) x group."""
-        if arch == "sm_90a" and kv_block_size % 64 == 0:
+        if arch == "sm_90a" and kv_block_size % 64 == 0 and not tuning.portable:
             bn = 128 if head_dim == 128 and kv_block_size % 128 == 0 else 64
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             loop = tuning.loop_for(head_dim)

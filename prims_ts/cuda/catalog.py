@@ -34,6 +34,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "lean_mma": Tuning(lean_mma=True),
     "plain_mma": Tuning(lean_mma=False),
     "eager_rescale": Tuning(lazy_rescale=False),
+    "portable": Tuning(portable=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.

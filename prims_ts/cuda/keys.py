@@ -86,6 +86,10 @@ class Tuning:
     # contiguous K/V (fixed-storage prefill), at the head dims where two stages of it fit.
     # None: prefill.TMA_BN (128 at D128, 80 at D256; 64 at D256 where 80 does not fit).
     prefill_bn: Optional[int] = None
+    # The prefill-family keys (prefill, paged prefill, block-sparse) on the portable engine
+    # (mma.sync, the sm_80 / sm_86 / sm_89 tiles) on an sm_90a device too: how the grids check
+    # that engine on a Hopper GPU.
+    portable: bool = False
 
     def __post_init__(self):
         if self.loop is not None and self.loop not in FMHA_LOOPS:

@@ -56,10 +56,10 @@ class PrefillKey(KernelKey):
                tuning: Tuning = DEFAULT_TUNING, packed: bool = False) -> "PrefillKey":
         """The tile of each engine: sm_90a takes wgmma with a producer warpgroup (BM 128; BN
         128 at D128, at D256 80 for contiguous K/V in TMA boxes (``TMA_BN``) and 64 otherwise;
-        as many stages as fit), other archs the portable engine with tiles that fit 99 KB of
-        shared memory per block."""
+        as many stages as fit), other archs (and sm_90a under ``Tuning.portable``) the portable
+        engine with tiles that fit 99 KB of shared memory per block."""
         dt = DTYPE_CODES[dtype]
-        if arch == "sm_90a":
+        if arch == "sm_90a" and not tuning.portable:
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
             persistent = tuning.persistent and mask != "variable_window"
             tma = not tuning.probe and (tuning.paged_tma if paged else tuning.tma and not packed)
@@ -101,9 +101,10 @@ class PrefillKey(KernelKey):
         return f"#define PT_PROBE {self.probe}\n" if self.probe else ""
 
 
-def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, arch: str) -> int:
-    """The q tile height of the prefill kernel on `arch` (work lists count its tiles)."""
-    return PrefillKey.choose(dtype, head_dim, mask, arch).bm
+def prefill_tile_m(dtype: torch.dtype, head_dim: int, mask: str, arch: str, paged: bool = False,
+                   tuning: Tuning = DEFAULT_TUNING) -> int:
+    """The q tile height of the prefill kernel on `arch` under `tuning` (work lists count its tiles)."""
+    return PrefillKey.choose(dtype, head_dim, mask, arch, paged, tuning).bm
 
 
 class PrefillParams(ctypes.Structure):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import reference
-from ..cuda.keys import Tuning
+from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
 
@@ -136,7 +136,8 @@ def work_list(q_lens, kv_lens, mask_type: str, window_left: int, tile_m: int) ->
 
 
 def plan_work(device: torch.device, q_lens: np.ndarray, kv_lens: np.ndarray, max_q_len: int, exact: bool,
-              mask_type: str, window_left: int, dtype: torch.dtype, head_dim: int) -> Optional[torch.Tensor]:
+              mask_type: str, window_left: int, dtype: torch.dtype, head_dim: int,
+              tuning: Tuning = DEFAULT_TUNING, paged: bool = False) -> Optional[torch.Tensor]:
     """A CUDA plan's work list on the device (``[n, 2]``), or None: the kernel's implicit order.
     `exact`: the items of each request's query count (a one-shot); else of the longest,
     `max_q_len` (a wrapper plan, whose query offsets are read live). A causal problem without a left window
@@ -148,16 +149,18 @@ def plan_work(device: torch.device, q_lens: np.ndarray, kv_lens: np.ndarray, max
     bounds = q_lens if exact else np.full_like(q_lens, max_q_len)
     if mask_type == "causal" and window_left < 0 and (bounds == bounds[0]).all() and (kv_lens == kv_lens[0]).all():
         return None
-    items = work_list(bounds, kv_lens, mask_type, window_left, tile_m(dtype, head_dim, mask_type, device))
+    items = work_list(bounds, kv_lens, mask_type, window_left, tile_m(dtype, head_dim, mask_type, device, tuning, paged))
     return V.to_device(device, items)[0].view(-1, 2)
 
 
-def tile_m(dtype: torch.dtype, head_dim: int, mask_type: str, device: torch.device) -> int:
-    """The q tile height of the prefill kernel that runs on `device` (work lists count its tiles)."""
+def tile_m(dtype: torch.dtype, head_dim: int, mask_type: str, device: torch.device,
+           tuning: Tuning = DEFAULT_TUNING, paged: bool = False) -> int:
+    """The q tile height of the prefill kernel that runs on `device` under `tuning` (work lists
+    count its tiles)."""
     from ..cuda.keys import device_limits
     from ..cuda.prefill import prefill_tile_m
 
-    return prefill_tile_m(dtype, head_dim, mask_type, device_limits(device)[0])
+    return prefill_tile_m(dtype, head_dim, mask_type, device_limits(device)[0], paged, tuning)
 
 
 def check_causal_lengths(q_lens: np.ndarray, kv_lens: np.ndarray, name: str) -> None:
@@ -325,7 +328,8 @@ class BatchPrefillTSWrapper:
                 if mask_type == "causal":
                     check_causal_lengths(q_lens, kv_lens, "qo_indptr")
                 max_q_len = int(q_lens.max())
-                work = plan_work(device, q_lens, kv_lens, max_q_len, exact, mask_type, window_left, q.dtype, d)
+                work = plan_work(device, q_lens, kv_lens, max_q_len, exact, mask_type, window_left, q.dtype, d,
+                                 self.tuning)
         else:
             batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
             V.batch_size("q", batch)

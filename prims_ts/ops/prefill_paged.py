@@ -257,7 +257,8 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, qo_indptr, page_size, pb: _P
         if mask_type == "causal":
             check_causal_lengths(q_lens, lens, "qo_indptr")
         max_q_len = int(q_lens.max())
-        work = plan_work(device, q_lens, lens, max_q_len, exact, mask_type, window_left, q.dtype, d)
+        work = plan_work(device, q_lens, lens, max_q_len, exact, mask_type, window_left, q.dtype, d, tuning,
+                         paged=True)
     static = launch = None
     if not V.tracing():
         from ..cuda import prefill as K
