@@ -6,9 +6,11 @@ BASE_TREE: a checkout holding the committed package (e.g. `mkdir /tmp/base && gi
 prims_ts | tar -x -C /tmp/base`). For each arch, every key that `catalog.default_keys` yields
 under the default tuning and each variant (names containing SUBSTR, e.g. bf16) is compiled to
 PTX by NVRTC in both trees (one subprocess per tree); the PTX is compared without comments,
-file/line directives and the definitions of static constexpr members (unread data), and with the
+file/line directives and the definitions of static constexpr members (unread data), with the
 names of out-of-line device functions numbered by first appearance (mangled names change when a
-template gains a parameter). Prints each key that differs and exits 1 if
+template gains a parameter), with the virtual registers renamed in order of first use (NVVM's
+numbering moves when an unused value is numbered; the instructions and their dataflow decide),
+and with the two sources of commutative instructions (add, mul, and, or, xor, min, max) sorted. Prints each key that differs and exits 1 if
 any does: a refactor whose PTX is unchanged needs no device run to prove it.
 """
 import argparse
@@ -26,6 +28,8 @@ from prims_ts.cuda import catalog, runtime
 root = sys.argv[1].rstrip('/')
 assert prims_ts.__file__.startswith(root), (prims_ts.__file__, root)
 nvrtc, headers = runtime._nvrtc(), runtime.include_sources()
+COMMUTATIVE = re.compile(r'^(\s*(?:add|mul\.lo|mul\.wide|mul|and|or|xor|min|max)(?:\.[a-z0-9]+)*\s+[^,\s]+, )'
+                         r'([^,;\s]+), ([^,;\s]+);$')
 out = {}
 for arch in sys.argv[3].split(','):
     virtual = 'compute_' + arch[3:]
@@ -56,6 +60,23 @@ for arch in sys.argv[3].split(','):
             # change with a template's parameters)
             names = {}
             lines = [re.sub(r'_ZZ?N2pt\w+', lambda m: names.setdefault(m.group(0), 'pt_fn%d' % len(names)), ln)
+                     for ln in lines]
+            # virtual registers renamed in order of first use, per class (an alpha-renaming: the
+            # same program whatever NVVM numbered), their declared counts left out
+            regs, counts = {}, {}
+
+            def rename(m):
+                v = regs.get(m.group(0))
+                if v is None:
+                    n = counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+                    v = regs[m.group(0)] = '%%%s_%d' % (m.group(1), n)
+                return v
+
+            lines = [re.sub(r'%(rd|rs|r|fd|f|p|hh|h|b)\d+\b', rename, ln) for ln in lines
+                     if not ln.strip().startswith('.reg ')]
+            # the two sources of a commutative instruction in one order (NVVM's operand order
+            # follows its canonicalisation, not the program)
+            lines = [COMMUTATIVE.sub(lambda m: '%s%s, %s;' % ((m.group(1),) + tuple(sorted(m.group(2, 3)))), ln)
                      for ln in lines]
             out[arch + ':' + key.name] = hashlib.sha256('\n'.join(lines).encode()).hexdigest()
 json.dump(out, open(sys.argv[2], 'w'))
