@@ -10,8 +10,9 @@ file/line directives and the definitions of static constexpr members (unread dat
 names of out-of-line device functions numbered by first appearance (mangled names change when a
 template gains a parameter), with the virtual registers renamed in order of first use (NVVM's
 numbering moves when an unused value is numbered; the instructions and their dataflow decide),
-and with the two sources of commutative instructions (add, mul, and, or, xor, min, max) sorted. Prints each key that differs and exits 1 if
-any does: a refactor whose PTX is unchanged needs no device run to prove it.
+and with the two sources of commutative instructions (add, mul, and, or, xor, min, max) sorted.
+Prints each key that differs and exits 1 if any does: a refactor whose PTX is unchanged needs
+no device run to prove it.
 """
 import argparse
 import json

@@ -25,9 +25,9 @@ HEAD_DIMS = (128, 256)
 class BlockSparseKey(KernelKey):
     """KV blocks of 64+ keys on sm_90a take the wgmma engine (BM 64 for short rows at D128,
     else 128; BN 128 when the block size allows at D128, else 64); smaller blocks (8/16/32:
-    one short tile of BN 16/32 per block) and other archs the mma.sync engine with BM 64
-    (BN 32 at D256, to fit 99 KB), sm_90a too under Tuning.portable. sm_90a keys take their key tiles as TMA boxes: contiguous
-    K/V under Tuning.tma, pages under Tuning.paged_tma."""
+    one short tile of BN 16/32 per block) and other archs (sm_90a too under Tuning.portable)
+    the mma.sync engine with BM 64 (BN 32 at D256, to fit 99 KB). sm_90a keys take their key
+    tiles as TMA boxes: contiguous K/V under Tuning.tma, pages under Tuning.paged_tma."""
 
     PREFIX = "pt_bsr"
     SOURCE = "fmha_block_sparse.cu"

@@ -255,10 +255,15 @@ def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: i
     return max(pipe, merge)
 
 
+def producer_fits(bm: int, bn: int, head_dim: int, stages: int, extra: int = 0) -> bool:
+    """A producer-ring tile of `stages` K/V stages (and `extra` bytes) fits the sm_90 per-block limit."""
+    return fmha_smem_bytes(bm, bn, head_dim, stages, producer=True) + extra + SMEM_MARGIN <= SM90_SMEM_LIMIT
+
+
 def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
     """K/V stages of a producer-ring tile: as many as fit the sm_90 per-block limit, 2 to 4."""
     for stages in range(MAX_PRODUCER_STAGES, 2, -1):
-        if fmha_smem_bytes(bm, bn, head_dim, stages, producer=True) + extra + SMEM_MARGIN <= SM90_SMEM_LIMIT:
+        if producer_fits(bm, bn, head_dim, stages, extra):
             return stages
     return 2
 

@@ -15,10 +15,9 @@ from typing import Optional, Tuple
 import torch
 
 from . import runtime
-from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, SM90_SMEM_LIMIT,
-                   SMEM_MARGIN, WGMMA_ALIGN_SLACK,
+from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
                    KernelKey, Prepared, Tuning, check_rows, check_starts, cpp_bool, device_info, fmha_config,
-                   fmha_smem_bytes, load, producer_stages, tag, work_grid)
+                   fmha_smem_bytes, load, producer_fits, producer_stages, tag, work_grid)
 
 MASK_CODES = {"dense": 0, "causal": 1, "variable_window": 2}  # pt::MaskKind
 # The sm_90a key tile (BN) of contiguous K/V in TMA boxes, per head dim (Tuning.prefill_bn;
@@ -65,8 +64,7 @@ class PrefillKey(KernelKey):
             tma = not tuning.probe and (tuning.paged_tma if paged else tuning.tma and not packed)
             bn = 128 if head_dim == 128 else 64  # pages, packed K/V, and where no two stages of want fit
             want = tuning.prefill_bn if tuning.prefill_bn is not None else TMA_BN[head_dim]
-            if (tma and not paged
-                    and fmha_smem_bytes(128, want, head_dim, 2, producer=True) + extra + SMEM_MARGIN <= SM90_SMEM_LIMIT):
+            if tma and not paged and producer_fits(128, want, head_dim, 2, extra):
                 bn = want
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
