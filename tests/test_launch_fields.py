@@ -148,6 +148,60 @@ def test_accepted_matches_only_the_recorded_layouts():
         assert not acc.same(bad), i
 
 
+@pytest.fixture(params=["guard", "metas"])
+def layouts_mode(request, monkeypatch):
+    """Layouts with dynamo's C-level guard (where this torch has it) and without (the metas alone)."""
+    from prims_ts.ops import _validate as V
+
+    if request.param == "metas":
+        monkeypatch.setattr(V, "_TensorGuards", None)
+    elif V._TensorGuards is None:
+        pytest.skip("this torch has no TensorGuards")
+    return request.param
+
+
+def test_layouts_match_exactly_the_metas(layouts_mode):
+    """``Layouts.matches`` accepts exactly the operands whose metas equal the recorded ones (None
+    where None was; any length at a loose position, but a unit stride), with and without the guard."""
+    from prims_ts.ops import _validate as V
+
+    ops = _ops()
+    lay = V.Layouts.of(ops, loose=(4,))
+    assert (lay.guard is not None) == (layouts_mode == "guard")
+    assert lay.key == tuple(V.meta_loose(t) if i == 4 else V.meta(t) for i, t in enumerate(ops))
+    fresh = [None if t is None else t.clone() for t in ops]
+    assert lay.matches(ops) and lay.matches(fresh)
+    fresh[4] = torch.arange(11, dtype=torch.int32)
+    assert lay.matches(fresh)
+    for i, other in [(0, ops[0][:, :4]), (0, ops[0].transpose(1, 2).contiguous().transpose(1, 2)),
+                     (0, ops[0].half()), (3, None), (2, torch.empty(1)), (4, ops[4].long()),
+                     (4, torch.arange(10, dtype=torch.int32)[::2]), (4, ops[4].view(1, 5)), (1, "k"),
+                     (0, torch.nn.Parameter(ops[0]))]:
+        bad = list(ops)
+        bad[i] = other
+        assert not lay.matches(bad), i
+        assert V.Layouts.of(bad, loose=(4,)) is None or lay.key != V.Layouts.of(bad, loose=(4,)).key, i
+    assert V.Layouts.of([ops[0], torch.nn.Parameter(ops[1])]) is None  # only plain tensors are recorded
+
+
+def test_layouts_follow_a_mode_change(layouts_mode):
+    """Operands recorded outside ``inference_mode`` still match inside it (their dispatch keys
+    differ there: the guard refuses, the metas accept and the guard is recorded again), and
+    then match again outside."""
+    from prims_ts.ops import _validate as V
+
+    ops = _ops()
+    lay = V.Layouts.of(ops, loose=(4,))
+    with torch.inference_mode():
+        assert lay.matches(ops)
+        if layouts_mode == "guard":
+            present = [t for t in ops if t is not None]
+            assert lay.guard.check(*present)  # recorded for this mode
+    assert lay.matches(ops)
+    ops[0].requires_grad_(True)
+    assert lay.matches(ops)
+
+
 def test_accepted_addresses_refuse_misalignment_and_overlap():
     ops = _ops()
     fixed_t = torch.empty(16, dtype=torch.int32)

@@ -230,7 +230,7 @@ def test_checked_once_keys_on_static_facts_and_types():
         return (t.shape[0], n)
 
     def once(t, n, check=check):
-        return V.checked_once(memo, (V.meta(t), V.meta(n)), check, t, n)
+        return V.checked_once(memo, (t,), (n,), check, t, n)
 
     x = torch.zeros(4)
     assert once(x, 1) == (4, 1)
@@ -247,3 +247,32 @@ def test_checked_once_keys_on_static_facts_and_types():
     for _ in range(2):
         assert once(x, {1: 2}, lambda t, n: seen.append(n) or "checked") == "checked"
     assert len(seen) == 2  # a dict cannot be a key: checked every time
+
+
+def test_checked_once_takes_the_last_key_by_one_compare(monkeypatch):
+    """A call with the last call's layouts and scalars returns its result without building a
+    key (no ``meta``); other layouts, another scalar type (True is not 1) or a mode change still
+    find their own results; a traced call is checked every time."""
+    from prims_ts.ops import _validate as V
+
+    memo, calls = V.memo(), []
+
+    def check(t, n, ids):
+        calls.append(n)
+        return (tuple(t.shape), n)
+
+    def once(t, n, ids, **kw):
+        return V.checked_once(memo, (t, None, ids), (n,), check, t, n, ids, loose=(2,), **kw)
+
+    x, ids = torch.zeros(4, 2), torch.arange(3, dtype=torch.int32)
+    assert once(x, 1, ids) == ((4, 2), 1) and calls == [1]
+    real_meta, metas = V.meta, []
+    monkeypatch.setattr(V, "meta", lambda t: metas.append(t) or real_meta(t))
+    assert once(torch.ones(4, 2), 1, torch.arange(7, dtype=torch.int32)) == ((4, 2), 1)
+    assert calls == [1] and metas == []  # the last key, matched without a meta
+    assert once(x, True, ids) == ((4, 2), True) and calls == [1, True]
+    assert once(x, 1, ids) == ((4, 2), 1) and calls == [1, True]  # the memo's entry
+    assert once(torch.zeros(2, 4), 1, ids) == ((2, 4), 1) and calls == [1, True, 1]
+    with torch.inference_mode():
+        assert once(torch.zeros(2, 4), 1, ids) == ((2, 4), 1) and len(calls) == 3
+    assert once(x, 1, ids, traced=True) == ((4, 2), 1) and len(calls) == 4

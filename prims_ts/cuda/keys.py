@@ -368,21 +368,16 @@ def check_starts(named) -> None:
 # ----------------------------------------------------------------------------
 
 
-def _layout(t: Optional[torch.Tensor], loose: bool):
-    if t is None:
-        return None
-    return (None if loose else t.shape, None if loose else t.stride(), t.dtype, t.get_device())
-
-
 class Accepted:
-    """The tensor operands of a plan's launch as its last fully checked run passed them: per
-    operand (shape, strides, dtype, device index) and byte extent. A later run whose operands
-    have exactly these layouts passed the same checks, and the strides in the plan's
+    """The tensor operands of a plan's launch as its last fully checked run passed them: their
+    layouts (``ops._validate.Layouts``: shape, strides, dtype and device each, compared in one
+    check) and byte extents. A later run whose operands have exactly these layouts passed the
+    same checks, and the strides in the plan's
     parameters are already its strides: only the addresses are new, and ``addresses`` checks
     them (16-byte aligned starts of the first ``aligned`` operands, the data the kernels read
     in vectors; the output clear of every other operand and of the plan's own tensors).
     Operands at ``loose`` positions (1-D int32 metadata whose length may change
-    between runs) match on dtype, device and contiguity; their extent is read per call.
+    between runs) match on dtype, strides, contiguity and device; their extent is read per call.
     The extents follow from the layouts, so the addresses (and loose lengths) of the last run
     that passed decide the outcome again: a serving loop's persistent buffers pass with one
     compare."""
@@ -400,29 +395,14 @@ class Accepted:
     def record(self, tensors: Sequence[Optional[torch.Tensor]]) -> None:
         from ..ops import _validate as V
 
-        self.layouts = tuple(_layout(t, i in self.loose) for i, t in enumerate(tensors))
+        self.layouts = V.Layouts.of(tensors, self.loose)
         self.extents = tuple(V.byte_extent(t) for t in tensors)
         self.passed = None
 
     def same(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
-        """Every operand plain and laid out as recorded (None where None was)."""
+        """Every operand plain and laid out as recorded (None where None was): ``Layouts``."""
         lay = self.layouts
-        if lay is None:
-            return False
-        for t, want in zip(tensors, lay):
-            if want is None:
-                if t is not None:
-                    return False
-                continue
-            if type(t) is not torch.Tensor:
-                return False
-            shape, strides, dtype, dev = want
-            if shape is None:
-                if t.dtype is not dtype or t.get_device() != dev or t.dim() != 1 or not t.is_contiguous():
-                    return False
-            elif t.shape != shape or t.dtype is not dtype or t.stride() != strides or t.get_device() != dev:
-                return False
-        return True
+        return lay is not None and lay.matches(tensors)
 
     def addresses(self, tensors: Sequence[Optional[torch.Tensor]], out_index: int) -> Optional[tuple]:
         """The operands' addresses (0 for None) when the aligned ones start 16-byte aligned and the output

@@ -9,6 +9,7 @@ contract says metadata is trusted (capturable run paths, traced graphs).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -53,25 +54,132 @@ def meta_loose(t) -> tuple:
     return meta(t)
 
 
-def memo() -> BoundedMemo:
+try:  # one C-level compare of many tensors' layouts (dynamo's guard of a compiled frame's inputs)
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except Exception:  # pragma: no cover - a torch without it: Layouts compares attribute by attribute
+    _TensorGuards = None
+
+
+def _getter(idx: Tuple[int, ...]):
+    """``ops -> tuple(ops[i] for i in idx)`` in one C call (itemgetter returns a bare item for one index)."""
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda ops: (ops[i],)
+    return operator.itemgetter(*idx)
+
+
+class Layouts:
+    """The layouts of a call's operands (plain tensors or None), recorded once: ``matches`` says
+    whether another call's operands are laid out the same, each with the same ``meta`` (at
+    ``loose`` positions, 1-D metadata whose length may change from call to call, ``meta_loose``).
+    ``key`` is that tuple of metas. Where torch has dynamo's ``TensorGuards``, a match costs one
+    C-level check of every tensor (it also compares the tensors' dispatch keys under the current
+    mode and ``requires_grad``); when it refuses operands whose metas match (under another
+    mode, say ``inference_mode``), the metas decide and the guard is recorded again for the new
+    state."""
+
+    __slots__ = ("loose", "key", "guard", "pick", "nones", "want_nones")
+
+    def __init__(self, operands: Sequence[Optional[torch.Tensor]], loose: Sequence[int] = (),
+                 key: Optional[tuple] = None):
+        self.loose = frozenset(loose)
+        self.key = self.metas(operands) if key is None else key
+        present = tuple(i for i, t in enumerate(operands) if t is not None)
+        nones = tuple(i for i, t in enumerate(operands) if t is None)
+        self.pick = _getter(present) if nones and present else None
+        self.nones = _getter(nones) if nones else None
+        self.want_nones = (None,) * len(nones)
+        self._guard(operands)
+
+    @staticmethod
+    def of(operands: Sequence[object], loose: Sequence[int] = (), key: Optional[tuple] = None) -> Optional["Layouts"]:
+        """The operands' layouts, or None when one is not a plain tensor or None."""
+        for t in operands:
+            if t is not None and type(t) is not torch.Tensor:
+                return None
+        return Layouts(operands, loose, key)
+
+    def metas(self, operands) -> tuple:
+        loose = self.loose
+        return tuple([meta_loose(t) if i in loose else meta(t) for i, t in enumerate(operands)])
+
+    def _guard(self, operands) -> None:
+        self.guard = None
+        idx = [i for i, t in enumerate(operands) if t is not None]
+        # a loose operand's guard leaves its length open: only a unit stride then implies its contiguity
+        if _TensorGuards is None or not idx or any(operands[i].stride() != (1,) for i in self.loose):
+            return
+        present = [operands[i] for i in idx]
+        try:
+            self.guard = _TensorGuards(
+                *present,
+                dynamic_dims_sizes=[[None] if i in self.loose else list(t.shape) for i, t in zip(idx, present)],
+                dynamic_dims_strides=[list(t.stride()) for t in present])
+        except Exception:  # pragma: no cover - another torch's signature: the metas decide
+            self.guard = None
+
+    def matches(self, operands: Sequence[Optional[torch.Tensor]]) -> bool:
+        g = self.guard
+        if g is not None:
+            if self.nones is None:
+                if g.check(*operands):
+                    return True
+            elif self.nones(operands) == self.want_nones and (self.pick is None or g.check(*self.pick(operands))):
+                return True
+        if len(operands) != len(self.key) or self.metas(operands) != self.key:
+            return False
+        self._guard(operands)  # the same metas, refused by the guard under another state: record it for that
+        return True
+
+
+class StaticMemo(BoundedMemo):
+    """``checked_once``'s memo: the results of one call site's static checks under their keys,
+    and the last call's key as ``Layouts`` (``last``), which a serving loop's next call matches
+    with one compare."""
+
+    def __init__(self, limit: int = MEMO_LIMIT):
+        super().__init__(limit)
+        self.last = None  # (scalars, their types, Layouts, result)
+
+
+def cache_operands(kv_cache) -> tuple:
+    """A K/V cache argument as operands: its (K, V) pair, or the one combined tensor (whatever
+    the caller passed: the checks name a bad one)."""
+    return tuple(kv_cache) if isinstance(kv_cache, (tuple, list)) else (kv_cache,)
+
+
+def memo() -> StaticMemo:
     """A memo of static checks (``checked_once``), bounded like the prepared launches'."""
-    return BoundedMemo(MEMO_LIMIT)
+    return StaticMemo(MEMO_LIMIT)
 
 
-def checked_once(memo: BoundedMemo, key: tuple, check, *args, traced: Optional[bool] = None):
+def checked_once(memo: StaticMemo, operands: tuple, scalars: tuple, check, *args, traced: Optional[bool] = None,
+                 loose: Sequence[int] = ()):
     """``check(*args)``, the static checks of a call (they read no tensor value or address), once
-    per `key` (the caller's: its tensors' ``meta`` and its other arguments, written out, which
-    costs a few microseconds less than a loop over them), then its memoised result; while
-    traced, or with an argument that cannot be a key, every time (the checks name a bad one),
-    and nothing is kept. Only a result is kept: a call that fails its checks is checked again
-    next time. ``traced``: the caller's ``tracing()``, if it has it."""
+    per static key: the layouts of ``operands`` (tensors or None, each its ``meta``; at ``loose``
+    positions ``meta_loose``) and the other arguments ``scalars``, each with its type (True is
+    not 1). Then its memoised result: first against the last call's key (``Layouts``, one
+    compare), then the memo of every key. While traced, or with an argument that cannot be a
+    key, every time (the checks name a bad one), and nothing is kept. Only a result is kept: a
+    call that fails its checks is checked again next time. ``traced``: the caller's
+    ``tracing()``, if it has it."""
     if tracing() if traced is None else traced:
         return check(*args)
+    last = memo.last
+    types = tuple(map(type, scalars))
+    if last is not None and last[1] == types and last[0] == scalars and last[2].matches(operands):
+        return last[3]
+    metas = tuple([meta_loose(t) if i in loose else meta(t) for i, t in enumerate(operands)])
     try:
+        key = metas + types + scalars
         got = memo.get(key)
     except TypeError:  # an unhashable argument
         return check(*args)
-    return got if got is not None else memo.put(key, check(*args))
+    if got is None:
+        got = memo.put(key, check(*args))
+    layouts = Layouts.of(operands, loose, metas)
+    memo.last = None if layouts is None else (scalars, types, layouts, got)
+    return got
 
 
 def _dtype_name(d) -> str:

@@ -432,15 +432,16 @@ def prims_ts_batch_decode_with_kv_cache(
     Capturable in a CUDA graph once this static key has run once.
     """
     traced = V.tracing()
-    m = V.meta
-    key = (m(query), m(kv_cache), m(workspace_buffer), m(paged_kv_indptr), V.meta_loose(paged_kv_indices), m(seq_lens),
-           m(qo_indptr), m(out), max_seq_len, seq_len_q, max_seq_len_q, out_dtype, mask_type, window_left, kv_layout)
-    checked = V.checked_once(_CHECKED, key, _standalone_checks, query, kv_cache, workspace_buffer, paged_kv_indptr,
-                             paged_kv_indices, seq_lens, max_seq_len, seq_len_q, qo_indptr, max_seq_len_q, out_dtype,
-                             out, mask_type, window_left, kv_layout, traced=traced)
+    cache = V.cache_operands(kv_cache)
+    checked = V.checked_once(
+        _CHECKED, (query, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, out) + cache,
+        (type(kv_cache), len(cache), max_seq_len, seq_len_q, max_seq_len_q, out_dtype, mask_type, window_left,
+         kv_layout),
+        _standalone_checks, query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens,
+        max_seq_len, seq_len_q, qo_indptr, max_seq_len_q, out_dtype, out, mask_type, window_left, kv_layout,
+        traced=traced, loose=(3,))
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(checked.head_dim))
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-    cache = (kv_cache,) if isinstance(kv_cache, torch.Tensor) else tuple(kv_cache)
     if not traced:
         a = checked.check_call((out, workspace_buffer, query) + cache
                                + (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr))

@@ -346,12 +346,11 @@ def prims_ts_batch_decode_with_kv_cache_mla(
     must have that dtype.
     """
     traced = V.tracing()
-    m = V.meta
-    key = (m(query), m(kv_cache), m(workspace_buffer), m(block_tables), m(seq_lens), m(qo_indptr), m(out),
-           kv_lora_rank, qk_rope_head_dim, max_seq_len, max_seq_len_q, mask_type, out_dtype)
-    checked = V.checked_once(_CHECKED, key, _standalone_checks, query, kv_cache, workspace_buffer, kv_lora_rank,
-                             qk_rope_head_dim, block_tables, seq_lens, max_seq_len, qo_indptr, max_seq_len_q, out,
-                             mask_type, out_dtype, traced=traced)
+    checked = V.checked_once(
+        _CHECKED, (query, kv_cache, workspace_buffer, block_tables, seq_lens, qo_indptr, out),
+        (kv_lora_rank, qk_rope_head_dim, max_seq_len, max_seq_len_q, mask_type, out_dtype),
+        _standalone_checks, query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens,
+        max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype, traced=traced)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:
@@ -723,11 +722,11 @@ def batch_mla_decode_with_paged_kv_cache(
     if V.tracing():
         raise RuntimeError("batch_mla_decode_with_paged_kv_cache reads metadata on the host and cannot be traced; "
                            "use BatchMLADecodePagedTSWrapper (plan outside, run inside)")
-    m = V.meta
-    key = (m(query), m(kv_cache), m(block_tables), m(seq_lens), m(qo_indptr), m(out), m(max_seq_len_q),
-           m(kv_lora_rank), m(qk_rope_head_dim), mask_type, m(max_kv_len), out_dtype)
-    one = V.checked_once(_ONESHOT_CHECKED, key, _oneshot_checks, query, kv_cache, block_tables, seq_lens, qo_indptr,
-                         max_seq_len_q, kv_lora_rank, qk_rope_head_dim, mask_type, max_kv_len, out, out_dtype)
+    one = V.checked_once(
+        _ONESHOT_CHECKED, (query, kv_cache, block_tables, seq_lens, qo_indptr, out),
+        (max_seq_len_q, kv_lora_rank, qk_rope_head_dim, mask_type, max_kv_len, out_dtype),
+        _oneshot_checks, query, kv_cache, block_tables, seq_lens, qo_indptr, max_seq_len_q, kv_lora_rank,
+        qk_rope_head_dim, mask_type, max_kv_len, out, out_dtype, traced=False)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     # the plan's and run(validate=True)'s value checks, on one copy of the metadata

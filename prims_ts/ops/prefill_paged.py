@@ -435,12 +435,11 @@ def batch_prefill_with_paged_kv_cache(
     ``Sq <= Sk``) and to build the heavy-first work list, so it is not CUDA-graph
     capturable; plan a wrapper for that.
     """
-    m = V.meta
-    key = (m(q), m(k_cache), m(v_cache), m(qo_indptr), m(block_tables), m(seq_lens_kv), m(out), m(page_size),
-           kv_layout, mask_type, m(window_left), sm_scale, output_scale, out_dtype)
-    pb = V.checked_once(_ONESHOT_CHECKED, key, _oneshot_checks, q, k_cache, v_cache, qo_indptr, block_tables,
-                        seq_lens_kv, page_size, kv_layout, mask_type, window_left, sm_scale, output_scale, out_dtype,
-                        out)
+    pb = V.checked_once(
+        _ONESHOT_CHECKED, (q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, out),
+        (page_size, kv_layout, mask_type, window_left, sm_scale, output_scale, out_dtype),
+        _oneshot_checks, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, page_size, kv_layout, mask_type,
+        window_left, sm_scale, output_scale, out_dtype, out)
 
     def tables(device, batch, num_pages):
         if V.tracing():
