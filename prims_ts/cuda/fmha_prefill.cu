@@ -128,11 +128,12 @@ struct PrefillProblem {
     return m;
   }
   __device__ __forceinline__ bool visible(int r, int j) const {
-    if (MASK == MASK_VARWIN) return j >= lo[r] && j <= hi[r];
+    // one interval of keys per row, compared without branches
+    if (MASK == MASK_VARWIN) return (j >= lo[r]) & (j <= hi[r]);
     bool ok = j < sk;
     if (MASK == MASK_CAUSAL) {
       const int d = diag0 + r;
-      ok = ok && j <= d && (window < 0 || j >= d - window);
+      ok = ok & (j <= d) & (j >= (window < 0 ? -2147483647 - 1 : d - window));
     }
     return ok;
   }

@@ -173,9 +173,9 @@ struct DecodeProblem {
   }
   __device__ __forceinline__ bool visible(int r, int j) const {
     bool ok = j < sk;
-    if (CAUSAL) {
+    if (CAUSAL) {  // one interval of keys per row, compared without branches
       const int d = diag(r);
-      ok = ok && j <= d && (p->window_left < 0 || j >= d - p->window_left);
+      ok = ok & (j <= d) & (j >= (p->window_left < 0 ? -2147483647 - 1 : d - p->window_left));
     }
     return ok;
   }
