@@ -182,6 +182,8 @@ def test_layouts_match_exactly_the_metas(layouts_mode):
         assert not lay.matches(bad), i
         assert V.Layouts.of(bad, loose=(4,)) is None or lay.key != V.Layouts.of(bad, loose=(4,)).key, i
     assert V.Layouts.of([ops[0], torch.nn.Parameter(ops[1])]) is None  # only plain tensors are recorded
+    none_loose = V.Layouts.of([ops[0], None], loose=(1,))  # None at a loose position
+    assert none_loose.matches([ops[0].clone(), None]) and not none_loose.matches([ops[0], ops[4]])
 
 
 def test_layouts_follow_a_mode_change(layouts_mode):

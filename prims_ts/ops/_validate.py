@@ -107,7 +107,7 @@ class Layouts:
         self.guard = None
         idx = [i for i, t in enumerate(operands) if t is not None]
         # a loose operand's guard leaves its length open: only a unit stride then implies its contiguity
-        if _TensorGuards is None or not idx or any(operands[i].stride() != (1,) for i in self.loose):
+        if _TensorGuards is None or not idx or any(operands[i] is not None and operands[i].stride() != (1,) for i in self.loose):
             return
         present = [operands[i] for i in idx]
         try:
