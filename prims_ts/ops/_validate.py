@@ -54,6 +54,11 @@ def meta_loose(t) -> tuple:
     return meta(t)
 
 
+def metas(operands: Sequence[object], loose=()) -> tuple:
+    """Each operand's ``meta`` (``meta_loose`` at the positions in ``loose``): a call's static key."""
+    return tuple([meta_loose(t) if i in loose else meta(t) for i, t in enumerate(operands)])
+
+
 try:  # one C-level compare of many tensors' layouts (dynamo's guard of a compiled frame's inputs)
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except Exception:  # pragma: no cover - a torch without it: Layouts compares attribute by attribute
@@ -83,7 +88,7 @@ class Layouts:
     def __init__(self, operands: Sequence[Optional[torch.Tensor]], loose: Sequence[int] = (),
                  key: Optional[tuple] = None):
         self.loose = frozenset(loose)
-        self.key = self.metas(operands) if key is None else key
+        self.key = metas(operands, self.loose) if key is None else key
         present = tuple(i for i, t in enumerate(operands) if t is not None)
         nones = tuple(i for i, t in enumerate(operands) if t is None)
         self.pick = _getter(present) if nones and present else None
@@ -99,15 +104,12 @@ class Layouts:
                 return None
         return Layouts(operands, loose, key)
 
-    def metas(self, operands) -> tuple:
-        loose = self.loose
-        return tuple([meta_loose(t) if i in loose else meta(t) for i, t in enumerate(operands)])
-
     def _guard(self, operands) -> None:
         self.guard = None
         idx = [i for i, t in enumerate(operands) if t is not None]
         # a loose operand's guard leaves its length open: only a unit stride then implies its contiguity
-        if _TensorGuards is None or not idx or any(operands[i] is not None and operands[i].stride() != (1,) for i in self.loose):
+        if _TensorGuards is None or not idx or any(
+                operands[i] is not None and operands[i].stride() != (1,) for i in self.loose):
             return
         present = [operands[i] for i in idx]
         try:
@@ -126,7 +128,7 @@ class Layouts:
                     return True
             elif self.nones(operands) == self.want_nones and (self.pick is None or g.check(*self.pick(operands))):
                 return True
-        if len(operands) != len(self.key) or self.metas(operands) != self.key:
+        if len(operands) != len(self.key) or metas(operands, self.loose) != self.key:
             return False
         self._guard(operands)  # the same metas, refused by the guard under another state: record it for that
         return True
@@ -169,15 +171,15 @@ def checked_once(memo: StaticMemo, operands: tuple, scalars: tuple, check, *args
     types = tuple(map(type, scalars))
     if last is not None and last[1] == types and last[0] == scalars and last[2].matches(operands):
         return last[3]
-    metas = tuple([meta_loose(t) if i in loose else meta(t) for i, t in enumerate(operands)])
+    static = metas(operands, loose)
     try:
-        key = metas + types + scalars
+        key = static + types + scalars
         got = memo.get(key)
     except TypeError:  # an unhashable argument
         return check(*args)
     if got is None:
         got = memo.put(key, check(*args))
-    layouts = Layouts.of(operands, loose, metas)
+    layouts = Layouts.of(operands, loose, static)
     memo.last = None if layouts is None else (scalars, types, layouts, got)
     return got
 
