@@ -318,16 +318,67 @@ def test_rerun_writes_what_a_full_run_writes(form, max_len, monkeypatch):
     q, k, v, ws, o, ip, ids, lens = first
     a.run(q, k, v, ws, o, ip, ids, lens, None, 0.125, 1.0)
     q, k, v, ws, o, ip, ids, lens = second
-    assert a.rerun(_addr(q), _addr(k), _addr(v), _addr(o), _addr(ws), 0, _addr(ip), _addr(ids), _addr(lens),
+    assert a.rerun(_addr(q), _addr(k), _addr(v), _addr(ws), 0, _addr(ip), _addr(ids), _addr(lens), _addr(o),
                    0.25, 0.5)
     fresh = KD.PreparedDecode(static, 0).for_plan(None)
     fresh.run(q, k, v, ws, o, ip, ids, lens, None, 0.25, 0.5)
     assert launched[1] == launched[2]  # the rerun's struct is the full run's, byte for byte
     assert launched[0] != launched[1]
     # a misaligned start: refused, nothing launched (the full run names it)
-    assert not a.rerun(_addr(q) + 2, _addr(k), _addr(v), _addr(o), _addr(ws), 0, _addr(ip), _addr(ids),
-                       _addr(lens), 0.25, 0.5)
+    assert not a.rerun(_addr(q) + 2, _addr(k), _addr(v), _addr(ws), 0, _addr(ip), _addr(ids), _addr(lens),
+                       _addr(o), 0.25, 0.5)
     assert len(launched) == 3
+
+
+@pytest.mark.parametrize("form", ["combined", "separate", "latent"])
+def test_standalone_relaunch_writes_what_a_full_run_writes(form, monkeypatch):
+    """A standalone's second call under its key relaunches (``rerun``, its addresses picked from
+    the call's operands by ``Standalone.roles``): the struct it launches is the one a full run of
+    the same call writes, byte for byte (an operand in the wrong role fails here)."""
+    KD, launched = _stub_prepared(monkeypatch)
+    import prims_ts
+    from prims_ts.ops import _dispatch
+    from prims_ts.ops import _validate as V
+    from prims_ts.ops import decode as D
+    from prims_ts.ops import mla as M
+
+    monkeypatch.setattr(_dispatch, "launchable", lambda query, out, traced=None: True)
+    b, ps, pages = 2, 16, 6
+    site = M if form == "latent" else D
+
+    def operands():
+        ws = torch.empty(1 << 22, dtype=torch.uint8)
+        lens = torch.tensor([40, 48], dtype=torch.int32)
+        if form == "latent":
+            return (torch.randn(b, 1, 16, 576, dtype=BF16), torch.randn(pages, ps, 576, dtype=BF16), ws,
+                    torch.randperm(pages).to(torch.int32).view(b, 3), lens, torch.empty(b, 1, 16, 512, dtype=BF16))
+        if form == "combined":
+            cache = torch.randn(pages, 2, 2, ps, 128, dtype=BF16)
+        else:
+            cache = (torch.randn(pages, 2, ps, 128, dtype=BF16), torch.randn(pages, 2, ps, 128, dtype=BF16))
+        ip = torch.tensor([0, 3, 6], dtype=torch.int32)
+        return (torch.randn(b, 8, 128, dtype=BF16), cache, ws, ip, torch.randperm(pages).to(torch.int32), lens,
+                torch.empty(b, 8, 128, dtype=BF16))
+
+    def call(ops, scale):
+        if form == "latent":
+            q, cache, ws, table, lens, o = ops
+            prims_ts.prims_ts_batch_decode_with_kv_cache_mla(q, cache, ws, 512, 64, table, lens, 64, bmm1_scale=scale,
+                                                             bmm2_scale=0.5, out=o)
+        else:
+            q, cache, ws, ip, ids, lens, o = ops
+            prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, ws, ip, ids, lens, 64, bmm1_scale=scale,
+                                                         bmm2_scale=0.5, out=o)
+
+    monkeypatch.setattr(site, "_CHECKED", V.memo())
+    first, second = operands(), operands()
+    call(first, 0.125)  # the key's first call: a full run
+    call(second, 0.25)  # under the same key: a relaunch with the second call's addresses
+    monkeypatch.setattr(site, "_CHECKED", V.memo())
+    call(second, 0.25)  # a new memo: a full run of the same call
+    assert len(launched) == 3
+    assert launched[1] == launched[2]
+    assert launched[0] != launched[1]
 
 
 # ----------------------------------------------------------------------------

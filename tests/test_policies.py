@@ -334,7 +334,6 @@ def test_portable_tuning_takes_the_portable_engine_on_sm90a(monkeypatch):
     """Tuning(portable=True): the prefill-family keys of sm_80's engine on an sm_90a device (how
     the grids check it on a Hopper GPU), and the work lists count that engine's q tiles."""
     from prims_ts import Tuning
-    from prims_ts.cuda import keys
     from prims_ts.cuda.block_sparse import BlockSparseKey
     from prims_ts.ops import _validate as V
     from prims_ts.ops import prefill as P
@@ -349,7 +348,7 @@ def test_portable_tuning_takes_the_portable_engine_on_sm90a(monkeypatch):
     assert prefill.prefill_tile_m(torch.bfloat16, 256, "causal", "sm_90a", paged=True, tuning=t) == 64
     assert Tuning.decode(t.encode()) == t
     # on an sm_90a device a dense D256 work list counts 128-row tiles, under `portable` 64-row ones
-    monkeypatch.setattr(keys, "device_limits", lambda device: ("sm_90a", 132, 232448))
+    monkeypatch.setattr(P, "device_limits", lambda device: ("sm_90a", 132, 232448))
     monkeypatch.setattr(V, "to_device", lambda device, a: [torch.from_numpy(a.reshape(-1))])
     q_lens, kv_lens, cuda = np.array([300, 200]), np.array([300, 400]), torch.device("cuda")
     assert P.plan_work(cuda, q_lens, kv_lens, 300, True, "dense", -1, torch.bfloat16, 256).shape[0] == 3 + 2

@@ -371,8 +371,8 @@ class PreparedDecode(Prepared):
         if self.accepted is not None:
             self.accepted.record((query, k_cache, v_cache, out))
 
-    def rerun(self, q: int, k: int, v: int, o: int, ws: int, qo_indptr: int, kv_indptr: int, kv_indices: int,
-              seq_lens: int, sm_scale: float, output_scale: float, num_indices: int = -1) -> bool:
+    def rerun(self, q: int, k: int, v: int, ws: int, qo_indptr: int, kv_indptr: int, kv_indices: int,
+              seq_lens: int, o: int, sm_scale: float, output_scale: float, num_indices: int = -1) -> bool:
         """The last full ``run``'s launch again with new addresses (ints, 0 for None; ``v`` 0: the
         pool's V at its offset from K in that run), scales and, unless -1, CSR ``kv_indices``'
         length: the caller vouches that every other operand is laid out as in that run (a

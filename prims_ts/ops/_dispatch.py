@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch._C import _is_torch_function_mode_enabled, _len_torch_dispatch_stack
 
+from ..cuda.keys import Accepted
 from . import _validate as V
 
 
@@ -66,8 +67,6 @@ def plan_launch(prepared, bound: Sequence[Optional[torch.Tensor]], aligned: int 
     """A plan's own copy of a prepared launch (``cuda.keys.Prepared.for_plan``), whose fast runs
     keep their output clear of ``bound``, the tensors the plan holds (see ``cuda.keys.Accepted``
     for ``aligned`` and ``loose``)."""
-    from ..cuda.keys import Accepted
-
     return prepared.for_plan(Accepted(aligned, [V.span(t) for t in bound if t is not None], loose))
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import reference
+from ..cuda import block_sparse as K
 from ..cuda.keys import Tuning, cuda_index
 from . import _dispatch
 from . import _validate as V
@@ -41,11 +42,9 @@ KVCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 def _static(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, batch, seq_len_q, q_block_size, kv_block_size,
             valid_words, mask_type, out_dtype, tuning: Tuning, seq_len_kv: Optional[int] = None):
     """The prepared launch's key; `seq_len_kv` given: the contiguous form (page_size unused)."""
-    from ..cuda.block_sparse import BlockSparseStatic
-
-    return BlockSparseStatic(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, batch, seq_len_q, q_block_size,
-                             kv_block_size, valid_words, mask_type == "causal", out_dtype, tuning,
-                             contiguous=seq_len_kv is not None, seq_len_kv=seq_len_kv or 0)
+    return K.BlockSparseStatic(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, batch, seq_len_q, q_block_size,
+                               kv_block_size, valid_words, mask_type == "causal", out_dtype, tuning,
+                               contiguous=seq_len_kv is not None, seq_len_kv=seq_len_kv or 0)
 
 
 def _run(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_indices, seq_lens, valid_bits,
@@ -53,8 +52,6 @@ def _run(q, k_cache, v_cache, out, kv_indptr, kv_indices, block_indptr, block_in
     if out.numel() == 0:
         return
     if q.device.type == "cuda":
-        from ..cuda import block_sparse as K
-
         batch, sq, hq, d = q.shape
         static = _static(q.dtype, d, hq, k_cache.shape[1], k_cache.shape[2], batch, sq, q_block_size, kv_block_size,
                          valid_bits.shape[1] if valid_bits is not None else 0, mask_type, out.dtype,
@@ -121,8 +118,6 @@ def _run_contiguous(q, k, v, out, block_indptr, block_indices, valid_bits, q_blo
     if out.numel() == 0:
         return
     if q.device.type == "cuda":
-        from ..cuda import block_sparse as K
-
         batch, sq, hq, d = q.shape
         static = _static(q.dtype, d, hq, k.shape[2], 0, batch, sq, q_block_size, kv_block_size,
                          valid_bits.shape[1] if valid_bits is not None else 0, mask_type, out.dtype,
@@ -358,7 +353,7 @@ def check_page_counts(ip: np.ndarray, lens: np.ndarray, page_size: int) -> None:
     live length needs."""
     V.values_indptr("paged_kv_indptr", ip, None, "", strict=False)
     need = (lens + page_size - 1) // page_size
-    have = np.diff(ip)
+    have = V.diff(ip)
     bad = have < need
     if bad.any():
         b = V.first(bad)
@@ -469,8 +464,6 @@ class BlockSparsePagedTSWrapper:
                          kv_block_size, words, mask_type, odt, self.tuning)
         launch = None
         if device.type == "cuda":
-            from ..cuda import block_sparse as K
-
             launch = K.prepared(static, device.index)  # loaded before any state changes
         kv_indptr, seq_lens = V.to_device(device, ip, lens)
         if launch is not None and values is None:
@@ -774,8 +767,6 @@ class BlockSparseTSWrapper:
         if dev.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("BlockSparseTSWrapper: plan before capturing a CUDA graph (it loads the kernel)")
-            from ..cuda import block_sparse as K
-
             launch = K.prepared(static, dev.index)
             if not one_shot:
                 launch = _dispatch.plan_launch(launch, (), loose=(6,))

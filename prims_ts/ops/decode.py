@@ -11,14 +11,16 @@ Fakes:  ``prims_ts/meta/decode.py``; CPU kernel: ``prims_ts.reference.batch_deco
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from .. import reference
-from ..cuda.keys import DEFAULT_TUNING, Tuning
+from ..cuda import decode as K
+from ..cuda.keys import DEFAULT_TUNING, Tuning, device_limits
 from . import _dispatch
 from . import _validate as V
 from .prefill_paged import PAGE_SIZES, check_csr_values, check_layout, check_page_ids
@@ -39,10 +41,8 @@ def decode_static(dtype, head_dim: int, num_qo_heads: int, num_kv_heads: int, pa
                   packed: bool, batch: int, seq_len_q: int, max_seq_len_q: int, max_seq_len: int, mask_type: str,
                   window_left: int, tuning: Tuning):
     """The prepared launch's key (what a plan knows, or what an op's arguments say)."""
-    from ..cuda.decode import DecodeStatic
-
-    return DecodeStatic(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, mask_type == "causal", window_left,
-                        out_dtype, batch, seq_len_q, max_seq_len_q, max_seq_len, packed, tuning)
+    return K.DecodeStatic(dtype, head_dim, num_qo_heads, num_kv_heads, page_size, mask_type == "causal", window_left,
+                          out_dtype, batch, seq_len_q, max_seq_len_q, max_seq_len, packed, tuning)
 
 
 def _run(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr, seq_len_q,
@@ -50,8 +50,6 @@ def _run(query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_len
     if out.numel() == 0:
         return
     if query.device.type == "cuda":
-        from ..cuda import decode as K
-
         packed = qo_indptr is not None
         batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
         static = decode_static(query.dtype, query.shape[-1], query.shape[-2], k_cache.shape[1], k_cache.shape[2],
@@ -199,15 +197,12 @@ def query_mode(batch: int, qo_indptr, seq_len_q, max_seq_len_q, query_shape=None
 
 
 def _workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, max_seq_len, max_seq_len_q, device) -> int:
-    from ..cuda.decode import decode_policy, decode_workspace_bytes
-    from ..cuda.keys import device_limits
-
     _, sms, limit = device_limits(device)
     group = num_qo_heads // num_kv_heads
-    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
+    pol = K.decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
     V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
-    return max(256, decode_workspace_bytes(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms,
-                                           limit))
+    return max(256, K.decode_workspace_bytes(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms,
+                                             limit))
 
 
 def check_dtypes(q_dtype, kv_dtype, out_dtype, names=("q_data_type", "kv_data_type", "o_data_type")):
@@ -303,19 +298,20 @@ class Standalone:
     written: bool = False  # a full run under this key wrote launch's struct
     passed: Optional[tuple] = None  # the operands' addresses (and loose length) of the last call that passed
     loose: int = -1  # the operand whose length the key leaves out (decode's paged_kv_indices; -1: none)
+    roles: Optional[Callable] = None  # starts + (0,) -> the relaunch's addresses (``rerun_roles``)
 
     def check_call(self, operands: tuple) -> tuple:
         """The per-call checks of an eager call under this key: ``out`` starts 16-byte aligned,
         and neither ``out`` nor the workspace overlaps another operand. The key fixes the
         operands' extents (but the ``loose`` one's, read here), so the addresses of a call that
         passed decide the outcome: a serving loop's persistent buffers pass with one compare.
-        Returns the addresses (None: no tensor)."""
-        starts = tuple([None if t is None else t.data_ptr() for t in operands])
+        Returns the addresses (0: no tensor)."""
+        starts = tuple([0 if t is None else t.data_ptr() for t in operands])
         i = self.loose
         memo = starts if i < 0 else (starts, operands[i].nbytes)
         if memo == self.passed:
             return starts
-        if starts[0] is not None and starts[0] & 15:
+        if starts[0] & 15:
             V.out_start(operands[0])
         extents = self.extents
         if i >= 0:
@@ -326,22 +322,30 @@ class Standalone:
 
     def prepared(self, device: torch.device):
         if self.launch is None:
-            from ..cuda import decode as K
-
             self.launch = K.prepared(self.static, device.index).for_plan(None)
         return self.launch
 
-    def launch_direct(self, device: torch.device, full, addresses: tuple, sm_scale: float,
+    def launch_direct(self, device: torch.device, full, starts: tuple, out: int, sm_scale: float,
                       output_scale: float, num_indices: int = -1) -> None:
         """Launch this key's prepared kernel: ``full(launch)`` (a full ``run``) the first time,
-        then ``rerun`` with ``addresses`` (q, k, v, o, workspace, qo_indptr, kv_indptr, kv_indices,
-        seq_lens; 0 for None) and the loose ``num_indices`` (-1: the key fixes it), falling back
-        to ``full`` when it refuses (a misaligned start)."""
+        then ``rerun`` with the addresses of ``starts`` (``check_call``'s), ``out``'s and the loose
+        ``num_indices`` (-1: the key fixes it), falling back to ``full`` when it refuses (a
+        misaligned start)."""
         launch = self.prepared(device)
-        if self.written and launch.rerun(*addresses, sm_scale, output_scale, num_indices):
+        if self.written and launch.rerun(*self.roles(starts + (0,)), out, sm_scale, output_scale, num_indices):
             return
         full(launch)
         self.written = True
+
+
+def rerun_roles(q: int, k: int, v: Optional[int], ws: int, qo_indptr: int, kv_indptr: Optional[int],
+                kv_indices: int, seq_lens: int, count: int) -> Callable:
+    """The getter of a relaunch's addresses (``PreparedDecode.rerun``: q, k, v, workspace,
+    qo_indptr, kv_indptr, kv_indices, seq_lens) from a standalone's operand starts followed by a
+    0 (``check_call``'s, ``count`` operands): each role's operand position, None for a role
+    with no operand (V in a one-tensor cache, kv_indptr of a block table)."""
+    return operator.itemgetter(*[count if i is None else i for i in (q, k, v, ws, qo_indptr, kv_indptr,
+                                                                     kv_indices, seq_lens)])
 
 
 def operands(out, workspace, named: Tuple[Tuple[str, Optional[torch.Tensor]], ...]) -> Tuple[tuple, tuple]:
@@ -396,8 +400,10 @@ def _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged
                                                     DEFAULT_TUNING)
     names, tensors = operands(out, workspace_buffer, (("query", query),) + named_cache("kv_cache", kv_cache)
                               + tuple(metadata))
+    n = len(names) - 4  # the metadata follow the cache's one or two tensors
     return Standalone(static, odt, names, tuple(V.byte_extent(t) for t in tensors), sq, max_sq, d, mask_type,
-                      window_left, loose=names.index("paged_kv_indices"))
+                      window_left, loose=n + 1,
+                      roles=rerun_roles(2, 3, 4 if n == 5 else None, 1, n + 3, n, n + 1, n + 2, len(names)))
 
 
 def prims_ts_batch_decode_with_kv_cache(
@@ -433,29 +439,27 @@ def prims_ts_batch_decode_with_kv_cache(
     """
     traced = V.tracing()
     cache = V.cache_operands(kv_cache)
+    # the operands in Standalone order: out, workspace_buffer, query, the cache's tensors, the metadata
+    tensors = (out, workspace_buffer, query) + cache + (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr)
     checked = V.checked_once(
-        _CHECKED, (query, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, out) + cache,
+        _CHECKED, tensors,
         (type(kv_cache), len(cache), max_seq_len, seq_len_q, max_seq_len_q, out_dtype, mask_type, window_left,
          kv_layout),
         _standalone_checks, query, kv_cache, workspace_buffer, paged_kv_indptr, paged_kv_indices, seq_lens,
         max_seq_len, seq_len_q, qo_indptr, max_seq_len_q, out_dtype, out, mask_type, window_left, kv_layout,
-        traced=traced, loose=(3,))
+        traced=traced, loose=(len(cache) + 4,))
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(checked.head_dim))
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:
-        a = checked.check_call((out, workspace_buffer, query) + cache
-                               + (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr))
+        starts = checked.check_call(tensors)
     if _dispatch.launchable(query, out, traced):
         if out is None:
             out = torch.empty(query.shape, dtype=checked.out_dtype, device=query.device)
-        two = len(cache) == 2
-        ip, ids, lens, qo = a[-4:]
         checked.launch_direct(
             query.device,
-            lambda launch: launch.run(query, cache[0], cache[1] if two else None, workspace_buffer, out,
+            lambda launch: launch.run(query, cache[0], cache[1] if len(cache) == 2 else None, workspace_buffer, out,
                                       paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, sm_scale, output_scale),
-            (a[2], a[3], a[4] if two else 0, out.data_ptr(), a[1], qo or 0, ip, ids, lens), sm_scale, output_scale,
-            paged_kv_indices.shape[0])
+            starts, out.data_ptr(), sm_scale, output_scale, paged_kv_indices.shape[0])
         return out
     k_cache, v_cache = split_cache(kv_cache)
     V.run_layout((("query", query), ("kv_cache", k_cache), ("kv_cache", v_cache)))  # per call: not in the key
@@ -591,7 +595,7 @@ class BatchDecodePagedTSWrapper:
                    f"got {int(lens[b])} (request {b})")
         if packed:
             V.values_indptr("qo_indptr", qo[0], None, "")
-            q_lens = np.diff(qo[0])
+            q_lens = V.diff(qo[0])
             most = int(q_lens.max())
             if max_seq_len_q is None:
                 max_seq_len_q = most
@@ -614,8 +618,6 @@ class BatchDecodePagedTSWrapper:
                                self.tuning)
         launch = None
         if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            from ..cuda import decode as K
-
             launch = K.prepared(static, device.index)  # loaded before any state changes
             if one_shot:
                 need = launch.workspace_bytes

@@ -24,11 +24,12 @@ import numpy as np
 import torch
 
 from .. import reference
-from ..cuda.keys import DEFAULT_TUNING, Tuning
+from ..cuda import decode as K
+from ..cuda.keys import DEFAULT_TUNING, Tuning, device_limits
 from . import _dispatch
 from . import _validate as V
 from .decode import (WORKSPACE_DTYPES, Standalone, _check_page_size, _workspace, check_dtypes, decode_static,
-                     operands, plan_workspace)
+                     operands, plan_workspace, rerun_roles)
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -57,8 +58,6 @@ def _run(query, kv_cache, workspace, out, block_tables, seq_lens, qo_indptr, max
     if out.numel() == 0:
         return
     if query.device.type == "cuda":
-        from ..cuda import decode as K
-
         packed = qo_indptr is not None
         batch = qo_indptr.shape[0] - 1 if packed else query.shape[0]
         static = _static(query.dtype, query.shape[-2], kv_cache.shape[1], out.dtype, packed, batch,
@@ -157,19 +156,15 @@ def _fixed_sq(seq_len_q, max_seq_len_q, default: int = 1) -> int:
 
 
 def _workspace_bytes(batch, num_heads, max_seq_len, max_seq_len_q, device) -> int:
-    from ..cuda.keys import device_limits
-
     _, sms, limit = device_limits(device)
     return _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit)
 
 
 @functools.lru_cache(maxsize=1024)  # per static key and device limits: plans and one-shots ask again
 def _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit) -> int:
-    from ..cuda.decode import MLA_DIM_QK, decode_policy, mla_workspace_bytes
-
-    pol = decode_policy(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sms, limit)
+    pol = K.decode_policy(batch, 1, num_heads, max_seq_len_q, K.MLA_DIM_QK, max_seq_len, sms, limit)
     V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
-    return max(256, int(mla_workspace_bytes(batch, num_heads, max_seq_len_q, max_seq_len, sms, limit)))
+    return max(256, int(K.mla_workspace_bytes(batch, num_heads, max_seq_len_q, max_seq_len, sms, limit)))
 
 
 def get_prims_ts_batch_decode_mla_workspace_size(
@@ -311,7 +306,7 @@ def _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_
                                               1 if packed else max_sq, max_sq, max_seq_len, mask_type, DEFAULT_TUNING)
     names, tensors = operands(out, workspace_buffer, (("query", query), ("kv_cache", kv_cache)) + tuple(metadata))
     return Standalone(static, odt, names, tuple(V.byte_extent(t) for t in tensors), max_sq=max_sq,
-                      mask_type=mask_type)
+                      mask_type=mask_type, roles=rerun_roles(2, 3, None, 1, 6, None, 4, 5, len(names)))
 
 
 def prims_ts_batch_decode_with_kv_cache_mla(
@@ -346,15 +341,16 @@ def prims_ts_batch_decode_with_kv_cache_mla(
     must have that dtype.
     """
     traced = V.tracing()
+    tensors = (out, workspace_buffer, query, kv_cache, block_tables, seq_lens, qo_indptr)  # in Standalone order
     checked = V.checked_once(
-        _CHECKED, (query, kv_cache, workspace_buffer, block_tables, seq_lens, qo_indptr, out),
+        _CHECKED, tensors,
         (kv_lora_rank, qk_rope_head_dim, max_seq_len, max_seq_len_q, mask_type, out_dtype),
         _standalone_checks, query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_head_dim, block_tables, seq_lens,
         max_seq_len, qo_indptr, max_seq_len_q, out, mask_type, out_dtype, traced=traced)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:
-        a = checked.check_call((out, workspace_buffer, query, kv_cache, block_tables, seq_lens, qo_indptr))
+        starts = checked.check_call(tensors)
     if _dispatch.launchable(query, out, traced):
         if out is None:
             out = torch.empty(out_shape(query), dtype=checked.out_dtype, device=query.device)
@@ -362,7 +358,7 @@ def prims_ts_batch_decode_with_kv_cache_mla(
             query.device,
             lambda launch: launch.run(query, kv_cache, None, workspace_buffer, out, None, block_tables, seq_lens,
                                       qo_indptr, sm_scale, output_scale, bt_stride=block_tables.stride(0)),
-            (a[2], a[3], 0, out.data_ptr(), a[1], a[6] or 0, 0, a[4], a[5]), sm_scale, output_scale)
+            starts, out.data_ptr(), sm_scale, output_scale)
         return out
     V.run_layout((("query", query), ("kv_cache", kv_cache)))  # per call: not in the key
     args = (block_tables, seq_lens, qo_indptr, checked.max_sq, max_seq_len, checked.mask_type, sm_scale,
@@ -550,7 +546,7 @@ class BatchMLADecodePagedTSWrapper:
                    f"got {a.cols}")
         if packed:
             V.values_indptr("qo_indptr", qo[0], None, "")
-            q_lens = np.diff(qo[0])
+            q_lens = V.diff(qo[0])
             most = int(q_lens.max())
             if max_seq_len_q is None:
                 max_seq_len_q = most
@@ -567,8 +563,6 @@ class BatchMLADecodePagedTSWrapper:
                          max_seq_len_q, max_kv_len, a.mask_type, self.tuning)
         launch = None
         if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            from ..cuda import decode as K
-
             launch = K.prepared(static, device.index)  # loaded before any state changes
             if one_shot:
                 need = launch.workspace_bytes
@@ -612,7 +606,7 @@ class BatchMLADecodePagedTSWrapper:
         _values_lens(lens, bound, name)
         if plan.qo_indptr is not None:
             V.values_indptr("qo_indptr", qo[0], query.shape[0], "query.shape[0]")
-            q_lens = np.diff(qo[0])
+            q_lens = V.diff(qo[0])
             bad = q_lens > plan.static.max_seq_len_q
             if bad.any():
                 b = V.first(bad)

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from .. import reference
-from ..cuda.keys import DEFAULT_TUNING, Tuning
+from ..cuda import prefill as K
+from ..cuda.keys import DEFAULT_TUNING, Tuning, device_limits
 from . import _dispatch
 from . import _validate as V
 
@@ -31,11 +32,9 @@ HEAD_DIMS = (128, 256)
 def _static(q, k, out, packed: bool, batch: int, work, mask_type, window_left, sm_scale, output_scale, max_q_len,
             tuning: Tuning):
     """The prepared launch's key: what a plan knows, rebuilt from an op's arguments."""
-    from ..cuda.prefill import PrefillStatic
-
-    return PrefillStatic(q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], mask_type, window_left, sm_scale,
-                         output_scale, out.dtype, batch, max_q_len, work.shape[0] if work is not None else None,
-                         packed, sq=0 if packed else q.shape[1], sk=0 if packed else k.shape[1], tuning=tuning)
+    return K.PrefillStatic(q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], mask_type, window_left, sm_scale,
+                           output_scale, out.dtype, batch, max_q_len, work.shape[0] if work is not None else None,
+                           packed, sq=0 if packed else q.shape[1], sk=0 if packed else k.shape[1], tuning=tuning)
 
 
 def _run(q, k, v, out, qo_indptr, kv_indptr, win_starts, win_ends, work, mask_type, window_left, sm_scale,
@@ -43,8 +42,6 @@ def _run(q, k, v, out, qo_indptr, kv_indptr, win_starts, win_ends, work, mask_ty
     if out.numel() == 0:
         return
     if q.device.type == "cuda":
-        from ..cuda import prefill as K
-
         packed = qo_indptr is not None
         batch = qo_indptr.shape[0] - 1 if packed else q.shape[0]
         static = _static(q, k, out, packed, batch, work, mask_type, window_left, sm_scale, output_scale, max_q_len,
@@ -157,10 +154,7 @@ def tile_m(dtype: torch.dtype, head_dim: int, mask_type: str, device: torch.devi
            tuning: Tuning = DEFAULT_TUNING, paged: bool = False) -> int:
     """The q tile height of the prefill kernel that runs on `device` under `tuning` (work lists
     count its tiles)."""
-    from ..cuda.keys import device_limits
-    from ..cuda.prefill import prefill_tile_m
-
-    return prefill_tile_m(dtype, head_dim, mask_type, device_limits(device)[0], paged, tuning)
+    return K.prefill_tile_m(dtype, head_dim, mask_type, device_limits(device)[0], paged, tuning)
 
 
 def check_causal_lengths(q_lens: np.ndarray, kv_lens: np.ndarray, name: str) -> None:
@@ -346,11 +340,9 @@ class BatchPrefillTSWrapper:
             max_q_len = sq
         static = launch = None
         if not V.tracing():
-            from ..cuda.prefill import PrefillStatic
-
-            static = PrefillStatic(q.dtype, d, hq, hq // group, mask_type, window_left, sm_scale, output_scale, odt,
-                                   batch, max_q_len, work.shape[0] if work is not None else None, packed,
-                                   sq=0 if packed else q.shape[1], sk=0 if packed else k.shape[1], tuning=self.tuning)
+            static = K.PrefillStatic(q.dtype, d, hq, hq // group, mask_type, window_left, sm_scale, output_scale, odt,
+                                     batch, max_q_len, work.shape[0] if work is not None else None, packed,
+                                     sq=0 if packed else q.shape[1], sk=0 if packed else k.shape[1], tuning=self.tuning)
             launch = _prepare(static, device, (qo_indptr, kv_indptr, starts, ends, work), own=not exact)
         return PrefillPlan(static, (mask_type, window_left, sm_scale, output_scale, max_q_len), packed, device,
                            q.dtype, odt, q.shape, k.shape, qo_indptr, kv_indptr, starts, ends, work, launch,
@@ -396,8 +388,6 @@ def _prepare(static, device: torch.device, bound, own: bool = True):
     for a one-shot, whose plan runs once, the shared one (``own`` False)."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
-    from ..cuda import prefill as K
-
     shared = K.prepared(static, device.index)
     return _dispatch.plan_launch(shared, bound) if own else shared
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import reference
+from ..cuda import prefill as K
 from ..cuda.keys import DEFAULT_TUNING, Tuning
 from . import _dispatch
 from . import _validate as V
@@ -40,8 +41,6 @@ def _run(q, k_cache, v_cache, out, qo_indptr, block_tables, seq_lens_kv, work, m
     if out.numel() == 0:
         return
     if q.device.type == "cuda":
-        from ..cuda import prefill as K
-
         static = K.PrefillStatic(q.dtype, q.shape[-1], q.shape[-2], k_cache.shape[1], mask_type, window_left,
                                  sm_scale, output_scale, out.dtype, qo_indptr.shape[0] - 1, max_q_len,
                                  work.shape[0] if work is not None else None, True, paged=True,
@@ -163,7 +162,7 @@ def check_csr_values(indptr: np.ndarray, indices_len: int, last: np.ndarray, pag
     if bad.any():
         b = V.first(bad)
         V.fail(f"{names[2]}: request {b} has {int(last[b])}; values must be in [1, {page_size}] (page_size)")
-    return (np.diff(indptr) - 1) * page_size + last
+    return (V.diff(indptr) - 1) * page_size + last
 
 
 def check_page_ids(name: str, ids: np.ndarray, num_pages: Optional[int]) -> None:
@@ -253,7 +252,7 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, qo_indptr, page_size, pb: _P
         max_q_len = q.shape[0]  # traced: a safe bound, the implicit tile order
     else:
         V.values_indptr("qo_indptr", qo, q.shape[0], "q.shape[0]")
-        q_lens = np.diff(qo)
+        q_lens = V.diff(qo)
         if mask_type == "causal":
             check_causal_lengths(q_lens, lens, "qo_indptr")
         max_q_len = int(q_lens.max())
@@ -261,8 +260,6 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, qo_indptr, page_size, pb: _P
                          paged=True)
     static = launch = None
     if not V.tracing():
-        from ..cuda import prefill as K
-
         static = K.PrefillStatic(q.dtype, d, hq, hkv, mask_type, window_left, sm_scale, output_scale, odt, batch,
                                  max_q_len, work.shape[0] if work is not None else None, True, paged=True,
                                  page_size=page_size, tuning=tuning)
@@ -328,7 +325,7 @@ class BatchPrefillPagedTSWrapper:
             qo, ip, ids, last = V.host_values(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
             lens = check_csr_values(ip, ids.shape[0], last, page_size)
             check_page_ids("paged_kv_indices", ids, num_pages)
-            counts = np.diff(ip)
+            counts = V.diff(ip)
             cols = int(counts.max())
             # the block table [B, C]: request b's pages, padded by repeating its last page
             pos = ip[:-1, None] + np.minimum(np.arange(cols)[None, :], (counts - 1)[:, None])
