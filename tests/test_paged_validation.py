@@ -365,6 +365,7 @@ def test_oneshot_static_checks_once_per_static_key(monkeypatch):
     per_call = [
         (r"\bq\b", base(q=torch.zeros(_q.numel() + 1, dtype=BF16)[1:].view(_q.shape), out=out)),
         (r"\bout\b.*\bq\b", base(out=_q)),
+        (r"\bout\b.*aligned", base(out=torch.zeros(_q.numel() + 8, dtype=BF16)[1:1 + _q.numel()].view(_q.shape))),
         (r"\bout\b.*block_tables", base(block_tables=meta, out=out_in_meta)),
         ("seq_lens_kv", base(seq_lens_kv=[49, 5], out=out)),
         ("block_tables", base(block_tables=[[3, P, 7], [5, 0, 2]], out=out)),

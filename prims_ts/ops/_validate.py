@@ -580,15 +580,16 @@ def host_values(*tensors: torch.Tensor) -> List[np.ndarray]:
 
 
 def values_of_spans(tensors: Sequence[torch.Tensor], spans: Sequence[int], got: np.ndarray) -> List[np.ndarray]:
-    """Each tensor's values, flattened, as int64 arrays (copies), from `got`: the int32
+    """Each tensor's values, flattened, as int64 arrays (views of one copy), from `got`: the int32
     elements of every tensor's span (``_span``) back to back (a row-strided table's span
     holds its rows and the gaps between them)."""
+    wide = got.astype(np.int64)  # one copy (the buffer is reused), whose parts are views
     out, at = [], 0
     for t, n in zip(tensors, spans):
-        part = got[at:at + n]
+        part = wide[at:at + n]
         if n != t.numel():  # a row-strided table: its rows
-            part = np.lib.stride_tricks.as_strided(part, t.shape, (4 * t.stride(0), 4))
-        out.append(part.astype(np.int64).reshape(-1))  # a copy: the buffer is reused
+            part = np.lib.stride_tricks.as_strided(part, t.shape, (8 * t.stride(0), 8)).reshape(-1)
+        out.append(part)
         at += n
     return out
 
@@ -626,6 +627,43 @@ def no_overlap(name: str, t: torch.Tensor, others: Sequence[Tuple[str, Optional[
         b1 = b0 + o.nbytes if o.is_contiguous() else span(o)[1]
         if a0 < b1 and b0 < a1 and o.numel() and o.device == t.device:
             fail(f"{name} must not overlap {other} storage")
+
+
+class Disjoint:
+    """The per-call checks of operands whose layouts a static key fixed (``checked_once``'s
+    result holds one): ``check(operands)`` reads their start addresses; the first, ``out``,
+    must start 16-byte aligned, and each of the ``checked`` positions (``out`` first, then, say,
+    a workspace) must share no byte with another operand (``disjoint``). The key fixes every
+    extent but the ``loose`` operand's (a length that changes from call to call: read then).
+    The addresses (and loose length) of the last call that passed decide a repeat: a serving
+    loop's persistent buffers pass with one compare. Eager calls only (they read addresses)."""
+
+    __slots__ = ("names", "extents", "checked", "loose", "passed")
+
+    def __init__(self, names: Sequence[str], tensors: Sequence[Optional[torch.Tensor]], checked: Sequence[int] = (0,),
+                 loose: int = -1):
+        self.names = tuple(names)
+        self.extents = tuple(byte_extent(t) for t in tensors)
+        self.checked = tuple(checked)
+        self.loose = loose
+        self.passed = None
+
+    def check(self, operands: Sequence[Optional[torch.Tensor]]) -> tuple:
+        """The operands' start addresses (0: None), after the checks (``ValueError`` naming the
+        operand)."""
+        starts = tuple([0 if t is None else t.data_ptr() for t in operands])
+        i = self.loose
+        memo = starts if i < 0 else (starts, operands[i].nbytes)
+        if memo == self.passed:
+            return starts
+        if starts[0] & 15:
+            out_start(operands[0])
+        extents = self.extents
+        if i >= 0:
+            extents = extents[:i] + (operands[i].nbytes,) + extents[i + 1:]
+        disjoint(self.checked, self.names, starts, extents)
+        self.passed = memo
+        return starts
 
 
 def disjoint(checked: Sequence[int], names: Sequence[str], starts: Sequence[Optional[int]],

@@ -280,15 +280,15 @@ def named_cache(name: str, cache) -> tuple:
 @dataclass(eq=False)
 class Standalone:
     """What a standalone call's static checks derived for one static key, and what its calls
-    under that key share: the operands' names and byte extents (the per-call overlap check
-    reads only their addresses) and, from the first direct launch on, a prepared launch of its
-    own. The key fixes every operand's layout, so once a call has written that launch's struct
-    in full, a later call writes only its addresses and scales (``PreparedDecode.rerun``)."""
+    under that key share: the per-call checks of its operands' addresses (``checks``: ``out``
+    aligned, neither ``out`` nor the workspace overlapping another operand) and, from the first
+    direct launch on, a prepared launch of its own. The key fixes every operand's layout, so
+    once a call has written that launch's struct in full, a later call writes only its
+    addresses and scales (``PreparedDecode.rerun``)."""
 
     static: Optional[object]  # cuda.decode.DecodeStatic (None while traced: the op builds its own)
     out_dtype: torch.dtype
-    names: Tuple[str, ...]  # out, workspace_buffer, then the inputs (see operands)
-    extents: Tuple[int, ...]
+    checks: V.Disjoint  # over the operands in order: out, workspace_buffer, then the inputs (see operands)
     sq: int = 1
     max_sq: int = 1
     head_dim: int = 0
@@ -296,29 +296,7 @@ class Standalone:
     window_left: int = -1
     launch: Optional[object] = None  # cuda.decode.PreparedDecode: this key's own copy
     written: bool = False  # a full run under this key wrote launch's struct
-    passed: Optional[tuple] = None  # the operands' addresses (and loose length) of the last call that passed
-    loose: int = -1  # the operand whose length the key leaves out (decode's paged_kv_indices; -1: none)
     roles: Optional[Callable] = None  # starts + (0,) -> the relaunch's addresses (``rerun_roles``)
-
-    def check_call(self, operands: tuple) -> tuple:
-        """The per-call checks of an eager call under this key: ``out`` starts 16-byte aligned,
-        and neither ``out`` nor the workspace overlaps another operand. The key fixes the
-        operands' extents (but the ``loose`` one's, read here), so the addresses of a call that
-        passed decide the outcome: a serving loop's persistent buffers pass with one compare.
-        Returns the addresses (0: no tensor)."""
-        starts = tuple([0 if t is None else t.data_ptr() for t in operands])
-        i = self.loose
-        memo = starts if i < 0 else (starts, operands[i].nbytes)
-        if memo == self.passed:
-            return starts
-        if starts[0] & 15:
-            V.out_start(operands[0])
-        extents = self.extents
-        if i >= 0:
-            extents = extents[:i] + (operands[i].nbytes,) + extents[i + 1:]
-        V.disjoint((0, 1), self.names, starts, extents)
-        self.passed = memo
-        return starts
 
     def prepared(self, device: torch.device):
         if self.launch is None:
@@ -328,7 +306,7 @@ class Standalone:
     def launch_direct(self, device: torch.device, full, starts: tuple, out: int, sm_scale: float,
                       output_scale: float, num_indices: int = -1) -> None:
         """Launch this key's prepared kernel: ``full(launch)`` (a full ``run``) the first time,
-        then ``rerun`` with the addresses of ``starts`` (``check_call``'s), ``out``'s and the loose
+        then ``rerun`` with the addresses of ``starts`` (``checks.check``'s), ``out``'s and the loose
         ``num_indices`` (-1: the key fixes it), falling back to ``full`` when it refuses (a
         misaligned start)."""
         launch = self.prepared(device)
@@ -342,7 +320,7 @@ def rerun_roles(q: int, k: int, v: Optional[int], ws: int, qo_indptr: int, kv_in
                 kv_indices: int, seq_lens: int, count: int) -> Callable:
     """The getter of a relaunch's addresses (``PreparedDecode.rerun``: q, k, v, workspace,
     qo_indptr, kv_indptr, kv_indices, seq_lens) from a standalone's operand starts followed by a
-    0 (``check_call``'s, ``count`` operands): each role's operand position, None for a role
+    0 (``Disjoint.check``'s, ``count`` operands): each role's operand position, None for a role
     with no operand (V in a one-tensor cache, kv_indptr of a block table)."""
     return operator.itemgetter(*[count if i is None else i for i in (q, k, v, ws, qo_indptr, kv_indptr,
                                                                      kv_indices, seq_lens)])
@@ -401,9 +379,9 @@ def _standalone_checks(query, kv_cache, workspace_buffer, paged_kv_indptr, paged
     names, tensors = operands(out, workspace_buffer, (("query", query),) + named_cache("kv_cache", kv_cache)
                               + tuple(metadata))
     n = len(names) - 4  # the metadata follow the cache's one or two tensors
-    return Standalone(static, odt, names, tuple(V.byte_extent(t) for t in tensors), sq, max_sq, d, mask_type,
-                      window_left, loose=n + 1,
-                      roles=rerun_roles(2, 3, 4 if n == 5 else None, 1, n + 3, n, n + 1, n + 2, len(names)))
+    return Standalone(static, odt, V.Disjoint(names, tensors, (0, 1), loose=n + 1), sq, max_sq, d, mask_type,
+                      window_left, roles=rerun_roles(2, 3, 4 if n == 5 else None, 1, n + 3, n, n + 1, n + 2,
+                                                     len(names)))
 
 
 def prims_ts_batch_decode_with_kv_cache(
@@ -451,7 +429,7 @@ def prims_ts_batch_decode_with_kv_cache(
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, 1.0 / math.sqrt(checked.head_dim))
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:
-        starts = checked.check_call(tensors)
+        starts = checked.checks.check(tensors)
     if _dispatch.launchable(query, out, traced):
         if out is None:
             out = torch.empty(query.shape, dtype=checked.out_dtype, device=query.device)

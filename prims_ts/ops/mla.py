@@ -305,8 +305,8 @@ def _standalone_checks(query, kv_cache, workspace_buffer, kv_lora_rank, qk_rope_
     static = None if V.tracing() else _static(query.dtype, h, cache.shape[1], odt, packed, batch,
                                               1 if packed else max_sq, max_sq, max_seq_len, mask_type, DEFAULT_TUNING)
     names, tensors = operands(out, workspace_buffer, (("query", query), ("kv_cache", kv_cache)) + tuple(metadata))
-    return Standalone(static, odt, names, tuple(V.byte_extent(t) for t in tensors), max_sq=max_sq,
-                      mask_type=mask_type, roles=rerun_roles(2, 3, None, 1, 6, None, 4, 5, len(names)))
+    return Standalone(static, odt, V.Disjoint(names, tensors, (0, 1)), max_sq=max_sq, mask_type=mask_type,
+                      roles=rerun_roles(2, 3, None, 1, 6, None, 4, 5, len(names)))
 
 
 def prims_ts_batch_decode_with_kv_cache_mla(
@@ -350,7 +350,7 @@ def prims_ts_batch_decode_with_kv_cache_mla(
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
     if not traced:
-        starts = checked.check_call(tensors)
+        starts = checked.checks.check(tensors)
     if _dispatch.launchable(query, out, traced):
         if out is None:
             out = torch.empty(out_shape(query), dtype=checked.out_dtype, device=query.device)

@@ -239,11 +239,12 @@ def _check_problem(q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_
 
 
 def _make_plan(tuning: Tuning, tuning_code: str, q, qo_indptr, page_size, pb: _Problem, tables,
-               exact: bool) -> PagedPrefillPlan:
+               exact: bool, launches: Optional[dict] = None) -> PagedPrefillPlan:
     """The plan of a problem that passed its static checks (`pb`). `tables(device, batch,
     num_pages)` validates the page metadata and returns (block_tables [B, C], seq_lens_kv [B]
     on the device, the K/V lengths and the Q offsets on the host (None while traced), the
-    largest used page ID)."""
+    largest used page ID). `launches`: a one-shot key's memo of (static, shared launch) by
+    (longest query count, work items)."""
     hq, hkv, d, batch, device, odt = pb.hq, pb.hkv, pb.head_dim, pb.batch, pb.device, pb.out_dtype
     mask_type, window_left, sm_scale, output_scale = pb.mask_type, pb.window_left, pb.sm_scale, pb.output_scale
     table, lens_dev, lens, qo, max_page = tables(device, batch, pb.num_pages)
@@ -260,13 +261,21 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, qo_indptr, page_size, pb: _P
                          paged=True)
     static = launch = None
     if not V.tracing():
-        static = K.PrefillStatic(q.dtype, d, hq, hkv, mask_type, window_left, sm_scale, output_scale, odt, batch,
-                                 max_q_len, work.shape[0] if work is not None else None, True, paged=True,
-                                 page_size=page_size, tuning=tuning)
-        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            launch = K.prepared(static, device.index)  # a one-shot (`exact`) runs the shared launch once
-            if not exact:
-                launch = _dispatch.plan_launch(launch, (qo_indptr, table, lens_dev, work))
+        n_items = work.shape[0] if work is not None else None
+        got = launches.get((max_q_len, n_items)) if launches is not None else None
+        if got is None:
+            static = K.PrefillStatic(q.dtype, d, hq, hkv, mask_type, window_left, sm_scale, output_scale, odt, batch,
+                                     max_q_len, n_items, True, paged=True, page_size=page_size, tuning=tuning)
+            if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                launch = K.prepared(static, device.index)  # a one-shot (`exact`) runs the shared launch once
+                if launches is not None and launch is not None:
+                    if len(launches) >= 64:  # a key's memo stays small (a server's lengths vary)
+                        launches.clear()
+                    launches[(max_q_len, n_items)] = (static, launch)
+        else:
+            static, launch = got
+        if launch is not None and not exact:
+            launch = _dispatch.plan_launch(launch, (qo_indptr, table, lens_dev, work))
     return PagedPrefillPlan(static, (mask_type, window_left, sm_scale, output_scale, max_q_len), device, q.dtype, odt,
                             q.shape, (hkv, page_size, d), max_page, qo_indptr, table, lens_dev, work, launch,
                             tuning_code)
@@ -354,12 +363,13 @@ class BatchPrefillPagedTSWrapper:
         return _launch(plan, q, k_cache, v_cache, out, fast)
 
 
-def _launch(plan: PagedPrefillPlan, q, k_cache, v_cache, out, fast: bool = True) -> torch.Tensor:
+def _launch(plan: PagedPrefillPlan, q, k_cache, v_cache, out, fast: bool = True,
+            out_checked: bool = False) -> torch.Tensor:
     """A run's (or a one-shot's) launch of tensors checked against the plan (`fast`: laid out
-    as planned): `out` checked, then the prepared kernel, or the op where a tracer, a mode or
-    a subclass must see the call."""
+    as planned): `out` checked (unless `out_checked`: the one-shot's checks did), then the
+    prepared kernel, or the op where a tracer, a mode or a subclass must see the call."""
     dev = plan.device
-    if out is not None:
+    if out is not None and not out_checked:
         V.out_tensor(out, plan.q_shape, plan.out_dtype, dev,
                      (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + plan.bound)
     if fast and plan.launch is not None and _dispatch.plain_eager(out):
@@ -392,9 +402,22 @@ def _check_against_plan(plan: PagedPrefillPlan, q, k_cache, v_cache) -> None:
 _ONESHOT_CHECKED = V.memo()
 
 
+@dataclass(frozen=True, eq=False)
+class _OneShot:
+    """What the one-shot's static checks derived for one key: the problem, the per-call checks of
+    ``out``'s start and overlaps (``V.Disjoint``: out, q, k_cache, v_cache, qo_indptr,
+    block_tables, seq_lens_kv) and the launch keys its plans took, by (longest query count,
+    work items)."""
+
+    problem: _Problem
+    checks: Optional[V.Disjoint]  # None while traced
+    launches: dict
+
+
 def _oneshot_checks(q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, page_size, kv_layout, mask_type,
-                    window_left, sm_scale, output_scale, out_dtype, out) -> _Problem:
-    """The one-shot's static checks: the problem's, then its block table's and lengths' shapes."""
+                    window_left, sm_scale, output_scale, out_dtype, out) -> _OneShot:
+    """The one-shot's static checks: the problem's, its block table's and lengths' shapes, and
+    ``out``'s shape, dtype and device."""
     page_size = check_page_size(page_size, kv_layout)
     pb = _check_problem(q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_left, sm_scale, output_scale,
                         V.resolve_out_dtype(out_dtype, out, q))
@@ -403,7 +426,11 @@ def _oneshot_checks(q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, p
     V.same_device([("qo_indptr", qo_indptr), ("block_tables", block_tables), ("seq_lens_kv", seq_lens_kv)])
     if block_tables.device != pb.device:
         V.fail(f"block_tables: is on {block_tables.device}, expected q's device {pb.device}")
-    return pb
+    V.out_tensor(out, q.shape, pb.out_dtype, pb.device, ())
+    checks = None if V.tracing() else V.Disjoint(
+        ("out", "q", "k_cache", "v_cache", "qo_indptr", "block_tables", "seq_lens_kv"),
+        (out, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv))
+    return _OneShot(pb, checks, {})
 
 
 def batch_prefill_with_paged_kv_cache(
@@ -432,14 +459,17 @@ def batch_prefill_with_paged_kv_cache(
     ``Sq <= Sk``) and to build the heavy-first work list, so it is not CUDA-graph
     capturable; plan a wrapper for that.
     """
-    pb = V.checked_once(
-        _ONESHOT_CHECKED, (q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, out),
-        (page_size, kv_layout, mask_type, window_left, sm_scale, output_scale, out_dtype),
+    traced = V.tracing()
+    operands = (out, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv)
+    one = V.checked_once(
+        _ONESHOT_CHECKED, operands, (page_size, kv_layout, mask_type, window_left, sm_scale, output_scale, out_dtype),
         _oneshot_checks, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, page_size, kv_layout, mask_type,
-        window_left, sm_scale, output_scale, out_dtype, out)
+        window_left, sm_scale, output_scale, out_dtype, out, traced=traced)
+    if not traced:
+        one.checks.check(operands)  # out's start and overlaps (its shape, dtype, device: under the key)
 
     def tables(device, batch, num_pages):
-        if V.tracing():
+        if traced:
             return block_tables, seq_lens_kv, None, None, num_pages - 1  # traced: the values are trusted
         qo, lens, table = V.host_values(qo_indptr, seq_lens_kv, block_tables)
         cols = block_tables.shape[1]
@@ -452,5 +482,6 @@ def batch_prefill_with_paged_kv_cache(
         max_page = V.values_block_table("block_tables", table, lens, page_size, num_pages)
         return block_tables, seq_lens_kv, lens, qo, max_page
 
-    plan = _make_plan(DEFAULT_TUNING, "", q, qo_indptr, page_size, pb, tables, exact=True)
-    return _launch(plan, q, k_cache, v_cache, out)  # the plan checked q and the pools
+    plan = _make_plan(DEFAULT_TUNING, "", q, qo_indptr, page_size, one.problem, tables, exact=True,
+                      launches=one.launches)
+    return _launch(plan, q, k_cache, v_cache, out, out_checked=True)  # the plan checked q and the pools
