@@ -884,6 +884,7 @@ def test_oneshot_static_checks_once_per_static_key(monkeypatch):
     per_call = [
         (r"query", oneshot(query=wide[1:1 + _q.numel()].view(_q.shape), out=out)),
         (r"\bout\b.*\bquery\b", oneshot(out=_q.view(-1)[:out.numel()].view(out.shape))),
+        (r"\bout\b.*aligned", oneshot(out=torch.zeros(out.numel() + 8, dtype=BF16)[1:1 + out.numel()].view(out.shape))),
         ("seq_lens", oneshot(seq_lens=[0, 5], out=out)),
         ("block_tables", oneshot(block_tables=[[3, P, -1], [5, 0, 0]], out=out)),
     ]

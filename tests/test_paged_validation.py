@@ -743,3 +743,31 @@ def test_wrapper_failed_plan_keeps_previous_plan_usable():
     args, kw = plan_args(q=make_q(d=64), k_cache=make_pool(d=64), v_cache=make_pool(d=64, seed=3))
     expect(ValueError, r"\bq\b", w.plan, *args, **kw)
     torch.testing.assert_close(w.run(_q, _k, _v), ref, rtol=0, atol=0)
+
+
+def test_oneshot_launch_keys_memoised_by_lengths(monkeypatch):
+    """A one-shot's static key keeps the (static, launch) pair its plans took by (longest query
+    count, work items): a repeat with the same lengths builds no PrefillStatic and takes the same
+    launch; another longest query count takes its own (the CUDA lookup stubbed: no GPU here)."""
+    import numpy as np
+
+    import prims_ts.ops.prefill_paged as pp
+    from prims_ts.cuda.keys import DEFAULT_TUNING
+    from prims_ts.ops import _validate as V
+
+    made = []
+    monkeypatch.setattr(pp.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(pp.K, "prepared", lambda static, dev: made.append(static) or ("launch", static))
+    pb = pp._Problem(4, 2, 128, P, 2, torch.device("cuda", 0), "causal", -1, 0.125, 1.0, BF16)
+    memo = V.launch_memo()
+
+    def plan(q_len):  # two requests of q_len queries over 48 keys: no work list (the implicit order)
+        qo = np.array([0, q_len, 2 * q_len])
+        tables = lambda device, batch, num_pages: (None, None, np.array([48, 48]), qo, 7)  # noqa: E731
+        return pp._make_plan(DEFAULT_TUNING, "", torch.empty(2 * q_len, 4, 128, dtype=BF16), None, PS, pb, tables,
+                             exact=True, launches=memo)
+
+    first, again, other = plan(3), plan(3), plan(5)
+    assert len(made) == 2 and first.work is None
+    assert again.launch is first.launch and again.static is first.static
+    assert other.launch is not first.launch and other.static.max_q_len == 5 and first.static.max_q_len == 3

@@ -151,6 +151,12 @@ def cache_operands(kv_cache) -> tuple:
     return tuple(kv_cache) if isinstance(kv_cache, (tuple, list)) else (kv_cache,)
 
 
+def launch_memo() -> BoundedMemo:
+    """A one-shot static key's memo of the launch keys its plans took, by the values those
+    depend on (lengths): small, as a server's lengths vary from call to call."""
+    return BoundedMemo(64)
+
+
 def memo() -> StaticMemo:
     """A memo of static checks (``checked_once``), bounded like the prepared launches'."""
     return StaticMemo(MEMO_LIMIT)

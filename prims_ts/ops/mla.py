@@ -25,7 +25,7 @@ import torch
 
 from .. import reference
 from ..cuda import decode as K
-from ..cuda.keys import DEFAULT_TUNING, Tuning, device_limits
+from ..cuda.keys import DEFAULT_TUNING, BoundedMemo, Tuning, device_limits
 from . import _dispatch
 from . import _validate as V
 from .decode import (WORKSPACE_DTYPES, Standalone, _check_page_size, _workspace, check_dtypes, decode_static,
@@ -526,11 +526,14 @@ class BatchMLADecodePagedTSWrapper:
                             qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type, mask_type, max_kv_len)
         return self._plan_from(args, block_tables, seq_lens, qo_indptr, one_shot)
 
-    def _plan_from(self, a: "_PlanArgs", block_tables, seq_lens, qo_indptr, one_shot: bool) -> Tuple[MLAPlan, list]:
+    def _plan_from(self, a: "_PlanArgs", block_tables, seq_lens, qo_indptr, one_shot: bool,
+                   launches: Optional[BoundedMemo] = None) -> Tuple[MLAPlan, list]:
         """The plan of arguments that passed their static checks (`a`), and the host values it
         read: (seq_lens, qo_indptr) values, or for a `one_shot` (seq_lens, block_tables,
         qo_indptr) in the same one copy, for its live checks. A one-shot's plan runs the shared
-        prepared launch once, with a workspace of exactly what its policy needs."""
+        prepared launch once, with a workspace of exactly what its policy needs; `launches`: its
+        static key's memo of (static, shared launch, workspace bytes) by (max_kv_len,
+        max_seq_len_q)."""
         batch, packed, page_size, num_heads, device = a.batch, a.packed, a.page_size, a.num_heads, a.device
         max_kv_len, max_seq_len_q = a.max_kv_len, a.max_seq_len_q
         values = V.host_values(seq_lens, *((block_tables,) if one_shot else ()), *((qo_indptr,) if packed else ()))
@@ -558,14 +561,20 @@ class BatchMLADecodePagedTSWrapper:
             q_shape = (batch, max_seq_len_q, num_heads, DIM_QK)
         if a.mask_type == "causal":
             _values_causal(q_lens, lens)
-        need = _workspace_bytes(batch, num_heads, max_kv_len, max_seq_len_q, device)
-        static = _static(a.dtype, num_heads, page_size, a.out_dtype, packed, batch, 1 if packed else max_seq_len_q,
-                         max_seq_len_q, max_kv_len, a.mask_type, self.tuning)
-        launch = None
-        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            launch = K.prepared(static, device.index)  # loaded before any state changes
-            if one_shot:
-                need = launch.workspace_bytes
+        got = launches.get((max_kv_len, max_seq_len_q)) if launches is not None else None
+        if got is None:
+            need = _workspace_bytes(batch, num_heads, max_kv_len, max_seq_len_q, device)
+            static = _static(a.dtype, num_heads, page_size, a.out_dtype, packed, batch,
+                             1 if packed else max_seq_len_q, max_seq_len_q, max_kv_len, a.mask_type, self.tuning)
+            launch = None
+            if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                launch = K.prepared(static, device.index)  # loaded before any state changes
+                if one_shot:
+                    need = launch.workspace_bytes
+                if launches is not None:
+                    launches.put((max_kv_len, max_seq_len_q), (static, launch, need))
+        else:
+            static, launch, need = got
         ws = plan_workspace(need, device)
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (block_tables, seq_lens, qo_indptr, ws))
@@ -716,30 +725,35 @@ def batch_mla_decode_with_paged_kv_cache(
     if V.tracing():
         raise RuntimeError("batch_mla_decode_with_paged_kv_cache reads metadata on the host and cannot be traced; "
                            "use BatchMLADecodePagedTSWrapper (plan outside, run inside)")
+    operands = (out, query, kv_cache, block_tables, seq_lens, qo_indptr)
     one = V.checked_once(
-        _ONESHOT_CHECKED, (query, kv_cache, block_tables, seq_lens, qo_indptr, out),
-        (max_seq_len_q, kv_lora_rank, qk_rope_head_dim, mask_type, max_kv_len, out_dtype),
+        _ONESHOT_CHECKED, operands, (max_seq_len_q, kv_lora_rank, qk_rope_head_dim, mask_type, max_kv_len, out_dtype),
         _oneshot_checks, query, kv_cache, block_tables, seq_lens, qo_indptr, max_seq_len_q, kv_lora_rank,
         qk_rope_head_dim, mask_type, max_kv_len, out, out_dtype, traced=False)
+    one.checks.check(operands)  # out's start and overlaps (its shape, dtype and device: under the key)
     sm_scale = V.fast_scale("bmm1_scale", bmm1_scale, None)
     output_scale = V.fast_scale("bmm2_scale", bmm2_scale, None)
-    # the plan's and run(validate=True)'s value checks, on one copy of the metadata
+    # the plan's and run(validate=True)'s value checks, on one copy of the metadata; the plan's
+    # workspace is its own (new, or the shared empty one): out cannot overlap it
     w = BatchMLADecodePagedTSWrapper()
-    w._plan, values = w._plan_from(one.args, block_tables, seq_lens, qo_indptr, one_shot=True)
-    plan = w._plan
+    w._plan, values = w._plan_from(one.args, block_tables, seq_lens, qo_indptr, one_shot=True, launches=one.launches)
     w._check_live_values(query, kv_cache, values, one.num_pages)
-    if out is not None:  # its shape, dtype and device: checked once under the key; its overlaps: per call
-        V.no_overlap("out", out, (("query", query), ("kv_cache", kv_cache)) + plan.bound)
-    return _launch(plan, query, kv_cache, sm_scale, output_scale, out)
+    return _launch(w._plan, query, kv_cache, sm_scale, output_scale, out)
 
 
 _ONESHOT_CHECKED = V.memo()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _OneShot:
+    """What the one-shot's static checks derived for one key: the plan's arguments, the cache's
+    page count, the per-call checks of ``out``'s start and overlaps (``V.Disjoint``: out, query,
+    kv_cache, block_tables, seq_lens, qo_indptr) and the launch keys its plans took."""
+
     args: _PlanArgs
     num_pages: int
+    checks: V.Disjoint
+    launches: BoundedMemo
 
 
 def _oneshot_checks(query, kv_cache, block_tables, seq_lens, qo_indptr, max_seq_len_q, kv_lora_rank,
@@ -761,7 +775,9 @@ def _oneshot_checks(query, kv_cache, block_tables, seq_lens, qo_indptr, max_seq_
         V.fail(f"query must have shape {(args.batch,) + tuple(query.shape[1:])} (the plan's), got "
                f"{tuple(query.shape)}")
     V.out_tensor(out, out_shape(tuple(query.shape)), odt, args.device, ())
-    return _OneShot(args, cache.shape[0])
+    checks = V.Disjoint(("out", "query", "kv_cache", "block_tables", "seq_lens", "qo_indptr"),
+                        (out, query, kv_cache, block_tables, seq_lens, qo_indptr))
+    return _OneShot(args, cache.shape[0], checks, V.launch_memo())
 
 
 batch_decode_mla_with_paged_kv_cache = batch_mla_decode_with_paged_kv_cache

@@ -22,7 +22,7 @@ import torch
 
 from .. import reference
 from ..cuda import prefill as K
-from ..cuda.keys import DEFAULT_TUNING, Tuning
+from ..cuda.keys import DEFAULT_TUNING, BoundedMemo, Tuning
 from . import _dispatch
 from . import _validate as V
 from .prefill import HEAD_DIMS, check_causal_lengths, plan_work
@@ -239,7 +239,7 @@ def _check_problem(q, k_cache, v_cache, qo_indptr, page_size, mask_type, window_
 
 
 def _make_plan(tuning: Tuning, tuning_code: str, q, qo_indptr, page_size, pb: _Problem, tables,
-               exact: bool, launches: Optional[dict] = None) -> PagedPrefillPlan:
+               exact: bool, launches: Optional[BoundedMemo] = None) -> PagedPrefillPlan:
     """The plan of a problem that passed its static checks (`pb`). `tables(device, batch,
     num_pages)` validates the page metadata and returns (block_tables [B, C], seq_lens_kv [B]
     on the device, the K/V lengths and the Q offsets on the host (None while traced), the
@@ -268,10 +268,8 @@ def _make_plan(tuning: Tuning, tuning_code: str, q, qo_indptr, page_size, pb: _P
                                      max_q_len, n_items, True, paged=True, page_size=page_size, tuning=tuning)
             if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
                 launch = K.prepared(static, device.index)  # a one-shot (`exact`) runs the shared launch once
-                if launches is not None and launch is not None:
-                    if len(launches) >= 64:  # a key's memo stays small (a server's lengths vary)
-                        launches.clear()
-                    launches[(max_q_len, n_items)] = (static, launch)
+                if launches is not None:
+                    launches.put((max_q_len, n_items), (static, launch))
         else:
             static, launch = got
         if launch is not None and not exact:
@@ -411,7 +409,7 @@ class _OneShot:
 
     problem: _Problem
     checks: Optional[V.Disjoint]  # None while traced
-    launches: dict
+    launches: BoundedMemo
 
 
 def _oneshot_checks(q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, page_size, kv_layout, mask_type,
@@ -430,7 +428,7 @@ def _oneshot_checks(q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv, p
     checks = None if V.tracing() else V.Disjoint(
         ("out", "q", "k_cache", "v_cache", "qo_indptr", "block_tables", "seq_lens_kv"),
         (out, q, k_cache, v_cache, qo_indptr, block_tables, seq_lens_kv))
-    return _OneShot(pb, checks, {})
+    return _OneShot(pb, checks, V.launch_memo())
 
 
 def batch_prefill_with_paged_kv_cache(
