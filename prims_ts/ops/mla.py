@@ -597,10 +597,15 @@ class BatchMLADecodePagedTSWrapper:
         live = self._check_live_values if validate and not V.tracing() else None
         return _checked_launch(plan, query, kv_cache, bmm1_scale, bmm2_scale, out, live)
 
-    def _check_live_values(self, query, kv_cache, values=None, num_pages: Optional[int] = None) -> None:
+    def _check_live_values(self, query, kv_cache, values=None, num_pages: Optional[int] = None,
+                           planned: bool = False) -> None:
         """The bound metadata's values against the plan and the cache (`values`: host copies of
         (seq_lens, block_tables, qo_indptr) already read, else one copy now; `num_pages`: the
-        cache's page count, if the caller has it)."""
+        cache's page count, if the caller has it). `planned`: `values` are those the plan was
+        just built from (a one-shot), whose lengths and query counts its checks passed (the
+        lengths within the plan's bound and the table's row, the query counts within
+        max_seq_len_q, causal counts within their lengths): only the page IDs and a packed
+        query's rows are left."""
         plan = self._plan
         if num_pages is None:
             num_pages = latent_cache(kv_cache).shape[0]
@@ -609,22 +614,24 @@ class BatchMLADecodePagedTSWrapper:
                                    *((plan.qo_indptr,) if plan.qo_indptr is not None else ()))
         lens, table, *qo = values
         table = table.reshape(tuple(plan.block_tables.shape))
-        cap = plan.block_tables.shape[1] * plan.page_size
-        bound, name = (plan.static.max_seq_len, "max_kv_len") if plan.static.max_seq_len <= cap else (
-            cap, "block_tables.shape[1] * page_size")
-        _values_lens(lens, bound, name)
         if plan.qo_indptr is not None:
             V.values_indptr("qo_indptr", qo[0], query.shape[0], "query.shape[0]")
-            q_lens = V.diff(qo[0])
-            bad = q_lens > plan.static.max_seq_len_q
-            if bad.any():
-                b = V.first(bad)
-                V.fail(f"qo_indptr: request {b} has {int(q_lens[b])} queries, more than the planned max_seq_len_q "
-                       f"{plan.static.max_seq_len_q}")
-        else:
-            q_lens = np.full_like(lens, query.shape[1])
-        if plan.static.causal:
-            _values_causal(q_lens, lens)
+        if not planned:
+            cap = plan.block_tables.shape[1] * plan.page_size
+            bound, name = (plan.static.max_seq_len, "max_kv_len") if plan.static.max_seq_len <= cap else (
+                cap, "block_tables.shape[1] * page_size")
+            _values_lens(lens, bound, name)
+            if plan.qo_indptr is not None:
+                q_lens = V.diff(qo[0])
+                bad = q_lens > plan.static.max_seq_len_q
+                if bad.any():
+                    b = V.first(bad)
+                    V.fail(f"qo_indptr: request {b} has {int(q_lens[b])} queries, more than the planned "
+                           f"max_seq_len_q {plan.static.max_seq_len_q}")
+            else:
+                q_lens = np.full_like(lens, query.shape[1])
+            if plan.static.causal:
+                _values_causal(q_lens, lens)
         V.values_block_table("block_tables", table, lens, plan.page_size, num_pages)
 
 
@@ -737,7 +744,7 @@ def batch_mla_decode_with_paged_kv_cache(
     # workspace is its own (new, or the shared empty one): out cannot overlap it
     w = BatchMLADecodePagedTSWrapper()
     w._plan, values = w._plan_from(one.args, block_tables, seq_lens, qo_indptr, one_shot=True, launches=one.launches)
-    w._check_live_values(query, kv_cache, values, one.num_pages)
+    w._check_live_values(query, kv_cache, values, one.num_pages, planned=True)
     return _launch(w._plan, query, kv_cache, sm_scale, output_scale, out)
 
 
