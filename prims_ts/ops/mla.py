@@ -614,13 +614,14 @@ class BatchMLADecodePagedTSWrapper:
                                    *((plan.qo_indptr,) if plan.qo_indptr is not None else ()))
         lens, table, *qo = values
         table = table.reshape(tuple(plan.block_tables.shape))
-        if plan.qo_indptr is not None:
-            V.values_indptr("qo_indptr", qo[0], query.shape[0], "query.shape[0]")
         if not planned:
             cap = plan.block_tables.shape[1] * plan.page_size
             bound, name = (plan.static.max_seq_len, "max_kv_len") if plan.static.max_seq_len <= cap else (
                 cap, "block_tables.shape[1] * page_size")
             _values_lens(lens, bound, name)
+        if plan.qo_indptr is not None:
+            V.values_indptr("qo_indptr", qo[0], query.shape[0], "query.shape[0]")
+        if not planned:
             if plan.qo_indptr is not None:
                 q_lens = V.diff(qo[0])
                 bad = q_lens > plan.static.max_seq_len_q
