@@ -455,29 +455,6 @@ def test_prefill_key_tile_per_head_dim(mask):
     assert Tuning.decode(Tuning(prefill_bn=80).encode()) == Tuning(prefill_bn=80)
 
 
-@pytest.mark.parametrize("mask", ["dense", "causal"])
-def test_paged_key_tile_follows_paged_bn(mask):
-    """Tuning.paged_bn picks the sm_90a paged prefill keys' BN (where two stages fit) and no other
-    key's; the portable engine and the defaults keep theirs."""
-    from prims_ts import Tuning
-    from prims_ts.cuda.keys import SM90_SMEM_LIMIT
-    from prims_ts.cuda.prefill import PrefillKey
-
-    narrow = Tuning(paged_bn=64)
-    for d in (128, 256):
-        key = PrefillKey.choose(BF16, d, mask, "sm_90a", paged=True, tuning=narrow)
-        assert key.bn == 64 and key.smem <= SM90_SMEM_LIMIT and key.stages >= 2
-        assert PrefillKey.choose(BF16, d, mask, "sm_90a", tuning=narrow) == PrefillKey.choose(BF16, d, mask, "sm_90a")
-        assert PrefillKey.choose(BF16, d, mask, "sm_80", paged=True, tuning=narrow) == \
-            PrefillKey.choose(BF16, d, mask, "sm_80", paged=True)
-    assert PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True, tuning=narrow).stages > \
-        PrefillKey.choose(BF16, 128, mask, "sm_90a", paged=True).stages
-    assert PrefillKey.choose(BF16, 256, mask, "sm_90a", paged=True, tuning=Tuning(paged_bn=128)).bn == 64  # no 2 stages
-    with pytest.raises(ValueError, match="paged_bn"):
-        Tuning(paged_bn=80)
-    assert Tuning.decode(narrow.encode()) == narrow
-
-
 def test_tensor_maps_are_encoded_aligned_and_copied(monkeypatch):
     """The driver writes a tensor map only at a 64-byte (newer drivers: 128) aligned address, which
     a ctypes struct is not: the encoder hands it an aligned scratch map and copies the bytes into

@@ -33,7 +33,6 @@ LOG2E = 1.4426950408889634
 FMHA_LOOPS = (0, 1, 2)
 KV_COPY_TPRS = (4, 8)
 PREFILL_BNS = (64, 80, 128)  # Tuning.prefill_bn (the wgmma n of QK^T: pt_wgmma.cuh)
-PAGED_BNS = (64, 128)  # Tuning.paged_bn (a tile holds whole pages of 16 and 32 keys, or part of one)
 
 
 @dataclass(frozen=True)
@@ -87,10 +86,6 @@ class Tuning:
     # contiguous K/V (fixed-storage prefill), at the head dims where two stages of it fit.
     # None: prefill.TMA_BN (128 at D128, 80 at D256; 64 at D256 where 80 does not fit).
     prefill_bn: Optional[int] = None
-    # The key tile (BN rows) of the sm_90a paged prefill keys, where two stages of it fit. None:
-    # 128 at D128, 64 at D256. A variant for page 16, whose tiles wait on a box per page (64:
-    # half a tile's boxes a stage, more stages in flight).
-    paged_bn: Optional[int] = None
     # The prefill-family keys (prefill, paged prefill, block-sparse) on the portable engine
     # (mma.sync, the sm_80 / sm_86 / sm_89 tiles) on an sm_90a device too: how the grids check
     # that engine on a Hopper GPU.
@@ -105,8 +100,6 @@ class Tuning:
             raise ValueError(f"tuning: persistent_ctas must be None or >= 1, got {self.persistent_ctas!r}")
         if self.prefill_bn is not None and self.prefill_bn not in PREFILL_BNS:
             raise ValueError(f"tuning: prefill_bn must be None or one of {PREFILL_BNS}, got {self.prefill_bn!r}")
-        if self.paged_bn is not None and self.paged_bn not in PAGED_BNS:
-            raise ValueError(f"tuning: paged_bn must be None or one of {PAGED_BNS}, got {self.paged_bn!r}")
         if self.probe not in (0, 1, 2):
             raise ValueError(f"tuning: probe must be 0, 1 or 2, got {self.probe!r}")
 

@@ -66,8 +66,6 @@ class PrefillKey(KernelKey):
             want = tuning.prefill_bn if tuning.prefill_bn is not None else TMA_BN[head_dim]
             if tma and not paged and producer_fits(128, want, head_dim, 2, extra):
                 bn = want
-            if paged and tuning.paged_bn is not None and producer_fits(128, tuning.paged_bn, head_dim, 2, extra):
-                bn = tuning.paged_bn
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
