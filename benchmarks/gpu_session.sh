@@ -37,7 +37,7 @@ fi
 
 KERNEL_TESTS=(tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_decode_cuda.py
               tests/test_mla_cuda.py tests/test_block_sparse_cuda.py tests/test_block_sparse_contiguous.py
-              tests/test_fail_closed.py)
+              tests/test_fail_closed.py tests/test_read_cuda.py)
 COMPILE_TESTS=(compile_tests/test_compile_cuda.py compile_tests/test_paged_compile.py
                compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py
                compile_tests/test_block_sparse_compile.py compile_tests/test_block_sparse_contiguous_compile.py)
@@ -65,7 +65,7 @@ for s in "${stages[@]}"; do
     # prefill family, a fresh machine compiling every kernel on first use)
     tests1) run_tests tests/test_prefill_cuda.py tests/test_paged_cuda.py tests/test_block_sparse_cuda.py \
                       tests/test_block_sparse_contiguous.py ;;
-    tests2) run_tests tests/test_decode_cuda.py tests/test_mla_cuda.py tests/test_fail_closed.py ;;
+    tests2) run_tests tests/test_decode_cuda.py tests/test_mla_cuda.py tests/test_fail_closed.py tests/test_read_cuda.py ;;
     # one kernel family each, to balance the two lists of `par`
     prefill) run_tests tests/test_prefill_cuda.py ;;
     paged) run_tests tests/test_paged_cuda.py ;;

@@ -65,6 +65,7 @@ def test_every_key_names_a_distinct_kernel():
         keys = catalog.all_keys(arch, variants=True)
         assert len({k.name for k in keys}) == len(keys)
         assert len({k.source for k in keys}) == len(keys)
+        assert "pt_read_int32" in {k.name for k in catalog.all_keys(arch)}  # the metadata read's kernel
 
 
 SERIALISED_SRC = r'''
@@ -139,7 +140,8 @@ def test_prefill_probes_compile_and_probe_2_refuses_persistent_ctas(cache, monke
     (prefill.PrefillParams, "fmha_prefill.cu", "pt::PrefillParams"),
     (decode.DecodeParams, "fmha_decode.cu", "pt::DecodeParams"),
     (block_sparse.BlockSparseParams, "fmha_block_sparse.cu", "pt::BlockSparseParams"),
-], ids=["prefill", "decode", "block_sparse"])
+    (runtime._ReadParams, "read_int32.cu", "pt::ReadParams"),
+], ids=["prefill", "decode", "block_sparse", "read"])
 def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
     """Every field of a kernel's parameter struct sits where its ctypes mirror puts it: a
     probe kernel stores each field's offset and the struct's size (constants once compiled;

@@ -70,9 +70,9 @@ def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelK
 
 def all_keys(arch: str = "sm_90a", variants: bool = False) -> List[runtime.KernelSource]:
     """The kernel sources of `arch`, one per distinct key: the default tuning's, and with
-    `variants` every tuning of VARIANTS too."""
+    `variants` every tuning of VARIANTS too; and the metadata read's kernel (runtime.read_int32)."""
     tunings = [DEFAULT_TUNING] + (VARIANTS if variants else [])
-    seen, out = set(), []
+    seen, out = set(), [runtime.read_source()]
     for tuning in tunings:
         for key in default_keys(arch, tuning):
             if key not in seen:

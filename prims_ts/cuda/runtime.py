@@ -22,6 +22,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,6 +324,7 @@ class _LibCuda:
         self.cuTensorMapEncodeTiled = getattr(lib, "cuTensorMapEncodeTiled", None)
         self.cuCtxGetCurrent = lib.cuCtxGetCurrent
         self.cuCtxSetCurrent = lib.cuCtxSetCurrent
+        self.cuCtxSynchronize = lib.cuCtxSynchronize
         self.cuGetErrorString = lib.cuGetErrorString
         self.cuMemcpyDtoHAsync = lib.cuMemcpyDtoHAsync_v2
         self.cuMemcpyHtoDAsync = lib.cuMemcpyHtoDAsync_v2
@@ -330,6 +332,12 @@ class _LibCuda:
         self.cuEventCreate = lib.cuEventCreate
         self.cuEventRecord = lib.cuEventRecord
         self.cuEventSynchronize = lib.cuEventSynchronize
+        self.cuMemHostAlloc = lib.cuMemHostAlloc
+        self.cuMemHostAlloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+        self.cuMemFreeHost = lib.cuMemFreeHost
+        self.cuMemFreeHost.argtypes = (ctypes.c_void_p,)
+        self.cuMemHostGetDevicePointer = lib.cuMemHostGetDevicePointer_v2
+        self.cuMemHostGetDevicePointer.argtypes = (ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint)
         for f in (self.cuMemcpyDtoHAsync, self.cuMemcpyHtoDAsync):
             f.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
         self._ctx = ctypes.c_void_p()
@@ -388,6 +396,15 @@ class PreparedLaunch:
     def with_params(self, params: ctypes.Structure) -> "PreparedLaunch":
         """The same kernel and grid over another parameter struct (a plan's own copy)."""
         return PreparedLaunch(self.kernel, self.name, self.grid, params)
+
+    def set_grid_x(self, gx: int) -> None:
+        """Another x extent of the grid (a kernel whose block count follows its work: the read)."""
+        self.grid = (gx,) + self.grid[1:]
+        self.empty = gx * self.grid[1] * self.grid[2] == 0
+        if self._cfg is not None:
+            self._cfg.gridDimX = gx
+        else:
+            self._args = (self._args[0], ctypes.c_uint(gx)) + self._args[2:]
 
     def launch(self, stream: int) -> None:
         """Launch on `stream` (a raw CUstream) in the kernel's context. No host sync."""
@@ -456,9 +473,88 @@ class _Pinned:
                 pass
 
 
+class _Mapped:
+    """A page-locked int32 host buffer mapped into the device address space (what a kernel
+    writes to directly): its NumPy view, host and device addresses."""
+
+    __slots__ = ("address", "device_address", "array", "__weakref__")
+
+    _DEVICEMAP_PORTABLE = 0x03  # CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
+
+    def __init__(self, device_index: int, n: int):
+        import numpy as np
+
+        drv = _libcuda()
+        ptr, dev = ctypes.c_void_p(), ctypes.c_uint64()
+        with _OnDevice(device_index):
+            _check(drv.cuMemHostAlloc(ctypes.byref(ptr), 4 * n, self._DEVICEMAP_PORTABLE), "cuMemHostAlloc")
+            self.address = ptr.value
+            _check(drv.cuMemHostGetDevicePointer(ctypes.byref(dev), ptr, 0), "cuMemHostGetDevicePointer")
+        self.device_address = dev.value
+        self.array = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.address))
+        self.array[:] = 0
+
+    def __del__(self):
+        if getattr(self, "address", None) and _libcuda_handle is not None:
+            try:
+                _libcuda_handle.cuMemFreeHost(ctypes.c_void_p(self.address))
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+
+READ_THREADS = 256
+READ_MAX_SPANS = 8  # pt::kReadMaxSpans (read_int32.cu)
+_READ_BLOCK = 4096  # elements a block of the read kernel copies, at least
+_READ_MAX_BLOCKS = 64
+_READ_SPIN_S = 200e-6  # then a blocking wait (which releases the GIL) for a longer queue
+
+
+def read_source() -> "KernelSource":
+    """The read kernel (read_int32.cu): compiled and loaded like any key, listed by warmup."""
+    entry = (f'extern "C" __global__ void __launch_bounds__({READ_THREADS})\n'
+             "pt_read_int32(const __grid_constant__ pt::ReadParams p) {\n  pt::read_int32(p);\n}\n")
+    return KernelSource(key="read_int32", name="pt_read_int32", source=(HERE / "read_int32.cu").read_text() + entry)
+
+
+class _ReadParams(ctypes.Structure):
+    """pt::ReadParams (read_int32.cu)."""
+
+    _fields_ = [("src", ctypes.c_void_p * READ_MAX_SPANS), ("start", ctypes.c_int * (READ_MAX_SPANS + 1)),
+                ("n", ctypes.c_int), ("chunk", ctypes.c_int), ("seq", ctypes.c_int), ("dst", ctypes.c_void_p),
+                ("flags", ctypes.c_void_p)]
+
+
+class _Reader:
+    """One thread's read kernel on one device: its parameter struct and launch, the mapped
+    buffers the kernel writes (the values, a flag a block) and the last flag value."""
+
+    __slots__ = ("device_index", "params", "launch", "data", "flags", "seq", "pending")
+
+    def __init__(self, device_index: int):
+        self.device_index = device_index
+        self.params = _ReadParams()
+        self.launch = PreparedLaunch(get_kernel(device_index, read_source(), 0, READ_THREADS), "pt_read_int32",
+                                     (1, 1, 1), self.params)
+        self.flags = _Mapped(device_index, _READ_MAX_BLOCKS)
+        self.params.flags = self.flags.device_address
+        self.data = None
+        self.seq = 0
+        self.pending = False  # a read launched and not seen landing (its wait was interrupted)
+
+    def buffer(self, n: int) -> _Mapped:
+        if self.pending:  # that read's kernel may still write the buffers: let it finish first
+            with _OnDevice(self.device_index):
+                _check(_libcuda().cuCtxSynchronize(), "cuCtxSynchronize")
+            self.pending = False
+        if self.data is None or self.data.array.shape[0] < n:
+            self.data = _Mapped(self.device_index, max(n, 4096, 2 * (self.data.array.shape[0] if self.data else 0)))
+            self.params.dst = self.data.device_address
+        return self.data
+
+
 class _Staging(threading.local):
     def __init__(self):
-        self.down: Dict[int, _Pinned] = {}
+        self.readers: Dict[int, _Reader] = {}
         self.up: Dict[int, _Pinned] = {}
 
 
@@ -505,20 +601,60 @@ class _OnDevice:
 
 
 def read_int32(device_index: int, spans: Sequence[Tuple[int, int]]):
-    """The int32 values of device ranges (address, element count), back to back in one NumPy
-    array: an asynchronous copy each on torch's current stream, then one wait for that stream.
-    The array is a view of this thread's pinned buffer, valid until its next read: copy what
-    is kept. Not during CUDA-graph capture."""
+    """The int32 values of device ranges (address, element count; at most READ_MAX_SPANS), back
+    to back in one NumPy array, in stream order on torch's current stream: one launch of the
+    read kernel, which writes them into host-mapped memory and raises a flag a block; the host
+    spins on the flags (and after _READ_SPIN_S waits for the stream, which raises a pending
+    CUDA error). The array is a view of this thread's mapped buffer, valid until its next read:
+    copy what is kept. Not during CUDA-graph capture."""
+    if len(spans) > READ_MAX_SPANS:
+        raise ValueError(f"read_int32: at most {READ_MAX_SPANS} ranges a read, got {len(spans)}")
     total = sum(n for _, n in spans)
-    buf = _buffer(_staging.down, device_index, total)
-    with _OnDevice(device_index) as stream:
-        drv = _libcuda_handle
-        at = buf.address
-        for address, n in spans:
-            if n:
-                _check(drv.cuMemcpyDtoHAsync(at, address, 4 * n, stream), "cuMemcpyDtoHAsync")
-                at += 4 * n
-        _check(drv.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
+    reader = _staging.readers.get(device_index)
+    if reader is None:
+        reader = _staging.readers[device_index] = _Reader(device_index)
+    buf = reader.buffer(total)
+    if total == 0:
+        return buf.array[:0]
+    p = reader.params
+    at = 0
+    for s, (address, n) in enumerate(spans):
+        p.src[s] = address
+        p.start[s] = at
+        at += n
+    p.start[len(spans)] = at
+    p.n = len(spans)
+    blocks = min(-(-total // _READ_BLOCK), _READ_MAX_BLOCKS)
+    p.chunk = -(-total // blocks)
+    reader.seq = seq = reader.seq % 0x7FFFFFFF + 1  # never 0, the flags' first value
+    p.seq = seq
+    if reader.launch.grid[0] != blocks:
+        reader.launch.set_grid_x(blocks)
+    stream = current_stream(device_index)
+    reader.pending = True
+    reader.launch.launch(stream)
+    flags = reader.flags.array
+    if blocks == 1:
+        landed = lambda: flags[0] == seq  # noqa: E731
+    else:
+        part = flags[:blocks]
+        landed = lambda: bool((part == seq).all())  # noqa: E731
+    spins, deadline = 0, None
+    while not landed():
+        spins += 1
+        if spins & 63:
+            continue
+        now = time.perf_counter()
+        if deadline is None:
+            deadline = now + _READ_SPIN_S
+        elif now > deadline:  # a long queue ahead: block (releasing the GIL), then the flags
+            with _OnDevice(device_index):
+                _check(_libcuda_handle.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
+            if not landed():
+                raise KernelLaunchError(f"read of device metadata on cuda:{device_index}: the stream completed "
+                                        f"but {blocks} block flag(s) did not reach {seq}")
+            break
+    reader.pending = False
     return buf.array[:total]
 
 
