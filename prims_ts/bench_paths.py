@@ -13,7 +13,7 @@ there is one, CUDA-graph replay) and the peers' own calls, on the bench's proble
   on the device host (30-130 µs against 15, graph replays 35 against 5), a cost a serving
   step pays once for all its launches and ``host_idle_us`` reports;
 * ``host_idle_us``: CPU time of one call that starts on an idle GPU, to its return (a one-shot's
-  own host cost, its metadata copy included).
+  own host cost, its metadata read included).
 
 Rates are the work over ``tput_ms`` (and over ``lat_ms``). JSON with ``--json``.
 """
