@@ -83,3 +83,16 @@ def test_host_values_of_vectors_and_row_strided_tables():
     tensors = [torch.tensor([4, -2, 9], dtype=I32, device="cuda"), wide[1:, 2:30], wide[3], wide[:1, :1]]
     for t, v in zip(tensors, V.host_values(*tensors)):
         assert v.dtype == np.int64 and v.tolist() == t.reshape(-1).tolist()
+
+
+def test_a_kept_view_outlives_the_buffer_growing():
+    """A read's array is a view of the reader's mapped buffer; a later, larger read moves the
+    reader to a new buffer, and the old one stays allocated while a view of it lives."""
+    import gc
+
+    small = torch.arange(100, device="cuda", dtype=I32)
+    kept = runtime.read_int32(torch.cuda.current_device(), [(small.data_ptr(), 100)])
+    big = torch.ones(1 << 21, device="cuda", dtype=I32)
+    assert (_read([big]) == 1).all()
+    gc.collect()
+    assert kept.tolist() == list(range(100))

@@ -25,9 +25,12 @@ __device__ __forceinline__ void read_int32(const ReadParams& p) {
     const int off = p.start[s];
     for (int i = a + static_cast<int>(threadIdx.x); i < b; i += blockDim.x) p.dst[i] = src[i - off];
   }
-  __threadfence_system();  // this thread's elements reach the host before the flag below
-  __syncthreads();
-  if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(p.flags + blockIdx.x) = p.seq;
+  __threadfence_system();  // this thread's elements are visible system-wide
+  __syncthreads();         // every thread's are
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // ordered before the flag for the host (cumulative over the barrier)
+    *reinterpret_cast<volatile int*>(p.flags + blockIdx.x) = p.seq;
+  }
 }
 
 }  // namespace pt

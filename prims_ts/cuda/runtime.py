@@ -324,7 +324,6 @@ class _LibCuda:
         self.cuTensorMapEncodeTiled = getattr(lib, "cuTensorMapEncodeTiled", None)
         self.cuCtxGetCurrent = lib.cuCtxGetCurrent
         self.cuCtxSetCurrent = lib.cuCtxSetCurrent
-        self.cuCtxSynchronize = lib.cuCtxSynchronize
         self.cuGetErrorString = lib.cuGetErrorString
         self.cuMemcpyDtoHAsync = lib.cuMemcpyDtoHAsync_v2
         self.cuMemcpyHtoDAsync = lib.cuMemcpyHtoDAsync_v2
@@ -477,7 +476,7 @@ class _Mapped:
     """A page-locked int32 host buffer mapped into the device address space (what a kernel
     writes to directly): its NumPy view, host and device addresses."""
 
-    __slots__ = ("address", "device_address", "array", "__weakref__")
+    __slots__ = ("device_index", "address", "device_address", "array", "__weakref__")
 
     _DEVICEMAP_PORTABLE = 0x03  # CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
 
@@ -485,19 +484,23 @@ class _Mapped:
         import numpy as np
 
         drv = _libcuda()
+        self.device_index = device_index
         ptr, dev = ctypes.c_void_p(), ctypes.c_uint64()
         with _OnDevice(device_index):
             _check(drv.cuMemHostAlloc(ctypes.byref(ptr), 4 * n, self._DEVICEMAP_PORTABLE), "cuMemHostAlloc")
             self.address = ptr.value
             _check(drv.cuMemHostGetDevicePointer(ctypes.byref(dev), ptr, 0), "cuMemHostGetDevicePointer")
         self.device_address = dev.value
-        self.array = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.address))
+        view = (ctypes.c_int32 * n).from_address(self.address)
+        view.owner = self  # every NumPy view of the memory keeps it allocated
+        self.array = np.ctypeslib.as_array(view)
         self.array[:] = 0
 
     def __del__(self):
         if getattr(self, "address", None) and _libcuda_handle is not None:
             try:
-                _libcuda_handle.cuMemFreeHost(ctypes.c_void_p(self.address))
+                with _OnDevice(self.device_index):
+                    _libcuda_handle.cuMemFreeHost(ctypes.c_void_p(self.address))
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass
 
@@ -528,7 +531,7 @@ class _Reader:
     """One thread's read kernel on one device: its parameter struct and launch, the mapped
     buffers the kernel writes (the values, a flag a block) and the last flag value."""
 
-    __slots__ = ("device_index", "params", "launch", "data", "flags", "seq", "pending")
+    __slots__ = ("device_index", "params", "launch", "data", "flags", "seq", "pending")  # pending: a stream
 
     def __init__(self, device_index: int):
         self.device_index = device_index
@@ -539,13 +542,13 @@ class _Reader:
         self.params.flags = self.flags.device_address
         self.data = None
         self.seq = 0
-        self.pending = False  # a read launched and not seen landing (its wait was interrupted)
+        self.pending = None  # the stream of a read launched and not seen landing (its wait was interrupted)
 
     def buffer(self, n: int) -> _Mapped:
-        if self.pending:  # that read's kernel may still write the buffers: let it finish first
+        if self.pending is not None:  # that read's kernel may still write the buffers: let it finish first
             with _OnDevice(self.device_index):
-                _check(_libcuda().cuCtxSynchronize(), "cuCtxSynchronize")
-            self.pending = False
+                _check(_libcuda().cuStreamSynchronize(ctypes.c_void_p(self.pending)), "cuStreamSynchronize")
+            self.pending = None
         if self.data is None or self.data.array.shape[0] < n:
             self.data = _Mapped(self.device_index, max(n, 4096, 2 * (self.data.array.shape[0] if self.data else 0)))
             self.params.dst = self.data.device_address
@@ -631,7 +634,7 @@ def read_int32(device_index: int, spans: Sequence[Tuple[int, int]]):
     if reader.launch.grid[0] != blocks:
         reader.launch.set_grid_x(blocks)
     stream = current_stream(device_index)
-    reader.pending = True
+    reader.pending = stream
     reader.launch.launch(stream)
     flags = reader.flags.array
     if blocks == 1:
@@ -654,7 +657,7 @@ def read_int32(device_index: int, spans: Sequence[Tuple[int, int]]):
                 raise KernelLaunchError(f"read of device metadata on cuda:{device_index}: the stream completed "
                                         f"but {blocks} block flag(s) did not reach {seq}")
             break
-    reader.pending = False
+    reader.pending = None
     return buf.array[:total]
 
 
