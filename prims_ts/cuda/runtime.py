@@ -536,8 +536,8 @@ class _Reader:
     def __init__(self, device_index: int):
         self.device_index = device_index
         self.params = _ReadParams()
-        self.launch = PreparedLaunch(get_kernel(device_index, read_source(), 0, READ_THREADS), "pt_read_int32",
-                                     (1, 1, 1), self.params)
+        ks = read_source()
+        self.launch = PreparedLaunch(get_kernel(device_index, ks, 0, READ_THREADS), ks.name, (1, 1, 1), self.params)
         self.flags = _Mapped(device_index, _READ_MAX_BLOCKS)
         self.params.flags = self.flags.device_address
         self.data = None

@@ -563,9 +563,9 @@ def _span(t: torch.Tensor) -> Optional[int]:
 def host_values(*tensors: torch.Tensor) -> List[np.ndarray]:
     """The values of int32 tensors on the host, flattened, as int64 NumPy arrays, with one
     wait for the device (a one-shot's or a plan's only read of metadata): on CUDA, one launch
-    of the read kernel, which writes each tensor's range into host-mapped memory in stream order
-    (``runtime.read_int32``); elsewhere one concatenated copy. The checks then run as whole-array NumPy operations (a microsecond
-    each, where a small torch op costs several)."""
+    of the read kernel, which writes each tensor's range into host-mapped memory in stream
+    order (``runtime.read_int32``); elsewhere one concatenated copy. The checks then run as
+    whole-array NumPy operations (a microsecond each, where a small torch op costs several)."""
     if not tensors:
         return []
     t0 = tensors[0]
