@@ -6,7 +6,9 @@ compute-sanitizer), on the bench's own problems and inputs:
 e.g. `python benchmarks/run_one.py mla "B64 L8192 H16"` or
 `python benchmarks/run_one.py prefill "B2 S4096 H32/8 D128 causal" prims_ts 5`.
 RUNNER defaults to prims_ts, CALLS to 3; the problem substring must pick exactly one.
+PT_TUNING (a `Tuning.encode()` string, e.g. "loop=1") plans our runners with another tuning.
 """
+import os
 import sys
 
 import torch
@@ -24,11 +26,16 @@ def main() -> None:
     if len(problems) != 1:
         raise SystemExit(f"{family} {match!r}: {len(problems)} problems match: {[p.name for p in problems]}")
     prob, fam = problems[0], bench.FAMILIES[family]
-    fn = next(r for r in fam.runners if r.name == runner).setup(prob, fam.make_inputs(prob, torch.device("cuda")))
+    inputs = fam.make_inputs(prob, torch.device("cuda"))
+    if os.environ.get("PT_TUNING"):
+        from prims_ts.cuda.keys import Tuning
+
+        inputs.tuning = Tuning.decode(os.environ["PT_TUNING"])
+    fn = next(r for r in fam.runners if r.name == runner).setup(prob, inputs)
     for _ in range(calls):
         fn()
     torch.cuda.synchronize()
-    print(f"{family}: {prob.name}: {runner} x {calls}")
+    print(f"{family}: {prob.name}: {runner} x {calls}, tuning {os.environ.get('PT_TUNING') or 'default'}")
 
 
 if __name__ == "__main__":

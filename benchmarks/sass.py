@@ -1,0 +1,119 @@
+"""Kernel keys' SASS on a machine without a GPU: NVRTC (any version, loaded with ctypes) compiles
+each key to a CUBIN, `cuobjdump -sass` disassembles it.
+
+    python benchmarks/sass.py [--tuning SPEC] [--filter SUBSTR ...] [--arch sm_90a] [--out DIR]
+
+Setup (the device image's compiler is NVRTC 13.0; the wheels are small):
+
+    pip download --no-deps -d /tmp/cu "nvidia-cuda-nvrtc==13.0.*" nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+    cd /tmp/cu && for w in *.whl; do unzip -qo "$w"; done
+    export PT_NVRTC=/tmp/cu/nvidia/cu13/lib/libnvrtc.so.13 LD_LIBRARY_PATH=/tmp/cu/nvidia/cu13/lib \
+        PATH=/tmp/cu/nvidia/cu13/bin:$PATH
+
+For every key of `catalog.default_keys(arch, tuning)` whose name holds every SUBSTR: ptxas'
+registers and spills, the .cubin and .sass under DIR, and for wgmma keys where each wait for
+the older of two wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, 0x1`: S^T of tile j landed,
+P V of tile j - 1 may run) sits against the wait for both (`0x0`): the exp2 (MUFU.EX2) and other
+instructions between them, i.e. what the softmax runs under the P V. Zero exp2 there means
+ptxas hoisted the P V wait above the softmax.
+"""
+import argparse
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from prims_ts.cuda import catalog  # noqa: E402
+from prims_ts.cuda import runtime as R  # noqa: E402
+from prims_ts.cuda.keys import Tuning  # noqa: E402
+
+
+def nvrtc():
+    lib = ctypes.CDLL(os.environ.get("PT_NVRTC", "libnvrtc.so"))
+    for name in ("nvrtcCreateProgram", "nvrtcCompileProgram", "nvrtcGetProgramLogSize", "nvrtcGetProgramLog",
+                 "nvrtcGetCUBINSize", "nvrtcGetCUBIN", "nvrtcDestroyProgram"):
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def compile_cubin(lib, src, opts):
+    """(cubin bytes, NVRTC log) of one KernelSource; raises with the log on a compile error."""
+    headers = R.include_sources()
+    prog = ctypes.c_void_p()
+    n = len(headers)
+    texts = (ctypes.c_char_p * n)(*[v.encode() for v in headers.values()])
+    names = (ctypes.c_char_p * n)(*[k.encode() for k in headers])
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.source.encode(), (src.name + ".cu").encode(), n, texts, names)
+    if rc != 0:
+        raise RuntimeError(f"{src.name}: nvrtcCreateProgram returned {rc}")
+    try:
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if rc != 0:
+            raise RuntimeError(f"{src.name}: NVRTC error {rc}\n{log.value.decode()}")
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(prog, cubin) != 0:
+            raise RuntimeError(f"{src.name}: nvrtcGetCUBIN failed")
+        return cubin.raw, log.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def wait_order(sass: str):
+    """For each `DEPBAR.LE gsb0, 0x1`: (exp2, instructions) before the next `DEPBAR.LE gsb0, 0x0`."""
+    ins = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    out, i = [], 0
+    while i < len(ins):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in ins[i]:
+            j, ex2 = i + 1, 0
+            while j < len(ins) and "WARPGROUP.DEPBAR.LE gsb0, 0x0" not in ins[j]:
+                ex2 += "MUFU.EX2" in ins[j]
+                j += 1
+            out.append((ex2, j - i - 1))
+            i = j
+        i += 1
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tuning", default="", help="a Tuning.encode() string, e.g. 'loop=1'")
+    ap.add_argument("--filter", action="append", default=[], help="a substring every key name must hold")
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--out", default="sass_out")
+    a = ap.parse_args()
+    if not shutil.which("cuobjdump") or not shutil.which("nvdisasm"):
+        raise SystemExit("cuobjdump and nvdisasm must be on PATH (see the setup above)")
+    lib = nvrtc()
+    os.makedirs(a.out, exist_ok=True)
+    seen = set()
+    for key in catalog.default_keys(a.arch, Tuning.decode(a.tuning)):
+        if key.name in seen or not all(f in key.name for f in a.filter):
+            continue
+        seen.add(key.name)
+        cubin, log = compile_cubin(lib, key.source(), R._options(a.arch) + ["--ptxas-options=-v"])
+        base = os.path.join(a.out, key.name)
+        with open(base + ".cubin", "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run(["cuobjdump", "-sass", base + ".cubin"], capture_output=True, text=True,
+                              check=True).stdout
+        with open(base + ".sass", "w") as f:
+            f.write(sass)
+        info = [re.sub(r"^ptxas\s+(info\s+:|\.)\s*", "", ln.strip()) for ln in log.splitlines()
+                if "spill" in ln or "Used" in ln]
+        waits = wait_order(sass)
+        print(key.name, "|", "; ".join(info), "|" if waits else "",
+              " ".join(f"{e} exp2 / {n} ins under PV" for e, n in waits))
+
+
+if __name__ == "__main__":
+    main()
