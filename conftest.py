@@ -21,14 +21,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=list(RING_VARIANTS))
 def ring_variant(request):
     """A Tuning of the prefill-family kernels' producer ring on sm_90a (prefill, paged prefill,
-    block-sparse; ``prims_ts.cuda.catalog.RING_VARIANTS``): the plain (0), overlapped (1) and
-    pingpong (2) consumer loops, persistent CTAs walking several work items (with the plain
+    block-sparse; ``prims_ts.cuda.catalog.RING_VARIANTS``): the plain (0) and overlapped (1)
+    consumer loops (the default: pingpong), persistent CTAs walking several work items (with the plain
     loop and with pingpong, which BM 64 block-sparse tiles take as loop 1; three CTAs, so
     each walks many items), the producer copy the default does not take, and K/V tiles by
     cp.async everywhere (the default: TMA boxes for contiguous K/V and pages), the MMA warps'
     leaner instructions (fmax row maxima, descriptors advanced by adds) at every head dim and at
     none (the default: D128), O rescaled whenever a running maximum moves (the default keeps a
-    maximum while within 2^8), and the portable engine (sm_80's mma.sync tiles, no ring), which
+    maximum while within 2^8), the softmax under the previous PV everywhere and nowhere (the
+    default: the prefill keys, not block-sparse), and the portable engine (sm_80's mma.sync tiles, no ring), which
     the grids check on a Hopper GPU this way. Tests pass it to a wrapper (``tuning=``). Other
     devices have no ring (the portable engine is theirs): they run the first variant only."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):

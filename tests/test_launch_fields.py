@@ -411,7 +411,7 @@ def test_prefill_tma_keys_follow_the_tuning(mask):
 
     tma = Tuning(tma=True)
     assert PrefillKey.choose(BF16, 128, mask, "sm_90a", tuning=tma).tma
-    assert PrefillKey.choose(BF16, 256, mask, "sm_90a", tuning=tma).name.endswith("_tma_lz")
+    assert PrefillKey.choose(BF16, 256, mask, "sm_90a", tuning=tma).name.endswith("_tma_lz_up")
     assert PrefillKey.choose(BF16, 128, mask, "sm_90a").tma  # the default
     for kw in (dict(packed=True), dict(paged=True, tuning=Tuning(paged_tma=False)),
                dict(tuning=Tuning(tma=True, probe=1)),
@@ -591,11 +591,11 @@ def test_lean_mma_keys():
     on, off = Tuning(lean_mma=True), Tuning(lean_mma=False)
     for paged in (False, True):
         default = PrefillKey.choose(BF16, 128, "causal", "sm_90a", paged=paged)
-        assert default.lean and default.name.endswith("_ln_lz") and ", 2, 4, true, true>" in default.call()
+        assert default.lean and default.name.endswith("_ln_lz_up") and ", 2, 4, true, true, true>" in default.call()
         assert not PrefillKey.choose(BF16, 256, "causal", "sm_90a", paged=paged).lean
         assert PrefillKey.choose(BF16, 256, "causal", "sm_90a", paged=paged, tuning=on).lean
         plain = PrefillKey.choose(BF16, 128, "causal", "sm_90a", paged=paged, tuning=off)
-        assert not plain.lean and ", 2, 4, false, true>" in plain.call()
+        assert not plain.lean and ", 2, 4, false, true, true>" in plain.call()
         assert not PrefillKey.choose(BF16, 128, "causal", "sm_80", paged=paged, tuning=on).lean
     assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", Tuning(), True).lean
     assert not BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", off, True).lean
@@ -615,9 +615,9 @@ def test_lazy_rescale_keys():
     for paged in (False, True):
         for d, lean in ((128, "true"), (256, "false")):
             key = PrefillKey.choose(BF16, d, "causal", "sm_90a", paged=paged)
-            assert key.lazy and key.name.endswith("_lz") and f", {lean}, true>" in key.call(), key.call()
+            assert key.lazy and key.name.endswith("_lz_up") and f", {lean}, true, true>" in key.call(), key.call()
             other = PrefillKey.choose(BF16, d, "causal", "sm_90a", paged=paged, tuning=eager)
-            assert not other.lazy and "_lz" not in other.name and ", true, true>" not in other.call()
+            assert not other.lazy and "_lz" not in other.name and f", {lean}, false, true>" in other.call()
         assert not PrefillKey.choose(BF16, 128, "causal", "sm_80", paged=paged, tuning=lz).lazy
     assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", lz, True).lazy
     assert not BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", eager, True).lazy

@@ -159,11 +159,11 @@ def test_tuning_encodes_and_decodes():
 
 
 def test_tuning_defaults_are_the_measured_choices():
-    """The consumer loop per head dim (pingpong at D128, plain at D256) and the producer copy per
+    """The consumer loop (pingpong at every head dim) and the producer copy per
     row width (4 threads a row at D128, 8 at D256 and for MLA's 576-wide rows); flip_copy takes
     the other copy; persistence, the staged merge and the probe are off."""
     t = Tuning()
-    assert (t.loop_for(128), t.loop_for(256)) == (2, 0)
+    assert (t.loop_for(128), t.loop_for(256)) == (2, 2)
     assert (t.copy_for(128), t.copy_for(256), t.copy_for(MLA_DIM_QK)) == (4, 8, 8)
     flip = Tuning(flip_copy=True)
     assert (flip.copy_for(128), flip.copy_for(256), flip.copy_for(MLA_DIM_QK)) == (8, 4, 4)
@@ -180,27 +180,33 @@ def test_consumer_loop_choice(loop):
     for d in (128, 256):
         key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t)
         assert key.loop == loop and ("_l%d" % loop in key.name) == (loop > 0)
-        tail = f", {'true' if t.lean_for(d) else 'false'}, true" if t.lazy_rescale else (", true" if t.lean_for(d) else "")
+        assert key.under_pv == (loop > 0)  # prefill: the softmax under PV with the overlapped loops
+        flags = [t.lean_for(d), t.lazy_rescale, key.under_pv]
+        while flags and not flags[-1]:
+            flags.pop()
+        tail = "".join(f", {'true' if f else 'false'}" for f in flags)
         assert f", {loop}, {t.copy_for(d)}{tail}>" in key.source().source
+        paged = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=t)
+        assert paged.under_pv == (loop > 0) and not BlockSparseKey.choose("bf16", d, False, 128, 512, "sm_90a", t).under_pv
         assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", tuning=t).loop == 0
     assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", t).loop == loop
     assert BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a", t).loop == min(loop, 1)
     names = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     base = PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a")
-    assert dataclasses.replace(base, loop=loop).name in names
+    assert dataclasses.replace(base, loop=loop, under_pv=loop > 0).name in names
 
 
 def test_consumer_loop_default_and_persistent():
-    """The default tuning takes the measured loop: pingpong at D128, the plain loop at D256; BM
-    64 block-sparse tiles take loop 1; persistent keys keep each key's loop, and the variants'
+    """The default tuning takes the measured loop: pingpong at D128 and D256; BM 64 block-sparse
+    tiles take loop 1; persistent keys keep each key's loop, and the variants'
     catalogue holds them."""
     for paged in (False, True):
         assert PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", paged=paged).loop == 2
-        assert PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a", paged=paged).loop == 0
+        assert PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a", paged=paged).loop == 2
         assert PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80", paged=paged).loop == 0
     assert BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a").loop == 2
     assert BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a").loop == 1
-    assert BlockSparseKey.choose("bf16", 256, False, 128, 512, "sm_90a").loop == 0
+    assert BlockSparseKey.choose("bf16", 256, False, 128, 512, "sm_90a").loop == 2
     defaults = {ks.name for ks in catalog.all_keys("sm_90a")}
     assert PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a").name in defaults
     names = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
@@ -210,7 +216,7 @@ def test_consumer_loop_default_and_persistent():
               PrefillKey.choose(torch.bfloat16, 256, "causal", "sm_90a", tuning=p),
               BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", p),
               BlockSparseKey.choose("bf16", 128, False, 128, 64, "sm_90a", p)]
-    assert [(k.persistent, k.loop) for k in chosen] == [(True, 2), (True, 2), (True, 0), (True, 2), (True, 1)]
+    assert [(k.persistent, k.loop) for k in chosen] == [(True, 2), (True, 2), (True, 2), (True, 2), (True, 1)]
     assert {k.name for k in chosen} <= names
     assert not {k.name for k in chosen} & defaults
 
@@ -231,7 +237,8 @@ def test_producer_copy_choice(tpr):
     for key in chosen:
         assert key.copy_tpr == tpr and (f"_cp{tpr}" in key.name) == (tpr != 4), key
         cfg = key.source().source.rsplit("pt::", 2)[-2:]
-        assert any(f", {tpr}{tail}>" in c for c in cfg for tail in ("", ", true", ", false, true", ", true, true")), key.name
+        assert any(f", {tpr}{tail}>" in c for c in cfg for tail in ("", ", true", ", false, true", ", true, true",
+                                                                          ", false, true, true", ", true, true, true")), key.name
         assert {dataclasses.replace(key, copy_tpr=c).name for c in keys.KV_COPY_TPRS} <= names, key.name
     assert PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_80", tuning=t).copy_tpr == 4
     assert BlockSparseKey.choose("bf16", 128, False, 32, 512, "sm_90a", t).copy_tpr == 4

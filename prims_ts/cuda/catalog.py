@@ -17,16 +17,16 @@ from .prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from .prefill import MASK_CODES, PrefillKey
 
 # The producer-ring variants of the prefill-family kernels on sm_90a (each selects some keys
-# the default does not): the plain (0), overlapped (1) and pingpong (2) consumer loops,
+# the default does not): the plain (0) and overlapped (1) consumer loops (the default: pingpong),
 # persistent CTAs with the plain loop and with pingpong (a few CTAs walk many items), the
 # producer copy the default does not take, every producer by cp.async (the default: TMA boxes),
 # the MMA warps' leaner instructions everywhere and nowhere (Tuning.lean_mma; the default: at
-# D128), and the online softmax rescaling on every new running maximum (the default keeps a
-# maximum within 2^8: Tuning.lazy_rescale).
+# D128), the online softmax rescaling on every new running maximum (the default keeps a
+# maximum within 2^8: Tuning.lazy_rescale), and the overlapped loops' softmax under the previous
+# PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
-    "loop2": Tuning(loop=2),
     "loop0_persistent": Tuning(loop=0, persistent=True, persistent_ctas=3),
     "loop2_persistent": Tuning(loop=2, persistent=True, persistent_ctas=3),
     "other_copy": Tuning(flip_copy=True),
@@ -34,6 +34,8 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "lean_mma": Tuning(lean_mma=True),
     "plain_mma": Tuning(lean_mma=False),
     "eager_rescale": Tuning(lazy_rescale=False),
+    "under_pv": Tuning(softmax_under_pv=True),
+    "pv_first": Tuning(softmax_under_pv=False),
     "portable": Tuning(portable=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),

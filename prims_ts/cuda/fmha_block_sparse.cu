@@ -102,16 +102,15 @@ struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
   TmaKv tma;        // TMA: the maps, K/V head and request
 
   template <class Tile>
-  __device__ __forceinline__ void tma_kv(u32 dst_k, u32 dst_v, int k0, u32 bar) const {
-    tma.template rows<Tile>(dst_k, dst_v, k0, bar);
+  __device__ __forceinline__ void tma_kv(int part, u32 dst, int k0, u32 bar) const {
+    tma.template rows<Tile>(part, dst, k0, bar);
   }
   __device__ __forceinline__ int tma_rows(int k0) const {
     return TmaKv::whole_page_rows<BN>(k0, this->sk, this->p->page_shift);
   }
   template <class Tile>
-  __device__ __forceinline__ void tma_pages(u32 dst_k, u32 dst_v, int k0, int rows, u32 bar, int lane,
-                                            int lanes) const {
-    tma.template pages<Tile, BN>(*this, dst_k, dst_v, k0, rows, this->p->page_shift, bar, lane, lanes);
+  __device__ __forceinline__ void tma_pages(int part, u32 dst, int k0, int rows, u32 bar, int lane, int lanes) const {
+    tma.template pages<Tile, BN>(*this, part, dst, k0, rows, this->p->page_shift, bar, lane, lanes);
   }
 
   __device__ __forceinline__ BsrRange<BN> range() const { return routes; }

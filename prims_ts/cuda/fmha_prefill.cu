@@ -99,14 +99,13 @@ struct PrefillProblem {
   __device__ __forceinline__ const T* q_row(int r) const { return q + r * q_st; }
   // TMA (TmaKv): fixed storage's key tiles, or the whole pages of a paged one
   template <class Tile>
-  __device__ __forceinline__ void tma_kv(u32 dst_k, u32 dst_v, int k0, u32 bar) const {
-    tma.template rows<Tile>(dst_k, dst_v, k0, bar);
+  __device__ __forceinline__ void tma_kv(int part, u32 dst, int k0, u32 bar) const {
+    tma.template rows<Tile>(part, dst, k0, bar);
   }
   __device__ __forceinline__ int tma_rows(int k0) const { return TmaKv::whole_page_rows<BN>(k0, sk, page_shift); }
   template <class Tile>
-  __device__ __forceinline__ void tma_pages(u32 dst_k, u32 dst_v, int k0, int rows, u32 bar, int lane,
-                                            int lanes) const {
-    tma.template pages<Tile, BN>(*this, dst_k, dst_v, k0, rows, page_shift, bar, lane, lanes);
+  __device__ __forceinline__ void tma_pages(int part, u32 dst, int k0, int rows, u32 bar, int lane, int lanes) const {
+    tma.template pages<Tile, BN>(*this, part, dst, k0, rows, page_shift, bar, lane, lanes);
   }
   __device__ __forceinline__ int kv_page(int j) const { return PAGED ? bt[j >> page_shift] : 0; }
   __device__ __forceinline__ const T* k_row(int page, int j) const {

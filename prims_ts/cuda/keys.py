@@ -46,8 +46,7 @@ class Tuning:
 
     # The producer ring's consumer loop (prefill, paged prefill, block-sparse on sm_90a):
     # 0 plain; 1 QK^T of tile j+1 and PV of tile j in flight under the softmax; 2 as 1 with
-    # the two MMA warpgroups taking turns (pingpong). None: pingpong at D128, plain at D256
-    # (D256's 128x256 fp32 accumulator leaves the overlapped loops no registers).
+    # the two MMA warpgroups taking turns (pingpong). None: pingpong (at D128 and D256).
     loop: Optional[int] = None
     # The producer's threads per K/V row: 4 (8 rows x 64 bytes a warp instruction) or 8 (4
     # rows x a whole 128-byte line). None: 8 for rows wider than 256 bytes (D256, MLA's 576),
@@ -82,6 +81,12 @@ class Tuning:
     # the final division), so that most tiles rescale neither O nor the sums (page 16 +5-7%,
     # the other rows within drift: benchmarks/NOTES.md). False: rescale on every new maximum.
     lazy_rescale: bool = True
+    # The overlapped loops' softmax of tile j under PV of tile j - 1 (the PV wait after the
+    # softmax, past a branch that keeps ptxas from hoisting it) and the producer's V a tile
+    # behind K. None: in the prefill keys (contiguous and paged K/V), where it wins; the
+    # block-sparse keys lost by it (-2 to -6%): there the PV lands before the softmax
+    # (benchmarks/NOTES.md).
+    softmax_under_pv: Optional[bool] = None
     # The key tile (BN rows) of the sm_90a prefill keys whose K/V tiles are TMA boxes of
     # contiguous K/V (fixed-storage prefill), at the head dims where two stages of it fit.
     # None: prefill.TMA_BN (128 at D128, 80 at D256; 64 at D256 where 80 does not fit).
@@ -104,9 +109,10 @@ class Tuning:
             raise ValueError(f"tuning: probe must be 0, 1 or 2, got {self.probe!r}")
 
     def loop_for(self, head_dim: int) -> int:
-        if self.loop is not None:
-            return self.loop
-        return 2 if head_dim <= 128 else 0
+        return self.loop if self.loop is not None else 2
+
+    def under_pv_for(self, prefill: bool) -> bool:
+        return self.softmax_under_pv if self.softmax_under_pv is not None else prefill
 
     def lean_for(self, head_dim: int) -> bool:
         return self.lean_mma if self.lean_mma is not None else head_dim <= 128
@@ -244,13 +250,13 @@ def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: i
     K row); split_o adds its exchange area (a float per warp row, P as A fragments);
     otherwise, with warps_n > 1, the key-split merge reuses the pipeline's bytes for
     (m, l) per warp row and the O fragments (dv wide) of warps_n - 1 warps. A producer
-    warpgroup adds the ring's mbarriers (full and empty per stage).
+    warpgroup adds the ring's mbarriers (a full and an empty one per stage and tile) and Q's pair.
     """
     dv = head_dim if dv is None else dv
     warps_m = bm // 16
     xchg = warps_m * warps_n * 16 * 4 + warps_m * (bn // 16) * 32 * 16 if split_o else 0
     pipe = bm * head_dim * 2 + (1 if shared_kv else 2) * stages * bn * head_dim * 2 + xchg
-    pipe += 2 * stages * 8 + 16 if producer else 0  # the ring's mbarriers and Q's pair
+    pipe += 2 * (1 if shared_kv else 2) * stages * 8 + 16 if producer else 0  # the ring's mbarriers, Q's pair
     merge = (warps_m * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * dv * 4) if warps_n > 1 and not split_o else 0
     return max(pipe, merge)
 
@@ -271,11 +277,14 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
                 producer: bool = False, loop: int = 0, copy_tpr: int = 4, lean: bool = False,
-                lazy: bool = False) -> str:
+                lazy: bool = False, under_pv: bool = False) -> str:
     """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out up to the last
-    one set (LEAN, LAZY: only when set)."""
+    one set (LEAN, LAZY, UNDER_PV: only when set)."""
     b = cpp_bool
-    tail = (f", {b(lean)}, true" if lazy else ", true" if lean else "")
+    flags = [lean, lazy, under_pv]
+    while flags and not flags[-1]:
+        flags.pop()
+    tail = "".join(f", {b(f)}" for f in flags)
     return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
             f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}, {copy_tpr}"
             f"{tail}>")

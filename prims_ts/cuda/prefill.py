@@ -48,6 +48,7 @@ class PrefillKey(KernelKey):
     tma: bool = tag("tma", False)  # K/V tiles as TMA boxes (Tuning.tma / Tuning.paged_tma)
     lean: bool = tag("ln", False)  # the MMA warps' fewer instructions (Tuning.lean_mma)
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
+    under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -69,7 +70,8 @@ class PrefillKey(KernelKey):
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
-                              tma=tma, lean=tuning.lean_for(head_dim), lazy=tuning.lazy_rescale)
+                              tma=tma, lean=tuning.lean_for(head_dim), lazy=tuning.lazy_rescale,
+                              under_pv=tuning.loop_for(head_dim) >= 1 and tuning.under_pv_for(True))
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
         return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)
@@ -91,7 +93,7 @@ class PrefillKey(KernelKey):
     def call(self) -> str:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
                           producer=self.producer, loop=self.loop, copy_tpr=self.copy_tpr, lean=self.lean,
-                          lazy=self.lazy)
+                          lazy=self.lazy, under_pv=self.under_pv)
         return (f"pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {cpp_bool(self.paged)}, "
                 f"{cpp_bool(self.persistent)}, {cpp_bool(self.tma)}>")
 

@@ -185,8 +185,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       }
     }
   };
-  auto rescale_o = [&](const float (&corr)[2]) {
-    if (!Softmax::rescales(corr)) return;
+  auto scale_o = [&](const float (&corr)[2]) {
 #pragma unroll
     for (int i = 0; i < DT; ++i) {
       o[i][0] *= corr[0];
@@ -194,6 +193,9 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       o[i][2] *= corr[1];
       o[i][3] *= corr[1];
     }
+  };
+  auto rescale_o = [&](const float (&corr)[2]) {
+    if (Softmax::rescales(corr)) scale_o(corr);
   };
   // P as the A fragments of the PV product (the mma.sync C layout is the A layout)
   auto pack_p = [&](const float (&s)[NT][4], u32 (&pf)[BNW / 16][4]) {
@@ -250,48 +252,70 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       Softmax::tile_max(m_row, s, mx);
       Softmax::exp_tile(m_row, l_row, s, mx, corr, scale_log2);
     };
+    // K of a tile is handed back once its S^T has landed, V once its PV has.
     if (n_tiles > 0) {
       float corr[2];
-      ring.acquire(stage, phase);
+      u32 prev_phase = phase;
+      ring.acquire_k(stage, phase);
       if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
       issue_s_wgmma(s, stage);
       if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
       wgmma_wait<0>();
+      ring.release_k(stage);
       if (n_tiles == 1) release_q();  // the item's last S^T has landed: Q is free
       softmax_tile(range.tile(0), corr);  // O is still zero: nothing to rescale
       pack_p(s, pf);
       prev = stage;
       ring.advance(stage, phase);
       for (int it = 1; it < n_tiles; ++it) {
-        ring.acquire(stage, phase);
+        ring.acquire_k(stage, phase);
+        ring.acquire_v(prev, prev_phase);  // before the turn: V(it - 1) came ahead of K(it)
         if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
         issue_s_wgmma(s, stage);
         issue_pv_wgmma(pf, prev);
         if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
         wgmma_wait<1>();  // S(it) has landed; PV(it - 1) may still run
+        ring.release_k(stage);
         if (it == n_tiles - 1) release_q();
         softmax_tile(range.tile(it), corr);
-        wgmma_wait<0>();
-        fence_regs(o);
-        ring.release(prev);  // PV(it - 1) has landed: this warp is done with tile it - 1
-        rescale_o(corr);
+        if constexpr (Cfg::UNDER_PV) {
+          // PV(it - 1) lands in both arms of a branch on the vote: the branch ends the
+          // softmax's basic block. ptxas schedules within a block, and there it hoists the
+          // wait above the softmax (the SASS: every exp2 after it), so that nothing runs
+          // under the PV; across the block boundary the softmax stays ahead of the wait.
+          if (Softmax::moved(corr)) {
+            wgmma_wait<0>();
+            fence_regs(o);
+            scale_o(corr);
+          } else {
+            wgmma_wait<0>();
+            fence_regs(o);
+          }
+        } else {
+          wgmma_wait<0>();
+          fence_regs(o);
+          rescale_o(corr);
+        }
+        ring.release_v(prev);  // PV(it - 1) has landed: this warp is done with tile it - 1
         pack_p(s, pf);
         prev = stage;
+        prev_phase = phase;
         ring.advance(stage, phase);
       }
+      ring.acquire_v(prev, prev_phase);
       if constexpr (Cfg::PINGPONG) {
         if (wg == 0) named_bar_sync(3, THREADS);  // warpgroup 1's last hand-over
       }
       issue_pv_wgmma(pf, prev);
       wgmma_wait<0>();
       fence_regs(o);
-      ring.release(prev);
+      ring.release_v(prev);
     }
   }
   for (int it = 0; !Cfg::OVERLAP && it < n_tiles; ++it) {
     const KeyTile kt = range.tile(it);
     if constexpr (Cfg::PRODUCER) {
-      ring.acquire(stage, phase);
+      ring.acquire_k(stage, phase);
     } else {
       cp_async_wait<STAGES - 1>();
       if constexpr (Cfg::ARCH == 90) fence_proxy_async();
@@ -310,6 +334,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       issue_s_wgmma(s, stage);
       wgmma_wait<0>();
       fence_regs(s);
+      if constexpr (Cfg::PRODUCER) ring.release_k(stage);  // this warp's S^T has landed
       if (it == n_tiles - 1) release_q();  // the item's last S^T has landed: Q is free
     } else {
 #pragma unroll
@@ -357,6 +382,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     rescale_o(corr);
 
     // ---- O += P V -------------------------------------------------------------
+    if constexpr (Cfg::PRODUCER) ring.acquire_v(stage, phase);
     if constexpr (Cfg::ARCH == 90 && SPLIT_O) {
       // hand this warpgroup's P over as A fragments (the RS operand's register layout is
       // the mma.sync one), then multiply all BN keys into its DV / WARPS_N columns
@@ -436,7 +462,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     }
 
     if constexpr (Cfg::PRODUCER) {
-      ring.release(stage);  // this warp's reads of the stage have completed (waited above)
+      ring.release_v(stage);  // this warp's reads of the stage have completed (waited above)
       ring.advance(stage, phase);
     } else {
       __syncthreads();  // every warp is done with this stage

@@ -29,7 +29,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
-          int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false, bool LAZY_ = false>
+          int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false, bool LAZY_ = false, bool UNDER_PV_ = false>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -73,6 +73,11 @@ struct FmhaConfig {
   // GEMMs (named barriers 3 and 4), so that one's softmax runs under the other's GEMMs.
   static constexpr bool OVERLAP = LOOP_ >= 1;
   static constexpr bool PINGPONG = LOOP_ == 2 && THREADS == 256;
+  // UNDER_PV (Tuning.softmax_under_pv; the overlapped loops): the softmax of tile it runs
+  // while PV(it - 1) is in flight (PV lands after it, past a branch: ptxas otherwise hoists the
+  // wait), and the producer copies V a tile behind K (KvRing V_LAG). Otherwise PV(it - 1) lands
+  // before the softmax, where ptxas puts the wait.
+  static constexpr bool UNDER_PV = UNDER_PV_ && OVERLAP;
   // the producer's threads per K/V row (load_kv_tiles PAIRED): 4 or 8
   static constexpr int COPY_TPR = COPY_TPR_;
   // LEAN (Tuning.lean_mma; the wgmma engine): row maxima by fmax, and each tile's wgmma
@@ -93,8 +98,9 @@ struct FmhaConfig {
   // sums), then P of the tile as A fragments [WARPS_M][BN / 16][32 lanes] x 16 bytes
   static constexpr int SMEM_XCHG_RED = WARPS * 16 * 4;
   static constexpr int SMEM_XCHG = SPLIT_O ? SMEM_XCHG_RED + WARPS_M * (BN / 16) * 32 * 16 : 0;
-  // full[STAGES], empty[STAGES], then q_full / q_empty (persistent CTAs: Q copied by the producer)
-  static constexpr int SMEM_BARS = PRODUCER ? 2 * STAGES * 8 + 16 : 0;
+  // a full and an empty barrier per stage and tile (KvRing), then q_full / q_empty (persistent
+  // CTAs: Q copied by the producer)
+  static constexpr int SMEM_BARS = PRODUCER ? 2 * KV_TILES * STAGES * 8 + 16 : 0;
   static constexpr int SMEM_PIPE = SMEM_Q + SMEM_RING + SMEM_XCHG + SMEM_BARS;
   // key-split merge (reuses the pipeline's bytes): (m, l) per warp and row, then
   // the O fragments of the WARPS_N - 1 warps that hand theirs over

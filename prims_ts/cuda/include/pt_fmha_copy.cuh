@@ -54,9 +54,11 @@ template <int BN> struct BandRange {
 // 4 rows x one 128-byte line at 8; FmhaConfig COPY_TPR). Otherwise K first, then V, each pass
 // keeping only its pointers live; the page of each row is looked up once, in the K
 // pass, and kept (an int per copied chunk) for the V pass.
-// SHARED_KV (PAIRED only): V is a prefix of the K row, and only the K tile is copied.
+// PARTS (PAIRED only): the tiles copied, KV_K and / or KV_V (the producer ring fills K and V
+// under barriers of their own; a shared K/V tile, V a prefix of the K row, is KV_K alone).
 // FROM_ROW (PAIRED): tile rows below r_begin are left alone (a paged TMA tile's whole pages).
-template <class Tile, int THREADS, bool PAIRED, bool SHARED_KV = false, int TPR = 4, bool FROM_ROW = false,
+constexpr int KV_K = 1, KV_V = 2, KV_BOTH = KV_K | KV_V;
+template <class Tile, int THREADS, bool PAIRED, int PARTS = KV_BOTH, int TPR = 4, bool FROM_ROW = false,
           class Problem>
 __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb, int k0, int rows, int tid,
                                               int r_begin = 0) {
@@ -81,8 +83,8 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb,
           cp_async_16(dst + Tile::offset(r, c), reinterpret_cast<const char*>(src) + c * 16, valid);
         }
       };
-      copy_row(sk, pb.k_row(page, j));
-      if constexpr (!SHARED_KV) copy_row(sv, pb.v_row(page, j));
+      if constexpr ((PARTS & KV_K) != 0) copy_row(sk, pb.k_row(page, j));
+      if constexpr ((PARTS & KV_V) != 0) copy_row(sv, pb.v_row(page, j));
     }
   } else {
     // chunk i of this thread: row r, 16-byte chunk c, key j (row 0's key past `rows`)
@@ -110,9 +112,9 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb,
 }
 
 // Problems whose K/V tiles TMA boxes fill (Problem::TMA): one producer thread issues a
-// tile's boxes (Problem::tma_kv) and the stage's full barrier counts that thread's one
-// arrival plus the boxes' bytes; the other problems' tiles are cp.async copies by the whole
-// producer warpgroup.
+// tile's boxes (Problem::tma_kv, K's and V's apart) and each tile's full barrier counts that
+// thread's one arrival plus the boxes' bytes; the other problems' tiles are cp.async copies
+// by the whole producer warpgroup.
 template <class P, class = void> struct UsesTma { static constexpr bool value = false; };
 template <class P> struct UsesTma<P, decltype(void(P::TMA))> { static constexpr bool value = P::TMA; };
 // TMA problems over pages (a box a page, Problem::tma_pages; the tail by cp.async).
@@ -121,20 +123,19 @@ template <class P> struct PagedTma<P, decltype(void(P::TMA))> { static constexpr
 
 // The TMA boxes of a problem's key tiles, shared by the problems that take them (prefill,
 // block-sparse). `tmk` / `tmv`: K's and V's maps in the kernel's parameters; `hk`: the K/V
-// head; `b`: the request (contiguous maps).
+// head; `b`: the request (contiguous maps). `part` (KV_K or KV_V): the tensor a call copies.
 struct TmaKv {
   const TmaMap* tmk;
   const TmaMap* tmv;
   int hk, b;
-  // contiguous maps (D, Hkv, S, B), boxes (64, 1, BN, 1): keys k0 .. k0 + BN - 1 of K and V,
+  __device__ __forceinline__ const TmaMap* map(int part) const { return part == KV_K ? tmk : tmv; }
+  // contiguous maps (D, Hkv, S, B), boxes (64, 1, BN, 1): keys k0 .. k0 + BN - 1 of K or V,
   // a box per 64-column panel (the maps zero keys past S)
   template <class Tile>
-  __device__ __forceinline__ void rows(u32 dst_k, u32 dst_v, int k0, u32 bar) const {
+  __device__ __forceinline__ void rows(int part, u32 dst, int k0, u32 bar) const {
+    const TmaMap* tm = map(part);
 #pragma unroll
-    for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
-      tma_load_4d(dst_k + (u32)(c * Tile::PANEL), tmk, c * 64, hk, k0, b, bar);
-      tma_load_4d(dst_v + (u32)(c * Tile::PANEL), tmv, c * 64, hk, k0, b, bar);
-    }
+    for (int c = 0; c < Tile::CHUNKS / 8; ++c) tma_load_4d(dst + (u32)(c * Tile::PANEL), tm, c * 64, hk, k0, b, bar);
   }
   // pool maps (D, page_size, Hkv, P), boxes (64, min(page_size, BN), 1, 1): the rows of a tile
   // at k0 that whole pages below the request's end (sk keys) fill, from row 0: every row if
@@ -146,23 +147,21 @@ struct TmaKv {
     if (live >= BN) return BN;
     return (1 << page_shift) >= BN ? 0 : (live >> page_shift) << page_shift;
   }
-  // tile rows 0 .. rows - 1 (keys k0 ..) of K and V from the pools, a box per page (per BN
+  // tile rows 0 .. rows - 1 (keys k0 ..) of K or V from its pool, a box per page (per BN
   // rows of one page) and 64-column panel; the pages are dealt over `lanes` threads (`lane`
   // this one's), each reading its pages' IDs (pb.kv_page) and issuing their boxes
   template <class Tile, int BN, class Problem>
-  __device__ __forceinline__ void pages(const Problem& pb, u32 dst_k, u32 dst_v, int k0, int rows, int page_shift,
+  __device__ __forceinline__ void pages(const Problem& pb, int part, u32 dst, int k0, int rows, int page_shift,
                                         u32 bar, int lane, int lanes) const {
+    const TmaMap* tm = map(part);
     const int ps = 1 << page_shift;
     const int box = ps < BN ? ps : BN;
     for (int r = lane * box; r < rows; r += lanes * box) {
       const int j = k0 + r;
       const int page = pb.kv_page(j), slot = j & (ps - 1);
 #pragma unroll
-      for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
-        const u32 at = (u32)(c * Tile::PANEL + r * 128);
-        tma_load_4d(dst_k + at, tmk, c * 64, slot, hk, page, bar);
-        tma_load_4d(dst_v + at, tmv, c * 64, slot, hk, page, bar);
-      }
+      for (int c = 0; c < Tile::CHUNKS / 8; ++c)
+        tma_load_4d(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
     }
   }
 };

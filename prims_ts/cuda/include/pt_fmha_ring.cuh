@@ -16,19 +16,29 @@ struct RingPos {
   u32 q_phase = 0;  // the MMA warps: parity of the current item's Q (copied by the producer)
 };
 
-// The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, and
-// full[s] / empty[s] mbarriers at `bars`. The producer warpgroup (NTHREADS threads, `tid`
-// its index) copies tile it into stage it % STAGES once the MMA warps released the
-// stage's previous tile (all `consumer_warps` arrived on empty[s]); each thread's copies
-// arrive on full[s] when they land (a TMA problem: thread 0's boxes, see UsesTma).
-template <class KVTile, int STAGES, int KV_TILES, bool SHARED_KV, int COPY_TPR = 4>
+// The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, each tile
+// handed over through a full and an empty mbarrier at `bars`: K's full[s], K's empty[s],
+// then V's (KV_TILES 2). The producer warpgroup (NTHREADS threads, `tid` its index) copies
+// tile it's K into stage it % STAGES once the MMA warps released the stage's previous K (all
+// `consumer_warps` arrived on its empty barrier), then its V likewise; each thread's copies
+// arrive on the tile's full barrier when they land (a TMA problem: thread 0's boxes, see
+// UsesTma). The MMA warps hand K back once their S^T has landed and V once their P V has,
+// so that the next tile's K loads while this one's V is still read. One tile a stage
+// (SHARED_KV: V a prefix of the K row) has one pair: the _k barriers, released with V.
+// V_LAG (the overlapped consumer loops, which multiply P V of tile it - 1 beside S^T of tile
+// it): the producer copies V a tile behind K (K0, K1, V0, K2, V1, ...), so that the K the
+// MMA warps wait for first is not queued behind a V whose stage is still being read.
+template <class KVTile, int STAGES, int KV_TILES, bool SHARED_KV, int COPY_TPR = 4, bool V_LAG = false>
 struct KvRing {
+  static_assert(KV_TILES == (SHARED_KV ? 1 : 2), "a K/V tile pair a stage, or one shared tile");
   u32 base, bars;
   __device__ __forceinline__ u32 k(int s) const { return base + (u32)(KV_TILES * s) * KVTile::BYTES; }
   __device__ __forceinline__ u32 v(int s) const { return base + (u32)(KV_TILES * s + KV_TILES - 1) * KVTile::BYTES; }
-  __device__ __forceinline__ u32 full(int s) const { return bars + 8u * s; }
-  __device__ __forceinline__ u32 empty(int s) const { return bars + 8u * (STAGES + s); }
-  static constexpr int BAR_BYTES = 2 * STAGES * 8;
+  __device__ __forceinline__ u32 k_full(int s) const { return bars + 8u * s; }
+  __device__ __forceinline__ u32 k_empty(int s) const { return bars + 8u * (STAGES + s); }
+  __device__ __forceinline__ u32 v_full(int s) const { return KV_TILES == 2 ? bars + 8u * (2 * STAGES + s) : k_full(s); }
+  __device__ __forceinline__ u32 v_empty(int s) const { return KV_TILES == 2 ? bars + 8u * (3 * STAGES + s) : k_empty(s); }
+  static constexpr int BAR_BYTES = 2 * KV_TILES * STAGES * 8;
 
   // the next tile's stage; the pass parity flips when the ring wraps
   __device__ __forceinline__ static void advance(int& stage, u32& phase) {
@@ -37,15 +47,36 @@ struct KvRing {
       phase ^= 1u;
     }
   }
-  // an MMA thread: the tile in `stage` has landed and is visible to wgmma
-  __device__ __forceinline__ void acquire(int stage, u32 phase) const {
-    mbar_wait(full(stage), phase);
+  // an MMA thread: the K tile (the shared tile) in `stage` has landed and is visible to wgmma
+  __device__ __forceinline__ void acquire_k(int stage, u32 phase) const {
+    mbar_wait(k_full(stage), phase);
     fence_proxy_async();
   }
-  // an MMA warp is done with `stage` (its reads of it, wgmma included, have completed)
+  // the V tile likewise (nothing more to wait for with a shared tile)
+  __device__ __forceinline__ void acquire_v(int stage, u32 phase) const {
+    if constexpr (KV_TILES == 2) {
+      mbar_wait(v_full(stage), phase);
+      fence_proxy_async();
+    }
+  }
+  // an MMA warp is done with the K tile of `stage` (its reads of it, wgmma included, have
+  // completed); a shared tile is handed back with V
+  __device__ __forceinline__ void release_k(int stage) const {
+    if constexpr (KV_TILES == 2) arrive_warp(k_empty(stage));
+  }
+  __device__ __forceinline__ void release_v(int stage) const { arrive_warp(v_empty(stage)); }
+  // the whole stage
+  __device__ __forceinline__ void acquire(int stage, u32 phase) const {
+    acquire_k(stage, phase);
+    acquire_v(stage, phase);
+  }
   __device__ __forceinline__ void release(int stage) const {
+    release_k(stage);
+    release_v(stage);
+  }
+  __device__ __forceinline__ static void arrive_warp(u32 bar) {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(empty(stage));
+    if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
   }
 
   // one thread, before the CTA-wide barrier that precedes any use
@@ -53,61 +84,73 @@ struct KvRing {
   __device__ __forceinline__ void init(int consumer_warps) const {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full(s), NTHREADS);
-      mbar_init(empty(s), consumer_warps);
+      mbar_init(k_full(s), NTHREADS);
+      mbar_init(k_empty(s), consumer_warps);
+      if constexpr (KV_TILES == 2) {
+        mbar_init(v_full(s), NTHREADS);
+        mbar_init(v_empty(s), consumer_warps);
+      }
     }
   }
 
-  // one work item's tiles, from where `pos` stands (the caller waits its copies at the end)
+  // One part (KV_K or KV_V) of tile `kt` into the stage where `pos` stands, once the MMA warps
+  // released the stage's previous tile of that part (from the ring's second pass on).
+  // Paged TMA: thread 0 issues a box per whole page below the request's end (the bytes it
+  // expects); a tile's tail (a page cut by the end, keys past it) is the whole warpgroup's
+  // cp.async copy, zero past the end (a page's slots past the length hold anything, and V
+  // meets P = 0 there), counted on top of thread 0's one arrival, which comes last. TMA:
+  // thread 0 alone, the tile's boxes. Otherwise every thread's cp.async copies.
+  template <int PART, int NTHREADS, class Problem>
+  __device__ __forceinline__ void fill(const Problem& pb, const KeyTile& kt, int tid, const RingPos& pos) const {
+    const u32 dst = PART == KV_K ? k(pos.stage) : v(pos.stage);
+    const u32 full = PART == KV_K ? k_full(pos.stage) : v_full(pos.stage);
+    if (pos.filled >= STAGES) mbar_wait(PART == KV_K ? k_empty(pos.stage) : v_empty(pos.stage), pos.phase ^ 1u);
+    if constexpr (PagedTma<Problem>::value) {
+      const int whole = pb.tma_rows(kt.k0);
+      // thread 0 expects the bytes before it arrives (below); the first warp's lanes share the
+      // boxes (a box's bytes may land before the expectation: the phase still waits on thread
+      // 0's arrival)
+      if (tid == 0) mbar_expect_tx(full, (u32)(whole * (KVTile::BYTES / (KVTile::PANEL / 128))));
+      if (tid < 32) pb.template tma_pages<KVTile>(PART, dst, kt.k0, whole, full, tid, 32);
+      if (whole < KVTile::PANEL / 128) {
+        load_kv_tiles<KVTile, NTHREADS, true, PART, COPY_TPR, true>(dst, dst, pb, kt.k0, kt.rows, tid, whole);
+        cp_async_mbar_arrive_inc(full);
+        named_bar_sync(5, NTHREADS);  // every thread's count is in before thread 0 arrives
+      }
+      if (tid == 0) mbar_arrive(full);
+    } else if constexpr (UsesTma<Problem>::value) {
+      mbar_arrive_expect_tx(full, (u32)KVTile::BYTES);
+      pb.template tma_kv<KVTile>(PART, dst, kt.k0, full);
+    } else {
+      if (PT_PROBE != 1 || pos.filled < STAGES)  // PT_PROBE 1: the ring's first pass only
+        load_kv_tiles<KVTile, NTHREADS, true, PART, COPY_TPR>(dst, dst, pb, kt.k0, kt.rows, tid);
+      cp_async_mbar_arrive(full);
+    }
+  }
+  __device__ __forceinline__ static void step(RingPos& pos) {
+    advance(pos.stage, pos.phase);
+    ++pos.filled;
+  }
+
+  // one work item's tiles, from where `pos` stands (the caller waits its copies at the end):
+  // each tile's K, then its V (a shared tile: K alone), V a tile behind under V_LAG
   template <int NTHREADS, class Problem, class Range>
   __device__ __forceinline__ void produce_item(const Problem& pb, const Range& range, int n_tiles, int tid,
                                                RingPos& pos) const {
-    if constexpr (PagedTma<Problem>::value) {
-      // Pages: thread 0 issues a box per whole page below the request's end (the bytes it
-      // expects); a tile's tail (a page cut by the end, keys past it) is the whole warpgroup's
-      // cp.async copy, zero past the end (a page's slots past the length hold anything, and V
-      // meets P = 0 there), counted on top of thread 0's one arrival, which comes last.
-      for (int it = 0; it < n_tiles; ++it) {
-        if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
-        const KeyTile kt = range.tile(it);
-        const int whole = pb.tma_rows(kt.k0);
-        // thread 0 expects the bytes before it arrives (below); the first warp's lanes share
-        // the boxes (a box's bytes may land before the expectation: the phase still waits on
-        // thread 0's arrival)
-        if (tid == 0) mbar_expect_tx(full(pos.stage), (u32)(2 * whole * (KVTile::BYTES / (KVTile::PANEL / 128))));
-        if (tid < 32) pb.template tma_pages<KVTile>(k(pos.stage), v(pos.stage), kt.k0, whole, full(pos.stage), tid, 32);
-        if (whole < KVTile::PANEL / 128) {
-          load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR, true>(k(pos.stage), v(pos.stage), pb, kt.k0,
-                                                                          kt.rows, tid, whole);
-          cp_async_mbar_arrive_inc(full(pos.stage));
-          named_bar_sync(5, NTHREADS);  // every thread's count is in before thread 0 arrives
+    static_assert(KV_TILES == 2 || !UsesTma<Problem>::value, "TMA: a K/V tile pair");
+    static_assert(KV_TILES == 2 || !V_LAG, "V a tile behind K: a K/V tile pair");
+    if (UsesTma<Problem>::value && !PagedTma<Problem>::value && tid != 0) return;  // TMA: thread 0's pos is the ring's
+    constexpr int LAG = V_LAG ? 1 : 0;
+    RingPos vpos = pos;  // V's, LAG tiles behind
+    for (int it = 0; it < n_tiles + LAG; ++it) {
+      if (it < n_tiles) fill<KV_K, NTHREADS>(pb, range.tile(it), tid, pos);
+      if constexpr (KV_TILES == 2) {
+        if (it >= LAG) {
+          fill<KV_V, NTHREADS>(pb, range.tile(it - LAG), tid, vpos);
+          step(vpos);
         }
-        if (tid == 0) mbar_arrive(full(pos.stage));
-        advance(pos.stage, pos.phase);
-        ++pos.filled;
       }
-      return;
-    } else if constexpr (UsesTma<Problem>::value) {
-      if (tid != 0) return;  // TMA: thread 0 alone (its pos is the ring's)
-      for (int it = 0; it < n_tiles; ++it) {
-        if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
-        const KeyTile kt = range.tile(it);
-        mbar_arrive_expect_tx(full(pos.stage), (u32)(KV_TILES * KVTile::BYTES));
-        pb.template tma_kv<KVTile>(k(pos.stage), v(pos.stage), kt.k0, full(pos.stage));
-        advance(pos.stage, pos.phase);
-        ++pos.filled;
-      }
-    } else {
-      for (int it = 0; it < n_tiles; ++it) {
-        if (pos.filled >= STAGES) mbar_wait(empty(pos.stage), pos.phase ^ 1u);
-        const KeyTile kt = range.tile(it);
-        if (PT_PROBE != 1 || pos.filled < STAGES)
-          load_kv_tiles<KVTile, NTHREADS, true, SHARED_KV, COPY_TPR>(k(pos.stage), v(pos.stage), pb, kt.k0, kt.rows,
-                                                                    tid);
-        cp_async_mbar_arrive(full(pos.stage));
-        advance(pos.stage, pos.phase);
-        ++pos.filled;
-      }
+      if (it < n_tiles) step(pos);
     }
   }
   template <int NTHREADS, class Problem, class Range>
@@ -120,7 +163,8 @@ struct KvRing {
 
 // The ring of a producer-ring FmhaConfig: stages after Q, mbarriers after the exchange area.
 template <class Cfg>
-__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::SHARED_KV, Cfg::COPY_TPR> fmha_ring(
+__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::SHARED_KV, Cfg::COPY_TPR,
+                                  Cfg::UNDER_PV> fmha_ring(
     char* smem) {
   const u32 sQ = smem_addr(smem);
   return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};
@@ -129,7 +173,8 @@ __device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TIL
 // item's Q has landed; q_empty, every MMA warp is done reading it (its last S^T has landed).
 template <class Cfg>
 __device__ __forceinline__ u32 fmha_q_full(char* smem) {
-  return fmha_ring<Cfg>(smem).bars + 16u * Cfg::STAGES;
+  const auto ring = fmha_ring<Cfg>(smem);
+  return ring.bars + (u32)decltype(ring)::BAR_BYTES;
 }
 template <class Cfg>
 __device__ __forceinline__ u32 fmha_q_empty(char* smem) {
