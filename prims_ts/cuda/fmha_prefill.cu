@@ -11,8 +11,8 @@
 // Address policy: rows of q/k/v/o are strided; packed storage offsets requests
 // by the live indptr values, so a replay with changed offsets needs no re-plan.
 // PAGED: K/V row j of request b lives in page block_tables[b][j / page_size],
-// slot j % page_size; the page ID is read once per row for both K and V, and
-// K/V tiles are copied straight from the pages (no gather into a copy).
+// slot j % page_size; the producer reads a row's page ID for its K tile and again for
+// its V tile (their own barriers), and copies straight from the pages (no gather).
 // TMA (sm_90a; fixed storage: Tuning.tma, pages: Tuning.paged_tma): K/V tiles come as TMA
 // boxes of the tensor maps the host encodes over K and V as 4-D (D, Hkv, S, B): one box per
 // 64-column panel, the 128-byte swizzle of the wgmma tiles, keys past S zero-filled; or over

@@ -279,11 +279,13 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
         if (it == n_tiles - 1) release_q();
         softmax_tile(range.tile(it), corr);
         if constexpr (Cfg::UNDER_PV) {
-          // PV(it - 1) lands in both arms of a branch on the vote: the branch ends the
-          // softmax's basic block. ptxas schedules within a block, and there it hoists the
-          // wait above the softmax (the SASS: every exp2 after it), so that nothing runs
-          // under the PV; across the block boundary the softmax stays ahead of the wait.
-          if (Softmax::moved(corr)) {
+          // PV(it - 1) lands in both arms of a branch on the warpgroup's vote (whether any of
+          // its rows moved its maximum; named barrier 6 + wg): the branch ends the softmax's
+          // basic block. ptxas schedules within a block, and there it hoists the wait above
+          // the softmax (the SASS: every exp2 after it), so that nothing runs under the PV;
+          // across the block boundary the softmax stays ahead of the wait. The vote is the
+          // warpgroup's, not a warp's: its four warps must execute the same (.aligned) wait.
+          if (named_bar_any(6 + wg, 128, corr[0] != 1.f || corr[1] != 1.f)) {
             wgmma_wait<0>();
             fence_regs(o);
             scale_o(corr);

@@ -71,6 +71,7 @@ struct FmhaConfig {
   // QK^T of tile it and PV of tile it - 1 in flight together, the softmax of tile it under
   // the PV. LOOP 2 adds PINGPONG (two MMA warpgroups): they take turns issuing their
   // GEMMs (named barriers 3 and 4), so that one's softmax runs under the other's GEMMs.
+  // (Named barriers: 1 the MMA warps, 3 / 4 the turns, 5 the producer, 6 + w warpgroup w's vote.)
   static constexpr bool OVERLAP = LOOP_ >= 1;
   static constexpr bool PINGPONG = LOOP_ == 2 && THREADS == 256;
   // UNDER_PV (Tuning.softmax_under_pv; the overlapped loops): the softmax of tile it runs

@@ -49,13 +49,14 @@ template <int BN> struct BandRange {
 
 // Copy K/V rows k0 .. k0 + rows - 1 into two tiles (same layout); zero-fill the rest.
 // PAIRED (the producer warpgroup, short on registers): TPR (4 or 8) threads per row, each
-// looks the row's page up once and copies every TPR-th 16-byte chunk of its K and V rows
-// (16 * TPR contiguous bytes per row and copy instruction: 8 rows x 64 bytes a warp at 4,
+// looks the row's page up and copies every TPR-th 16-byte chunk of its row in each tile of
+// PARTS (16 * TPR contiguous bytes per row and copy instruction: 8 rows x 64 bytes a warp at 4,
 // 4 rows x one 128-byte line at 8; FmhaConfig COPY_TPR). Otherwise K first, then V, each pass
 // keeping only its pointers live; the page of each row is looked up once, in the K
 // pass, and kept (an int per copied chunk) for the V pass.
 // PARTS (PAIRED only): the tiles copied, KV_K and / or KV_V (the producer ring fills K and V
-// under barriers of their own; a shared K/V tile, V a prefix of the K row, is KV_K alone).
+// under barriers of their own, each call looking its rows' pages up; a shared K/V tile, V a
+// prefix of the K row, is KV_K alone).
 // FROM_ROW (PAIRED): tile rows below r_begin are left alone (a paged TMA tile's whole pages).
 constexpr int KV_K = 1, KV_V = 2, KV_BOTH = KV_K | KV_V;
 template <class Tile, int THREADS, bool PAIRED, int PARTS = KV_BOTH, int TPR = 4, bool FROM_ROW = false,

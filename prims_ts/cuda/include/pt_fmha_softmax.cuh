@@ -89,15 +89,11 @@ struct RowSoftmax {
       l[h] = l[h] * corr[h] + sum;
     }
   }
-  // whether any row of the warp moved its maximum (corr != 1): a vote, whatever LAZY
-  __device__ __forceinline__ static bool moved(const float (&corr)[2]) {
-    return __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f);
-  }
-  // whether O needs corr at all: moved() under LAZY; otherwise always (corr is then rarely
-  // exactly 1, and the plain loop saves the vote)
+  // whether O needs corr at all: any row of the warp whose maximum moved (LAZY; otherwise
+  // always, as corr is then rarely exactly 1)
   __device__ __forceinline__ static bool rescales(const float (&corr)[2]) {
     if constexpr (LAZY) {
-      return moved(corr);
+      return __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f);
     } else {
       return true;
     }

@@ -111,6 +111,17 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
 __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Whether `p` holds in any of the `threads` threads that meet at named barrier `id` (each
+// calling warp whole): one barrier, so its result is the same in every one of them.
+__device__ __forceinline__ bool named_bar_any(int id, int threads, bool p) {
+  u32 r;
+  asm volatile(
+      "{\n .reg .pred a, b;\n setp.ne.u32 a, %1, 0;\n bar.red.or.pred b, %2, %3, a;\n selp.u32 %0, 1, 0, b;\n}"
+      : "=r"(r)
+      : "r"((u32)p), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0;
+}
 // Re-divide the register file between warpgroups (all warps of a warpgroup execute it).
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
