@@ -12,7 +12,7 @@ The default tuning runs through the one-shots and the standalone decode/MLA func
 always take ``Tuning()``); every other kernel variant through a wrapper planned with its
 ``prims_ts.Tuning`` (``tuning=``): the other split merge (``Tuning(merge_staged=True)``), the
 mma.sync tile of MLA rows of 16/32 (``Tuning(mla_swapped=False)``) and the producer ring's
-variants of ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1/2, persistent CTAs
+variants of ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1, persistent CTAs
 with ``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``,
 MLA's wgmma tiles too). ``run_all(dev)`` takes any device: on the CPU every case runs the
 reference path (a dry run of the case builders; the CPU counts as the nominal H200).
