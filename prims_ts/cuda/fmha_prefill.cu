@@ -1,10 +1,13 @@
 // Prefill over contiguous K/V (batch_prefill: fixed or packed-ragged) or over
 // paged K/V pools (batch_prefill_with_paged_kv_cache: packed Q, block tables).
 //
-// Work policy: work item w = (q tile item w / heads, query head w % heads), the q tile
-// item either read from the plan's list (request, q tile) or, without one, decoded so
-// that the highest q tiles (the heaviest under a causal mask) come first; the heads of a
-// q tile are neighbours (a GQA group shares its K/V tiles in L2). The host launches one
+// Work policy: work item w = (K/V head, q tile item, query head of the K/V head's group), in
+// that order from the outside in; the q tile item either read from the plan's list
+// (request, q tile) or, without one, decoded so that the highest q tiles (the heaviest
+// under a causal mask) come first. The CTAs in flight then share the K/V of one or two K/V
+// heads, every q tile of it, so that each K/V tile comes from DRAM once and from L2 to the
+// q tiles and heads that read it (q tile items outermost re-read every request's K/V from
+// DRAM once per q tile as soon as it outgrew L2). The host launches one
 // CTA per item, or (PERSIST: the producer-ring engine, Tuning.persistent) at most one per
 // SM, CTA c taking items c, c + gridDim.x, ...; its producer then copies the next item's
 // first tiles while the MMA warps finish the current one.
@@ -150,7 +153,10 @@ __device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, P
   constexpr int MASK = Problem::MASK_KIND;
   constexpr bool PAGED = Problem::IS_PAGED;
   // ---- work policy ----------------------------------------------------------
-  const int item = w / p.heads, h = w - item * p.heads;
+  const int per_kv_head = p.n_items * p.group;
+  const int hk = w / per_kv_head;
+  const int rest = w - hk * per_kv_head;
+  const int item = rest / p.group, h = hk * p.group + (rest - item * p.group);
   int b, qt;
   if (p.work != nullptr) {
     b = p.work[2 * item];
@@ -174,7 +180,6 @@ __device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, P
   if (q0 >= sq) return false;
 
   // ---- address policy ---------------------------------------------------------
-  const int hk = h / p.group;
   pb.q = static_cast<const T*>(p.q) + b * p.q_sb + (i64)(q_start + q0) * p.q_st + h * p.q_sh;
   if (PAGED) {
     pb.k = static_cast<const T*>(p.k) + hk * p.k_sh;
