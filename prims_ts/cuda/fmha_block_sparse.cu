@@ -114,6 +114,13 @@ struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
   }
 
   __device__ __forceinline__ BsrRange<BN> range() const { return routes; }
+  static constexpr bool ROW_STORE = true;  // pt_fmha_store.cuh (no split-KV: partials never)
+  __device__ __forceinline__ int row_store() const {
+    return this->p->splits > 1 || this->p->out_dtype == OUT_F32 ? -1 : this->p->out_dtype;
+  }
+  __device__ __forceinline__ char* o_row(int r) const {
+    return decode_out_row(*this->p, this->b, this->hk, this->q_start, this->row0 + r);
+  }
   // CONTIG: k and v point at the request's rows of the K/V head (see the items' get)
   __device__ __forceinline__ int kv_page(int j) const { return CONTIG ? 0 : Base::kv_page(j); }
   __device__ __forceinline__ const T* k_row(int page, int j) const {

@@ -142,6 +142,9 @@ struct PrefillProblem {
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
     store_pair(o + (r * o_st + c) * out_dtype_size(out_dtype), out_dtype, x, y);
   }
+  static constexpr bool ROW_STORE = true;  // pt_fmha_store.cuh
+  __device__ __forceinline__ int row_store() const { return out_dtype == OUT_F32 ? -1 : out_dtype; }
+  __device__ __forceinline__ char* o_row(int r) const { return o + r * o_st * 2; }
 };
 
 // Work item w's problem (false: its q tile is past its request's queries). The variable

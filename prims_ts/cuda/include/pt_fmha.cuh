@@ -28,10 +28,11 @@
 // The headers: pt_fmha_config.cuh (FmhaConfig: tile, warps, shared-memory map),
 // pt_fmha_copy.cuh (key tiles, cp.async and TMA copies), pt_fmha_ring.cuh (the producer
 // ring), pt_fmha_softmax.cuh (the online softmax, shared with the swapped-operand tile),
-// this file (one item's loops and epilogue, a CTA's items).
+// pt_fmha_store.cuh (the wgmma engine's output rows through shared memory), this file (one item's loops and epilogue, a CTA's items).
 #pragma once
 #include "pt_fmha_ring.cuh"
 #include "pt_fmha_softmax.cuh"
+#include "pt_fmha_store.cuh"
 
 namespace pt {
 
@@ -551,18 +552,31 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       }
     }
   }
+  float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float l = l_row[h];
-    const float inv = OnlineSoftmax::inverse(l, out_scale);
+    inv[h] = OnlineSoftmax::inverse(l_row[h], out_scale);
     const int r = row0 + g + 8 * h;
     if constexpr (Problem::WANTS_LSE) {
       // log2-domain log-sum-exp of the scaled scores, for merging split-KV partials
-      if (r < pb.q_rows && t == 0 && (!SPLIT_O || warp_n == 0)) pb.store_lse(r, OnlineSoftmax::lse(m_row[h], l, scale_log2));
+      if (r < pb.q_rows && t == 0 && (!SPLIT_O || warp_n == 0))
+        pb.store_lse(r, OnlineSoftmax::lse(m_row[h], l_row[h], scale_log2));
     }
+  }
+  // Whole rows through the warpgroup's Q rows (pt_fmha_store.cuh), where the problem's output
+  // allows it; a persistent CTA's producer may already be copying the next item's Q there.
+  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !SPLIT_O && Cfg::WARPS_N == 1 && !Q_BY_PRODUCER &&
+                RowStore<Problem>::value) {
+    const int kind = pb.row_store();  // the same in every thread: the barrier inside is safe
+    if (kind == OUT_BF16) return store_o_rows<QTile, bf16, DT>(pb, sQ, o, inv, warp >> 2, row0);
+    if (kind == OUT_F16) return store_o_rows<QTile, f16, DT>(pb, sQ, o, inv, warp >> 2, row0);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + g + 8 * h;
     if (r < pb.q_rows) {
 #pragma unroll
-      for (int n = 0; n < DT; ++n) pb.store2(r, (col0 + n) * 8 + 2 * t, o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+      for (int n = 0; n < DT; ++n) pb.store2(r, (col0 + n) * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
     }
   }
 }
