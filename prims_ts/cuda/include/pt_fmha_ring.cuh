@@ -24,13 +24,14 @@ struct RingPos {
 // arrive on the tile's full barrier when they land (a TMA problem: thread 0's boxes, see
 // UsesTma). The MMA warps hand K back once their S^T has landed and V once their P V has,
 // so that the next tile's K loads while this one's V is still read. One tile a stage
-// (SHARED_KV: V a prefix of the K row) has one pair: the _k barriers, released with V.
+// (KV_TILES 1, FmhaConfig SHARED_KV: V a prefix of the K row) has one pair: the _k barriers,
+// released with V.
 // V_LAG (the overlapped consumer loops, which multiply P V of tile it - 1 beside S^T of tile
 // it): the producer copies V a tile behind K (K0, K1, V0, K2, V1, ...), so that the K the
 // MMA warps wait for first is not queued behind a V whose stage is still being read.
-template <class KVTile, int STAGES, int KV_TILES, bool SHARED_KV, int COPY_TPR = 4, bool V_LAG = false>
+template <class KVTile, int STAGES, int KV_TILES, int COPY_TPR = 4, bool V_LAG = false>
 struct KvRing {
-  static_assert(KV_TILES == (SHARED_KV ? 1 : 2), "a K/V tile pair a stage, or one shared tile");
+  static_assert(KV_TILES == 1 || KV_TILES == 2, "a K/V tile pair a stage, or one shared tile");
   u32 base, bars;
   __device__ __forceinline__ u32 k(int s) const { return base + (u32)(KV_TILES * s) * KVTile::BYTES; }
   __device__ __forceinline__ u32 v(int s) const { return base + (u32)(KV_TILES * s + KV_TILES - 1) * KVTile::BYTES; }
@@ -163,8 +164,7 @@ struct KvRing {
 
 // The ring of a producer-ring FmhaConfig: stages after Q, mbarriers after the exchange area.
 template <class Cfg>
-__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::SHARED_KV, Cfg::COPY_TPR,
-                                  Cfg::UNDER_PV> fmha_ring(
+__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::COPY_TPR, Cfg::UNDER_PV> fmha_ring(
     char* smem) {
   const u32 sQ = smem_addr(smem);
   return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};

@@ -30,7 +30,7 @@ struct RingCursor {
 // The tile ring as the swapped tile sees it: panel p of a tile lives in the tile's stage.
 template <class KVTile, int STAGES, int COPY_TPR>
 struct SwapTileRing {
-  using Ring = KvRing<KVTile, STAGES, 1, true, COPY_TPR>;
+  using Ring = KvRing<KVTile, STAGES, 1, COPY_TPR>;
   Ring ring;
   static constexpr int BYTES = STAGES * KVTile::BYTES;
   static constexpr int BAR_BYTES = Ring::BAR_BYTES;
