@@ -284,6 +284,60 @@ def test_catalogue_defaults_and_variants():
     assert {ks.name for ks in catalog.all_keys("sm_80")} == {ks.name for ks in catalog.all_keys("sm_80", True)}
 
 
+def test_page_major_v_keys():
+    """Tuning.page_major_v: the sm_90a paged TMA keys lay V out in groups of min(page size, BN)
+    rows (a key a page size); the default, contiguous K/V, cp.async pages and sm_80 keep V's
+    panel-major tile."""
+    pm = Tuning(page_major_v=True)
+    for d in (128, 256):
+        for ps in prefill.PAGE_SIZES:
+            key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=pm, page_size=ps)
+            assert key.vpage == min(ps, key.bn) and key.name.endswith(f"_vp{key.vpage}"), key.name
+            assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, page_size=ps).vpage == 0
+            cp = Tuning(page_major_v=True, paged_tma=False)
+            assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=cp, page_size=ps).vpage == 0
+            assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", paged=True, tuning=pm, page_size=ps).vpage == 0
+        assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=pm, page_size=16).vpage == 0
+
+
+def _tile_w(rows, cols):  # pt_sm90.cuh SmemTileW: (offset(row, chunk), LBO, kstep)
+    panel = rows * 128
+    return (lambda r, c: (c >> 3) * panel + r * 128 + (((c & 7) ^ (r & 7)) << 4)), panel, lambda ks: ks * 16 * 128
+
+
+def _tile_p(rows, cols, g):  # pt_sm90.cuh SmemTileP
+    def offset(r, c):
+        return (r // g) * (g * cols * 2) + (c >> 3) * (g * 128) + (r % g) * 128 + (((c & 7) ^ (r & 7)) << 4)
+    return offset, g * 128, lambda ks: (ks * 16 // g) * (g * cols * 2) + (ks * 16 % g) * 128
+
+
+@pytest.mark.parametrize("rows,cols,g", [(128, 128, 16), (128, 128, 32), (128, 128, 64), (128, 128, 128),
+                                         (64, 256, 16), (64, 256, 64)])
+def test_page_major_v_tile_layout(rows, cols, g):
+    """SmemTileP's layout (a model of pt_sm90.cuh): (1) what one TMA box (64, g, cols / 64) of a
+    page lands, [panel][row][64 columns] from the group's start with the 128-byte swizzle of the
+    line's index, is offset(); (2) what a P V wgmma reads as its N-major operand for k-step ks
+    (16 keys: 8-key halves SBO = 1024 bytes apart, 64-column panels LBO apart, each line
+    swizzled) is offset() too. The same model read on SmemTileW, whose descriptors run on the
+    GPU, checks the model."""
+    for offset, lbo, kstep in (_tile_w(rows, cols), _tile_p(rows, cols, g)):
+        for ks in range(rows // 16):
+            for k in range(16):
+                for c in range(cols // 8):
+                    desc = kstep(ks) + (k // 8) * 1024 + (c // 8) * lbo + (k % 8) * 128 + (((c % 8) ^ (k % 8)) << 4)
+                    assert desc == offset(ks * 16 + k, c), (ks, k, c)
+    offset = _tile_p(rows, cols, g)[0]
+    for page in range(rows // g):
+        base = page * g * cols * 2
+        assert base % 1024 == 0
+        for p in range(cols // 64):
+            for r in range(g):
+                line = p * g + r
+                for c in range(8):
+                    assert base + line * 128 + ((c ^ (line % 8)) << 4) == offset(page * g + r, p * 8 + c)
+    assert sorted(offset(r, c) for r in range(rows) for c in range(cols // 8)) == list(range(0, rows * cols * 2, 16))
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()

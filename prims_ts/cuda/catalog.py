@@ -14,7 +14,7 @@ from .decode import HEAD_DIMS as DECODE_HEAD_DIMS
 from .decode import MLA_DIM_QK, DecodeKey, decode_policy
 from .keys import DEFAULT_TUNING, DTYPE_CODES, NOMINAL_SMS, KernelKey, Tuning, smem_limit
 from .prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
-from .prefill import MASK_CODES, PrefillKey
+from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
 
 # The producer-ring variants of the prefill-family kernels on sm_90a (each selects some keys
 # the default does not): the plain (0) and overlapped (1) consumer loops (the default: pingpong),
@@ -22,8 +22,9 @@ from .prefill import MASK_CODES, PrefillKey
 # producer copy the default does not take, every producer by cp.async (the default: TMA boxes),
 # the MMA warps' leaner instructions everywhere and nowhere (Tuning.lean_mma; the default: at
 # D128), the online softmax rescaling on every new running maximum (the default keeps a
-# maximum within 2^8: Tuning.lazy_rescale), and the overlapped loops' softmax under the previous
-# PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys).
+# maximum within 2^8: Tuning.lazy_rescale), the overlapped loops' softmax under the previous
+# PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys), and the
+# paged keys' V tiles page-major (Tuning.page_major_v: a key per page size).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -37,6 +38,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "under_pv": Tuning(softmax_under_pv=True),
     "pv_first": Tuning(softmax_under_pv=False),
     "portable": Tuning(portable=True),
+    "page_major_v": Tuning(page_major_v=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.
@@ -56,7 +58,8 @@ def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelK
                 yield PrefillKey.choose(dtype, d, mask, arch, tuning=tuning)
                 yield PrefillKey.choose(dtype, d, mask, arch, tuning=tuning, packed=True)
             for mask in ("dense", "causal"):
-                yield PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning)
+                for ps in PAGE_SIZES if tuning.page_major_v else (0,):  # page_major_v: a key a page size
+                    yield PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning, page_size=ps)
     for dt in DTYPE_CODES.values():
         for d in DECODE_HEAD_DIMS:
             for group in (1, 32, 64):  # one policy per row-tile height (BM 16, 32, 64)

@@ -91,6 +91,10 @@ class Tuning:
     # contiguous K/V (fixed-storage prefill), at the head dims where two stages of it fit.
     # None: prefill.TMA_BN (128 at D128, 80 at D256; 64 at D256 where 80 does not fit).
     prefill_bn: Optional[int] = None
+    # The paged prefill keys' V tiles page-major (pt_sm90.cuh: SmemTileP): one TMA box a page
+    # of all its 64-column panels instead of a box a page and panel (page 16 at D128: 8 boxes a
+    # V tile instead of 16); K keeps its layout. A variant until measured (benchmarks/NOTES.md).
+    page_major_v: bool = False
     # The prefill-family keys (prefill, paged prefill, block-sparse) on the portable engine
     # (mma.sync, the sm_80 / sm_86 / sm_89 tiles) on an sm_90a device too: how the grids check
     # that engine on a Hopper GPU.
@@ -277,14 +281,14 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
                 producer: bool = False, loop: int = 0, copy_tpr: int = 4, lean: bool = False,
-                lazy: bool = False, under_pv: bool = False) -> str:
+                lazy: bool = False, under_pv: bool = False, v_page: int = 0) -> str:
     """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out up to the last
-    one set (LEAN, LAZY, UNDER_PV: only when set)."""
+    one set (LEAN, LAZY, UNDER_PV, V_PAGE: only when set)."""
     b = cpp_bool
-    flags = [lean, lazy, under_pv]
-    while flags and not flags[-1]:
+    flags = [b(lean), b(lazy), b(under_pv), str(v_page)]
+    while flags and flags[-1] in ("false", "0"):
         flags.pop()
-    tail = "".join(f", {b(f)}" for f in flags)
+    tail = "".join(f", {f}" for f in flags)
     return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "
             f"{b(split_o)}, {head_dim if dv is None else dv}, {b(shared_kv)}, {b(producer)}, {loop}, {copy_tpr}"
             f"{tail}>")
@@ -506,10 +510,13 @@ class Prepared:
     # TMA keys (pt_fmha_copy.cuh: TmaKv): the encoders of K's and V's maps for their current layout
     # (_maps), and the addresses this launch's struct holds maps of (_maps_at: a plan's copy
     # encodes into its own struct)
-    def _set_maps(self, k: torch.Tensor, v: torch.Tensor, paged: bool, rows: int) -> None:
+    def _set_maps(self, k: torch.Tensor, v: torch.Tensor, paged: bool, rows: int, v_page_major: bool = False) -> None:
         """K's and V's maps for their layout, innermost dimension first: [B, S, Hkv, D] as (D, Hkv,
         S, B) with boxes of (64, 1, rows, 1); pools [P, Hkv, page_size, D] as (D, page_size, Hkv, P)
-        with (64, rows, 1, 1). 64-column panels, the 128-byte swizzle, zeros outside the tensor."""
+        with (64, rows, 1, 1). 64-column panels, the 128-byte swizzle, zeros outside the tensor.
+        `v_page_major` (a pool; pt_sm90.cuh: SmemTileP): V as (64, page_size, D / 64, Hkv, P), the
+        panel a dimension of its own (strides not increasing: the driver takes them), with boxes
+        of (64, rows, D / 64, 1, 1): a page's rows, every panel."""
         es = k.element_size()
         box = (64, rows, 1, 1) if paged else (64, 1, rows, 1)
         encoders = []
@@ -520,7 +527,13 @@ class Prepared:
                 # a dimension of one element takes any 16-byte multiple: the next after the inner
                 strides.append(st * es if n > 1 else inner)
                 inner = strides[-1] * n
-            encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, box, name))
+            if name == "v" and v_page_major:
+                panels = dims[0] // 64
+                dims = (64, dims[1], panels, dims[2], dims[3])
+                strides = [strides[0], 64 * es, strides[1], strides[2]]
+                encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, (64, rows, panels, 1, 1), name))
+            else:
+                encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, box, name))
         self._maps = tuple(encoders)
         self._maps_at = (None, None)
 

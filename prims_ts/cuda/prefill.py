@@ -24,6 +24,7 @@ MASK_CODES = {"dense": 0, "causal": 1, "variable_window": 2}  # pt::MaskKind
 # benchmarks/NOTES.md): D256 takes 80 keys (two stages beside its 64 KB Q tile), D128 128
 TMA_BN = {128: 128, 256: 80}
 HEAD_DIMS = (128, 256)
+PAGE_SIZES = (16, 32, 64, 128)  # paged prefill's pools (the public API's contract)
 
 
 @dataclass(frozen=True)
@@ -49,15 +50,17 @@ class PrefillKey(KernelKey):
     lean: bool = tag("ln", False)  # the MMA warps' fewer instructions (Tuning.lean_mma)
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
+    vpage: int = tag("vp", 0)  # paged TMA keys: V tiles page-major in groups of this many rows (Tuning.page_major_v)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
     def choose(dtype: torch.dtype, head_dim: int, mask: str, arch: str, paged: bool = False,
-               tuning: Tuning = DEFAULT_TUNING, packed: bool = False) -> "PrefillKey":
+               tuning: Tuning = DEFAULT_TUNING, packed: bool = False, page_size: int = 0) -> "PrefillKey":
         """The tile of each engine: sm_90a takes wgmma with a producer warpgroup (BM 128; BN
         128 at D128, at D256 80 for contiguous K/V in TMA boxes (``TMA_BN``) and 64 otherwise;
         as many stages as fit), other archs (and sm_90a under ``Tuning.portable``) the portable
-        engine with tiles that fit 99 KB of shared memory per block."""
+        engine with tiles that fit 99 KB of shared memory per block. `page_size` (paged):
+        ``Tuning.page_major_v`` lays V out in groups of min(page_size, BN) rows."""
         dt = DTYPE_CODES[dtype]
         if arch == "sm_90a" and not tuning.portable:
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
@@ -71,7 +74,8 @@ class PrefillKey(KernelKey):
                               stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
                               tma=tma, lean=tuning.lean_for(head_dim), lazy=tuning.lazy_rescale,
-                              under_pv=tuning.loop_for(head_dim) >= 1 and tuning.under_pv_for(True))
+                              under_pv=tuning.loop_for(head_dim) >= 1 and tuning.under_pv_for(True),
+                              vpage=min(page_size, bn) if paged and tma and tuning.page_major_v and page_size else 0)
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
         return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)
@@ -93,7 +97,7 @@ class PrefillKey(KernelKey):
     def call(self) -> str:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
                           producer=self.producer, loop=self.loop, copy_tpr=self.copy_tpr, lean=self.lean,
-                          lazy=self.lazy, under_pv=self.under_pv)
+                          lazy=self.lazy, under_pv=self.under_pv, v_page=self.vpage)
         return (f"pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {cpp_bool(self.paged)}, "
                 f"{cpp_bool(self.persistent)}, {cpp_bool(self.tma)}>")
 
@@ -177,7 +181,7 @@ class PreparedPrefill(Prepared):
     def __init__(self, static: PrefillStatic, dev: int):
         arch, sms, _ = device_info(dev)
         key = PrefillKey.choose(static.dtype, static.head_dim, static.mask, arch, static.paged, static.tuning,
-                                static.packed)
+                                static.packed, static.page_size)
         kernel = load(dev, key)
         self.tp = PrefillTmaParams() if key.tma else None  # a TMA key's whole struct (p: its PrefillParams)
         p = self.tp.p if key.tma else PrefillParams()
@@ -204,7 +208,8 @@ class PreparedPrefill(Prepared):
     def _set_strides(self, q, k, v, out) -> None:
         p, st = self.p, self.static
         if self.key.tma:
-            self._set_maps(k, v, st.paged, min(st.page_size, self.key.bn) if st.paged else self.key.bn)
+            self._set_maps(k, v, st.paged, min(st.page_size, self.key.bn) if st.paged else self.key.bn,
+                           v_page_major=self.key.vpage > 0)
         if st.paged:  # pools [P, Hkv, page_size, D]: page, slot, head
             ks, vs = k.stride(), v.stride()
             p.k_sb, p.k_sh, p.k_st = ks[0], ks[1], ks[2]

@@ -28,7 +28,7 @@ from . import _validate as V
 from .prefill import HEAD_DIMS, check_causal_lengths, plan_work
 
 MASKS = ("dense", "causal")
-PAGE_SIZES = (16, 32, 64, 128)
+PAGE_SIZES = K.PAGE_SIZES
 
 
 # ----------------------------------------------------------------------------

@@ -57,6 +57,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   constexpr bool SPLIT_O = Cfg::SPLIT_O;
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
+  using VTile = typename Cfg::VTile;  // V's layout when it is its own tile (page-major under V_PAGE)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int warp_m = warp % Cfg::WARPS_M, warp_n = warp / Cfg::WARPS_M;
@@ -213,14 +214,15 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     if constexpr (Cfg::ARCH == 90 && !SPLIT_O) {
       fence_regs(o);
       wgmma_fence();
+      // V's k-step kk: its 16 rows at VTile::kstep(kk), its panels VTile::LBO apart
       if constexpr (Cfg::LEAN) {
-        const u64 dv = desc_nmajor(sV(stage), KVTile::PANEL);
+        const u64 dv = desc_nmajor(sV(stage), VTile::LBO);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], dv + (kk * 16 * 128 >> 4), 1);
+        for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], dv + (VTile::kstep(kk) >> 4), 1);
       } else {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
-          Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + kk * 16 * 128, KVTile::PANEL), 1);
+          Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + VTile::kstep(kk), VTile::LBO), 1);
       }
       wgmma_commit();
     }

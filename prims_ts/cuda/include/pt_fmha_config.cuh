@@ -29,7 +29,8 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
-          int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false, bool LAZY_ = false, bool UNDER_PV_ = false>
+          int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false, bool LAZY_ = false, bool UNDER_PV_ = false,
+          int V_PAGE_ = 0>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -91,6 +92,11 @@ struct FmhaConfig {
   static constexpr int CONSUMER_REGS = 232;
   using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
   using KVTile = typename Select<ARCH_ == 90, SmemTileW<BN, D>, SmemTile<BN, D>>::type;
+  // V_PAGE (Tuning.page_major_v; paged K/V in TMA boxes): the V tile page-major, groups of
+  // V_PAGE rows (min(page size, BN)) each filled by one box of all its panels (SmemTileP), half
+  // the boxes or fewer of V's panel-major tile; K keeps KVTile. 0: V is a KVTile too.
+  static constexpr int V_PAGE = V_PAGE_;
+  using VTile = typename Select<(V_PAGE_ > 0), SmemTileP<BN, DV_, (V_PAGE_ > 0 ? V_PAGE_ : BN)>, KVTile>::type;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
   static constexpr int KV_TILES = SHARED_KV ? 1 : 2;  // tiles per stage
@@ -117,6 +123,9 @@ struct FmhaConfig {
   static_assert(LOOP_ == 0 || (PRODUCER && WARPS_N_ == 1 && !SPLIT_O_ && LOOP_ <= 2),
                 "overlapped loops: the producer ring, whole rows");
   static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
+  static_assert(V_PAGE_ == 0 || (PRODUCER_ && !SPLIT_O_ && !SHARED_KV_ && WARPS_N_ == 1 && DV_ == D_ &&
+                                 V_PAGE_ >= 16 && BN_ % V_PAGE_ == 0),
+                "page-major V: the producer ring's whole-row tiles, V its own D-wide tile");
 };
 
 }  // namespace pt

@@ -150,7 +150,9 @@ struct TmaKv {
   }
   // tile rows 0 .. rows - 1 (keys k0 ..) of K or V from its pool, a box per page (per BN
   // rows of one page) and 64-column panel; the pages are dealt over `lanes` threads (`lane`
-  // this one's), each reading its pages' IDs (pb.kv_page) and issuing their boxes
+  // this one's), each reading its pages' IDs (pb.kv_page) and issuing their boxes. A
+  // page-major tile (SmemTileP, V under Tuning.page_major_v: the map (64, page_size, D / 64,
+  // Hkv, P)) takes one box (64, GROUP, D / 64) a page, all its panels.
   template <class Tile, int BN, class Problem>
   __device__ __forceinline__ void pages(const Problem& pb, int part, u32 dst, int k0, int rows, int page_shift,
                                         u32 bar, int lane, int lanes) const {
@@ -160,9 +162,13 @@ struct TmaKv {
     for (int r = lane * box; r < rows; r += lanes * box) {
       const int j = k0 + r;
       const int page = pb.kv_page(j), slot = j & (ps - 1);
+      if constexpr (Tile::PAGE_MAJOR) {
+        tma_load_5d(dst + Tile::offset(r, 0), tm, 0, slot, 0, hk, page, bar);
+      } else {
 #pragma unroll
-      for (int c = 0; c < Tile::CHUNKS / 8; ++c)
-        tma_load_4d(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
+        for (int c = 0; c < Tile::CHUNKS / 8; ++c)
+          tma_load_4d(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
+      }
     }
   }
 };

@@ -29,8 +29,11 @@ struct RingPos {
 // V_LAG (the overlapped consumer loops, which multiply P V of tile it - 1 beside S^T of tile
 // it): the producer copies V a tile behind K (K0, K1, V0, K2, V1, ...), so that the K the
 // MMA warps wait for first is not queued behind a V whose stage is still being read.
-template <class KVTile, int STAGES, int KV_TILES, int COPY_TPR = 4, bool V_LAG = false>
+// VTile: V's layout when it is its own tile (FmhaConfig::VTile: page-major under V_PAGE; the
+// same bytes as a KVTile).
+template <class KVTile, int STAGES, int KV_TILES, int COPY_TPR = 4, bool V_LAG = false, class VTile = KVTile>
 struct KvRing {
+  static_assert(VTile::BYTES == KVTile::BYTES, "V's tile: K's bytes");
   static_assert(KV_TILES == 1 || KV_TILES == 2, "a K/V tile pair a stage, or one shared tile");
   u32 base, bars;
   __device__ __forceinline__ u32 k(int s) const { return base + (u32)(KV_TILES * s) * KVTile::BYTES; }
@@ -103,6 +106,7 @@ struct KvRing {
   // thread 0 alone, the tile's boxes. Otherwise every thread's cp.async copies.
   template <int PART, int NTHREADS, class Problem>
   __device__ __forceinline__ void fill(const Problem& pb, const KeyTile& kt, int tid, const RingPos& pos) const {
+    using Tile = typename Select<PART == KV_V, VTile, KVTile>::type;
     const u32 dst = PART == KV_K ? k(pos.stage) : v(pos.stage);
     const u32 full = PART == KV_K ? k_full(pos.stage) : v_full(pos.stage);
     if (pos.filled >= STAGES) mbar_wait(PART == KV_K ? k_empty(pos.stage) : v_empty(pos.stage), pos.phase ^ 1u);
@@ -112,19 +116,19 @@ struct KvRing {
       // boxes (a box's bytes may land before the expectation: the phase still waits on thread
       // 0's arrival)
       if (tid == 0) mbar_expect_tx(full, (u32)(whole * (KVTile::BYTES / (KVTile::PANEL / 128))));
-      if (tid < 32) pb.template tma_pages<KVTile>(PART, dst, kt.k0, whole, full, tid, 32);
+      if (tid < 32) pb.template tma_pages<Tile>(PART, dst, kt.k0, whole, full, tid, 32);
       if (whole < KVTile::PANEL / 128) {
-        load_kv_tiles<KVTile, NTHREADS, true, PART, COPY_TPR, true>(dst, dst, pb, kt.k0, kt.rows, tid, whole);
+        load_kv_tiles<Tile, NTHREADS, true, PART, COPY_TPR, true>(dst, dst, pb, kt.k0, kt.rows, tid, whole);
         cp_async_mbar_arrive_inc(full);
         named_bar_sync(5, NTHREADS);  // every thread's count is in before thread 0 arrives
       }
       if (tid == 0) mbar_arrive(full);
     } else if constexpr (UsesTma<Problem>::value) {
       mbar_arrive_expect_tx(full, (u32)KVTile::BYTES);
-      pb.template tma_kv<KVTile>(PART, dst, kt.k0, full);
+      pb.template tma_kv<Tile>(PART, dst, kt.k0, full);
     } else {
       if (PT_PROBE != 1 || pos.filled < STAGES)  // PT_PROBE 1: the ring's first pass only
-        load_kv_tiles<KVTile, NTHREADS, true, PART, COPY_TPR>(dst, dst, pb, kt.k0, kt.rows, tid);
+        load_kv_tiles<Tile, NTHREADS, true, PART, COPY_TPR>(dst, dst, pb, kt.k0, kt.rows, tid);
       cp_async_mbar_arrive(full);
     }
   }
@@ -164,8 +168,9 @@ struct KvRing {
 
 // The ring of a producer-ring FmhaConfig: stages after Q, mbarriers after the exchange area.
 template <class Cfg>
-__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::COPY_TPR, Cfg::UNDER_PV> fmha_ring(
-    char* smem) {
+__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::COPY_TPR, Cfg::UNDER_PV,
+                                  typename Cfg::VTile>
+fmha_ring(char* smem) {
   const u32 sQ = smem_addr(smem);
   return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};
 }

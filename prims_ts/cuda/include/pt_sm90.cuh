@@ -14,9 +14,37 @@ template <int ROWS, int COLS> struct SmemTileW {
   static constexpr int CHUNKS = COLS / 8;
   static constexpr int BYTES = ROWS * COLS * 2;
   static constexpr int PANEL = ROWS * 128;  // bytes per 64-column panel
+  static constexpr bool PAGE_MAJOR = false;
   static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "wgmma tile shape");
   __device__ static __forceinline__ u32 offset(int row, int chunk) {
     return (u32)((chunk >> 3) * PANEL + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+  }
+  // As the N-major operand of P V (rows = keys): the bytes from one 64-column panel to the next
+  // (the descriptor's leading offset), and where k-step ks's 16 rows start
+  static constexpr u32 LBO = PANEL;
+  __device__ static __forceinline__ constexpr u32 kstep(int ks) { return (u32)ks * 16 * 128; }
+};
+
+// The same tile page-major: groups of G rows (a page) one after another, each its COLS / 64
+// panels of [G][64] back to back (G * 128 bytes apart), the 128-byte swizzle as in SmemTileW;
+// one TMA box (64, G, COLS / 64) fills a group. Only the N-major (V) operand can be read so:
+// a k-step's 16 rows must lie in one group (G >= 16), and then its 8-row halves are 1024 bytes
+// apart and its panels G * 128; the K-major operand needs one stride between all 8-row groups.
+// G == ROWS is SmemTileW's layout.
+template <int ROWS, int COLS, int G> struct SmemTileP {
+  static constexpr int CHUNKS = COLS / 8;
+  static constexpr int BYTES = ROWS * COLS * 2;
+  static constexpr int PANEL = ROWS * 128;  // a whole-tile panel's bytes (the rows a tile holds)
+  static constexpr int GROUP = G;
+  static constexpr bool PAGE_MAJOR = true;
+  static_assert(COLS % 64 == 0 && G % 16 == 0 && ROWS % G == 0, "page-major tile shape");
+  __device__ static __forceinline__ u32 offset(int row, int chunk) {
+    return (u32)((row / G) * (G * COLS * 2) + (chunk >> 3) * (G * 128) + (row % G) * 128 +
+                 (((chunk & 7) ^ (row & 7)) << 4));
+  }
+  static constexpr u32 LBO = G * 128;
+  __device__ static __forceinline__ constexpr u32 kstep(int ks) {
+    return (u32)((ks * 16 / G) * (G * COLS * 2) + (ks * 16 % G) * 128);
   }
 };
 
@@ -90,6 +118,14 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int c0, 
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, int c4,
+                                            u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
       : "memory");
 }
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
