@@ -522,6 +522,14 @@ def test_paged_tma_keys_and_pool_maps(mask, monkeypatch):
             assert (dtype, what) == ("bf16", name)
             assert dims == (128, ps, 4, 9) and box == (64, min(ps, 128), 1, 1)
             assert strides == [128 * es, ps * 128 * es, 2 * 4 * ps * 128 * es]
+        # Tuning.page_major_v: V's map takes the panel as a dimension of its own (128 bytes apart),
+        # a box a page of every panel; K's is as above
+        made.clear()
+        pl._set_maps(cache[:, 0], cache[:, 1], True, min(ps, pl.key.bn), v_page_major=True)
+        (_, kdims, _, kbox, _), (_, vdims, vstrides, vbox, vname) = made
+        assert kdims == (128, ps, 4, 9) and kbox == (64, min(ps, 128), 1, 1) and vname == "v"
+        assert vdims == (64, ps, 2, 4, 9) and vbox == (64, min(ps, 128), 2, 1, 1)
+        assert vstrides == [128 * es, 64 * es, ps * 128 * es, 2 * 4 * ps * 128 * es]
 
 
 @pytest.mark.parametrize("causal", [False, True])

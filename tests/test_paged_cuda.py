@@ -137,13 +137,14 @@ def check_key(w, dtype, d, mask, tuning):
     assert plan.static.tuning == tuning and plan.static.paged
     assert plan.tuning_code == tuning.encode()
     arch = device_limits(plan.device)[0]
-    key = PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning)
+    key = PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning, page_size=plan.static.page_size)
     assert key.paged
     if arch == "sm_90a" and tuning.portable:
         assert key.arch == 80, key.name  # the portable engine on a Hopper GPU
     elif arch == "sm_90a":
         assert key.arch == 90 and key.loop == tuning.loop_for(d) and key.copy_tpr == tuning.copy_for(d), key.name
         assert key.persistent == tuning.persistent, key.name
+        assert (key.vpage > 0) == (tuning.page_major_v and key.tma), key.name
     if plan.launch is not None:
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
 
