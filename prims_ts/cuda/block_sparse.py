@@ -16,7 +16,7 @@ from . import runtime
 from .decode import DecodeParams, _ptr, write_bounds, write_rows
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
                    KernelKey, Prepared, Tuning, cpp_bool, device_info, fmha_config,
-                   fmha_smem_bytes, load, persistent_shape, producer_stages, tag, work_grid)
+                   fmha_smem_bytes, load, ring_shape, tag, work_grid)
 
 HEAD_DIMS = (128, 256)
 
@@ -48,7 +48,7 @@ class BlockSparseKey(KernelKey):
     lean: bool = tag("ln", False)  # the MMA warps' fewer instructions (Tuning.lean_mma)
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
-    qbufs: int = tag("qb", 1)  # persistent keys: Q buffers (keys.persistent_shape)
+    qbufs: int = tag("qb", 1)  # persistent keys: Q buffers (keys.ring_shape)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -60,8 +60,7 @@ class BlockSparseKey(KernelKey):
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             loop = tuning.loop_for(head_dim)
             tma = tuning.tma if contiguous else tuning.paged_tma
-            q_bufs, stages = (persistent_shape(bm, bn, head_dim) if tuning.persistent
-                              else (1, producer_stages(bm, bn, head_dim)))
+            q_bufs, stages = ring_shape(bm, bn, head_dim, tuning.persistent)
             return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, stages,
                                   loop if bm == 128 else min(loop, 1),  # pingpong: two MMA warpgroups
                                   tuning.persistent, tuning.copy_for(head_dim), contiguous, tma,

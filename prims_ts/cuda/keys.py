@@ -54,7 +54,7 @@ class Tuning:
     copy_tpr: Optional[int] = None
     flip_copy: bool = False
     # Producer-ring CTAs walk several work items (at most one CTA per SM, or persistent_ctas);
-    # where they fit, with two Q buffers and two K/V stages (persistent_shape: the next item's Q
+    # where they fit, with two Q buffers and two K/V stages (ring_shape: the next item's Q
     # copied during the whole current item, each item's O stored through its own Q buffer).
     persistent: bool = False
     persistent_ctas: Optional[int] = None
@@ -281,12 +281,11 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
     return 2
 
 
-def persistent_shape(bm: int, bn: int, head_dim: int, extra: int = 0) -> Tuple[int, int]:
-    """(Q buffers, K/V stages) of a persistent producer-ring tile: two Q buffers and two stages
-    where they fit (the next item's Q lands during the whole current item, and each item's O
-    goes out through its own Q buffer), else one Q buffer and as many stages as fit."""
-    second_q = bm * head_dim * 2 + 16
-    if producer_fits(bm, bn, head_dim, 2, extra + second_q):
+def ring_shape(bm: int, bn: int, head_dim: int, persistent: bool, extra: int = 0) -> Tuple[int, int]:
+    """(Q buffers, K/V stages) of a producer-ring tile: persistent CTAs take two Q buffers and
+    two stages where they fit (the next item's Q lands during the whole current item, and each
+    item's O goes out through its own Q buffer); otherwise one Q buffer and as many stages as fit."""
+    if persistent and producer_fits(bm, bn, head_dim, 2, extra + bm * head_dim * 2 + 16):
         return 2, 2
     return 1, producer_stages(bm, bn, head_dim, extra)
 

@@ -17,8 +17,7 @@ import torch
 from . import runtime
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
                    KernelKey, Prepared, Tuning, check_rows, check_starts, cpp_bool, device_info, fmha_config,
-                   fmha_smem_bytes, load, persistent_shape, producer_fits, producer_stages, tag,
-                   work_grid)
+                   fmha_smem_bytes, load, producer_fits, ring_shape, tag, work_grid)
 
 MASK_CODES = {"dense": 0, "causal": 1, "variable_window": 2}  # pt::MaskKind
 # The sm_90a key tile (BN) of contiguous K/V in TMA boxes, per head dim (Tuning.prefill_bn;
@@ -52,7 +51,7 @@ class PrefillKey(KernelKey):
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
     vpage: int = tag("vp", 0)  # paged TMA keys: V tiles page-major in groups of this many rows (Tuning.page_major_v)
-    qbufs: int = tag("qb", 1)  # persistent keys: Q buffers (keys.persistent_shape)
+    qbufs: int = tag("qb", 1)  # persistent keys: Q buffers (keys.ring_shape)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -72,8 +71,7 @@ class PrefillKey(KernelKey):
             want = tuning.prefill_bn if tuning.prefill_bn is not None else TMA_BN[head_dim]
             if tma and not paged and producer_fits(128, want, head_dim, 2, extra):
                 bn = want
-            q_bufs, stages = (persistent_shape(128, bn, head_dim, extra) if persistent
-                              else (1, producer_stages(128, bn, head_dim, extra)))
+            q_bufs, stages = ring_shape(128, bn, head_dim, persistent, extra)
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
                               stages=stages, qbufs=q_bufs, loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,

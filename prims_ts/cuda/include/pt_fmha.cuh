@@ -28,7 +28,8 @@
 // The headers: pt_fmha_config.cuh (FmhaConfig: tile, warps, shared-memory map),
 // pt_fmha_copy.cuh (key tiles, cp.async and TMA copies), pt_fmha_ring.cuh (the producer
 // ring), pt_fmha_softmax.cuh (the online softmax, shared with the swapped-operand tile),
-// pt_fmha_store.cuh (the wgmma engine's output rows through shared memory), this file (one item's loops and epilogue, a CTA's items).
+// pt_fmha_store.cuh (the wgmma engine's output rows through shared memory), this file (one
+// item's loops and epilogue, a CTA's items).
 #pragma once
 #include "pt_fmha_ring.cuh"
 #include "pt_fmha_softmax.cuh"
