@@ -16,7 +16,7 @@ from . import runtime
 from .decode import DecodeParams, _ptr, write_bounds, write_rows
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
                    KernelKey, Prepared, Tuning, cpp_bool, device_info, fmha_config,
-                   fmha_smem_bytes, load, ring_shape, tag, work_grid)
+                   fmha_smem_bytes, load, producer_stages, tag, work_grid)
 
 HEAD_DIMS = (128, 256)
 
@@ -48,7 +48,6 @@ class BlockSparseKey(KernelKey):
     lean: bool = tag("ln", False)  # the MMA warps' fewer instructions (Tuning.lean_mma)
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
-    qbufs: int = tag("qb", 1)  # persistent keys: Q buffers (keys.ring_shape)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -60,12 +59,11 @@ class BlockSparseKey(KernelKey):
             bm = 64 if rows <= 64 and head_dim == 128 else 128  # D256 at BM 64 spills
             loop = tuning.loop_for(head_dim)
             tma = tuning.tma if contiguous else tuning.paged_tma
-            q_bufs, stages = ring_shape(bm, bn, head_dim, tuning.persistent)
-            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, stages,
+            return BlockSparseKey(dtype, head_dim, causal, bm, bn, 90, producer_stages(bm, bn, head_dim),
                                   loop if bm == 128 else min(loop, 1),  # pingpong: two MMA warpgroups
                                   tuning.persistent, tuning.copy_for(head_dim), contiguous, tma,
                                   tuning.lean_for(head_dim), tuning.lazy_rescale,
-                                  loop >= 1 and tuning.under_pv_for(False), q_bufs)
+                                  loop >= 1 and tuning.under_pv_for(False))
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80,
                                   contiguous=contiguous)
@@ -82,14 +80,13 @@ class BlockSparseKey(KernelKey):
 
     @property
     def smem(self) -> int:
-        return (fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, producer=self.producer,
-                                q_bufs=self.qbufs) + (WGMMA_ALIGN_SLACK if self.arch == 90 else 0))
+        return (fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, producer=self.producer) +
+                (WGMMA_ALIGN_SLACK if self.arch == 90 else 0))
 
     def call(self) -> str:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
                           self.arch, stages=self.stages, producer=self.producer, loop=self.loop,
-                          copy_tpr=self.copy_tpr, lean=self.lean, lazy=self.lazy, under_pv=self.under_pv,
-                          q_bufs=self.qbufs)
+                          copy_tpr=self.copy_tpr, lean=self.lean, lazy=self.lazy, under_pv=self.under_pv)
         return (f"pt::block_sparse_kernel<{cfg}, {cpp_bool(self.causal)}, {cpp_bool(self.persistent)}, "
                 f"{cpp_bool(self.contiguous)}, {cpp_bool(self.tma)}>")
 

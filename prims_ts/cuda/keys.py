@@ -53,9 +53,7 @@ class Tuning:
     # 4 at D128. flip_copy takes the copy the choice does not.
     copy_tpr: Optional[int] = None
     flip_copy: bool = False
-    # Producer-ring CTAs walk several work items (at most one CTA per SM, or persistent_ctas);
-    # where they fit, with two Q buffers and two K/V stages (ring_shape: the next item's Q
-    # copied during the whole current item, each item's O stored through its own Q buffer).
+    # Producer-ring CTAs walk several work items (at most one CTA per SM, or persistent_ctas).
     persistent: bool = False
     persistent_ctas: Optional[int] = None
     # The decode kernels' split merge: register units over split lanes, or staged through
@@ -249,21 +247,20 @@ NOMINAL_SMEM_LIMIT = SM90_SMEM_LIMIT
 
 def fmha_smem_bytes(bm: int, bn: int, head_dim: int, stages: int = 2, warps_n: int = 1,
                     split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
-                    producer: bool = False, q_bufs: int = 1) -> int:
+                    producer: bool = False) -> int:
     """Dynamic shared memory of one FMHA core CTA: pt::FmhaConfig<...>::SMEM_BYTES.
 
-    The Q tile (`q_bufs` of them) and `stages` K/V tile pairs (one tile per stage when V is a
-    prefix of the K row); split_o adds its exchange area (a float per warp row, P as A
-    fragments); otherwise, with warps_n > 1, the key-split merge reuses the pipeline's bytes
-    for (m, l) per warp row and the O fragments (dv wide) of warps_n - 1 warps. A producer
-    warpgroup adds the ring's mbarriers (a full and an empty one per stage and tile) and a pair
-    per Q buffer.
+    The Q tile and `stages` K/V tile pairs (one tile per stage when V is a prefix of the
+    K row); split_o adds its exchange area (a float per warp row, P as A fragments);
+    otherwise, with warps_n > 1, the key-split merge reuses the pipeline's bytes for
+    (m, l) per warp row and the O fragments (dv wide) of warps_n - 1 warps. A producer
+    warpgroup adds the ring's mbarriers (a full and an empty one per stage and tile) and Q's pair.
     """
     dv = head_dim if dv is None else dv
     warps_m = bm // 16
     xchg = warps_m * warps_n * 16 * 4 + warps_m * (bn // 16) * 32 * 16 if split_o else 0
-    pipe = q_bufs * bm * head_dim * 2 + (1 if shared_kv else 2) * stages * bn * head_dim * 2 + xchg
-    pipe += 2 * (1 if shared_kv else 2) * stages * 8 + 16 * q_bufs if producer else 0  # the mbarriers
+    pipe = bm * head_dim * 2 + (1 if shared_kv else 2) * stages * bn * head_dim * 2 + xchg
+    pipe += 2 * (1 if shared_kv else 2) * stages * 8 + 16 if producer else 0  # the ring's mbarriers, Q's pair
     merge = (warps_m * warps_n * 16 * 2 * 4 + (warps_n - 1) * bm * dv * 4) if warps_n > 1 and not split_o else 0
     return max(pipe, merge)
 
@@ -281,25 +278,15 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
     return 2
 
 
-def ring_shape(bm: int, bn: int, head_dim: int, persistent: bool, extra: int = 0) -> Tuple[int, int]:
-    """(Q buffers, K/V stages) of a producer-ring tile: persistent CTAs take two Q buffers and
-    two stages where they fit (the next item's Q lands during the whole current item, and each
-    item's O goes out through its own Q buffer); otherwise one Q buffer and as many stages as fit."""
-    if persistent and producer_fits(bm, bn, head_dim, 2, extra + bm * head_dim * 2 + 16):
-        return 2, 2
-    return 1, producer_stages(bm, bn, head_dim, extra)
-
-
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
                 producer: bool = False, loop: int = 0, copy_tpr: int = 4, lean: bool = False,
-                lazy: bool = False, under_pv: bool = False, v_page: int = 0, q_bufs: int = 1) -> str:
+                lazy: bool = False, under_pv: bool = False, v_page: int = 0) -> str:
     """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out up to the last
-    one that differs from its default (LEAN, LAZY, UNDER_PV, V_PAGE, Q_BUFS)."""
+    one set (LEAN, LAZY, UNDER_PV, V_PAGE: only when set)."""
     b = cpp_bool
-    flags = [b(lean), b(lazy), b(under_pv), str(v_page), str(q_bufs)]
-    defaults = ["false", "false", "false", "0", "1"]
-    while flags and flags[-1] == defaults[len(flags) - 1]:
+    flags = [b(lean), b(lazy), b(under_pv), str(v_page)]
+    while flags and flags[-1] in ("false", "0"):
         flags.pop()
     tail = "".join(f", {f}" for f in flags)
     return (f"pt::FmhaConfig<pt::{dtype}, {head_dim}, {bm}, {bn}, {b(q_in_regs)}, {arch}, {warps_n}, {stages}, "

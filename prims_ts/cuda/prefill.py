@@ -17,7 +17,7 @@ import torch
 from . import runtime
 from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, OUT_DTYPE_CODES, PRODUCER_THREADS, WGMMA_ALIGN_SLACK,
                    KernelKey, Prepared, Tuning, check_rows, check_starts, cpp_bool, device_info, fmha_config,
-                   fmha_smem_bytes, load, producer_fits, ring_shape, tag, work_grid)
+                   fmha_smem_bytes, load, producer_fits, producer_stages, tag, work_grid)
 
 MASK_CODES = {"dense": 0, "causal": 1, "variable_window": 2}  # pt::MaskKind
 # The sm_90a key tile (BN) of contiguous K/V in TMA boxes, per head dim (Tuning.prefill_bn;
@@ -51,7 +51,6 @@ class PrefillKey(KernelKey):
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
     vpage: int = tag("vp", 0)  # paged TMA keys: V tiles page-major in groups of this many rows (Tuning.page_major_v)
-    qbufs: int = tag("qb", 1)  # persistent keys: Q buffers (keys.ring_shape)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -71,9 +70,8 @@ class PrefillKey(KernelKey):
             want = tuning.prefill_bn if tuning.prefill_bn is not None else TMA_BN[head_dim]
             if tma and not paged and producer_fits(128, want, head_dim, 2, extra):
                 bn = want
-            q_bufs, stages = ring_shape(128, bn, head_dim, persistent, extra)
             return PrefillKey(dt, head_dim, mask, bm=128, bn=bn, q_in_regs=False, arch=90, paged=paged,
-                              stages=stages, qbufs=q_bufs, loop=tuning.loop_for(head_dim),
+                              stages=producer_stages(128, bn, head_dim, extra), loop=tuning.loop_for(head_dim),
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
                               tma=tma, lean=tuning.lean_for(head_dim), lazy=tuning.lazy_rescale,
                               under_pv=tuning.loop_for(head_dim) >= 1 and tuning.under_pv_for(True),
@@ -94,13 +92,12 @@ class PrefillKey(KernelKey):
     def smem(self) -> int:
         extra = 2 * self.bm * 4 if self.mask == "variable_window" else 0
         align = WGMMA_ALIGN_SLACK if self.arch == 90 else 0
-        return (fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, producer=self.producer,
-                                q_bufs=self.qbufs) + extra + align)
+        return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, producer=self.producer) + extra + align
 
     def call(self) -> str:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
                           producer=self.producer, loop=self.loop, copy_tpr=self.copy_tpr, lean=self.lean,
-                          lazy=self.lazy, under_pv=self.under_pv, v_page=self.vpage, q_bufs=self.qbufs)
+                          lazy=self.lazy, under_pv=self.under_pv, v_page=self.vpage)
         return (f"pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {cpp_bool(self.paged)}, "
                 f"{cpp_bool(self.persistent)}, {cpp_bool(self.tma)}>")
 

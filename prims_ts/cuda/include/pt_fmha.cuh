@@ -28,8 +28,7 @@
 // The headers: pt_fmha_config.cuh (FmhaConfig: tile, warps, shared-memory map),
 // pt_fmha_copy.cuh (key tiles, cp.async and TMA copies), pt_fmha_ring.cuh (the producer
 // ring), pt_fmha_softmax.cuh (the online softmax, shared with the swapped-operand tile),
-// pt_fmha_store.cuh (the wgmma engine's output rows through shared memory), this file (one
-// item's loops and epilogue, a CTA's items).
+// pt_fmha_store.cuh (the wgmma engine's output rows through shared memory), this file (one item's loops and epilogue, a CTA's items).
 #pragma once
 #include "pt_fmha_ring.cuh"
 #include "pt_fmha_softmax.cuh"
@@ -40,10 +39,9 @@ namespace pt {
 // One work item (a BM-row tile over its key range). Producer-ring configs: the MMA
 // threads only (the ring is set up and fed by fmha_items), from where `pos` stands.
 // Portable configs: the whole CTA, `pos` unused.
-// Q_BY_PRODUCER (persistent CTAs, whole-row warpgroups): the producer copies each item's Q
-// (into buffer pos.q_items % Q_BUFS); the MMA warps wait for it (q_full) and hand it back
-// (q_empty) after their last S^T (in the overlapped loops S^T of the last tile, landed while
-// the previous PV may run), or with two buffers after their O has gone out through it.
+// Q_BY_PRODUCER (persistent CTAs, whole-row warpgroups): the producer copies each item's Q;
+// the MMA warps wait for it (q_full) and hand it back after their last S^T (q_empty): in
+// the overlapped loops that is S^T of the last tile, landed while the previous PV may run.
 template <class Cfg, bool Q_BY_PRODUCER = false, class Problem>
 __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, float scale_log2, float out_scale,
                                                RingPos& pos) {
@@ -65,12 +63,8 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   const int warp_m = warp % Cfg::WARPS_M, warp_n = warp / Cfg::WARPS_M;
   const int key0 = warp_n * BNW;  // this warp's first key within a tile
   const int g = lane >> 2, t = lane & 3;
-  // this item's Q buffer; Q_LATE: handed back after the epilogue, which stores O through it
-  const int q_buf = Q_BY_PRODUCER ? pos.q_items % Cfg::Q_BUFS : 0;
-  constexpr bool Q_LATE = Q_BY_PRODUCER && Cfg::Q_BUFS == 2;
-  const u32 sQ0 = smem_addr(smem);
-  const u32 sQ = sQ0 + (u32)q_buf * QTile::BYTES;
-  const u32 sKV = sQ0 + Cfg::SMEM_Q;  // stage s: K at sKV + KV_TILES*s*SMEM_KV, V right after (or = K)
+  const u32 sQ = smem_addr(smem);
+  const u32 sKV = sQ + Cfg::SMEM_Q;  // stage s: K at sKV + KV_TILES*s*SMEM_KV, V right after (or = K)
   // SPLIT_O exchange area (after the ring)
   float* xred = reinterpret_cast<float*>(smem + Cfg::SMEM_Q + Cfg::SMEM_RING);
   uint4* xp = reinterpret_cast<uint4*>(smem + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG_RED);
@@ -102,21 +96,17 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
 
   // the producer pipeline's ring and mbarriers (after the exchange area)
   const auto ring = fmha_ring<Cfg>(smem);
-  // Q_BY_PRODUCER: this warp is done with the item's Q (hand_q_back: after the epilogue, with
-  // Q_LATE; release_q: after its last S^T, or at once with no tile, without)
-  auto hand_q_back = [&]() {
+  // Q_BY_PRODUCER: this warp is done with the item's Q (after its last S^T, or at once with no tile)
+  auto release_q = [&]() {
     if constexpr (Q_BY_PRODUCER) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(fmha_q_empty<Cfg>(smem, q_buf));
+      if (lane == 0) mbar_arrive(fmha_q_empty<Cfg>(smem));
     }
   };
-  auto release_q = [&]() {
-    if constexpr (!Q_LATE) hand_q_back();
-  };
   if constexpr (Q_BY_PRODUCER) {
-    mbar_wait(fmha_q_full<Cfg>(smem, q_buf), (u32)(pos.q_items / Cfg::Q_BUFS) & 1u);
+    mbar_wait(fmha_q_full<Cfg>(smem), pos.q_phase);
     fence_proxy_async();
-    ++pos.q_items;
+    pos.q_phase ^= 1u;
     if (n_tiles == 0) release_q();
   } else if constexpr (Cfg::PRODUCER) {
     load_q_for_mma<QTile, THREADS>(sQ, pb);
@@ -576,22 +566,12 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     }
   }
   // Whole rows through the warpgroup's Q rows (pt_fmha_store.cuh), where the problem's output
-  // allows it; a persistent CTA with one Q buffer does not: its producer may already be copying
-  // the next item's Q there.
-  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !SPLIT_O && Cfg::WARPS_N == 1 &&
-                (!Q_BY_PRODUCER || Q_LATE) && RowStore<Problem>::value) {
+  // allows it; a persistent CTA's producer may already be copying the next item's Q there.
+  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !SPLIT_O && Cfg::WARPS_N == 1 && !Q_BY_PRODUCER &&
+                RowStore<Problem>::value) {
     const int kind = pb.row_store();  // the same in every thread: the barrier inside is safe
-    // Q_LATE: the buffer goes back once the rows' shared-memory reads are done
-    if (kind == OUT_BF16) {
-      store_o_rows<QTile, bf16, DT>(pb, sQ, o, inv, warp >> 2, row0);
-      if constexpr (Q_LATE) hand_q_back();
-      return;
-    }
-    if (kind == OUT_F16) {
-      store_o_rows<QTile, f16, DT>(pb, sQ, o, inv, warp >> 2, row0);
-      if constexpr (Q_LATE) hand_q_back();
-      return;
-    }
+    if (kind == OUT_BF16) return store_o_rows<QTile, bf16, DT>(pb, sQ, o, inv, warp >> 2, row0);
+    if (kind == OUT_F16) return store_o_rows<QTile, f16, DT>(pb, sQ, o, inv, warp >> 2, row0);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -601,7 +581,6 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       for (int n = 0; n < DT; ++n) pb.store2(r, (col0 + n) * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
     }
   }
-  if constexpr (Q_LATE) hand_q_back();
 }
 
 // The work items of a CTA: items.get(w, pb) builds item w's problem (false: nothing to
@@ -622,10 +601,9 @@ struct OneItem {
 // A CTA over its work items. One item: its problem is built once by every thread, then
 // the producer warpgroup (if any) copies its tiles and the MMA warps compute them. A
 // persistent CTA (producer ring only): the ring is initialised once; the producer copies
-// item after item, its Q (into buffer k % Q_BUFS once the MMA warps handed that buffer's
-// previous item back: q_empty) then its K/V tiles, so the next item's Q and first tiles land
-// while the MMA warps finish the current one and store it; they compute the items in the
-// same order.
+// item after item, its Q (once the MMA warps' last S^T of the previous item has landed:
+// q_empty) then its K/V tiles, so the next item's Q and first tiles land while the MMA
+// warps finish the current one and store it; they compute the items in the same order.
 template <class Cfg, class Items>
 __device__ __forceinline__ void fmha_items(const Items& items, char* smem, float scale_log2, float out_scale) {
   using Problem = typename Items::Problem;
@@ -654,11 +632,8 @@ __device__ __forceinline__ void fmha_items(const Items& items, char* smem, float
     const auto ring = fmha_ring<Cfg>(smem);
     if (threadIdx.x == 0) {
       ring.template init<UsesTma<Problem>::value ? 1 : Cfg::PRODUCER_THREADS>(Cfg::WARPS);
-#pragma unroll
-      for (int b = 0; b < Cfg::Q_BUFS; ++b) {
-        mbar_init(fmha_q_full<Cfg>(smem, b), Cfg::PRODUCER_THREADS);
-        mbar_init(fmha_q_empty<Cfg>(smem, b), Cfg::WARPS);
-      }
+      mbar_init(fmha_q_full<Cfg>(smem), Cfg::PRODUCER_THREADS);
+      mbar_init(fmha_q_empty<Cfg>(smem), Cfg::WARPS);
       if constexpr (UsesTma<Problem>::value) fence_mbar_init();
     }
     __syncthreads();
@@ -669,15 +644,13 @@ __device__ __forceinline__ void fmha_items(const Items& items, char* smem, float
       for (int w = items.first(); w < items.count(); w += items.stride()) {
         Problem pb;
         if (!items.get(w, pb)) continue;
-        // Q of item k replaces item k - Q_BUFS's in buffer k % Q_BUFS once every MMA warp has
-        // handed that one back
-        const int b = k % Cfg::Q_BUFS;
-        if (k >= Cfg::Q_BUFS) mbar_wait(fmha_q_empty<Cfg>(smem, b), (u32)(k / Cfg::Q_BUFS - 1) & 1u);
+        // Q of item k replaces item k - 1's once every MMA warp has read it for the last time
+        if (k > 0) mbar_wait(fmha_q_empty<Cfg>(smem), (u32)(k - 1) & 1u);
         ++k;
         auto q_row = [&](int r) { return pb.q_row(r); };
-        load_tile<typename Cfg::QTile, Cfg::PRODUCER_THREADS, decltype(q_row), true>(
-            smem_addr(smem) + (u32)b * Cfg::QTile::BYTES, pb.q_rows, q_row, tid);
-        cp_async_mbar_arrive(fmha_q_full<Cfg>(smem, b));
+        load_tile<typename Cfg::QTile, Cfg::PRODUCER_THREADS, decltype(q_row), true>(smem_addr(smem), pb.q_rows,
+                                                                                    q_row, tid);
+        cp_async_mbar_arrive(fmha_q_full<Cfg>(smem));
         const auto range = pb.range();
         ring.template produce_item<Cfg::PRODUCER_THREADS>(pb, range, range.n_tiles(), tid, pos);
       }

@@ -30,7 +30,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
           int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false, bool LAZY_ = false, bool UNDER_PV_ = false,
-          int V_PAGE_ = 0, int Q_BUFS_ = 1>
+          int V_PAGE_ = 0>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -97,11 +97,7 @@ struct FmhaConfig {
   // the boxes or fewer of V's panel-major tile; K keeps KVTile. 0: V is a KVTile too.
   static constexpr int V_PAGE = V_PAGE_;
   using VTile = typename Select<(V_PAGE_ > 0), SmemTileP<BN, DV_, (V_PAGE_ > 0 ? V_PAGE_ : BN)>, KVTile>::type;
-  // Q_BUFS (persistent CTAs, Tuning.persistent, where two fit): the producer copies item k's Q
-  // into buffer k % Q_BUFS, so with two the next item's Q lands during the whole current item,
-  // and each item stores its O through its own buffer (pt_fmha_store.cuh) before handing it back
-  static constexpr int Q_BUFS = Q_BUFS_;
-  static constexpr int SMEM_Q = QTile::BYTES * Q_BUFS_;
+  static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
   static constexpr int KV_TILES = SHARED_KV ? 1 : 2;  // tiles per stage
   static constexpr int SMEM_RING = KV_TILES * STAGES * SMEM_KV;
@@ -109,9 +105,9 @@ struct FmhaConfig {
   // sums), then P of the tile as A fragments [WARPS_M][BN / 16][32 lanes] x 16 bytes
   static constexpr int SMEM_XCHG_RED = WARPS * 16 * 4;
   static constexpr int SMEM_XCHG = SPLIT_O ? SMEM_XCHG_RED + WARPS_M * (BN / 16) * 32 * 16 : 0;
-  // a full and an empty barrier per stage and tile (KvRing), then q_full / q_empty per Q buffer
-  // (persistent CTAs: Q copied by the producer)
-  static constexpr int SMEM_BARS = PRODUCER ? 2 * KV_TILES * STAGES * 8 + 16 * Q_BUFS_ : 0;
+  // a full and an empty barrier per stage and tile (KvRing), then q_full / q_empty (persistent
+  // CTAs: Q copied by the producer)
+  static constexpr int SMEM_BARS = PRODUCER ? 2 * KV_TILES * STAGES * 8 + 16 : 0;
   static constexpr int SMEM_PIPE = SMEM_Q + SMEM_RING + SMEM_XCHG + SMEM_BARS;
   // key-split merge (reuses the pipeline's bytes): (m, l) per warp and row, then
   // the O fragments of the WARPS_N - 1 warps that hand theirs over
@@ -127,8 +123,6 @@ struct FmhaConfig {
   static_assert(LOOP_ == 0 || (PRODUCER && WARPS_N_ == 1 && !SPLIT_O_ && LOOP_ <= 2),
                 "overlapped loops: the producer ring, whole rows");
   static_assert(DV % 16 == 0 && DV <= D && (DV == D || SHARED_KV), "V width: D, or a prefix of the K row");
-  static_assert(Q_BUFS_ == 1 || (Q_BUFS_ == 2 && PRODUCER_ && !SPLIT_O_ && WARPS_N_ == 1),
-                "two Q buffers: the producer ring's whole-row tiles");
   static_assert(V_PAGE_ == 0 || (PRODUCER_ && !SPLIT_O_ && !SHARED_KV_ && WARPS_N_ == 1 && DV_ == D_ &&
                                  V_PAGE_ >= 16 && BN_ % V_PAGE_ == 0),
                 "page-major V: the producer ring's whole-row tiles, V its own D-wide tile");

@@ -13,7 +13,7 @@ struct RingPos {
   int stage = 0;
   u32 phase = 0;
   int filled = 0;
-  int q_items = 0;  // the MMA warps: items begun (item k's Q: buffer k % Q_BUFS, pass k / Q_BUFS)
+  u32 q_phase = 0;  // the MMA warps: parity of the current item's Q (copied by the producer)
 };
 
 // The producer pipeline's ring: STAGES stages of KV_TILES tiles each from `base`, each tile
@@ -174,17 +174,16 @@ fmha_ring(char* smem) {
   const u32 sQ = smem_addr(smem);
   return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};
 }
-// A pair of mbarriers per Q buffer after the ring's (persistent CTAs): q_full, the producer's
-// copy of an item's Q has landed; q_empty, every MMA warp is done with it (its last S^T has
-// landed; with two buffers, its O has been stored through it).
+// Q's pair of mbarriers after the ring's (persistent CTAs): q_full, the producer's copy of an
+// item's Q has landed; q_empty, every MMA warp is done reading it (its last S^T has landed).
 template <class Cfg>
-__device__ __forceinline__ u32 fmha_q_full(char* smem, int buf = 0) {
+__device__ __forceinline__ u32 fmha_q_full(char* smem) {
   const auto ring = fmha_ring<Cfg>(smem);
-  return ring.bars + (u32)decltype(ring)::BAR_BYTES + 16u * buf;
+  return ring.bars + (u32)decltype(ring)::BAR_BYTES;
 }
 template <class Cfg>
-__device__ __forceinline__ u32 fmha_q_empty(char* smem, int buf = 0) {
-  return fmha_q_full<Cfg>(smem, buf) + 8u;
+__device__ __forceinline__ u32 fmha_q_empty(char* smem) {
+  return fmha_q_full<Cfg>(smem) + 8u;
 }
 
 // The MMA threads of a producer-ring CTA copy the Q tile themselves and wait for it
