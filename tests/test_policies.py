@@ -285,16 +285,19 @@ def test_catalogue_defaults_and_variants():
 
 
 def test_page_major_v_keys():
-    """Tuning.page_major_v: the sm_90a paged TMA keys lay V out in groups of min(page size, BN)
-    rows (a key a page size); the default, contiguous K/V, cp.async pages and sm_80 keep V's
-    panel-major tile."""
-    pm = Tuning(page_major_v=True)
+    """Tuning.page_major_v (the default): the sm_90a paged TMA keys lay V out a page a group
+    where a page is shorter than BN (a key such a page size), panel-major otherwise; off, under
+    cp.async pages, on sm_80 and for contiguous K/V V keeps the panel-major tile."""
+    pm = Tuning()
+    assert pm.page_major_v
     for d in (128, 256):
         for ps in prefill.PAGE_SIZES:
             key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=pm, page_size=ps)
-            assert key.vpage == min(ps, key.bn) and key.name.endswith(f"_vp{key.vpage}"), key.name
-            assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, page_size=ps).vpage == 0
-            cp = Tuning(page_major_v=True, paged_tma=False)
+            want = ps if ps < key.bn else 0
+            assert key.vpage == want and key.name.endswith(f"_vp{ps}") == (want > 0), key.name
+            off = Tuning(page_major_v=False)
+            assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=off, page_size=ps).vpage == 0
+            cp = Tuning(paged_tma=False)
             assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=cp, page_size=ps).vpage == 0
             assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", paged=True, tuning=pm, page_size=ps).vpage == 0
         assert PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=pm, page_size=16).vpage == 0

@@ -23,8 +23,9 @@ from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
 # the MMA warps' leaner instructions everywhere and nowhere (Tuning.lean_mma; the default: at
 # D128), the online softmax rescaling on every new running maximum (the default keeps a
 # maximum within 2^8: Tuning.lazy_rescale), the overlapped loops' softmax under the previous
-# PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys), and the
-# paged keys' V tiles page-major (Tuning.page_major_v: a key per page size).
+# PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys). The
+# default paged keys lay V out page-major where a page is shorter than the key tile
+# (Tuning.page_major_v: a key per such page size); page 128 checks the panel-major layout.
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -38,7 +39,6 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "under_pv": Tuning(softmax_under_pv=True),
     "pv_first": Tuning(softmax_under_pv=False),
     "portable": Tuning(portable=True),
-    "page_major_v": Tuning(page_major_v=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.
@@ -58,7 +58,7 @@ def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelK
                 yield PrefillKey.choose(dtype, d, mask, arch, tuning=tuning)
                 yield PrefillKey.choose(dtype, d, mask, arch, tuning=tuning, packed=True)
             for mask in ("dense", "causal"):
-                for ps in PAGE_SIZES if tuning.page_major_v else (0,):  # page_major_v: a key a page size
+                for ps in PAGE_SIZES if tuning.page_major_v else (0,):  # page_major_v: a key a short page size
                     yield PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning, page_size=ps)
     for dt in DTYPE_CODES.values():
         for d in DECODE_HEAD_DIMS:

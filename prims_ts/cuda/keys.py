@@ -91,10 +91,11 @@ class Tuning:
     # contiguous K/V (fixed-storage prefill), at the head dims where two stages of it fit.
     # None: prefill.TMA_BN (128 at D128, 80 at D256; 64 at D256 where 80 does not fit).
     prefill_bn: Optional[int] = None
-    # The paged prefill keys' V tiles page-major (pt_sm90.cuh: SmemTileP): one TMA box a page
-    # of all its 64-column panels instead of a box a page and panel (page 16 at D128: 8 boxes a
-    # V tile instead of 16); K keeps its layout. A variant until measured (benchmarks/NOTES.md).
-    page_major_v: bool = False
+    # The paged prefill keys' V tiles page-major where a page is shorter than the key tile
+    # (pt_sm90.cuh: SmemTileP): one TMA box a page of all its 64-column panels instead of a box
+    # a page and panel (page 16 at D128: 8 boxes a V tile instead of 16); K keeps its layout.
+    # Page 16 +6-11%, pages 32-128 unchanged (benchmarks/NOTES.md).
+    page_major_v: bool = True
     # The prefill-family keys (prefill, paged prefill, block-sparse) on the portable engine
     # (mma.sync, the sm_80 / sm_86 / sm_89 tiles) on an sm_90a device too: how the grids check
     # that engine on a Hopper GPU.

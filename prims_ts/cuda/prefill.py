@@ -50,7 +50,7 @@ class PrefillKey(KernelKey):
     lean: bool = tag("ln", False)  # the MMA warps' fewer instructions (Tuning.lean_mma)
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
-    vpage: int = tag("vp", 0)  # paged TMA keys: V tiles page-major in groups of this many rows (Tuning.page_major_v)
+    vpage: int = tag("vp", 0)  # paged TMA keys: V tiles page-major, a page (this many rows) a group (Tuning.page_major_v)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -60,7 +60,7 @@ class PrefillKey(KernelKey):
         128 at D128, at D256 80 for contiguous K/V in TMA boxes (``TMA_BN``) and 64 otherwise;
         as many stages as fit), other archs (and sm_90a under ``Tuning.portable``) the portable
         engine with tiles that fit 99 KB of shared memory per block. `page_size` (paged):
-        ``Tuning.page_major_v`` lays V out in groups of min(page_size, BN) rows."""
+        ``Tuning.page_major_v`` lays V out a page a group where a page is shorter than BN."""
         dt = DTYPE_CODES[dtype]
         if arch == "sm_90a" and not tuning.portable:
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
@@ -75,7 +75,7 @@ class PrefillKey(KernelKey):
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
                               tma=tma, lean=tuning.lean_for(head_dim), lazy=tuning.lazy_rescale,
                               under_pv=tuning.loop_for(head_dim) >= 1 and tuning.under_pv_for(True),
-                              vpage=min(page_size, bn) if paged and tma and tuning.page_major_v and page_size else 0)
+                              vpage=page_size if paged and tma and tuning.page_major_v and 0 < page_size < bn else 0)
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
         return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)
