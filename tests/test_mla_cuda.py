@@ -342,6 +342,32 @@ def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
     check(pb, tuning, mask)
 
 
+@pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_wide_rows_seesaw(split_merge, qmode, mask, hsq):
+    """Rows of 64 on sm_90a on the seesaw tile (Tuning(mla_seesaw=True)): the grid's rotation
+    (page size, rank, dtype, page IDs, odd and even tile counts, split or one split)."""
+    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the seesaw tile is sm_90a's")
+    tuning = with_merge(Tuning(mla_seesaw=True), split_merge)
+    h, sq = hsq
+    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask)) + 1
+    lengths = ("long", "short")[i % 2]
+    lens = list(LONG if lengths == "long" else SHORT)
+    q_lens = [1 + (b + sq) % sq for b in range(len(lens))]
+    if mask == "causal":
+        lens[0] = sq if qmode == "fixed" else q_lens[0]
+    pb = Problem(lens, h, PAGE_SIZES[i % 4], (BF16, FP16)[(i // 2) % 2], stable_seed("seesaw", qmode, mask, h, sq),
+                 qmode=qmode, sq=sq, q_lens=q_lens, max_seq_len_q=sq, rank=RANKS[(i // 4) % 2],
+                 kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
+    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
+    assert key.seesaw and key.bm == 64, key.name
+    if on_sm90():
+        assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
+    check(pb, tuning, mask)
+
+
 @pytest.mark.parametrize("out_dtype", [FP32, BF16])
 def test_row_tile_engines_long_request_and_out_dtype(row_tile, split_merge, out_dtype):
     """One 131072-token request beside a 4-token one (H 16, SQ 2), bmm scales, output dtypes."""

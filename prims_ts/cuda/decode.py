@@ -129,6 +129,15 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, chunk)
 
 
+SEESAW_BN = 64  # the seesaw tile's key tiles (MLA rows of 64: the policy's BN there)
+
+
+def seesaw_smem_bytes(head_dim: int, stages: int) -> int:
+    """pt::SeesawConfig<...>::SMEM_BYTES: Q (64 rows), the ring (`stages` shared 64-key tiles),
+    five floats a row, the ring's mbarriers."""
+    return 64 * head_dim * 2 + stages * SEESAW_BN * head_dim * 2 + 5 * 64 * 4 + 2 * stages * 8
+
+
 def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int) -> int:
     """pt::SwapConfig<...>::SMEM_BYTES: Q, the ring (`stages` shared K/V tiles), Pᵀ, the
     per-warp row reductions and the ring's mbarriers."""
@@ -152,6 +161,7 @@ class DecodeKey(KernelKey):
     arch: int = tag("sm", 80)  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
     swap: bool = tag("swap", False)  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a)
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
+    seesaw: bool = tag("seesaw", False)  # the seesaw tile (MLA rows of 64 on sm_90a: Tuning.mla_seesaw)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -162,6 +172,10 @@ class DecodeKey(KernelKey):
         everything else the mma.sync tile."""
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
+        if arch == "sm_90a" and tuning.mla_seesaw and head_dim == MLA_DIM_QK and pol.bm == 64:
+            assert pol.bn == SEESAW_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
+            return DecodeKey(dtype, MLA_DIM_QK, causal, 64, SEESAW_BN, 2, 2, False, 90,
+                             copy_tpr=tuning.copy_for(MLA_DIM_QK), seesaw=True)
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine,
                          copy_tpr=tuning.copy_for(head_dim) if engine == 90 else 4)
@@ -194,13 +208,17 @@ class DecodeKey(KernelKey):
 
     @property
     def smem(self) -> int:
+        if self.seesaw:
+            return seesaw_smem_bytes(self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
         if self.swap:
             return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
                                self.shared_kv, self.producer) + (WGMMA_ALIGN_SLACK if self.arch == 90 else 0)
 
     def call(self) -> str:
-        if self.swap:
+        if self.seesaw:
+            cfg = f"pt::SeesawConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.stages}, {self.copy_tpr}>"
+        elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}>")
         else:

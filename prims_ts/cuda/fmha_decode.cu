@@ -10,11 +10,13 @@
 // tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
 // tile's keys for S and O's columns for PV, P exchanged through shared memory. Row
 // tiles of 16/32 may take the swapped-operand tile (pt_fmha_swap.cuh: the keys as
-// wgmma's M) on sm_90a.
+// wgmma's M) on sm_90a, and MLA rows of 64 the seesaw tile (pt_fmha_seesaw.cuh:
+// Tuning.mla_seesaw).
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/decode.py).
 #include "pt_decode.cuh"
 #include "pt_fmha_swap.cuh"
+#include "pt_fmha_seesaw.cuh"
 
 namespace pt {
 
@@ -247,7 +249,9 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   }
   // Every split CTA runs the core, even with an empty range: it then writes a zero
   // partial with lse = -inf, which the merge weighs as nothing.
-  if constexpr (Cfg::SWAP) {
+  if constexpr (Seesaw<Cfg>::value) {
+    fmha_tile_seesaw<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
+  } else if constexpr (Cfg::SWAP) {
     fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   } else {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
