@@ -11,7 +11,8 @@
 //   O_L += P(a) V(a)_L   (P from registers)   <-- M(b), its factor (bar S1) --
 //   P(a) * factor(b) to shared memory (P0)     P(b) to shared memory (P1), O_R += P(b) V(b)_R
 //   O_L *= factor(b); O_L += P(b) V(b)_L       O_R += P(a) V(a)_R   (P from shared memory)
-//   S(a + 2) issued behind the P V             S(b + 2) issued behind the P V
+//   S(a + 2) issued behind that product        S(b + 2) once its products landed (tile b + 2
+//                                              refills b's stage, which they read)
 //
 // so each warpgroup's softmax runs under the other's products. The running maximum is one
 // chain through both warpgroups (M(b) >= M(a) >= M(b - 2)), shared through shared memory with
@@ -70,6 +71,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
   using KVTile = typename Cfg::KVTile;
   using PTile = typename Cfg::PTile;
   using Softmax = RowSoftmax<8>;
+  static_assert(!Problem::SHORT_TILES, "whole 64-key tiles (the decode problem's)");
   constexpr int BN = Cfg::BN, STAGES = Cfg::STAGES, THREADS = Cfg::THREADS, QP = Cfg::QP;
   constexpr int KS = QP * 4;       // S's k-steps
   constexpr int DT = Cfg::DVH / 8;  // O n-tiles a thread
@@ -145,9 +147,8 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
   };
   // this warpgroup's half of V in tile it's stage
   auto v_half = [&](int it) { return ring.k(stage_of(it)) + (u32)(wg * Cfg::DVH / 64) * KVTile::PANEL; };
-  // O += P V with P from registers (this warpgroup's tile); the caller fences and commits
-  auto pv_own = [&](int it) {
-    u32 pf[4][4];
+  // P as the A fragments of this warpgroup's P V (packed before the wgmma fence that orders them)
+  auto pack_p = [&](u32 (&pf)[4][4]) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
@@ -155,6 +156,9 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
+  };
+  // O += P V with P from registers (this warpgroup's tile); the caller fences and commits
+  auto pv_own = [&](int it, const u32 (&pf)[4][4]) {
     const u32 vb = v_half(it);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
@@ -168,8 +172,9 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       Wgmma<T, Cfg::DVH>::ss_nmajor(o, desc_kmajor(sp + kk * 32), desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL),
                                     1);
   };
-  auto pv_begin = [&]() {
+  auto pv_begin = [&](u32 (&pf)[4][4]) {
     fence_regs(o);
+    fence_regs(pf);
     wgmma_fence();
   };
   // P (times f, row by row) as 16-bit values into a PTile
@@ -217,8 +222,10 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
         }
       }
       named_bar_arrive(SEESAW_S0, THREADS);
-      pv_begin();
-      pv_own(a);
+      u32 pf[4][4];
+      pack_p(pf);
+      pv_begin(pf);
+      pv_own(a, pf);
       wgmma_commit();
       named_bar_sync(SEESAW_S1, THREADS);  // M(b) and its factor (1 without a tile b)
 #pragma unroll
@@ -235,7 +242,8 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       l[1] *= f1[1];
       if (has_b) {
         named_bar_sync(SEESAW_P1, THREADS);
-        pv_begin();
+        fence_regs(o);
+        wgmma_fence();
         pv_other(b, p_smem(b));
         wgmma_commit();
       }
@@ -264,6 +272,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
         Softmax::tile_max(m, s, mx);
         Softmax::exp_tile(m, l, s, mx, f1, scale_log2);  // m = M(b)
       }
+      __syncwarp();  // the quad's reads of sM above before its lane 0 writes it
       if (t == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -281,15 +290,18 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
         named_bar_arrive(SEESAW_P1, THREADS);
       }
       if (has_b) {
-        pv_begin();
-        pv_own(b);
+        u32 pf[4][4];
+        pack_p(pf);
+        pv_begin(pf);
+        pv_own(b, pf);
         wgmma_commit();
         named_bar_sync(SEESAW_P0, THREADS);  // P(a), written and fenced by warpgroup 0
-        pv_other(a, p_smem(a));                    // the same accumulators, after the group above
+        pv_other(a, p_smem(a));              // the same accumulators, after the group above
         wgmma_commit();
       } else {
         named_bar_sync(SEESAW_P0, THREADS);
-        pv_begin();
+        fence_regs(o);
+        wgmma_fence();
         pv_other(a, p_smem(a));
         wgmma_commit();
       }
