@@ -316,6 +316,22 @@ def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
 WIDE_CELLS = [(64, 1), (128, 1), (16, 4), (32, 3)]  # H x SQ >= 64: the 64-row wgmma tile
 
 
+def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
+    """A cell of the wide-row grid (H x SQ >= 64): the rotation over page size, rank, dtype,
+    page IDs, long (split) or short lengths, such that every cell meets every axis; `shift`
+    turns the rotation for another tile's grid."""
+    h, sq = hsq
+    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask)) + shift
+    lengths = ("long", "short")[i % 2]
+    lens = list(LONG if lengths == "long" else SHORT)
+    q_lens = [1 + (b + sq) % sq for b in range(len(lens))]
+    if mask == "causal":
+        lens[0] = sq if qmode == "fixed" else q_lens[0]
+    return Problem(lens, h, PAGE_SIZES[i % 4], (BF16, FP16)[(i // 2) % 2], stable_seed(salt, qmode, mask, h, sq),
+                   qmode=qmode, sq=sq, q_lens=q_lens, max_seq_len_q=sq, rank=RANKS[(i // 4) % 2],
+                   kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
+
+
 @pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("qmode", QMODES)
@@ -327,16 +343,7 @@ def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
         pytest.skip("the producer ring is sm_90a's")
     tuning = with_merge(Tuning(flip_copy=True), split_merge)
     other = next(t for t in KV_COPY_TPRS if t != DEFAULT.copy_for(DQK))
-    h, sq = hsq
-    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask))  # every cell meets every axis
-    lengths = ("long", "short")[i % 2]
-    lens = list(LONG if lengths == "long" else SHORT)
-    q_lens = [1 + (b + sq) % sq for b in range(len(lens))]
-    if mask == "causal":
-        lens[0] = sq if qmode == "fixed" else q_lens[0]
-    pb = Problem(lens, h, PAGE_SIZES[i % 4], (BF16, FP16)[(i // 2) % 2], stable_seed("copy", qmode, mask, h, sq),
-                 qmode=qmode, sq=sq, q_lens=q_lens, max_seq_len_q=sq, rank=RANKS[(i // 4) % 2],
-                 kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
+    pb = wide_problem(qmode, mask, hsq, "copy")
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
     assert key.arch == 90 and not key.swap and key.bm == 64 and key.copy_tpr == other, key.name
     check(pb, tuning, mask)
@@ -346,21 +353,12 @@ def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("qmode", QMODES)
 def test_wide_rows_seesaw(split_merge, qmode, mask, hsq):
-    """Rows of 64 on sm_90a on the seesaw tile (Tuning(mla_seesaw=True)): the grid's rotation
-    (page size, rank, dtype, page IDs, odd and even tile counts, split or one split)."""
+    """Rows of 64 on sm_90a on the seesaw tile (Tuning(mla_seesaw=True)): the wide-row grid's
+    rotation turned by one (odd and even tile counts, split or one split, each page size)."""
     if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the seesaw tile is sm_90a's")
     tuning = with_merge(Tuning(mla_seesaw=True), split_merge)
-    h, sq = hsq
-    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask)) + 1
-    lengths = ("long", "short")[i % 2]
-    lens = list(LONG if lengths == "long" else SHORT)
-    q_lens = [1 + (b + sq) % sq for b in range(len(lens))]
-    if mask == "causal":
-        lens[0] = sq if qmode == "fixed" else q_lens[0]
-    pb = Problem(lens, h, PAGE_SIZES[i % 4], (BF16, FP16)[(i // 2) % 2], stable_seed("seesaw", qmode, mask, h, sq),
-                 qmode=qmode, sq=sq, q_lens=q_lens, max_seq_len_q=sq, rank=RANKS[(i // 4) % 2],
-                 kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
+    pb = wide_problem(qmode, mask, hsq, "seesaw", shift=1)
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
     assert key.seesaw and key.bm == 64, key.name
     if on_sm90():

@@ -187,28 +187,12 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       }
     }
   };
-  auto scale_o = [&](const float (&corr)[2]) {
-#pragma unroll
-    for (int i = 0; i < DT; ++i) {
-      o[i][0] *= corr[0];
-      o[i][1] *= corr[0];
-      o[i][2] *= corr[1];
-      o[i][3] *= corr[1];
-    }
-  };
+  auto scale_o = [&](const float (&corr)[2]) { scale_rows(o, corr); };
   auto rescale_o = [&](const float (&corr)[2]) {
     if (Softmax::rescales(corr)) scale_o(corr);
   };
   // P as the A fragments of the PV product (the mma.sync C layout is the A layout)
-  auto pack_p = [&](const float (&s)[NT][4], u32 (&pf)[BNW / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < BNW / 16; ++kk) {
-      pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pf[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-  };
+  auto pack_p = [&](const float (&s)[NT][4], u32 (&pf)[BNW / 16][4]) { pack_p_frags<T>(s, pf); };
   // O += P V on the wgmma engine, issued (not waited): A = P from registers, B = V N-major
   auto issue_pv_wgmma = [&](const u32 (&pf)[BNW / 16][4], int stage) {
     if constexpr (Cfg::ARCH == 90 && !SPLIT_O) {

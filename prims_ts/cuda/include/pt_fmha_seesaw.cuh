@@ -147,16 +147,6 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
   };
   // this warpgroup's half of V in tile it's stage
   auto v_half = [&](int it) { return ring.k(stage_of(it)) + (u32)(wg * Cfg::DVH / 64) * KVTile::PANEL; };
-  // P as the A fragments of this warpgroup's P V (packed before the wgmma fence that orders them)
-  auto pack_p = [&](u32 (&pf)[4][4]) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pf[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-  };
   // O += P V with P from registers (this warpgroup's tile); the caller fences and commits
   auto pv_own = [&](int it, const u32 (&pf)[4][4]) {
     const u32 vb = v_half(it);
@@ -187,15 +177,6 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
             pack2<T>(s[nt][2 * h] * f[h], s[nt][2 * h + 1] * f[h]);
     fence_proxy_async();
   };
-  auto scale_o = [&](const float (&f)[2]) {
-#pragma unroll
-    for (int i = 0; i < DT; ++i) {
-      o[i][0] *= f[0];
-      o[i][1] *= f[0];
-      o[i][2] *= f[1];
-      o[i][3] *= f[1];
-    }
-  };
 
   // each warpgroup's first tile
   if (wg < n_tiles) {
@@ -213,7 +194,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       mask(a);
       Softmax::tile_max(m, s, mx);
       Softmax::exp_tile(m, l, s, mx, f0, scale_log2);  // m = M(a); l: its sums from M(a)
-      scale_o(f0);
+      scale_rows(o, f0);
       if (t == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -223,7 +204,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       }
       named_bar_arrive(SEESAW_S0, THREADS);
       u32 pf[4][4];
-      pack_p(pf);
+      pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
       pv_begin(pf);
       pv_own(a, pf);
       wgmma_commit();
@@ -237,7 +218,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       named_bar_arrive(SEESAW_P0, THREADS);
       wgmma_wait<0>();  // P(a) V(a) has landed: O_L moves on to M(b)
       fence_regs(o);
-      scale_o(f1);
+      scale_rows(o, f1);
       l[0] *= f1[0];
       l[1] *= f1[1];
       if (has_b) {
@@ -283,7 +264,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       named_bar_arrive(SEESAW_S1, THREADS);
       f[0] *= f1[0];
       f[1] *= f1[1];
-      scale_o(f);  // O_R from the max before a to M(b)
+      scale_rows(o, f);  // O_R from the max before a to M(b)
       if (has_b) {
         const float one[2] = {1.f, 1.f};
         store_p(p_ptr(b), one);
@@ -291,7 +272,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       }
       if (has_b) {
         u32 pf[4][4];
-        pack_p(pf);
+        pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
         pv_begin(pf);
         pv_own(b, pf);
         wgmma_commit();

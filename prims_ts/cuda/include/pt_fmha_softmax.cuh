@@ -108,4 +108,29 @@ struct RowSoftmax {
   }
 };
 
+// An accumulator in the C layout ([N][4]: rows g and g + 8) times a factor a row (O rescaled).
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&o)[N][4], const float (&f)[2]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    o[i][0] *= f[0];
+    o[i][1] *= f[0];
+    o[i][2] *= f[1];
+    o[i][3] *= f[1];
+  }
+}
+
+// P over a tile's keys (S fragments [NT][4] after exp_tile) as the A fragments of the P V
+// product, 16 keys a k-step (the mma.sync C layout is the A layout).
+template <class T, int NT>
+__device__ __forceinline__ void pack_p_frags(const float (&s)[NT][4], u32 (&pf)[NT / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    pf[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+    pf[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+    pf[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pf[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
 }  // namespace pt
