@@ -249,7 +249,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   }
   // Every split CTA runs the core, even with an empty range: it then writes a zero
   // partial with lse = -inf, which the merge weighs as nothing.
-  if constexpr (Seesaw<Cfg>::value) {
+  if constexpr (Cfg::SEESAW) {
     fmha_tile_seesaw<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   } else if constexpr (Cfg::SWAP) {
     fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);

@@ -33,7 +33,8 @@ template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, i
           int V_PAGE_ = 0>
 struct FmhaConfig {
   using T = T_;
-  static constexpr bool SWAP = false;  // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
+  static constexpr bool SWAP = false;    // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
+  static constexpr bool SEESAW = false;  // the seesaw MLA tile is SeesawConfig (pt_fmha_seesaw.cuh)
   static constexpr int ARCH = ARCH_;
   static constexpr int D = D_;    // Q/K width (the QK^T reduction)
   static constexpr int DV = DV_;  // V/O width
@@ -92,9 +93,9 @@ struct FmhaConfig {
   static constexpr int CONSUMER_REGS = 232;
   using QTile = typename Select<ARCH_ == 90, SmemTileW<BM, D>, SmemTile<BM, D>>::type;
   using KVTile = typename Select<ARCH_ == 90, SmemTileW<BN, D>, SmemTile<BN, D>>::type;
-  // V_PAGE (Tuning.page_major_v; paged K/V in TMA boxes): the V tile page-major, groups of
-  // V_PAGE rows (min(page size, BN)) each filled by one box of all its panels (SmemTileP), half
-  // the boxes or fewer of V's panel-major tile; K keeps KVTile. 0: V is a KVTile too.
+  // V_PAGE (Tuning.page_major_v; paged K/V in TMA boxes, pages shorter than BN): the V tile
+  // page-major, groups of V_PAGE rows (a page) each filled by one box of all its panels
+  // (SmemTileP), half the boxes of V's panel-major tile; K keeps KVTile. 0: V is a KVTile too.
   static constexpr int V_PAGE = V_PAGE_;
   using VTile = typename Select<(V_PAGE_ > 0), SmemTileP<BN, DV_, (V_PAGE_ > 0 ? V_PAGE_ : BN)>, KVTile>::type;
   static constexpr int SMEM_Q = QTile::BYTES;

@@ -57,9 +57,6 @@ struct SeesawConfig {
   static_assert(DVH == 256 && STAGES >= 2, "m64n256 halves of O; two tiles in flight");
 };
 
-template <class C, class = void> struct Seesaw { static constexpr bool value = false; };
-template <class C> struct Seesaw<C, decltype(void(C::SEESAW))> { static constexpr bool value = C::SEESAW; };
-
 // Named barriers (256 threads: one warpgroup arrives, the other waits); 1 and 2 are the MMA
 // threads' own (Q's copy, the split merge).
 enum SeesawBar { SEESAW_S0 = 7, SEESAW_S1 = 8, SEESAW_P0 = 9, SEESAW_P1 = 10 };
@@ -142,9 +139,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
   };
   // tile it's P: its stage's last panel (shared-memory and generic addresses)
   auto p_smem = [&](int it) { return ring.k(stage_of(it)) + (u32)(QP - 1) * KVTile::PANEL; };
-  auto p_ptr = [&](int it) {
-    return smem + Cfg::SMEM_Q + stage_of(it) * KVTile::BYTES + (QP - 1) * KVTile::PANEL;
-  };
+  auto p_ptr = [&](int it) { return smem + (p_smem(it) - sQ); };
   // this warpgroup's half of V in tile it's stage
   auto v_half = [&](int it) { return ring.k(stage_of(it)) + (u32)(wg * Cfg::DVH / 64) * KVTile::PANEL; };
   // O += P V with P from registers (this warpgroup's tile); the caller fences and commits
@@ -162,10 +157,19 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       Wgmma<T, Cfg::DVH>::ss_nmajor(o, desc_kmajor(sp + kk * 32), desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL),
                                     1);
   };
-  auto pv_begin = [&](u32 (&pf)[4][4]) {
+  auto pv_fence = [&]() {
     fence_regs(o);
-    fence_regs(pf);
     wgmma_fence();
+  };
+  // this warpgroup's running max and a factor (sF0 or sF1) for the other warpgroup, a row each
+  auto publish = [&](float* sF, const float (&f)[2]) {
+    if (t == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sM[row0 + g + 8 * h] = m[h];
+        sF[row0 + g + 8 * h] = f[h];
+      }
+    }
   };
   // P (times f, row by row) as 16-bit values into a PTile
   auto store_p = [&](char* dst, const float (&f)[2]) {
@@ -195,17 +199,12 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       Softmax::tile_max(m, s, mx);
       Softmax::exp_tile(m, l, s, mx, f0, scale_log2);  // m = M(a); l: its sums from M(a)
       scale_rows(o, f0);
-      if (t == 0) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          sM[row0 + g + 8 * h] = m[h];
-          sF0[row0 + g + 8 * h] = f0[h];
-        }
-      }
+      publish(sF0, f0);
       named_bar_arrive(SEESAW_S0, THREADS);
       u32 pf[4][4];
       pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
-      pv_begin(pf);
+      fence_regs(pf);
+      pv_fence();
       pv_own(a, pf);
       wgmma_commit();
       named_bar_sync(SEESAW_S1, THREADS);  // M(b) and its factor (1 without a tile b)
@@ -223,8 +222,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       l[1] *= f1[1];
       if (has_b) {
         named_bar_sync(SEESAW_P1, THREADS);
-        fence_regs(o);
-        wgmma_fence();
+        pv_fence();
         pv_other(b, p_smem(b));
         wgmma_commit();
       }
@@ -254,13 +252,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
         Softmax::exp_tile(m, l, s, mx, f1, scale_log2);  // m = M(b)
       }
       __syncwarp();  // the quad's reads of sM above before its lane 0 writes it
-      if (t == 0) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          sM[row0 + g + 8 * h] = m[h];
-          sF1[row0 + g + 8 * h] = f1[h];
-        }
-      }
+      publish(sF1, f1);
       named_bar_arrive(SEESAW_S1, THREADS);
       f[0] *= f1[0];
       f[1] *= f1[1];
@@ -273,7 +265,8 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
       if (has_b) {
         u32 pf[4][4];
         pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
-        pv_begin(pf);
+        fence_regs(pf);
+        pv_fence();
         pv_own(b, pf);
         wgmma_commit();
         named_bar_sync(SEESAW_P0, THREADS);  // P(a), written and fenced by warpgroup 0
@@ -281,8 +274,7 @@ __device__ __forceinline__ void fmha_tile_seesaw(const Problem& pb, char* smem, 
         wgmma_commit();
       } else {
         named_bar_sync(SEESAW_P0, THREADS);
-        fence_regs(o);
-        wgmma_fence();
+        pv_fence();
         pv_other(a, p_smem(a));
         wgmma_commit();
       }
