@@ -27,14 +27,253 @@
 //
 // The headers: pt_fmha_config.cuh (FmhaConfig: tile, warps, shared-memory map),
 // pt_fmha_copy.cuh (key tiles, cp.async and TMA copies), pt_fmha_ring.cuh (the producer
-// ring), pt_fmha_softmax.cuh (the online softmax, shared with the swapped-operand tile),
-// pt_fmha_store.cuh (the wgmma engine's output rows through shared memory), this file (one item's loops and epilogue, a CTA's items).
+// ring), pt_fmha_engine.cuh (a warp's place in the tile; S = Q K^T and O += P V on each
+// engine), pt_fmha_softmax.cuh (the online softmax, shared with the swapped-operand tile),
+// pt_fmha_store.cuh (the wgmma engine's output rows through shared memory), this file (the
+// two loops, the epilogue, one item, a CTA's items).
 #pragma once
+#include "pt_fmha_engine.cuh"
 #include "pt_fmha_ring.cuh"
 #include "pt_fmha_softmax.cuh"
 #include "pt_fmha_store.cuh"
 
 namespace pt {
+
+// The overlapped loop (Cfg::OVERLAP: the producer ring, whole-row warpgroups on wgmma): one
+// warpgroup's tiles in software pipeline. QK^T of tile it is issued together with PV of tile
+// it - 1, and the softmax of tile it runs while that PV is in flight; O is rescaled once the
+// PV has landed. Invariant: before PV(it - 1) lands, O holds the tiles < it - 1 scaled to max
+// m_(it-1). K of a tile is handed back once its S^T has landed, V once its PV has.
+// PINGPONG turns: warpgroup w issues after waiting on barrier 3 + w and then hands the turn
+// over on 4 - w; warpgroup 0 grants itself the first turn and takes back the last hand-over
+// after the loop, so every barrier phase completes. The first tile is peeled off so that
+// every wait is unconditional: ptxas tracks the wgmma groups in flight per path, and a wait
+// under `if (it > 0)` left it a path on which O is read while PV is in flight; it then
+// serialised every wgmma (C7514).
+template <class Cfg, class Problem, class Range, class Ring, class ReleaseQ>
+__device__ __forceinline__ void fmha_overlap_loop(const Problem& pb, const FmhaWarp<Cfg>& w, const Range& range,
+                                                  int n_tiles, const Ring& ring, int& stage_io, u32& phase_io,
+                                                  float (&o)[Cfg::DTW][4], float (&m_row)[2], float (&l_row)[2],
+                                                  float scale_log2, const ReleaseQ& release_q) {
+  using W = FmhaWarp<Cfg>;
+  using E = FmhaEngine<Cfg>;
+  using Softmax = RowSoftmax<W::NT, Cfg::LEAN, Cfg::LAZY>;
+  constexpr int THREADS = Cfg::THREADS;
+  float s[W::NT][4];
+  u32 pf[W::BNW / 16][4];
+  int prev = 0;
+  const int wg = w.warp >> 2;
+  if constexpr (Cfg::PINGPONG) {
+    if (wg == 0 && n_tiles > 0) named_bar_arrive(3, THREADS);
+  }
+  auto softmax_tile = [&](const KeyTile& kt, float (&corr)[2]) {
+    float mx[2];
+    fence_regs(s);
+    w.mask(pb, s, kt);
+    Softmax::tile_max(m_row, s, mx);
+    Softmax::exp_tile(m_row, l_row, s, mx, corr, scale_log2);
+  };
+  if (n_tiles > 0) {
+    int stage = stage_io;
+    u32 phase = phase_io;
+    float corr[2];
+    u32 prev_phase = phase;
+    ring.acquire_k(stage, phase);
+    if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
+    E::issue_s(w, s, stage);
+    if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
+    wgmma_wait<0>();
+    ring.release_k(stage);
+    if (n_tiles == 1) release_q();  // the item's last S^T has landed: Q is free
+    softmax_tile(range.tile(0), corr);  // O is still zero: nothing to rescale
+    W::pack_p(s, pf);
+    prev = stage;
+    ring.advance(stage, phase);
+    for (int it = 1; it < n_tiles; ++it) {
+      ring.acquire_k(stage, phase);
+      ring.acquire_v(prev, prev_phase);  // before the turn: V(it - 1) came ahead of K(it)
+      if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
+      E::issue_s(w, s, stage);
+      E::issue_pv(w, o, pf, prev);
+      if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
+      wgmma_wait<1>();  // S(it) has landed; PV(it - 1) may still run
+      ring.release_k(stage);
+      if (it == n_tiles - 1) release_q();
+      softmax_tile(range.tile(it), corr);
+      if constexpr (Cfg::UNDER_PV) {
+        // PV(it - 1) lands in both arms of a branch on the warpgroup's vote (whether any of
+        // its rows moved its maximum; named barrier 6 + wg): the branch ends the softmax's
+        // basic block. ptxas schedules within a block, and there it hoists the wait above
+        // the softmax (the SASS: every exp2 after it), so that nothing runs under the PV;
+        // across the block boundary the softmax stays ahead of the wait. The vote is the
+        // warpgroup's, not a warp's: its four warps must execute the same (.aligned) wait.
+        if (named_bar_any(6 + wg, 128, corr[0] != 1.f || corr[1] != 1.f)) {
+          wgmma_wait<0>();
+          fence_regs(o);
+          W::scale(o, corr);
+        } else {
+          wgmma_wait<0>();
+          fence_regs(o);
+        }
+      } else {
+        wgmma_wait<0>();
+        fence_regs(o);
+        if (Softmax::rescales(corr)) W::scale(o, corr);
+      }
+      ring.release_v(prev);  // PV(it - 1) has landed: this warp is done with tile it - 1
+      W::pack_p(s, pf);
+      prev = stage;
+      prev_phase = phase;
+      ring.advance(stage, phase);
+    }
+    ring.acquire_v(prev, prev_phase);
+    if constexpr (Cfg::PINGPONG) {
+      if (wg == 0) named_bar_sync(3, THREADS);  // warpgroup 1's last hand-over
+    }
+    E::issue_pv(w, o, pf, prev);
+    wgmma_wait<0>();
+    fence_regs(o);
+    ring.release_v(prev);
+    stage_io = stage;
+    phase_io = phase;
+  }
+}
+
+// The plain loop, one tile after another: S, mask, softmax, PV, each waited. The producer
+// ring's stages (Cfg::PRODUCER) or the CTA's own cp.async pipeline (portable configs: STAGES
+// tiles in flight from the start, tile it + STAGES refills tile it's stage: issue_kv).
+template <class Cfg, class Problem, class Range, class Ring, class ReleaseQ, class IssueKv>
+__device__ __forceinline__ void fmha_plain_loop(const Problem& pb, const FmhaWarp<Cfg>& w, const Range& range,
+                                                int n_tiles, const Ring& ring, int& stage_io, u32& phase_io,
+                                                float (&o)[Cfg::DTW][4], float (&m_row)[2], float (&l_row)[2],
+                                                float scale_log2, const ReleaseQ& release_q, const IssueKv& issue_kv) {
+  using W = FmhaWarp<Cfg>;
+  using E = FmhaEngine<Cfg>;
+  using Softmax = RowSoftmax<W::NT, Cfg::LEAN, Cfg::LAZY>;
+  constexpr int QF = Cfg::Q_IN_REGS ? W::KD : 1;
+  u32 q_frag[QF][4];
+  int stage = stage_io;
+  u32 phase = phase_io;
+  for (int it = 0; it < n_tiles; ++it) {
+    const KeyTile kt = range.tile(it);
+    if constexpr (Cfg::PRODUCER) {
+      ring.acquire_k(stage, phase);
+    } else {
+      cp_async_wait<Cfg::STAGES - 1>();
+      if constexpr (Cfg::ARCH == 90) fence_proxy_async();
+      __syncthreads();
+    }
+    if constexpr (Cfg::Q_IN_REGS) {
+      if (it == 0) {
+#pragma unroll
+        for (int ks = 0; ks < W::KD; ++ks) w.load_q_frag(ks, q_frag[ks]);
+      }
+    }
+    float s[W::NT][4];
+    E::s_tile(w, s, stage, q_frag);
+    if constexpr (Cfg::PRODUCER) ring.release_k(stage);  // this warp's S^T has landed
+    if (it == n_tiles - 1) release_q();  // the item's last S^T has landed: Q is free
+    w.mask(pb, s, kt);
+    float mx[2], corr[2];
+    Softmax::tile_max(m_row, s, mx);
+    if constexpr (Cfg::SPLIT_O) w.band_max(mx);
+    Softmax::exp_tile(m_row, l_row, s, mx, corr, scale_log2);
+    if (Softmax::rescales(corr)) W::scale(o, corr);
+    if constexpr (Cfg::PRODUCER) ring.acquire_v(stage, phase);
+    E::pv_tile(w, o, s, stage);
+    if constexpr (Cfg::PRODUCER) {
+      ring.release_v(stage);  // this warp's reads of the stage have completed (waited above)
+      ring.advance(stage, phase);
+    } else {
+      __syncthreads();  // every warp is done with this stage
+      if (it + Cfg::STAGES < n_tiles) issue_kv(it + Cfg::STAGES, stage);
+      cp_async_commit();
+      stage = stage + 1 == Cfg::STAGES ? 0 : stage + 1;
+    }
+  }
+  stage_io = stage;
+  phase_io = phase;
+}
+
+// The epilogue's row sums over the warps that share a row band: SPLIT_O adds the band's
+// warps' sums (one running maximum per band already); a key split (WARPS_N > 1) rescales the
+// band's warps to their common maximum, and warps warp_n > 0 hand their O fragments over
+// through shared memory (the pipeline is drained): false for them, warp_n == 0 finishes.
+template <class Cfg>
+__device__ __forceinline__ bool fmha_merge_band(const FmhaWarp<Cfg>& w, char* smem, float (&o)[Cfg::DTW][4],
+                                                float (&m_row)[2], float (&l_row)[2], float scale_log2) {
+  using W = FmhaWarp<Cfg>;
+  constexpr int DT = W::DT;
+  const int warp = w.warp, warp_m = w.warp_m, warp_n = w.warp_n, g = w.g, lane = w.lane;
+  if constexpr (Cfg::SPLIT_O) {
+    W::mma_sync();
+    if (w.t == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) w.xred[warp * 16 + g + 8 * h] = l_row[h];
+    }
+    W::mma_sync();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = 0.f;
+#pragma unroll
+      for (int wn = 0; wn < Cfg::WARPS_N; ++wn) l += w.xred[(wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h];
+      l_row[h] = l;
+    }
+  } else if constexpr (Cfg::WARPS_N > 1) {
+    __syncthreads();
+    float* ml = reinterpret_cast<float*>(smem);  // [WARPS][16][2]: m, l
+    float4* xo = reinterpret_cast<float4*>(smem + Cfg::WARPS * 16 * 2 * 4);  // [WARPS_N-1][WARPS_M][DT][32]
+    if (w.t == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ml[(warp * 16 + g + 8 * h) * 2] = m_row[h];
+        ml[(warp * 16 + g + 8 * h) * 2 + 1] = l_row[h];
+      }
+    }
+    __syncthreads();
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = neg_inf();
+#pragma unroll
+      for (int wn = 0; wn < Cfg::WARPS_N; ++wn) mx = max_(mx, ml[((wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h) * 2]);
+      const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
+      float l = 0.f;
+#pragma unroll
+      for (int wn = 0; wn < Cfg::WARPS_N; ++wn) {
+        const int i = ((wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h) * 2;
+        l += ml[i + 1] * fast_exp2(ml[i] * scale_log2 - base);
+      }
+      f[h] = fast_exp2(m_row[h] * scale_log2 - base);
+      m_row[h] = mx;
+      l_row[h] = l;
+    }
+    if (warp_n > 0) {
+#pragma unroll
+      for (int n = 0; n < DT; ++n)
+        xo[(((warp_n - 1) * Cfg::WARPS_M + warp_m) * DT + n) * 32 + lane] =
+            make_float4(o[n][0] * f[0], o[n][1] * f[0], o[n][2] * f[1], o[n][3] * f[1]);
+    }
+    __syncthreads();
+    if (warp_n > 0) return false;
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+      o[n][0] *= f[0];
+      o[n][1] *= f[0];
+      o[n][2] *= f[1];
+      o[n][3] *= f[1];
+#pragma unroll
+      for (int wn = 1; wn < Cfg::WARPS_N; ++wn) {
+        const float4 x = xo[(((wn - 1) * Cfg::WARPS_M + warp_m) * DT + n) * 32 + lane];
+        o[n][0] += x.x;
+        o[n][1] += x.y;
+        o[n][2] += x.z;
+        o[n][3] += x.w;
+      }
+    }
+  }
+  return true;
+}
 
 // One work item (a BM-row tile over its key range). Producer-ring configs: the MMA
 // threads only (the ring is set up and fed by fmha_items), from where `pos` stands.
@@ -48,59 +287,33 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   static_assert(!Q_BY_PRODUCER || (Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1),
                 "Q from the producer: whole-row warpgroups");
   static_assert(!Q_BY_PRODUCER || PT_PROBE != 2, "PT_PROBE 2 times one item per CTA (PERSISTENT off)");
-  using T = typename Cfg::T;
-  constexpr int D = Cfg::D, BN = Cfg::BN, THREADS = Cfg::THREADS, STAGES = Cfg::STAGES;
-  constexpr int BNW = Cfg::BNW;  // keys of a tile this warp scores
-  constexpr int NT = BNW / 8;    // S n-tiles (8 keys each)
-  constexpr int KD = D / 16;     // k-steps over the head dim
-  constexpr int DT = Cfg::DTW;   // O n-tiles (8 columns each) this warp accumulates
-  constexpr bool SPLIT_O = Cfg::SPLIT_O;
+  using W = FmhaWarp<Cfg>;
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
-  using VTile = typename Cfg::VTile;  // V's layout when it is its own tile (page-major under V_PAGE)
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int warp_m = warp % Cfg::WARPS_M, warp_n = warp / Cfg::WARPS_M;
-  const int key0 = warp_n * BNW;  // this warp's first key within a tile
-  const int g = lane >> 2, t = lane & 3;
-  const u32 sQ = smem_addr(smem);
-  const u32 sKV = sQ + Cfg::SMEM_Q;  // stage s: K at sKV + KV_TILES*s*SMEM_KV, V right after (or = K)
-  // SPLIT_O exchange area (after the ring)
-  float* xred = reinterpret_cast<float*>(smem + Cfg::SMEM_Q + Cfg::SMEM_RING);
-  uint4* xp = reinterpret_cast<uint4*>(smem + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG_RED);
-  const int col0 = SPLIT_O ? warp_n * DT : 0;  // this warp's first O n-tile
-  auto sK = [&](int s) { return sKV + (u32)(Cfg::KV_TILES * s) * Cfg::SMEM_KV; };
-  auto sV = [&](int s) { return sKV + (u32)(Cfg::KV_TILES * s + Cfg::KV_TILES - 1) * Cfg::SMEM_KV; };
+  constexpr int THREADS = Cfg::THREADS, STAGES = Cfg::STAGES, DT = W::DT;
+  const W w(smem);
+  const u32 sQ = w.sQ;
 
   const auto range = pb.range();
   const int n_tiles = range.n_tiles();
-  // a barrier among the MMA warps only (the producer warpgroup, if any, never joins)
-  auto mma_sync = [&]() {
-    if constexpr (Cfg::PRODUCER) {
-      named_bar_sync(1, THREADS);
-    } else {
-      __syncthreads();
-    }
-  };
-
+  // the portable pipeline's copy of tile `it` into `stage`
   auto issue_kv = [&](int it, int stage) {
     const KeyTile kt = range.tile(it);
     const int k0 = kt.k0, rows = kt.rows;
     if constexpr (Cfg::SHARED_KV) {
-      load_tile<KVTile, THREADS>(sK(stage), rows, [&](int r) { return pb.k_row(pb.kv_page(k0 + r), k0 + r); },
+      load_tile<KVTile, THREADS>(w.sK(stage), rows, [&](int r) { return pb.k_row(pb.kv_page(k0 + r), k0 + r); },
                                  threadIdx.x);
     } else {
-      load_kv_tiles<KVTile, THREADS, false>(sK(stage), sV(stage), pb, k0, rows, threadIdx.x);
+      load_kv_tiles<KVTile, THREADS, false>(w.sK(stage), w.sV(stage), pb, k0, rows, threadIdx.x);
     }
   };
-
   // the producer pipeline's ring and mbarriers (after the exchange area)
   const auto ring = fmha_ring<Cfg>(smem);
   // Q_BY_PRODUCER: this warp is done with the item's Q (after its last S^T, or at once with no tile)
   auto release_q = [&]() {
     if constexpr (Q_BY_PRODUCER) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(fmha_q_empty<Cfg>(smem));
+      if (w.lane == 0) mbar_arrive(fmha_q_empty<Cfg>(smem));
     }
   };
   if constexpr (Q_BY_PRODUCER) {
@@ -135,409 +348,23 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_row[2] = {neg_inf(), neg_inf()};  // running max of raw scores, rows g and g+8
   float l_row[2] = {0.f, 0.f};              // this thread's share of the running sums
-  using Softmax = RowSoftmax<NT, Cfg::LEAN, Cfg::LAZY>;
-
-  constexpr int QF = Cfg::Q_IN_REGS ? KD : 1;
-  u32 q_frag[QF][4];
-  const int row0 = warp_m * 16;  // this warp's first row in the tile
-
-  auto load_q_frag = [&](int ks, u32 (&a)[4]) {
-    int r = row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-    int c = 2 * ks + (lane >> 4);
-    ldmatrix_x4(a, sQ + QTile::offset(r, c));
-  };
-
-  // ---- the steps of one key tile, shared by the loops below ------------------------
-  // S = Q K^T on the wgmma engine, issued (not waited): one warpgroup = 64 rows; A = its
-  // Q rows, B = its BNW keys of the K tile (rows key0.., 8-row swizzle atoms of 1024
-  // bytes), both K-major.
-  auto issue_s_wgmma = [&](float (&s)[NT][4], int stage) {
-    if constexpr (Cfg::ARCH == 90) {
-      const u32 q_wg = sQ + (u32)(warp_m >> 2) * 64 * 128;
-      const u32 k_wg = sK(stage) + (u32)key0 * 128;
-      const u64 dq = Cfg::LEAN ? desc_kmajor(q_wg) : 0, dk = Cfg::LEAN ? desc_kmajor(k_wg) : 0;  // LEAN's bases
-      fence_regs(s);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < KD; ++ks) {
-        const u32 koff = (u32)(ks & 3) * 32;  // 16 columns = 32 bytes into the panel
-        if constexpr (Cfg::LEAN) {  // a descriptor's address field is addr >> 4: one add a step
-          Wgmma<T, BNW>::ss(s, dq + (((ks >> 2) * QTile::PANEL + koff) >> 4),
-                            dk + (((ks >> 2) * KVTile::PANEL + koff) >> 4), ks > 0);
-        } else {
-          Wgmma<T, BNW>::ss(s, desc_kmajor(q_wg + (ks >> 2) * QTile::PANEL + koff),
-                            desc_kmajor(k_wg + (ks >> 2) * KVTile::PANEL + koff), ks > 0);
-        }
-      }
-      wgmma_commit();
-    }
-  };
-  // Problems with SHORT_TILES may end a tile before the key bound (a block-sparse
-  // block smaller than BN): its rows past kt.rows are masked here, not by visible().
-  auto mask_tile = [&](float (&s)[NT][4], const KeyTile& kt) {
-    if ((Problem::SHORT_TILES && kt.rows < BN) || pb.tile_needs_mask(kt.k0)) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int r = row0 + g + (e >> 1) * 8;
-          int l = key0 + nt * 8 + 2 * t + (e & 1);
-          if ((Problem::SHORT_TILES && l >= kt.rows) || !pb.visible(r, kt.k0 + l)) s[nt][e] = neg_inf();
-        }
-      }
-    }
-  };
-  auto scale_o = [&](const float (&corr)[2]) { scale_rows(o, corr); };
-  auto rescale_o = [&](const float (&corr)[2]) {
-    if (Softmax::rescales(corr)) scale_o(corr);
-  };
-  // P as the A fragments of the PV product (the mma.sync C layout is the A layout)
-  auto pack_p = [&](const float (&s)[NT][4], u32 (&pf)[BNW / 16][4]) { pack_p_frags<T>(s, pf); };
-  // O += P V on the wgmma engine, issued (not waited): A = P from registers, B = V N-major
-  auto issue_pv_wgmma = [&](const u32 (&pf)[BNW / 16][4], int stage) {
-    if constexpr (Cfg::ARCH == 90 && !SPLIT_O) {
-      fence_regs(o);
-      wgmma_fence();
-      // V's k-step kk: its 16 rows at VTile::kstep(kk), its panels VTile::LBO apart
-      if constexpr (Cfg::LEAN) {
-        const u64 dv = desc_nmajor(sV(stage), VTile::LBO);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], dv + (VTile::kstep(kk) >> 4), 1);
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-          Wgmma<T, DT * 8>::rs_nmajor(o, pf[kk], desc_nmajor(sV(stage) + VTile::kstep(kk), VTile::LBO), 1);
-      }
-      wgmma_commit();
-    }
-  };
 
   int stage = Cfg::PRODUCER ? pos.stage : 0;
   u32 phase = pos.phase;  // parity of the current pass over the ring (producer pipeline)
   if constexpr (Cfg::OVERLAP) {
-    // One warpgroup's tiles in software pipeline (the producer ring, no key split): QK^T
-    // of tile it is issued together with PV of tile it - 1, and the softmax of tile it
-    // runs while that PV is in flight; O is rescaled once the PV has landed. Invariant:
-    // before PV(it - 1) lands, O holds the tiles < it - 1 scaled to max m_(it-1).
-    float s[NT][4];
-    u32 pf[BNW / 16][4];
-    int prev = 0;
-    // PINGPONG turns: warpgroup w issues after waiting on barrier 3 + w and then hands the
-    // turn over on 4 - w; warpgroup 0 grants itself the first turn and takes back the last
-    // hand-over after the loop, so every barrier phase completes.
-    const int wg = warp >> 2;
-    if constexpr (Cfg::PINGPONG) {
-      if (wg == 0 && n_tiles > 0) named_bar_arrive(3, THREADS);
-    }
-    // The first tile is peeled off so that every wait is unconditional: ptxas tracks the
-    // wgmma groups in flight per path, and a wait under `if (it > 0)` left it a path on
-    // which O is read while PV is in flight; it then serialised every wgmma (C7514).
-    auto softmax_tile = [&](const KeyTile& kt, float (&corr)[2]) {
-      float mx[2];
-      fence_regs(s);
-      mask_tile(s, kt);
-      Softmax::tile_max(m_row, s, mx);
-      Softmax::exp_tile(m_row, l_row, s, mx, corr, scale_log2);
-    };
-    // K of a tile is handed back once its S^T has landed, V once its PV has.
-    if (n_tiles > 0) {
-      float corr[2];
-      u32 prev_phase = phase;
-      ring.acquire_k(stage, phase);
-      if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
-      issue_s_wgmma(s, stage);
-      if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
-      wgmma_wait<0>();
-      ring.release_k(stage);
-      if (n_tiles == 1) release_q();  // the item's last S^T has landed: Q is free
-      softmax_tile(range.tile(0), corr);  // O is still zero: nothing to rescale
-      pack_p(s, pf);
-      prev = stage;
-      ring.advance(stage, phase);
-      for (int it = 1; it < n_tiles; ++it) {
-        ring.acquire_k(stage, phase);
-        ring.acquire_v(prev, prev_phase);  // before the turn: V(it - 1) came ahead of K(it)
-        if constexpr (Cfg::PINGPONG) named_bar_sync(3 + wg, THREADS);
-        issue_s_wgmma(s, stage);
-        issue_pv_wgmma(pf, prev);
-        if constexpr (Cfg::PINGPONG) named_bar_arrive(4 - wg, THREADS);
-        wgmma_wait<1>();  // S(it) has landed; PV(it - 1) may still run
-        ring.release_k(stage);
-        if (it == n_tiles - 1) release_q();
-        softmax_tile(range.tile(it), corr);
-        if constexpr (Cfg::UNDER_PV) {
-          // PV(it - 1) lands in both arms of a branch on the warpgroup's vote (whether any of
-          // its rows moved its maximum; named barrier 6 + wg): the branch ends the softmax's
-          // basic block. ptxas schedules within a block, and there it hoists the wait above
-          // the softmax (the SASS: every exp2 after it), so that nothing runs under the PV;
-          // across the block boundary the softmax stays ahead of the wait. The vote is the
-          // warpgroup's, not a warp's: its four warps must execute the same (.aligned) wait.
-          if (named_bar_any(6 + wg, 128, corr[0] != 1.f || corr[1] != 1.f)) {
-            wgmma_wait<0>();
-            fence_regs(o);
-            scale_o(corr);
-          } else {
-            wgmma_wait<0>();
-            fence_regs(o);
-          }
-        } else {
-          wgmma_wait<0>();
-          fence_regs(o);
-          rescale_o(corr);
-        }
-        ring.release_v(prev);  // PV(it - 1) has landed: this warp is done with tile it - 1
-        pack_p(s, pf);
-        prev = stage;
-        prev_phase = phase;
-        ring.advance(stage, phase);
-      }
-      ring.acquire_v(prev, prev_phase);
-      if constexpr (Cfg::PINGPONG) {
-        if (wg == 0) named_bar_sync(3, THREADS);  // warpgroup 1's last hand-over
-      }
-      issue_pv_wgmma(pf, prev);
-      wgmma_wait<0>();
-      fence_regs(o);
-      ring.release_v(prev);
-    }
-  }
-  for (int it = 0; !Cfg::OVERLAP && it < n_tiles; ++it) {
-    const KeyTile kt = range.tile(it);
-    if constexpr (Cfg::PRODUCER) {
-      ring.acquire_k(stage, phase);
-    } else {
-      cp_async_wait<STAGES - 1>();
-      if constexpr (Cfg::ARCH == 90) fence_proxy_async();
-      __syncthreads();
-    }
-    if constexpr (Cfg::Q_IN_REGS) {
-      if (it == 0) {
-#pragma unroll
-        for (int ks = 0; ks < KD; ++ks) load_q_frag(ks, q_frag[ks]);
-      }
-    }
-
-    // ---- S = Q K^T --------------------------------------------------------
-    float s[NT][4];
-    if constexpr (Cfg::ARCH == 90) {
-      issue_s_wgmma(s, stage);
-      wgmma_wait<0>();
-      fence_regs(s);
-      if constexpr (Cfg::PRODUCER) ring.release_k(stage);  // this warp's S^T has landed
-      if (it == n_tiles - 1) release_q();  // the item's last S^T has landed: Q is free
-    } else {
-#pragma unroll
-    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < KD; ++ks) {
-      u32 af[4];
-      if constexpr (Cfg::Q_IN_REGS) {
-        af[0] = q_frag[ks][0]; af[1] = q_frag[ks][1]; af[2] = q_frag[ks][2]; af[3] = q_frag[ks][3];
-      } else {
-        load_q_frag(ks, af);
-      }
-#pragma unroll
-      for (int p = 0; p < NT / 2; ++p) {
-        u32 b[4];
-        int mi = lane >> 3;
-        int r = key0 + 16 * p + (lane & 7) + (mi >> 1) * 8;
-        int c = 2 * ks + (mi & 1);
-        ldmatrix_x4(b, sK(stage) + KVTile::offset(r, c));
-        mma_16816<T>(s[2 * p], af, b[0], b[1]);
-        mma_16816<T>(s[2 * p + 1], af, b[2], b[3]);
-      }
-    }
-    }
-
-    mask_tile(s, kt);
-
-    // ---- online softmax -----------------------------------------------------
-    float mx[2], corr[2];
-    Softmax::tile_max(m_row, s, mx);
-    if constexpr (SPLIT_O) {  // the band's max over all its warps' keys
-      if (t == 0) {
-        xred[warp * 16 + g] = mx[0];
-        xred[warp * 16 + g + 8] = mx[1];
-      }
-      mma_sync();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int wn = 0; wn < Cfg::WARPS_N; ++wn)
-          mx[h] = max_(mx[h], xred[(wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h]);
-      }
-    }
-    Softmax::exp_tile(m_row, l_row, s, mx, corr, scale_log2);
-    rescale_o(corr);
-
-    // ---- O += P V -------------------------------------------------------------
-    if constexpr (Cfg::PRODUCER) ring.acquire_v(stage, phase);
-    if constexpr (Cfg::ARCH == 90 && SPLIT_O) {
-      // hand this warpgroup's P over as A fragments (the RS operand's register layout is
-      // the mma.sync one), then multiply all BN keys into its DV / WARPS_N columns
-#pragma unroll
-      for (int kk = 0; kk < BNW / 16; ++kk)
-        xp[(warp_m * (BN / 16) + warp_n * (BNW / 16) + kk) * 32 + lane] =
-            make_uint4(pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]));
-      mma_sync();
-      u32 pf[BN / 16][4];
-#pragma unroll
-      for (int kb = 0; kb < BN / 16; ++kb) {
-        const uint4 pa = xp[(warp_m * (BN / 16) + kb) * 32 + lane];
-        pf[kb][0] = pa.x;
-        pf[kb][1] = pa.y;
-        pf[kb][2] = pa.z;
-        pf[kb][3] = pa.w;
-      }
-      const u32 v_wg = sV(stage) + (u32)(col0 * 8 / 64) * KVTile::PANEL;  // this warpgroup's first column panel
-      fence_regs(o);
-      wgmma_fence();
-#pragma unroll
-      for (int kb = 0; kb < BN / 16; ++kb)
-        Wgmma<T, DT * 8>::rs_nmajor(o, pf[kb], desc_nmajor(v_wg + kb * 16 * 128, KVTile::PANEL), 1);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(o);
-    } else if constexpr (Cfg::ARCH == 90) {
-      u32 pf[BNW / 16][4];
-      pack_p(s, pf);
-      issue_pv_wgmma(pf, stage);
-      wgmma_wait<0>();
-      fence_regs(o);
-    } else if constexpr (SPLIT_O) {
-      // hand this warp's P over as A fragments, then multiply all BN keys into this
-      // warp's columns
-#pragma unroll
-      for (int kk = 0; kk < BNW / 16; ++kk)
-        xp[(warp_m * (BN / 16) + warp_n * (BNW / 16) + kk) * 32 + lane] =
-            make_uint4(pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]));
-      mma_sync();
-#pragma unroll
-      for (int kb = 0; kb < BN / 16; ++kb) {
-        const uint4 pa = xp[(warp_m * (BN / 16) + kb) * 32 + lane];
-        const u32 a[4] = {pa.x, pa.y, pa.z, pa.w};
-#pragma unroll
-        for (int n = 0; n < DT; n += 2) {
-          u32 b[4];
-          int mi = lane >> 3;
-          int r = 16 * kb + (lane & 7) + (mi & 1) * 8;
-          int c = col0 + n + (mi >> 1);
-          ldmatrix_x4_trans(b, sV(stage) + KVTile::offset(r, c));
-          mma_16816<T>(o[n], a, b[0], b[1]);
-          mma_16816<T>(o[n + 1], a, b[2], b[3]);
-        }
-      }
-    } else {
-#pragma unroll
-    for (int kk = 0; kk < BNW / 16; ++kk) {
-      u32 a[4];
-      a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-      for (int n = 0; n < DT; n += 2) {
-        u32 b[4];
-        int mi = lane >> 3;
-        int r = key0 + 16 * kk + (lane & 7) + (mi & 1) * 8;
-        int c = n + (mi >> 1);
-        ldmatrix_x4_trans(b, sV(stage) + KVTile::offset(r, c));
-        mma_16816<T>(o[n], a, b[0], b[1]);
-        mma_16816<T>(o[n + 1], a, b[2], b[3]);
-      }
-    }
-    }
-
-    if constexpr (Cfg::PRODUCER) {
-      ring.release_v(stage);  // this warp's reads of the stage have completed (waited above)
-      ring.advance(stage, phase);
-    } else {
-      __syncthreads();  // every warp is done with this stage
-      if (it + STAGES < n_tiles) issue_kv(it + STAGES, stage);
-      cp_async_commit();
-      stage = stage + 1 == STAGES ? 0 : stage + 1;
-    }
+    fmha_overlap_loop<Cfg>(pb, w, range, n_tiles, ring, stage, phase, o, m_row, l_row, scale_log2, release_q);
+  } else {
+    fmha_plain_loop<Cfg>(pb, w, range, n_tiles, ring, stage, phase, o, m_row, l_row, scale_log2, release_q,
+                         issue_kv);
   }
   cp_async_wait<0>();
   pos.stage = stage;
   pos.phase = phase;
 
   // ---- epilogue ---------------------------------------------------------------
-  Softmax::sum_quad(l_row);
-  if constexpr (SPLIT_O) {
-    // one running max per band already; the sums add up over the band's warps
-    mma_sync();
-    if (t == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) xred[warp * 16 + g + 8 * h] = l_row[h];
-    }
-    mma_sync();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = 0.f;
-#pragma unroll
-      for (int wn = 0; wn < Cfg::WARPS_N; ++wn) l += xred[(wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h];
-      l_row[h] = l;
-    }
-  } else if constexpr (Cfg::WARPS_N > 1) {
-    // Key-split merge: the warps of one row band rescale to their common max;
-    // warps warp_n > 0 hand their O fragments over through shared memory (the
-    // pipeline is drained) and warp_n == 0 finishes the epilogue.
-    __syncthreads();
-    float* ml = reinterpret_cast<float*>(smem);  // [WARPS][16][2]: m, l
-    float4* xo = reinterpret_cast<float4*>(smem + Cfg::WARPS * 16 * 2 * 4);  // [WARPS_N-1][WARPS_M][DT][32]
-    if (t == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        ml[(warp * 16 + g + 8 * h) * 2] = m_row[h];
-        ml[(warp * 16 + g + 8 * h) * 2 + 1] = l_row[h];
-      }
-    }
-    __syncthreads();
-    float f[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = neg_inf();
-#pragma unroll
-      for (int wn = 0; wn < Cfg::WARPS_N; ++wn)
-        mx = max_(mx, ml[((wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h) * 2]);
-      const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
-      float l = 0.f;
-#pragma unroll
-      for (int wn = 0; wn < Cfg::WARPS_N; ++wn) {
-        const int i = ((wn * Cfg::WARPS_M + warp_m) * 16 + g + 8 * h) * 2;
-        l += ml[i + 1] * fast_exp2(ml[i] * scale_log2 - base);
-      }
-      f[h] = fast_exp2(m_row[h] * scale_log2 - base);
-      m_row[h] = mx;
-      l_row[h] = l;
-    }
-    if (warp_n > 0) {
-#pragma unroll
-      for (int n = 0; n < DT; ++n)
-        xo[(((warp_n - 1) * Cfg::WARPS_M + warp_m) * DT + n) * 32 + lane] =
-            make_float4(o[n][0] * f[0], o[n][1] * f[0], o[n][2] * f[1], o[n][3] * f[1]);
-    }
-    __syncthreads();
-    if (warp_n > 0) return;
-#pragma unroll
-    for (int n = 0; n < DT; ++n) {
-      o[n][0] *= f[0];
-      o[n][1] *= f[0];
-      o[n][2] *= f[1];
-      o[n][3] *= f[1];
-#pragma unroll
-      for (int wn = 1; wn < Cfg::WARPS_N; ++wn) {
-        const float4 x = xo[(((wn - 1) * Cfg::WARPS_M + warp_m) * DT + n) * 32 + lane];
-        o[n][0] += x.x;
-        o[n][1] += x.y;
-        o[n][2] += x.z;
-        o[n][3] += x.w;
-      }
-    }
-  }
+  RowSoftmax<W::NT, Cfg::LEAN, Cfg::LAZY>::sum_quad(l_row);
+  if (!fmha_merge_band<Cfg>(w, smem, o, m_row, l_row, scale_log2)) return;
+  const int row0 = w.row0, g = w.g, t = w.t;
   float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -545,24 +372,24 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
     const int r = row0 + g + 8 * h;
     if constexpr (Problem::WANTS_LSE) {
       // log2-domain log-sum-exp of the scaled scores, for merging split-KV partials
-      if (r < pb.q_rows && t == 0 && (!SPLIT_O || warp_n == 0))
+      if (r < pb.q_rows && t == 0 && (!Cfg::SPLIT_O || w.warp_n == 0))
         pb.store_lse(r, OnlineSoftmax::lse(m_row[h], l_row[h], scale_log2));
     }
   }
   // Whole rows through the warpgroup's Q rows (pt_fmha_store.cuh), where the problem's output
   // allows it; a persistent CTA's producer may already be copying the next item's Q there.
-  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !SPLIT_O && Cfg::WARPS_N == 1 && !Q_BY_PRODUCER &&
+  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1 && !Q_BY_PRODUCER &&
                 RowStore<Problem>::value) {
     const int kind = pb.row_store();  // the same in every thread: the barrier inside is safe
-    if (kind == OUT_BF16) return store_o_rows<QTile, bf16, DT>(pb, sQ, o, inv, warp >> 2, row0);
-    if (kind == OUT_F16) return store_o_rows<QTile, f16, DT>(pb, sQ, o, inv, warp >> 2, row0);
+    if (kind == OUT_BF16) return store_o_rows<QTile, bf16, DT>(pb, sQ, o, inv, w.warp >> 2, row0);
+    if (kind == OUT_F16) return store_o_rows<QTile, f16, DT>(pb, sQ, o, inv, w.warp >> 2, row0);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row0 + g + 8 * h;
     if (r < pb.q_rows) {
 #pragma unroll
-      for (int n = 0; n < DT; ++n) pb.store2(r, (col0 + n) * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
+      for (int n = 0; n < DT; ++n) pb.store2(r, (w.col0 + n) * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
     }
   }
 }
