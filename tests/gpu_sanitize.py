@@ -444,21 +444,8 @@ def run_all(dev) -> None:
                 assert tuning == DECODE_VARIANTS["other_copy"]
                 for case in MLA_CASES:
                     mla_case(dev, *case, tuning=tuning)
-        print("MLA seesaw tile:")
-        run_mla_seesaw(dev)
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
-
-
-def run_mla_seesaw(dev) -> None:
-    """MLA_CASES through a wrapper planned with the seesaw tile (rows of 64 and more: the packed
-    H64 and split H128 cases; the others keep the swapped tile), both split merges."""
-    for staged in (False, True):
-        tuning = dataclasses.replace(DECODE_VARIANTS["mla_seesaw"], merge_staged=staged)
-        assert tuning.mla_seesaw
-        for case in MLA_CASES:
-            mla_case(dev, *case, tuning=tuning)
-    torch.cuda.synchronize()
 
 
 def run_variant(dev, name: str) -> None:
@@ -484,8 +471,6 @@ def main() -> None:
         run_variant("cuda", sys.argv[2])
     elif len(sys.argv) == 2 and sys.argv[1] == "--block-sparse":
         run_block_sparse("cuda")
-    elif len(sys.argv) == 2 and sys.argv[1] == "--mla-seesaw":
-        run_mla_seesaw("cuda")
     else:
         run_all("cuda")
     print("sanitize cases done")

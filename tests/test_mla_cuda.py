@@ -316,12 +316,11 @@ def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
 WIDE_CELLS = [(64, 1), (128, 1), (16, 4), (32, 3)]  # H x SQ >= 64: the 64-row wgmma tile
 
 
-def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
+def wide_problem(qmode, mask, hsq, salt: str) -> "Problem":
     """A cell of the wide-row grid (H x SQ >= 64): the rotation over page size, rank, dtype,
-    page IDs, long (split) or short lengths, such that every cell meets every axis; `shift`
-    turns the rotation for another tile's grid."""
+    page IDs, long (split) or short lengths, such that every cell meets every axis."""
     h, sq = hsq
-    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask)) + shift
+    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
     lengths = ("long", "short")[i % 2]
     lens = list(LONG if lengths == "long" else SHORT)
     q_lens = [1 + (b + sq) % sq for b in range(len(lens))]
@@ -346,23 +345,6 @@ def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
     pb = wide_problem(qmode, mask, hsq, "copy")
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
     assert key.arch == 90 and not key.swap and key.bm == 64 and key.copy_tpr == other, key.name
-    check(pb, tuning, mask)
-
-
-@pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("qmode", QMODES)
-def test_wide_rows_seesaw(split_merge, qmode, mask, hsq):
-    """Rows of 64 on sm_90a on the seesaw tile (Tuning(mla_seesaw=True)): the wide-row grid's
-    rotation turned by one (odd and even tile counts, split or one split, each page size)."""
-    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the seesaw tile is sm_90a's")
-    tuning = with_merge(Tuning(mla_seesaw=True), split_merge)
-    pb = wide_problem(qmode, mask, hsq, "seesaw", shift=1)
-    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
-    assert key.seesaw and key.bm == 64, key.name
-    if on_sm90():
-        assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)
 
 

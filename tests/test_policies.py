@@ -138,26 +138,6 @@ def test_mla_swapped_tile_key(heads, sq):
     assert not DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", Tuning(mla_swapped=False)).swap
 
 
-@pytest.mark.parametrize("heads,sq", [(64, 1), (128, 1), (16, 4), (32, 2)])
-def test_mla_seesaw_tile_key(heads, sq):
-    """Rows of 64 on sm_90a under Tuning(mla_seesaw=True): the seesaw key (two MMA warpgroups that
-    issue their own TMA copies, the policy's 64-key tiles, two 72 KB stages beside Q within the
-    shared memory, the pool's map in its parameters), the split-O tile otherwise; rows of 16/32
-    keep the swapped tile; never on other archs."""
-    t = Tuning(mla_seesaw=True)
-    pol = decode_policy(64, 1, heads, sq, MLA_DIM_QK, 8192, sm_count=132)
-    assert pol.bm == 64 and pol.bn == decode.SEESAW_BN
-    key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", t)
-    assert key.seesaw and not key.swap and key.threads == 256 and key.name.endswith("_seesaw")
-    assert key.tma and key.PARAMS == "DecodeTmaParams" and not key.producer
-    assert key.smem == decode.seesaw_smem_bytes(MLA_DIM_QK) + keys.WGMMA_ALIGN_SLACK <= keys.smem_limit("sm_90a")
-    assert "SeesawConfig<pt::bf16, 576, 512>" in key.source().source
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a").seesaw
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).seesaw
-    small = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)
-    assert DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t).swap
-
-
 # ----------------------------------------------------------------------------
 # The tuning value
 # ----------------------------------------------------------------------------

@@ -10,13 +10,11 @@
 // tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
 // tile's keys for S and O's columns for PV, P exchanged through shared memory. Row
 // tiles of 16/32 may take the swapped-operand tile (pt_fmha_swap.cuh: the keys as
-// wgmma's M) on sm_90a, and MLA rows of 64 the seesaw tile (pt_fmha_seesaw.cuh:
-// Tuning.mla_seesaw; its tiles are TMA boxes of the latent pool, DecodeTmaParams).
+// wgmma's M) on sm_90a.
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/decode.py).
 #include "pt_decode.cuh"
 #include "pt_fmha_swap.cuh"
-#include "pt_fmha_seesaw.cuh"
 
 namespace pt {
 
@@ -215,16 +213,8 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   }
 }
 
-// The seesaw keys' parameters: the latent pool's TMA map (pages of 64-column boxes; V's slot
-// unused: V is K's prefix), then the DecodeParams.
-struct DecodeTmaParams {
-  TmaMap tmap_k;
-  TmaMap tmap_v;
-  DecodeParams p;
-};
-
 template <class Cfg, bool CAUSAL>
-__device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
+__device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -257,22 +247,13 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
   }
   // Every split CTA runs the core, even with an empty range: it then writes a zero
   // partial with lse = -inf, which the merge weighs as nothing.
-  if constexpr (Cfg::SEESAW) {
-    fmha_tile_seesaw<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale, tmk);
-  } else if constexpr (Cfg::SWAP) {
+  if constexpr (Cfg::SWAP) {
     fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   } else {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   }
   if (threadIdx.x >= Cfg::THREADS) return;  // the producer warpgroup: done
   if (p.splits > 1) merge_if_last<Cfg>(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
-}
-
-// A TMA key's entry: the map lives in the kernel's __grid_constant__ parameters.
-template <class Cfg, bool CAUSAL>
-__device__ __forceinline__ void decode_kernel(const DecodeTmaParams& tp) {
-  static_assert(Cfg::SEESAW, "DecodeTmaParams: the seesaw keys");
-  decode_kernel<Cfg, CAUSAL>(tp.p, &tp.tmap_k);
 }
 
 }  // namespace pt
