@@ -136,6 +136,24 @@ def test_mla_swapped_tile_key(heads, sq):
     assert not DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_80").swap
     assert key.stages == 2 and f", {key.stages}, {key.copy_tpr}>" in key.source().source  # two whole tiles
     assert not DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", Tuning(mla_swapped=False)).swap
+    assert not key.tma and key.PARAMS == "DecodeParams"
+
+
+@pytest.mark.parametrize("heads,sq", [(16, 1), (32, 1), (64, 1)])
+def test_mla_tma_key(heads, sq):
+    """Tuning(mla_tma=True): the swapped tile's key takes the pool's pages as TMA boxes (its own
+    name, the maps in its parameters: DecodeTmaParams); the 64-row tile and sm_80 never."""
+    t = Tuning(mla_tma=True)
+    pol = decode_policy(64, 1, heads, sq, MLA_DIM_QK, 8192, sm_count=132)
+    key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", t)
+    if pol.bm == 64:
+        assert not key.swap and not key.tma
+        return
+    assert key.swap and key.tma and key.name.endswith("_tma") and key.PARAMS == "DecodeTmaParams"
+    assert "DecodeTmaParams p)" in key.source().source and key.source().source.rstrip().endswith("}")
+    assert key.call().endswith(", true, true>")
+    assert key.name != DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a").name
+    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).tma
 
 
 # ----------------------------------------------------------------------------

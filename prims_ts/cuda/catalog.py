@@ -32,6 +32,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "loop0_persistent": Tuning(loop=0, persistent=True, persistent_ctas=3),
     "loop2_persistent": Tuning(loop=2, persistent=True, persistent_ctas=3),
     "other_copy": Tuning(flip_copy=True),
+    "mla_tma": Tuning(mla_tma=True),
     "cp_async": Tuning(tma=False, paged_tma=False),
     "lean_mma": Tuning(lean_mma=True),
     "plain_mma": Tuning(lean_mma=False),
@@ -41,7 +42,8 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "portable": Tuning(portable=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
-# MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.
+# MLA rows of 16/32 on the mma.sync tile, the other producer copy of MLA's wgmma tiles, and the
+# swapped tile's pages as TMA boxes.
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "merge_staged": Tuning(merge_staged=True),
     "mla_mma": Tuning(mla_swapped=False),

@@ -61,6 +61,10 @@ class Tuning:
     merge_staged: bool = False
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     mla_swapped: bool = True
+    # The swapped tile's ring takes the latent pool's whole pages as TMA boxes (a box a page and
+    # 64-column panel; the tail page by cp.async) instead of the producer's cp.async rows. A
+    # variant until measured (benchmarks/NOTES.md, MLA decode).
+    mla_tma: bool = False
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
