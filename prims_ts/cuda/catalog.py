@@ -32,7 +32,6 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "loop0_persistent": Tuning(loop=0, persistent=True, persistent_ctas=3),
     "loop2_persistent": Tuning(loop=2, persistent=True, persistent_ctas=3),
     "other_copy": Tuning(flip_copy=True),
-    "mla_tma": Tuning(mla_tma=True),
     "cp_async": Tuning(tma=False, paged_tma=False),
     "lean_mma": Tuning(lean_mma=True),
     "plain_mma": Tuning(lean_mma=False),
@@ -48,6 +47,7 @@ DECODE_VARIANTS: Dict[str, Tuning] = {
     "merge_staged": Tuning(merge_staged=True),
     "mla_mma": Tuning(mla_swapped=False),
     "other_copy": Tuning(flip_copy=True),
+    "mla_tma": Tuning(mla_tma=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 
