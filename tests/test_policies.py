@@ -359,6 +359,63 @@ def test_page_major_v_tile_layout(rows, cols, g):
     assert sorted(offset(r, c) for r in range(rows) for c in range(cols // 8)) == list(range(0, rows * cols * 2, 16))
 
 
+def _tile_i(rows, cols):  # pt_sm90.cuh SmemTileI: (offset(row, chunk), KSBO, PSTEP)
+    ksbo = cols // 64 * 1024
+    return (lambda r, c: (r >> 3) * ksbo + (c >> 3) * 1024 + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4)), ksbo, 1024
+
+
+@pytest.mark.parametrize("rows,cols,g", [(128, 128, 16), (128, 128, 32), (128, 128, 64), (64, 256, 16),
+                                         (64, 256, 32)])
+def test_interleaved_k_tile_layout(rows, cols, g):
+    """SmemTileI's layout (a model of pt_sm90.cuh, K under Tuning.page_major_k): (1) what S's
+    K-major operand reads for k-step ks from a warpgroup's first key (8-row groups KSBO apart, a
+    row's 16-byte chunk swizzled by the row, the panel PSTEP after the previous one) is
+    offset(); (2) what one TMA box (64, 8, cols / 64, g / 8) of a page lands, [8-row group][panel]
+    [8 rows][64 columns] from the page's first row group with the line's swizzle, is offset()
+    too. The same read on SmemTileW (KSBO 1024, PSTEP its panel), whose descriptors run, checks
+    the model."""
+    panel_w = rows * 128
+    for offset, sbo, pstep in (_tile_w(rows, cols)[0:1] + (1024, panel_w), _tile_i(rows, cols)):
+        row8 = (lambda r: r * 128) if sbo == 1024 else (lambda r: (r >> 3) * sbo)
+        for key0 in (0, rows // 2):
+            for ks in range(cols // 16):
+                start = row8(key0) + (ks >> 2) * pstep
+                for n in range(rows - key0):
+                    for j in range(2):
+                        c = (ks & 3) * 2 + j
+                        desc = start + (n // 8) * sbo + (n % 8) * 128 + ((c ^ (n % 8)) << 4)
+                        assert desc == offset(key0 + n, (ks >> 2) * 8 + c), (key0, ks, n, j)
+    offset = _tile_i(rows, cols)[0]
+    panels = cols // 64
+    for page in range(rows // g):
+        base = (page * g // 8) * panels * 1024
+        assert base % 1024 == 0
+        for h in range(g // 8):
+            for p in range(panels):
+                for r in range(8):
+                    line = (h * panels + p) * 8 + r
+                    for c in range(8):
+                        assert base + line * 128 + ((c ^ (line % 8)) << 4) == offset(page * g + h * 8 + r, p * 8 + c)
+    assert sorted(offset(r, c) for r in range(rows) for c in range(cols // 8)) == list(range(0, rows * cols * 2, 16))
+
+
+def test_page_major_k_keys():
+    """Tuning.page_major_k (a variant): the sm_90a paged TMA keys interleave K's row groups
+    where a page is shorter than BN (a `_ki` key beside V's page-major one); never by default,
+    under cp.async pages, on sm_80 or for contiguous K/V."""
+    t = Tuning(page_major_k=True)
+    for d in (128, 256):
+        for ps in prefill.PAGE_SIZES:
+            key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=t, page_size=ps)
+            assert key.kil == (ps < key.bn) and key.name.endswith("_ki") == key.kil, key.name
+            assert (f", {key.vpage}, true>" in key.call()) == key.kil, key.call()  # K_IL after V_PAGE
+            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, page_size=ps).kil
+            cp = Tuning(page_major_k=True, paged_tma=False)
+            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=cp, page_size=ps).kil
+            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", paged=True, tuning=t, page_size=ps).kil
+        assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t, page_size=16).kil
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()

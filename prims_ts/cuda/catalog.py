@@ -25,7 +25,8 @@ from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
 # maximum within 2^8: Tuning.lazy_rescale), the overlapped loops' softmax under the previous
 # PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys). The
 # default paged keys lay V out page-major where a page is shorter than the key tile
-# (Tuning.page_major_v: a key per such page size); page 128 checks the panel-major layout.
+# (Tuning.page_major_v: a key per such page size); page 128 checks the panel-major layout. The
+# variant page_major_k interleaves K's row groups there too (Tuning.page_major_k).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -39,6 +40,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "under_pv": Tuning(softmax_under_pv=True),
     "pv_first": Tuning(softmax_under_pv=False),
     "portable": Tuning(portable=True),
+    "page_major_k": Tuning(page_major_k=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, the other producer copy of MLA's wgmma tiles, and the

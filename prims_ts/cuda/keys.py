@@ -100,6 +100,11 @@ class Tuning:
     # a page and panel (page 16 at D128: 8 boxes a V tile instead of 16); K keeps its layout.
     # Page 16 +6-11%, pages 32-128 unchanged (benchmarks/NOTES.md).
     page_major_v: bool = True
+    # The paged prefill keys' K tiles row-group interleaved where a page is shorter than the key
+    # tile (pt_sm90.cuh: SmemTileI; S's K-major descriptors stride 8-row groups by D / 64 KB):
+    # one TMA box a page of all its panels instead of a box a page and panel (page 16 at D128:
+    # 8 K boxes a tile instead of 16). A variant until measured (benchmarks/NOTES.md).
+    page_major_k: bool = False
     # The prefill-family keys (prefill, paged prefill, block-sparse) on the portable engine
     # (mma.sync, the sm_80 / sm_86 / sm_89 tiles) on an sm_90a device too: how the grids check
     # that engine on a Hopper GPU.
@@ -286,11 +291,11 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
                 producer: bool = False, loop: int = 0, copy_tpr: int = 4, lean: bool = False,
-                lazy: bool = False, under_pv: bool = False, v_page: int = 0) -> str:
+                lazy: bool = False, under_pv: bool = False, v_page: int = 0, k_il: bool = False) -> str:
     """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out up to the last
-    one set (LEAN, LAZY, UNDER_PV, V_PAGE: only when set)."""
+    one set (LEAN, LAZY, UNDER_PV, V_PAGE, K_IL: only when set)."""
     b = cpp_bool
-    flags = [b(lean), b(lazy), b(under_pv), str(v_page)]
+    flags = [b(lean), b(lazy), b(under_pv), str(v_page), b(k_il)]
     while flags and flags[-1] in ("false", "0"):
         flags.pop()
     tail = "".join(f", {f}" for f in flags)
@@ -484,7 +489,7 @@ class Prepared:
     per (key, device) serves op calls; a plan owns a copy (``for_plan``) with its own struct and
     an ``Accepted`` memo, which its full ``run`` records and ``again`` relaunches from."""
 
-    __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted", "_maps", "_maps_at")
+    __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted", "_maps", "_maps_at", "_k_x")
     PARAMS_ATTR = "p"  # the attribute holding the parameter struct
     _SHARED: ClassVar[BoundedMemo] = BoundedMemo(MEMO_LIMIT)
 
@@ -515,13 +520,18 @@ class Prepared:
     # TMA keys (pt_fmha_copy.cuh: TmaKv): the encoders of K's and V's maps for their current layout
     # (_maps), and the addresses this launch's struct holds maps of (_maps_at: a plan's copy
     # encodes into its own struct)
-    def _set_maps(self, k: torch.Tensor, v: torch.Tensor, paged: bool, rows: int, v_page_major: bool = False) -> None:
+    def _set_maps(self, k: torch.Tensor, v: torch.Tensor, paged: bool, rows: int, v_page_major: bool = False,
+                  k_interleaved: bool = False) -> None:
         """K's and V's maps for their layout, innermost dimension first: [B, S, Hkv, D] as (D, Hkv,
         S, B) with boxes of (64, 1, rows, 1); pools [P, Hkv, page_size, D] as (D, page_size, Hkv, P)
         with (64, rows, 1, 1). 64-column panels, the 128-byte swizzle, zeros outside the tensor.
         `v_page_major` (a pool; pt_sm90.cuh: SmemTileP): V as (64, page_size, D / 64, Hkv, P), the
         panel a dimension of its own (strides not increasing: the driver takes them), with boxes
-        of (64, rows, D / 64, 1, 1): a page's rows, every panel."""
+        of (64, rows, D / 64, 1, 1): a page's rows, every panel. `k_interleaved` (a pool;
+        pt_sm90.cuh: SmemTileI): K as (64, 8, D / 64, page_size / 8, X), a page's 8-row groups
+        and panels dimensions of their own and X the pages and heads folded (entry page * k_x +
+        head, striding a head: the page stride a multiple of the head stride), with boxes of
+        (64, 8, D / 64, rows / 8, 1)."""
         es = k.element_size()
         box = (64, rows, 1, 1) if paged else (64, 1, rows, 1)
         encoders = []
@@ -532,7 +542,9 @@ class Prepared:
                 # a dimension of one element takes any 16-byte multiple: the next after the inner
                 strides.append(st * es if n > 1 else inner)
                 inner = strides[-1] * n
-            if name == "v" and v_page_major:
+            if name == "k" and k_interleaved:
+                encoders.append(self._interleaved_map(t, rows, name))
+            elif name == "v" and v_page_major:
                 panels = dims[0] // 64
                 dims = (64, dims[1], panels, dims[2], dims[3])
                 strides = [strides[0], 64 * es, strides[1], strides[2]]
@@ -541,6 +553,23 @@ class Prepared:
                 encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, box, name))
         self._maps = tuple(encoders)
         self._maps_at = (None, None)
+
+    def _interleaved_map(self, t: torch.Tensor, rows: int, name: str) -> "runtime.TileMapEncoder":
+        """The row-group interleaved map of pool `t` ([P, Hkv, ps, D]); sets ``_k_x``."""
+        es = t.element_size()
+        pages, heads, ps, d = t.shape
+        sp, sh, ss = t.stride()[:3]
+        if heads == 1:
+            k_x, xs, xn = 1, sp, pages
+        elif sh > 0 and sp % sh == 0:
+            k_x, xs, xn = sp // sh, sh, (pages - 1) * (sp // sh) + heads
+        else:
+            raise ValueError(f"{name}_cache: page stride {sp} is not a multiple of the head stride {sh}, "
+                             f"which Tuning(page_major_k=True)'s K map needs")
+        self._k_x = k_x
+        dims = (64, 8, d // 64, ps // 8, xn)
+        strides = [ss * es, 128, 8 * ss * es, xs * es]
+        return runtime.TileMapEncoder(self.key.dtype, dims, strides, (64, 8, d // 64, rows // 8, 1), name)
 
     def _encode_maps(self, maps, ka: int, va: int) -> None:
         """The maps of K at `ka` and V at `va` into `maps` (a struct with tmap_k, tmap_v), each

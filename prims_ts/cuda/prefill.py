@@ -51,6 +51,7 @@ class PrefillKey(KernelKey):
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
     vpage: int = tag("vp", 0)  # paged TMA keys: V tiles page-major, a page (this many rows) a group (Tuning.page_major_v)
+    kil: bool = tag("ki", False)  # paged TMA keys: the K tile row-group interleaved, a box a page (Tuning.page_major_k)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -60,7 +61,8 @@ class PrefillKey(KernelKey):
         128 at D128, at D256 80 for contiguous K/V in TMA boxes (``TMA_BN``) and 64 otherwise;
         as many stages as fit), other archs (and sm_90a under ``Tuning.portable``) the portable
         engine with tiles that fit 99 KB of shared memory per block. `page_size` (paged):
-        ``Tuning.page_major_v`` lays V out a page a group where a page is shorter than BN."""
+        ``Tuning.page_major_v`` lays V out a page a group where a page is shorter than BN, and
+        ``Tuning.page_major_k`` K's 8-row groups with their panels interleaved there."""
         dt = DTYPE_CODES[dtype]
         if arch == "sm_90a" and not tuning.portable:
             extra = 2 * 128 * 4 if mask == "variable_window" else 0
@@ -75,7 +77,8 @@ class PrefillKey(KernelKey):
                               persistent=persistent, copy_tpr=tuning.copy_for(head_dim), probe=tuning.probe,
                               tma=tma, lean=tuning.lean_for(head_dim), lazy=tuning.lazy_rescale,
                               under_pv=tuning.loop_for(head_dim) >= 1 and tuning.under_pv_for(True),
-                              vpage=page_size if paged and tma and tuning.page_major_v and 0 < page_size < bn else 0)
+                              vpage=page_size if paged and tma and tuning.page_major_v and 0 < page_size < bn else 0,
+                              kil=paged and tma and tuning.page_major_k and 0 < page_size < bn)
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
         return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)
@@ -97,7 +100,7 @@ class PrefillKey(KernelKey):
     def call(self) -> str:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
                           producer=self.producer, loop=self.loop, copy_tpr=self.copy_tpr, lean=self.lean,
-                          lazy=self.lazy, under_pv=self.under_pv, v_page=self.vpage)
+                          lazy=self.lazy, under_pv=self.under_pv, v_page=self.vpage, k_il=self.kil)
         return (f"pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {cpp_bool(self.paged)}, "
                 f"{cpp_bool(self.persistent)}, {cpp_bool(self.tma)}>")
 
@@ -125,6 +128,7 @@ class PrefillParams(ctypes.Structure):
             "heads")] + [
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
+        ("k_x", ctypes.c_int32),
     ]
 
 
@@ -204,12 +208,14 @@ class PreparedPrefill(Prepared):
         self._strides = None
         self.accepted = None
         self._maps = self._maps_at = None
+        self._k_x = 0
 
     def _set_strides(self, q, k, v, out) -> None:
         p, st = self.p, self.static
         if self.key.tma:
             self._set_maps(k, v, st.paged, min(st.page_size, self.key.bn) if st.paged else self.key.bn,
-                           v_page_major=self.key.vpage > 0)
+                           v_page_major=self.key.vpage > 0, k_interleaved=self.key.kil)
+            p.k_x = self._k_x
         if st.paged:  # pools [P, Hkv, page_size, D]: page, slot, head
             ks, vs = k.stride(), v.stride()
             p.k_sb, p.k_sh, p.k_st = ks[0], ks[1], ks[2]

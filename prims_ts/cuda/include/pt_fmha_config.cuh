@@ -30,7 +30,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
           int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false, bool LAZY_ = false, bool UNDER_PV_ = false,
-          int V_PAGE_ = 0>
+          int V_PAGE_ = 0, bool K_IL_ = false>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;    // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -97,6 +97,13 @@ struct FmhaConfig {
   // (SmemTileP), half the boxes of V's panel-major tile; K keeps KVTile. 0: V is a KVTile too.
   static constexpr int V_PAGE = V_PAGE_;
   using VTile = typename Select<(V_PAGE_ > 0), SmemTileP<BN, DV_, (V_PAGE_ > 0 ? V_PAGE_ : BN)>, KVTile>::type;
+  // K_IL (Tuning.page_major_k; paged K in TMA boxes, pages shorter than BN): the K tile
+  // row-group interleaved (SmemTileI), one box a page of all its panels instead of a box a
+  // page and panel. false: K is a KVTile.
+  static constexpr bool K_IL = K_IL_;
+  using KTile = typename Select<K_IL_, SmemTileI<BN, D_>, KVTile>::type;
+  static_assert(!K_IL_ || (ARCH_ == 90 && PRODUCER_ && !SHARED_KV_),
+                "an interleaved K tile: the sm_90a producer ring (its copies and S read KTile), K its own tile");
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
   static constexpr int KV_TILES = SHARED_KV ? 1 : 2;  // tiles per stage

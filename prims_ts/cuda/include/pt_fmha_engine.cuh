@@ -17,6 +17,7 @@ struct FmhaWarp {
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
   using VTile = typename Cfg::VTile;  // V's layout when it is its own tile (page-major under V_PAGE)
+  using KTile = typename Cfg::KTile;  // K's (row-group interleaved under K_IL)
   static constexpr int BN = Cfg::BN;
   static constexpr int BNW = Cfg::BNW;  // keys of a tile this warp scores
   static constexpr int NT = BNW / 8;    // S n-tiles (8 keys each)
@@ -120,8 +121,9 @@ struct FmhaEngine<Cfg, 90> {
   // key0.., 8-row swizzle atoms of 1024 bytes), both K-major.
   __device__ __forceinline__ static void issue_s(const W& w, float (&s)[NT][4], int stage) {
     const u32 q_wg = w.sQ + (u32)(w.warp_m >> 2) * 64 * 128;
-    const u32 k_wg = w.sK(stage) + (u32)w.key0 * 128;
-    const u64 dq = Cfg::LEAN ? desc_kmajor(q_wg) : 0, dk = Cfg::LEAN ? desc_kmajor(k_wg) : 0;  // LEAN's bases
+    using KTile = typename W::KTile;
+    const u32 k_wg = w.sK(stage) + KTile::row8(w.key0);
+    const u64 dq = Cfg::LEAN ? desc_kmajor(q_wg) : 0, dk = Cfg::LEAN ? desc_kmajor(k_wg, KTile::KSBO) : 0;  // LEAN's bases
     fence_regs(s);
     wgmma_fence();
 #pragma unroll
@@ -129,10 +131,10 @@ struct FmhaEngine<Cfg, 90> {
       const u32 koff = (u32)(ks & 3) * 32;  // 16 columns = 32 bytes into the panel
       if constexpr (Cfg::LEAN) {  // a descriptor's address field is addr >> 4: one add a step
         Wgmma<T, BNW>::ss(s, dq + (((ks >> 2) * W::QTile::PANEL + koff) >> 4),
-                          dk + (((ks >> 2) * W::KVTile::PANEL + koff) >> 4), ks > 0);
+                          dk + (((ks >> 2) * KTile::PSTEP + koff) >> 4), ks > 0);
       } else {
         Wgmma<T, BNW>::ss(s, desc_kmajor(q_wg + (ks >> 2) * W::QTile::PANEL + koff),
-                          desc_kmajor(k_wg + (ks >> 2) * W::KVTile::PANEL + koff), ks > 0);
+                          desc_kmajor(k_wg + (ks >> 2) * KTile::PSTEP + koff, KTile::KSBO), ks > 0);
       }
     }
     wgmma_commit();

@@ -169,7 +169,7 @@ struct KvRing {
 
 // The ring of a producer-ring FmhaConfig: stages after Q, mbarriers after the exchange area.
 template <class Cfg>
-__device__ __forceinline__ KvRing<typename Cfg::KVTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::COPY_TPR, Cfg::UNDER_PV,
+__device__ __forceinline__ KvRing<typename Cfg::KTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::COPY_TPR, Cfg::UNDER_PV,
                                   typename Cfg::VTile>
 fmha_ring(char* smem) {
   const u32 sQ = smem_addr(smem);

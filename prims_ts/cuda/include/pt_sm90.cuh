@@ -15,14 +15,42 @@ template <int ROWS, int COLS> struct SmemTileW {
   static constexpr int BYTES = ROWS * COLS * 2;
   static constexpr int PANEL = ROWS * 128;  // bytes per 64-column panel
   static constexpr bool PAGE_MAJOR = false;
+  static constexpr bool INTERLEAVED = false;
   static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "wgmma tile shape");
   __device__ static __forceinline__ u32 offset(int row, int chunk) {
     return (u32)((chunk >> 3) * PANEL + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
   }
+  // As the K-major operand (rows = M or N): the bytes from one 8-row group to the next (the
+  // descriptor's stride offset), from one panel's k-steps to the next's, and where row r
+  // (a multiple of 8) starts
+  static constexpr u32 KSBO = 1024;
+  static constexpr u32 PSTEP = PANEL;
+  __device__ static __forceinline__ constexpr u32 row8(int r) { return (u32)r * 128; }
   // As the N-major operand of P V (rows = keys): the bytes from one 64-column panel to the next
   // (the descriptor's leading offset), and where k-step ks's 16 rows start
   static constexpr u32 LBO = PANEL;
   __device__ static __forceinline__ constexpr u32 kstep(int ks) { return (u32)ks * 16 * 128; }
+};
+
+// The same tile row-group interleaved (paged K under Tuning.page_major_k): 8-row groups one
+// after another, each its COLS / 64 panels of [8][64] back to back (1024 bytes apart), the
+// 128-byte swizzle as in SmemTileW, so that one TMA box (64, 8, COLS / 64, G / 8) fills a page
+// of G rows with all its panels. The K-major operand reads it with its 8-row groups KSBO apart
+// and a panel's k-steps 1024 bytes after the previous panel's. PANEL is ROWS * 128 as in
+// SmemTileW (the ring's byte counts take it as the tile's rows), not a stride here.
+template <int ROWS, int COLS> struct SmemTileI {
+  static constexpr int CHUNKS = COLS / 8;
+  static constexpr int BYTES = ROWS * COLS * 2;
+  static constexpr int PANEL = ROWS * 128;
+  static constexpr bool PAGE_MAJOR = false;
+  static constexpr bool INTERLEAVED = true;
+  static constexpr u32 KSBO = (u32)(COLS / 64) * 1024;
+  static constexpr u32 PSTEP = 1024;
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "wgmma tile shape");
+  __device__ static __forceinline__ u32 offset(int row, int chunk) {
+    return (u32)((row >> 3) * KSBO + (chunk >> 3) * 1024 + (row & 7) * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+  }
+  __device__ static __forceinline__ constexpr u32 row8(int r) { return (u32)(r >> 3) * KSBO; }
 };
 
 // The same tile page-major: groups of G rows (a page) one after another, each its COLS / 64
@@ -37,6 +65,7 @@ template <int ROWS, int COLS, int G> struct SmemTileP {
   static constexpr int PANEL = ROWS * 128;  // a whole-tile panel's bytes (the rows a tile holds)
   static constexpr int GROUP = G;
   static constexpr bool PAGE_MAJOR = true;
+  static constexpr bool INTERLEAVED = false;
   static_assert(COLS % 64 == 0 && G % 16 == 0 && ROWS % G == 0, "page-major tile shape");
   __device__ static __forceinline__ u32 offset(int row, int chunk) {
     return (u32)((row / G) * (G * COLS * 2) + (chunk >> 3) * (G * 128) + (row % G) * 128 +
@@ -52,8 +81,9 @@ __device__ __forceinline__ u64 wgmma_desc(u32 smem_addr, u32 lbo, u32 sbo) {
   return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) |
          (1ull << 62);  // 128-byte swizzle
 }
-// K-major operand (rows of the M/N dimension, K contiguous): 8-row groups 1024 B apart.
-__device__ __forceinline__ u64 desc_kmajor(u32 addr) { return wgmma_desc(addr, 16, 1024); }
+// K-major operand (rows of the M/N dimension, K contiguous): 8-row groups 1024 B apart (or
+// `sbo`: an interleaved tile's, SmemTileI::KSBO).
+__device__ __forceinline__ u64 desc_kmajor(u32 addr, u32 sbo = 1024) { return wgmma_desc(addr, 16, sbo); }
 // N-major operand (K rows, N contiguous): 64-column panels `panel` bytes apart.
 __device__ __forceinline__ u64 desc_nmajor(u32 addr, u32 panel) { return wgmma_desc(addr, panel, 1024); }
 
