@@ -141,7 +141,10 @@ def test_prefill_probes_compile_and_probe_2_refuses_persistent_ctas(cache, monke
     (decode.DecodeParams, "fmha_decode.cu", "pt::DecodeParams"),
     (block_sparse.BlockSparseParams, "fmha_block_sparse.cu", "pt::BlockSparseParams"),
     (runtime._ReadParams, "read_int32.cu", "pt::ReadParams"),
-], ids=["prefill", "decode", "block_sparse", "read"])
+    (prefill.PrefillTmaParams, "fmha_prefill.cu", "pt::PrefillTmaParams"),
+    (decode.DecodeTmaParams, "fmha_decode.cu", "pt::DecodeTmaParams"),
+    (block_sparse.BlockSparseTmaParams, "fmha_block_sparse.cu", "pt::BlockSparseTmaParams"),
+], ids=["prefill", "decode", "block_sparse", "read", "prefill_tma", "decode_tma", "block_sparse_tma"])
 def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
     """Every field of a kernel's parameter struct sits where its ctypes mirror puts it: a
     probe kernel stores each field's offset and the struct's size (constants once compiled;
@@ -150,7 +153,7 @@ def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
     import re
 
     cls = mirror
-    names = [n for n, _ in cls._fields_]
+    names = [n for n, _ in cls._fields_ if n != "_tail"]  # runtime.padded_to's tail is no C++ field
     body = "".join(f"  out[{i}] = (int)((const char*)&p.{n} - (const char*)&p);\n" for i, n in enumerate(names))
     body += f"  out[{len(names)}] = (int)sizeof({cname});\n"
     src = (read_source(source) + f'\nextern "C" __global__ void pt_layout_probe(const __grid_constant__ {cname} p, '

@@ -62,7 +62,7 @@ struct PrefillParams {
   int heads;    // query heads
   float scale_log2;
   float out_scale;
-  int k_x;  // paged, K's interleaved map (Tuning.page_major_k): its last dimension's entries a page
+  int k_xp, k_xh;  // paged, K's interleaved map (Tuning.page_major_k): its last dimension's entries a page, a head
 };
 
 // The parameters of a TMA key: K's and V's maps, (D, Hkv, S, B) in boxes of (64, 1, BN, 1),
@@ -212,7 +212,7 @@ __device__ __forceinline__ bool prefill_problem(const PrefillParams& p, int w, P
   pb.b = b;
   pb.q0 = q0;
   if constexpr (Problem::TMA) {
-    pb.tma = TmaKv{tmaps, tmaps + 1, hk, b, p.k_x};
+    pb.tma = TmaKv{tmaps, tmaps + 1, hk, b, p.k_xp, p.k_xh};
   }
 
   // ---- range policy (the variable window's: prefill_kernel) --------------------

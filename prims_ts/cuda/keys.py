@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Dict, Optional, Sequence, Tuple
@@ -529,9 +530,9 @@ class Prepared:
         panel a dimension of its own (strides not increasing: the driver takes them), with boxes
         of (64, rows, D / 64, 1, 1): a page's rows, every panel. `k_interleaved` (a pool;
         pt_sm90.cuh: SmemTileI): K as (64, 8, D / 64, page_size / 8, X), a page's 8-row groups
-        and panels dimensions of their own and X the pages and heads folded (entry page * k_x +
-        head, striding a head: the page stride a multiple of the head stride), with boxes of
-        (64, 8, D / 64, rows / 8, 1)."""
+        and panels dimensions of their own and X the pages and heads folded (entry page * k_xp +
+        head * k_xh, striding the two strides' greatest common divisor), with boxes of (64, 8,
+        D / 64, rows / 8, 1)."""
         es = k.element_size()
         box = (64, rows, 1, 1) if paged else (64, 1, rows, 1)
         encoders = []
@@ -555,18 +556,19 @@ class Prepared:
         self._maps_at = (None, None)
 
     def _interleaved_map(self, t: torch.Tensor, rows: int, name: str) -> "runtime.TileMapEncoder":
-        """The row-group interleaved map of pool `t` ([P, Hkv, ps, D]); sets ``_k_x``."""
+        """The row-group interleaved map of pool `t` ([P, Hkv, ps, D], any page and head strides:
+        both multiples of 8 elements, so their divisor strides a 16-byte multiple); sets ``_k_x``
+        (the last dimension's entries a page and a head)."""
         es = t.element_size()
         pages, heads, ps, d = t.shape
         sp, sh, ss = t.stride()[:3]
-        if heads == 1:
-            k_x, xs, xn = 1, sp, pages
-        elif sh > 0 and sp % sh == 0:
-            k_x, xs, xn = sp // sh, sh, (pages - 1) * (sp // sh) + heads
-        else:
-            raise ValueError(f"{name}_cache: page stride {sp} is not a multiple of the head stride {sh}, "
-                             f"which Tuning(page_major_k=True)'s K map needs")
-        self._k_x = k_x
+        sp = sp if pages > 1 else 8  # a dimension of one entry: any 16-byte multiple
+        if sp <= 0 or (heads > 1 and sh <= 0):
+            raise ValueError(f"{name}_cache: page stride {sp} and head stride {sh} must be positive")
+        xs = math.gcd(sp, sh) if heads > 1 else sp
+        kxp, kxh = sp // xs, (sh // xs if heads > 1 else 0)
+        xn = (pages - 1) * kxp + (heads - 1) * kxh + 1
+        self._k_x = (kxp, kxh)
         dims = (64, 8, d // 64, ps // 8, xn)
         strides = [ss * es, 128, 8 * ss * es, xs * es]
         return runtime.TileMapEncoder(self.key.dtype, dims, strides, (64, 8, d // 64, rows // 8, 1), name)

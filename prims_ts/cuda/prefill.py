@@ -128,7 +128,8 @@ class PrefillParams(ctypes.Structure):
             "heads")] + [
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
-        ("k_x", ctypes.c_int32),
+        ("k_xp", ctypes.c_int32),
+        ("k_xh", ctypes.c_int32),
     ]
 
 
@@ -208,14 +209,14 @@ class PreparedPrefill(Prepared):
         self._strides = None
         self.accepted = None
         self._maps = self._maps_at = None
-        self._k_x = 0
+        self._k_x = (0, 0)
 
     def _set_strides(self, q, k, v, out) -> None:
         p, st = self.p, self.static
         if self.key.tma:
             self._set_maps(k, v, st.paged, min(st.page_size, self.key.bn) if st.paged else self.key.bn,
                            v_page_major=self.key.vpage > 0, k_interleaved=self.key.kil)
-            p.k_x = self._k_x
+            p.k_xp, p.k_xh = self._k_x
         if st.paged:  # pools [P, Hkv, page_size, D]: page, slot, head
             ks, vs = k.stride(), v.stride()
             p.k_sb, p.k_sh, p.k_st = ks[0], ks[1], ks[2]

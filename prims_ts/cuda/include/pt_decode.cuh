@@ -162,6 +162,8 @@ struct DecodeProblem {
   // page and slot strides fit in int32 (checked on the host): one 32x32->64 multiply-add
   __device__ __forceinline__ int kv_page(int j) const { return pages[j >> p->page_shift]; }
   // TMA: the rows of the tile at k0 that whole pages below the length fill, and their boxes
+  // (page IDs through this problem's kv_page: block-sparse's override differs only for
+  // contiguous K/V, which never takes pages)
   __device__ __forceinline__ int tma_rows(int k0) const { return TmaKv::whole_page_rows<BN>(k0, sk, p->page_shift); }
   template <class Tile>
   __device__ __forceinline__ void tma_pages(int part, u32 dst, int k0, int rows, u32 bar, int lane, int lanes) const {

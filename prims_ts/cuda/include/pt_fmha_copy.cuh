@@ -124,19 +124,20 @@ template <class P> struct PagedTma<P, decltype(void(P::TMA))> { static constexpr
 
 // The TMA boxes of a problem's key tiles, shared by the problems that take them (prefill,
 // block-sparse). `tmk` / `tmv`: K's and V's maps in the kernel's parameters; `hk`: the K/V
-// head; `b`: the request (contiguous maps); `kx`: an interleaved K tile's map, the entries of
-// its last dimension (pages and heads folded) a page. `part` (KV_K or KV_V): the tensor a call
-// copies.
+// head; `b`: the request (contiguous maps); `kxp` / `kxh`: an interleaved K tile's map, the
+// entries of its last dimension (pages and heads folded) a page and a head. `part` (KV_K or
+// KV_V): the tensor a call copies.
 struct TmaKv {
   const TmaMap* tmk;
   const TmaMap* tmv;
   int hk, b;
-  int kx;
+  int kxp, kxh;
   __device__ __forceinline__ const TmaMap* map(int part) const { return part == KV_K ? tmk : tmv; }
   // contiguous maps (D, Hkv, S, B), boxes (64, 1, BN, 1): keys k0 .. k0 + BN - 1 of K or V,
   // a box per 64-column panel (the maps zero keys past S)
   template <class Tile>
   __device__ __forceinline__ void rows(int part, u32 dst, int k0, u32 bar) const {
+    static_assert(!Tile::INTERLEAVED, "contiguous K/V boxes land a panel at a time");
     const TmaMap* tm = map(part);
 #pragma unroll
     for (int c = 0; c < Tile::CHUNKS / 8; ++c) tma_load_4d(dst + (u32)(c * Tile::PANEL), tm, c * 64, hk, k0, b, bar);
@@ -157,7 +158,8 @@ struct TmaKv {
   // page-major tile (SmemTileP, V under Tuning.page_major_v: the map (64, page_size, D / 64,
   // Hkv, P)) takes one box (64, GROUP, D / 64) a page, all its panels; a row-group interleaved
   // one (SmemTileI, K under Tuning.page_major_k: the map (64, 8, D / 64, page_size / 8, pages
-  // x kx), its last dimension striding a head) one box (64, 8, D / 64, rows / 8) a page.
+  // x kxp + heads x kxh), its last dimension striding the pages' and heads' common divisor)
+  // one box (64, 8, D / 64, rows / 8) a page.
   template <class Tile, int BN, class Problem>
   __device__ __forceinline__ void pages(const Problem& pb, int part, u32 dst, int k0, int rows, int page_shift,
                                         u32 bar, int lane, int lanes) const {
@@ -170,7 +172,7 @@ struct TmaKv {
       if constexpr (Tile::PAGE_MAJOR) {
         tma_load_5d(dst + Tile::offset(r, 0), tm, 0, slot, 0, hk, page, bar);
       } else if constexpr (Tile::INTERLEAVED) {
-        tma_load_5d(dst + Tile::row8(r), tm, 0, 0, 0, slot >> 3, page * kx + hk, bar);
+        tma_load_5d(dst + Tile::row8(r), tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh, bar);
       } else {
 #pragma unroll
         for (int c = 0; c < Tile::CHUNKS / 8; ++c)
