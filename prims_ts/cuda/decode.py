@@ -230,8 +230,8 @@ class DecodeParams(ctypes.Structure):
 
 
 class _DecodeTmaParams(ctypes.Structure):
-    """Mirror of pt::DecodeTmaParams: K's and V's pool maps (64-byte aligned, so the struct is a
-    multiple of 64 bytes), then the DecodeParams."""
+    """Mirror of pt::DecodeTmaParams: the pool's map and V's slot (unused: V is K's prefix; maps
+    are 64-byte aligned, so the struct is a multiple of 64 bytes), then the DecodeParams."""
 
     _fields_ = [("tmap_k", runtime.TensorMap), ("tmap_v", runtime.TensorMap), ("p", DecodeParams)]
 
@@ -360,15 +360,15 @@ class PreparedDecode(Prepared):
         self._maps = self._maps_at = self._map_layout = None
 
     def _map_pools(self, k_cache, v_cache, k: int, v: int) -> None:
-        """A TMA key: the pools' maps (``write_rows``' layouts as [P, Hkv, ps, D] views: the latent
-        pool's one head, V the K map where V is K's prefix), built when a layout changed and
-        encoded when an address did."""
+        """A TMA key: the latent pool's map (``write_rows``' layout as a [P, 1, ps, D] view; V is K's
+        prefix and has none), built when the layout changed and encoded when the address did."""
         layout = (tuple(k_cache.shape), k_cache.stride(), None if v_cache is None else v_cache.stride())
         if layout != self._map_layout:
             kp = k_cache.unsqueeze(1) if k_cache.dim() == 3 else k_cache
             if kp.dim() != 4 or v_cache is not None:
-                raise runtime.KernelLaunchError(f"{self.key.name}: TMA maps of a latent pool only, got {tuple(k_cache.shape)}")
-            self._set_maps(kp, kp, True, min(self.static.page_size, self.key.bn))
+                raise runtime.KernelLaunchError(
+                    f"{self.key.name}: TMA maps of a latent pool only, got {tuple(k_cache.shape)}")
+            self._set_maps(kp, None, True, min(self.static.page_size, self.key.bn))
             self._map_layout = layout
         self._encode_maps(self.tp, k, v)
 

@@ -214,8 +214,9 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   }
 }
 
-// The parameters of a TMA key: K's and V's pool maps (D, page_size, Hkv, P) in boxes of
-// (64, min(page_size, BN), 1, 1), then the rest.
+// The parameters of a TMA key: the pool's map (D, page_size, Hkv, P) in boxes of (64,
+// min(page_size, BN), 1, 1) and V's slot (unused: the swapped tile's V is K's prefix), then
+// the rest.
 struct DecodeTmaParams {
   TmaMap tmap_k;
   TmaMap tmap_v;

@@ -490,7 +490,7 @@ class Prepared:
     per (key, device) serves op calls; a plan owns a copy (``for_plan``) with its own struct and
     an ``Accepted`` memo, which its full ``run`` records and ``again`` relaunches from."""
 
-    __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted", "_maps", "_maps_at", "_k_x")
+    __slots__ = ("static", "dev", "key", "launch", "_strides", "accepted", "_maps", "_maps_at")
     PARAMS_ATTR = "p"  # the attribute holding the parameter struct
     _SHARED: ClassVar[BoundedMemo] = BoundedMemo(MEMO_LIMIT)
 
@@ -521,8 +521,8 @@ class Prepared:
     # TMA keys (pt_fmha_copy.cuh: TmaKv): the encoders of K's and V's maps for their current layout
     # (_maps), and the addresses this launch's struct holds maps of (_maps_at: a plan's copy
     # encodes into its own struct)
-    def _set_maps(self, k: torch.Tensor, v: torch.Tensor, paged: bool, rows: int, v_page_major: bool = False,
-                  k_interleaved: bool = False) -> None:
+    def _set_maps(self, k: torch.Tensor, v: Optional[torch.Tensor], paged: bool, rows: int,
+                  v_page_major: bool = False, k_interleaved: bool = False) -> Tuple[int, int]:
         """K's and V's maps for their layout, innermost dimension first: [B, S, Hkv, D] as (D, Hkv,
         S, B) with boxes of (64, 1, rows, 1); pools [P, Hkv, page_size, D] as (D, page_size, Hkv, P)
         with (64, rows, 1, 1). 64-column panels, the 128-byte swizzle, zeros outside the tensor.
@@ -532,11 +532,12 @@ class Prepared:
         pt_sm90.cuh: SmemTileI): K as (64, 8, D / 64, page_size / 8, X), a page's 8-row groups
         and panels dimensions of their own and X the pages and heads folded (entry page * k_xp +
         head * k_xh, striding the two strides' greatest common divisor), with boxes of (64, 8,
-        D / 64, rows / 8, 1)."""
+        D / 64, rows / 8, 1). `v` None: K's map alone (V the K row's prefix). Returns (k_xp,
+        k_xh), (0, 0) without an interleaved K."""
         es = k.element_size()
         box = (64, rows, 1, 1) if paged else (64, 1, rows, 1)
-        encoders = []
-        for t, name in ((k, "k"), (v, "v")):
+        encoders, k_x = [], (0, 0)
+        for t, name in ((k, "k"), (v, "v")) if v is not None else ((k, "k"),):
             dims = tuple(reversed(t.shape))
             strides, inner = [], dims[0] * es
             for n, st in zip(dims[1:], reversed(t.stride()[:3])):
@@ -544,7 +545,8 @@ class Prepared:
                 strides.append(st * es if n > 1 else inner)
                 inner = strides[-1] * n
             if name == "k" and k_interleaved:
-                encoders.append(self._interleaved_map(t, rows, name))
+                enc, k_x = self._interleaved_map(t, rows, name)
+                encoders.append(enc)
             elif name == "v" and v_page_major:
                 panels = dims[0] // 64
                 dims = (64, dims[1], panels, dims[2], dims[3])
@@ -554,11 +556,13 @@ class Prepared:
                 encoders.append(runtime.TileMapEncoder(self.key.dtype, dims, strides, box, name))
         self._maps = tuple(encoders)
         self._maps_at = (None, None)
+        return k_x
 
-    def _interleaved_map(self, t: torch.Tensor, rows: int, name: str) -> "runtime.TileMapEncoder":
+    def _interleaved_map(self, t: torch.Tensor, rows: int,
+                         name: str) -> Tuple["runtime.TileMapEncoder", Tuple[int, int]]:
         """The row-group interleaved map of pool `t` ([P, Hkv, ps, D], any page and head strides:
-        both multiples of 8 elements, so their divisor strides a 16-byte multiple); sets ``_k_x``
-        (the last dimension's entries a page and a head)."""
+        both multiples of 8 elements, so their divisor strides a 16-byte multiple) and its last
+        dimension's entries a page and a head."""
         es = t.element_size()
         pages, heads, ps, d = t.shape
         sp, sh, ss = t.stride()[:3]
@@ -568,16 +572,15 @@ class Prepared:
         xs = math.gcd(sp, sh) if heads > 1 else sp
         kxp, kxh = sp // xs, (sh // xs if heads > 1 else 0)
         xn = (pages - 1) * kxp + (heads - 1) * kxh + 1
-        self._k_x = (kxp, kxh)
         dims = (64, 8, d // 64, ps // 8, xn)
         strides = [ss * es, 128, 8 * ss * es, xs * es]
-        return runtime.TileMapEncoder(self.key.dtype, dims, strides, (64, 8, d // 64, rows // 8, 1), name)
+        return runtime.TileMapEncoder(self.key.dtype, dims, strides, (64, 8, d // 64, rows // 8, 1), name), (kxp, kxh)
 
     def _encode_maps(self, maps, ka: int, va: int) -> None:
         """The maps of K at `ka` and V at `va` into `maps` (a struct with tmap_k, tmap_v), each
-        only when its address changed."""
+        only when its address changed (V only where it has a map of its own)."""
         if ka != self._maps_at[0]:
             self._maps[0].encode(maps.tmap_k, ka)
-        if va != self._maps_at[1]:
+        if va != self._maps_at[1] and len(self._maps) > 1:
             self._maps[1].encode(maps.tmap_v, va)
         self._maps_at = (ka, va)

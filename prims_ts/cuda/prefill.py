@@ -50,7 +50,7 @@ class PrefillKey(KernelKey):
     lean: bool = tag("ln", False)  # the MMA warps' fewer instructions (Tuning.lean_mma)
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
-    vpage: int = tag("vp", 0)  # paged TMA keys: V tiles page-major, a page (this many rows) a group (Tuning.page_major_v)
+    vpage: int = tag("vp", 0)  # paged TMA keys: V page-major, a page (this many rows) a group (Tuning.page_major_v)
     kil: bool = tag("ki", False)  # paged TMA keys: the K tile row-group interleaved, a box a page (Tuning.page_major_k)
 
     @staticmethod
@@ -209,14 +209,13 @@ class PreparedPrefill(Prepared):
         self._strides = None
         self.accepted = None
         self._maps = self._maps_at = None
-        self._k_x = (0, 0)
 
     def _set_strides(self, q, k, v, out) -> None:
         p, st = self.p, self.static
         if self.key.tma:
-            self._set_maps(k, v, st.paged, min(st.page_size, self.key.bn) if st.paged else self.key.bn,
-                           v_page_major=self.key.vpage > 0, k_interleaved=self.key.kil)
-            p.k_xp, p.k_xh = self._k_x
+            rows = min(st.page_size, self.key.bn) if st.paged else self.key.bn
+            p.k_xp, p.k_xh = self._set_maps(k, v, st.paged, rows, v_page_major=self.key.vpage > 0,
+                                            k_interleaved=self.key.kil)
         if st.paged:  # pools [P, Hkv, page_size, D]: page, slot, head
             ks, vs = k.stride(), v.stride()
             p.k_sb, p.k_sh, p.k_st = ks[0], ks[1], ks[2]

@@ -256,12 +256,9 @@ __device__ __forceinline__ bool fmha_merge_band(const FmhaWarp<Cfg>& w, char* sm
     }
     __syncthreads();
     if (warp_n > 0) return false;
+    scale_rows(o, f);
 #pragma unroll
     for (int n = 0; n < DT; ++n) {
-      o[n][0] *= f[0];
-      o[n][1] *= f[0];
-      o[n][2] *= f[1];
-      o[n][3] *= f[1];
 #pragma unroll
       for (int wn = 1; wn < Cfg::WARPS_N; ++wn) {
         const float4 x = xo[(((wn - 1) * Cfg::WARPS_M + warp_m) * DT + n) * 32 + lane];
