@@ -106,22 +106,22 @@ for s in "${stages[@]}"; do
         # cp.async (the default: TMA boxes); ln / pl: the MMA warps' leaner instructions at every head dim /
         # at none (the default: D128); ez: O rescaled on every new running maximum (the default: lazy); up / pf: the
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
-        # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); mt: MLA
-        # rows of 16/32 with the pool's pages as TMA boxes (AB_FAMILIES=mla); pk: paged K's row groups interleaved, a
-        # box a page (AB_FAMILIES=paged_prefill). abloops: loops 0, 1, 2.
+        # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
+        # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
+        # page; AB_FAMILIES=paged_prefill). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families.
         if [ "$s" = ab ]; then variants="${AB_VARIANTS:-d c pd p}"; else variants="d 0 1 2"; fi
         for v in $variants; do
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c | mt) fams="$fams --family mla" ;; esac
+            case "$v" in d | c) fams="$fams --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
                 pl) spec="lean_mma=False" ;; ez) spec="lazy_rescale=False" ;;
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
-                mt) spec="mla_tma=True" ;; pk) spec="page_major_k=True" ;;
+                pk) spec="page_major_k=False" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"

@@ -444,21 +444,8 @@ def run_all(dev) -> None:
                 assert tuning == DECODE_VARIANTS["other_copy"]
                 for case in MLA_CASES:
                     mla_case(dev, *case, tuning=tuning)
-        print("MLA pages as TMA boxes:")
-        run_mla_tma(dev)
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
-
-
-def run_mla_tma(dev) -> None:
-    """MLA_CASES through wrappers planned with the swapped tile's pages as TMA boxes (rows of
-    16/32; the wider cases keep their tile), both split merges."""
-    for staged in (False, True):
-        tuning = dataclasses.replace(DECODE_VARIANTS["mla_tma"], merge_staged=staged)
-        assert tuning.mla_tma
-        for case in MLA_CASES:
-            mla_case(dev, *case, tuning=tuning)
-    torch.cuda.synchronize()
 
 
 def run_variant(dev, name: str) -> None:
@@ -484,8 +471,6 @@ def main() -> None:
         run_variant("cuda", sys.argv[2])
     elif len(sys.argv) == 2 and sys.argv[1] == "--block-sparse":
         run_block_sparse("cuda")
-    elif len(sys.argv) == 2 and sys.argv[1] == "--mla-tma":
-        run_mla_tma("cuda")
     else:
         run_all("cuda")
     print("sanitize cases done")

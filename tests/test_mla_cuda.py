@@ -268,7 +268,7 @@ def test_mla_grid(split_merge, qmode, mask, h, sq):
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
 # name -> (tuning, swapped tile expected, its producer copy)
 ROW_ENGINES = {"swapped_copy4": (Tuning(copy_tpr=4), True, 4), "swapped_copy8": (Tuning(copy_tpr=8), True, 8),
-               "swapped_tma": (Tuning(mla_tma=True), True, 8), "mma_sync": (Tuning(mla_swapped=False), False, 4)}
+               "mma_sync": (Tuning(mla_swapped=False), False, 4)}
 
 
 @pytest.fixture(params=list(ROW_ENGINES))
@@ -307,7 +307,7 @@ def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
     assert (pol.splits > 1) == (lengths == "long"), pol
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pol, "sm_90a", tuning)
     assert key.swap == swapped and key.bm == pol.bm and key.arch == (90 if swapped else 80), key.name
-    assert key.copy_tpr == tpr and key.tma == (swapped and engine.mla_tma), key.name
+    assert key.copy_tpr == tpr, key.name
     if on_sm90():  # the planned launch is this key (check_plan compares it on CUDA)
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)

@@ -145,6 +145,7 @@ def check_key(w, dtype, d, mask, tuning):
         assert key.arch == 90 and key.loop == tuning.loop_for(d) and key.copy_tpr == tuning.copy_for(d), key.name
         assert key.persistent == tuning.persistent, key.name
         assert (key.vpage > 0) == (tuning.page_major_v and key.tma and plan.static.page_size < key.bn), key.name
+        assert key.kil == (tuning.page_major_k and key.tma and plan.static.page_size < key.bn), key.name
     if plan.launch is not None:
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
 

@@ -142,9 +142,8 @@ def test_prefill_probes_compile_and_probe_2_refuses_persistent_ctas(cache, monke
     (block_sparse.BlockSparseParams, "fmha_block_sparse.cu", "pt::BlockSparseParams"),
     (runtime._ReadParams, "read_int32.cu", "pt::ReadParams"),
     (prefill.PrefillTmaParams, "fmha_prefill.cu", "pt::PrefillTmaParams"),
-    (decode.DecodeTmaParams, "fmha_decode.cu", "pt::DecodeTmaParams"),
     (block_sparse.BlockSparseTmaParams, "fmha_block_sparse.cu", "pt::BlockSparseTmaParams"),
-], ids=["prefill", "decode", "block_sparse", "read", "prefill_tma", "decode_tma", "block_sparse_tma"])
+], ids=["prefill", "decode", "block_sparse", "read", "prefill_tma", "block_sparse_tma"])
 def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
     """Every field of a kernel's parameter struct sits where its ctypes mirror puts it: a
     probe kernel stores each field's offset and the struct's size (constants once compiled;

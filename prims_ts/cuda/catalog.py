@@ -24,9 +24,9 @@ from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
 # D128), the online softmax rescaling on every new running maximum (the default keeps a
 # maximum within 2^8: Tuning.lazy_rescale), the overlapped loops' softmax under the previous
 # PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys). The
-# default paged keys lay V out page-major where a page is shorter than the key tile
-# (Tuning.page_major_v: a key per such page size); page 128 checks the panel-major layout. The
-# variant page_major_k interleaves K's row groups there too (Tuning.page_major_k).
+# default paged keys lay V out page-major and interleave K's row groups where a page is shorter
+# than the key tile (Tuning.page_major_v, Tuning.page_major_k: a key per such page size); page
+# 128 checks the panel-major layouts.
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -40,16 +40,13 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "under_pv": Tuning(softmax_under_pv=True),
     "pv_first": Tuning(softmax_under_pv=False),
     "portable": Tuning(portable=True),
-    "page_major_k": Tuning(page_major_k=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
-# MLA rows of 16/32 on the mma.sync tile, the other producer copy of MLA's wgmma tiles, and the
-# swapped tile's pages as TMA boxes.
+# MLA rows of 16/32 on the mma.sync tile, and the other producer copy of MLA's wgmma tiles.
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "merge_staged": Tuning(merge_staged=True),
     "mla_mma": Tuning(mla_swapped=False),
     "other_copy": Tuning(flip_copy=True),
-    "mla_tma": Tuning(mla_tma=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 

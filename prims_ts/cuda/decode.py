@@ -139,7 +139,7 @@ def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int) -> int:
 class DecodeKey(KernelKey):
     PREFIX = "pt_decode"
     SOURCE = "fmha_decode.cu"
-    PARAMS = property(lambda self: "DecodeTmaParams" if self.tma else "DecodeParams")
+    PARAMS = "DecodeParams"
 
     dtype: str = tag("", always=True)
     head_dim: int = tag("d", always=True)
@@ -152,7 +152,6 @@ class DecodeKey(KernelKey):
     arch: int = tag("sm", 80)  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
     swap: bool = tag("swap", False)  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a)
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
-    tma: bool = tag("tma", False)  # the swapped tile's pages as TMA boxes (Tuning.mla_tma; DecodeTmaParams)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -173,7 +172,7 @@ class DecodeKey(KernelKey):
         policy's split chunks stay whole tiles): two stages of 72 KB tiles."""
         assert pol.bm in (16, 32) and pol.bn == SWAP_BN, pol
         return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, 2, False, 90, True,
-                         tuning.copy_for(MLA_DIM_QK), tuning.mla_tma)
+                         tuning.copy_for(MLA_DIM_QK))
 
     @property
     def producer(self) -> bool:  # the wgmma engines take a producer warpgroup
@@ -209,7 +208,7 @@ class DecodeKey(KernelKey):
             cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
                               self.stages, self.split_o, self.dv, self.shared_kv, self.producer,
                               copy_tpr=self.copy_tpr)
-        return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}, {cpp_bool(self.tma)}>"
+        return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}>"
 
 
 class DecodeParams(ctypes.Structure):
@@ -228,15 +227,6 @@ class DecodeParams(ctypes.Structure):
         ("out_scale", ctypes.c_float),
     ]
 
-
-class _DecodeTmaParams(ctypes.Structure):
-    """Mirror of pt::DecodeTmaParams: the pool's map and V's slot (unused: V is K's prefix; maps
-    are 64-byte aligned, so the struct is a multiple of 64 bytes), then the DecodeParams."""
-
-    _fields_ = [("tmap_k", runtime.TensorMap), ("tmap_v", runtime.TensorMap), ("p", DecodeParams)]
-
-
-DecodeTmaParams = runtime.padded_to(_DecodeTmaParams, 64)
 
 # DecodeParams' leading pointers, q to seq_lens, written at once (PreparedDecode.rerun)
 _POINTERS = struct.Struct("=11Q")
@@ -330,7 +320,7 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class PreparedDecode(Prepared):
     """The loaded kernel, policy, grid and parameter struct of one DecodeStatic on one device."""
 
-    __slots__ = ("policy", "p", "tp", "workspace_bytes", "_ws_offsets", "_v_off", "_map_layout")
+    __slots__ = ("policy", "p", "workspace_bytes", "_ws_offsets", "_v_off")
 
     def __init__(self, static: DecodeStatic, dev: int):
         arch, sms, limit = device_info(dev)
@@ -339,8 +329,7 @@ class PreparedDecode(Prepared):
                             static.max_seq_len, sms, limit)
         key = DecodeKey.of(DTYPE_CODES[static.dtype], static.head_dim, static.causal, pol, arch, static.tuning)
         kernel = load(dev, key)
-        self.tp = DecodeTmaParams() if key.tma else None  # a TMA key's whole struct (p: its DecodeParams)
-        p = self.tp.p if key.tma else DecodeParams()
+        p = DecodeParams()
         p.sq = static.seq_len_q
         p.rows_max, p.row_tiles, p.splits, p.chunk = pol.rows_max, pol.row_tiles, pol.splits, pol.chunk
         p.group, p.hkv = group, static.num_kv_heads
@@ -353,24 +342,10 @@ class PreparedDecode(Prepared):
         self.workspace_bytes = self._ws_offsets[3] if self._ws_offsets else 0
         self.static, self.dev, self.policy, self.key, self.p = static, dev, pol, key, p
         grid = (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
-        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, self.tp if key.tma else p)
+        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p)
         self._strides = None
         self.accepted = None
         self._v_off = 0
-        self._maps = self._maps_at = self._map_layout = None
-
-    def _map_pools(self, k_cache, v_cache, k: int, v: int) -> None:
-        """A TMA key: the latent pool's map (``write_rows``' layout as a [P, 1, ps, D] view; V is K's
-        prefix and has none), built when the layout changed and encoded when the address did."""
-        layout = (tuple(k_cache.shape), k_cache.stride(), None if v_cache is None else v_cache.stride())
-        if layout != self._map_layout:
-            kp = k_cache.unsqueeze(1) if k_cache.dim() == 3 else k_cache
-            if kp.dim() != 4 or v_cache is not None:
-                raise runtime.KernelLaunchError(
-                    f"{self.key.name}: TMA maps of a latent pool only, got {tuple(k_cache.shape)}")
-            self._set_maps(kp, None, True, min(self.static.page_size, self.key.bn))
-            self._map_layout = layout
-        self._encode_maps(self.tp, k, v)
 
     def run(self, query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
             sm_scale: float, output_scale: float, bt_stride: int = 0) -> None:
@@ -391,8 +366,6 @@ class PreparedDecode(Prepared):
         write_bounds(p, k_cache, kv_indptr, kv_indices, query if self.static.packed else None)
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
-        if self.tp is not None:
-            self._map_pools(k_cache, v_cache, p.k, p.v)
         self.launch.launch(runtime.current_stream(self.dev))
         self._v_off = (p.v or 0) - (p.k or 0)
         if self.accepted is not None:
@@ -422,8 +395,6 @@ class PreparedDecode(Prepared):
             p.num_indices = num_indices
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
-        if self.tp is not None:  # the pools laid out as in that run
-            self._encode_maps(self.tp, k, v)
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 
@@ -439,8 +410,6 @@ class PreparedDecode(Prepared):
         p.v = a[2] if v_cache is not None else a[1] + self._v_off
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
-        if self.tp is not None:  # the pools laid out as in that run
-            self._encode_maps(self.tp, p.k, p.v)
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 

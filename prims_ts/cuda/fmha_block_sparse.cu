@@ -91,18 +91,26 @@ __device__ __forceinline__ bool route_ok(const Problem& pb, const int* blocks, i
 }
 
 template <class T, int DV, int BM, int BN, bool CAUSAL, bool CONTIG, bool TMA_ = false>
-struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL, TMA_> {
-  using Base = DecodeProblem<T, DV, BM, BN, CAUSAL, TMA_>;
+struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
+  using Base = DecodeProblem<T, DV, BM, BN, CAUSAL>;
   static constexpr bool SHORT_TILES = true;
+  static constexpr bool TMA = TMA_;
   static constexpr bool IS_PAGED = !CONTIG;
   const u32* bits;  // this request's valid-bit words, or null
   BsrRange<BN> routes;
   int t0;           // the route row's first query token
+  TmaKv tma;        // TMA: the maps, K/V head and request
 
-  // TMA over contiguous K/V (the pools' pages: the decode problem's tma_rows / tma_pages)
   template <class Tile>
   __device__ __forceinline__ void tma_kv(int part, u32 dst, int k0, u32 bar) const {
-    this->tma.template rows<Tile>(part, dst, k0, bar);
+    tma.template rows<Tile>(part, dst, k0, bar);
+  }
+  __device__ __forceinline__ int tma_rows(int k0) const {
+    return TmaKv::whole_page_rows<BN>(k0, this->sk, this->p->page_shift);
+  }
+  template <class Tile>
+  __device__ __forceinline__ void tma_pages(int part, u32 dst, int k0, int rows, u32 bar, int lane, int lanes) const {
+    tma.template pages<Tile, BN>(*this, part, dst, k0, rows, this->p->page_shift, bar, lane, lanes);
   }
 
   __device__ __forceinline__ BsrRange<BN> range() const { return routes; }

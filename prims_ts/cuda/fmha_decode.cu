@@ -10,8 +10,7 @@
 // tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
 // tile's keys for S and O's columns for PV, P exchanged through shared memory. Row
 // tiles of 16/32 may take the swapped-operand tile (pt_fmha_swap.cuh: the keys as
-// wgmma's M) on sm_90a; under Tuning.mla_tma its ring takes the latent pool's whole pages
-// as TMA boxes (DecodeTmaParams).
+// wgmma's M) on sm_90a.
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/decode.py).
 #include "pt_decode.cuh"
@@ -214,17 +213,8 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   }
 }
 
-// The parameters of a TMA key: the pool's map (D, page_size, Hkv, P) in boxes of (64,
-// min(page_size, BN), 1, 1) and V's slot (unused: the swapped tile's V is K's prefix), then
-// the rest.
-struct DecodeTmaParams {
-  TmaMap tmap_k;
-  TmaMap tmap_v;
-  DecodeParams p;
-};
-
-template <class Cfg, bool CAUSAL, bool TMA = false>
-__device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmaps = nullptr) {
+template <class Cfg, bool CAUSAL>
+__device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -232,13 +222,12 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
 
   const int split = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y / p.row_tiles, rt = blockIdx.y % p.row_tiles;
-  DecodeProblem<T, Cfg::DV, BM, BN, CAUSAL, TMA> pb;
+  DecodeProblem<T, Cfg::DV, BM, BN, CAUSAL> pb;
   int q_start, sq;
   decode_request(p, b, q_start, sq);
   // rows beyond this request's queries: nothing to write or merge
   if (!pb.init(p, b, hk, q_start, sq, rt * BM, p.group * sq)) return;
   pb.split = split;
-  if constexpr (TMA) pb.tma = TmaKv{tmaps, tmaps + 1, hk, b};
 
   // range: this split's keys, narrowed by the causal band of the tile's tokens
   int begin = split * p.chunk, end = min_(pb.sk, begin + p.chunk);
@@ -265,13 +254,6 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
   }
   if (threadIdx.x >= Cfg::THREADS) return;  // the producer warpgroup: done
   if (p.splits > 1) merge_if_last<Cfg>(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
-}
-
-// A TMA key's entry: the maps live in the kernel's __grid_constant__ parameters.
-template <class Cfg, bool CAUSAL, bool TMA>
-__device__ __forceinline__ void decode_kernel(const DecodeTmaParams& tp) {
-  static_assert(TMA && Cfg::SWAP, "DecodeTmaParams: the swapped tile's TMA keys");
-  decode_kernel<Cfg, CAUSAL, TMA>(tp.p, &tp.tmap_k);
 }
 
 }  // namespace pt

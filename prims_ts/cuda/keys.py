@@ -62,10 +62,6 @@ class Tuning:
     merge_staged: bool = False
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     mla_swapped: bool = True
-    # The swapped tile's ring takes the latent pool's whole pages as TMA boxes (a box a page and
-    # 64-column panel; the tail page by cp.async) instead of the producer's cp.async rows. A
-    # variant until measured (benchmarks/NOTES.md, MLA decode).
-    mla_tma: bool = False
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
@@ -104,8 +100,8 @@ class Tuning:
     # The paged prefill keys' K tiles row-group interleaved where a page is shorter than the key
     # tile (pt_sm90.cuh: SmemTileI; S's K-major descriptors stride 8-row groups by D / 64 KB):
     # one TMA box a page of all its panels instead of a box a page and panel (page 16 at D128:
-    # 8 K boxes a tile instead of 16). A variant until measured (benchmarks/NOTES.md).
-    page_major_k: bool = False
+    # 8 K boxes a tile instead of 16). Page 16 +4-7%, pages 32-64 unchanged (benchmarks/NOTES.md).
+    page_major_k: bool = True
     # The prefill-family keys (prefill, paged prefill, block-sparse) on the portable engine
     # (mma.sync, the sm_80 / sm_86 / sm_89 tiles) on an sm_90a device too: how the grids check
     # that engine on a Hopper GPU.

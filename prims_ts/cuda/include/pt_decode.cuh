@@ -78,14 +78,10 @@ __device__ __forceinline__ void decode_request(const DecodeParams& p, int b, int
   }
 }
 
-// TMA_: the pools' whole pages as TMA boxes (pt_fmha_copy.cuh: PagedTma, TmaKv; the maps in
-// the kernel's parameters), a tile's tail (the page the length cuts) by the producer's cp.async.
-template <class T, int DV, int BM, int BN, bool CAUSAL, bool TMA_ = false>
+template <class T, int DV, int BM, int BN, bool CAUSAL>
 struct DecodeProblem {
   static constexpr bool WANTS_LSE = true;
   static constexpr bool SHORT_TILES = false;
-  static constexpr bool TMA = TMA_;
-  static constexpr bool IS_PAGED = true;
   const DecodeParams* p;
   const T* q;  // request's first query token, head hk * group
   const T* k;  // K/V head applied
@@ -94,7 +90,6 @@ struct DecodeProblem {
   int b, hk, split, q_start, row0;  // row0: first group row of this tile
   int q_rows, sk, sq, kv_begin, kv_end;
   bool poisoned;  // a page ID of this CTA's keys lay outside the pools (split-KV: lse +inf)
-  TmaKv tma;      // TMA: the maps, this problem's K/V head
   __device__ __forceinline__ BandRange<BN> range() const { return BandRange<BN>(kv_begin, kv_end, sk); }
 
   // The CTA's rows: request b, K/V head hk, row tile at group row row0_ of the request's
@@ -161,14 +156,6 @@ struct DecodeProblem {
   }
   // page and slot strides fit in int32 (checked on the host): one 32x32->64 multiply-add
   __device__ __forceinline__ int kv_page(int j) const { return pages[j >> p->page_shift]; }
-  // TMA: the rows of the tile at k0 that whole pages below the length fill, and their boxes
-  // (page IDs through this problem's kv_page: block-sparse's override differs only for
-  // contiguous K/V, which never takes pages)
-  __device__ __forceinline__ int tma_rows(int k0) const { return TmaKv::whole_page_rows<BN>(k0, sk, p->page_shift); }
-  template <class Tile>
-  __device__ __forceinline__ void tma_pages(int part, u32 dst, int k0, int rows, u32 bar, int lane, int lanes) const {
-    tma.template pages<Tile, BN>(*this, part, dst, k0, rows, p->page_shift, bar, lane, lanes);
-  }
   __device__ __forceinline__ const T* k_row(int page, int j) const {
     return k + ((i64)page * (int)p->k_sp + (j & ((1 << p->page_shift) - 1)) * (int)p->k_ss);
   }

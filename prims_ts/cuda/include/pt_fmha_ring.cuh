@@ -142,8 +142,7 @@ struct KvRing {
   template <int NTHREADS, class Problem, class Range>
   __device__ __forceinline__ void produce_item(const Problem& pb, const Range& range, int n_tiles, int tid,
                                                RingPos& pos) const {
-    static_assert(KV_TILES == 2 || !UsesTma<Problem>::value || PagedTma<Problem>::value,
-                  "TMA of fixed storage: a K/V tile pair (a shared tile takes the pools' pages)");
+    static_assert(KV_TILES == 2 || !UsesTma<Problem>::value, "TMA: a K/V tile pair");
     static_assert(KV_TILES == 2 || !V_LAG, "V a tile behind K: a K/V tile pair");
     if (UsesTma<Problem>::value && !PagedTma<Problem>::value && tid != 0) return;  // TMA: thread 0's pos is the ring's
     constexpr int LAG = V_LAG ? 1 : 0;

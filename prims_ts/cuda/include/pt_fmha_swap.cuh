@@ -105,10 +105,7 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
   const auto range = pb.range();
   const int n_tiles = range.n_tiles();
 
-  if (threadIdx.x == 0) {  // a TMA stage's full barrier counts the producer thread 0's one arrival
-    ring.template init<UsesTma<Problem>::value ? 1 : Cfg::PRODUCER_THREADS>(Cfg::WARPS);
-    if constexpr (UsesTma<Problem>::value) fence_mbar_init();
-  }
+  if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
   __syncthreads();
   if (threadIdx.x >= THREADS) {  // the producer warpgroup
     ring.template produce<Cfg::PRODUCER_THREADS>(pb, range, n_tiles, threadIdx.x - THREADS);
