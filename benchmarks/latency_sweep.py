@@ -4,7 +4,10 @@ L1024 H16 (page 64), each as CUDA-graph replays of 20 calls.
 
     python benchmarks/latency_sweep.py [SPLITS ...]      (default: 1 2 4 8 16)
 
-The first line of each problem is the library's own policy. With few CTAs the in-kernel
+Two times a line: *back to back*, the median call of a graph of 20 calls (L2 warm), and
+*one call*, the bench's figure (a graph of one call, ``prims_ts.bench.time_ms``: each replay
+after an L2 flush). SDPA's lines time its call the same two ways. The first line of each
+problem is the library's own policy. With few CTAs the in-kernel
 merge (the last split CTA reads every split's partial rows) is on the critical path,
 so fewer, longer splits may win here where the bandwidth rows want many.
 """
@@ -37,6 +40,13 @@ def graph_us(fn, calls: int = 20, reps: int = 30) -> float:
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) * 1e3 / calls)
     return sorted(times)[len(times) // 2]
+
+
+def one_call_us(fn) -> float:
+    """The bench's figure: a graph of one call replayed after an L2 flush (median us)."""
+    from prims_ts.bench import _graphed, time_ms
+
+    return time_ms(_graphed(fn, True)) * 1e3
 
 
 def forced(base, splits):
@@ -78,6 +88,23 @@ def main() -> None:
     bt = torch.randperm(n // mps, device=dev).to(torch.int32).view(1, -1)
     mout = torch.empty(1, 1, h, 512, device=dev, dtype=dt)
 
+    import torch.nn.functional as F
+    k = cache[indices.long(), 0].permute(1, 0, 2, 3).reshape(1, hkv, n, d)
+    v = cache[indices.long(), 1].permute(1, 0, 2, 3).reshape(1, hkv, n, d)
+    qs = q.unsqueeze(2)
+    for label, backend in (("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
+                           ("flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION), ("default", None)):
+        def sdpa(backend=backend):
+            if backend is None:
+                return F.scaled_dot_product_attention(qs, k, v, enable_gqa=True).squeeze(2)
+            with torch.nn.attention.sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qs, k, v, enable_gqa=True).squeeze(2)
+        try:
+            print(f"decode B1 L1024 H32/8 D128: SDPA {label:8}  {graph_us(sdpa):7.2f} us back to back  "
+                  f"{one_call_us(sdpa):7.2f} us one call")
+        except Exception as e:
+            print(f"SDPA {label}: {type(e).__name__}: {str(e)[:160]}")
+
     def problems(tuning):
         """(name, launch, output) of each row under `tuning`, prepared now (the forced policy)."""
         dec = K.PreparedDecode(K.DecodeStatic(dt, d, hq, hkv, ps, False, -1, dt, 1, 1, 1, n, False, tuning), 0)
@@ -107,8 +134,8 @@ def main() -> None:
                     got = res.clone()
                     ref = refs.setdefault(name, got)
                     err = (got.float() - ref.float()).abs().max().item()
-                    us = graph_us(fn)
-                    print(f"{name}: {label}  {us:7.2f} us  maxdiff {err:.1e}")
+                    us, one = graph_us(fn), one_call_us(lambda: (fn(), res)[1])
+                    print(f"{name}: {label}  {us:7.2f} us back to back  {one:7.2f} us one call  maxdiff {err:.1e}")
                 except Exception as e:
                     print(f"{name}: {label}: {type(e).__name__}: {str(e)[:160]}")
 

@@ -5,12 +5,13 @@
 # Per runner: the first 2 kernels of two calls whose names match KERNELS (default: ours, cuDNN's and
 # FLASH's attention kernels, not the inputs' set-up), --set full; its raw metrics (CSV) and its SASS
 # with per-line stall samples (CSV), and a line a kernel on stdout: grid, block, registers, shared
-# memory, duration, tensor pipe, issue slots.
+# memory, duration, tensor pipe, issue slots. NCU_ARGS adds ncu options (e.g. "--cache-control
+# none --warp-sampling-interval 0": warm caches, a sample every 32 cycles for short kernels).
 fam=$1; prob=$2; shift 2
 PY="${PYTHON:-python3}"
 for r in "$@"; do
     name=$(echo "${fam}_${prob}_$r" | tr -c 'A-Za-z0-9\n' '_')
-    timeout 300 ncu --clock-control none -k "regex:${KERNELS:-pt_|sdpa|fmha|cudnn|flash|attn|sm90}" -c 2 --set full --import-source yes -f -o "/tmp/ncu_$name" \
+    timeout 300 ncu --clock-control none -k "regex:${KERNELS:-pt_|sdpa|fmha|cudnn|flash|attn|sm90}" -c 2 --set full --import-source yes ${NCU_ARGS:-} -f -o "/tmp/ncu_$name" \
         "$PY" benchmarks/run_one.py "$fam" "$prob" "$r" 2 >"/tmp/ncu_$name.log" 2>&1
     echo "== $fam $prob, $r: rc=$? $(tail -1 "/tmp/ncu_$name.log")"
     ncu --import "/tmp/ncu_$name.ncu-rep" --page raw --csv >"$OUT/ncu_${name}_raw.csv" 2>&1
