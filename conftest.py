@@ -38,11 +38,15 @@ def ring_variant(request):
     return RING_VARIANTS[request.param]
 
 
-@pytest.fixture(params=["lanes", "staged"])
+@pytest.fixture(params=["cluster", "lanes", "staged"])
 def split_merge(request):
-    """A Tuning of the decode-shaped kernels' split-KV merge: register work units over split
-    lanes (the default), or the partials staged through shared memory; both are in every
-    decode kernel. Tests pass it to a wrapper (``tuning=``)."""
+    """A Tuning of the decode-shaped kernels' split-KV merge: the default (on sm_90a the 2-8
+    splits launched as one cluster, merging through distributed shared memory, where the
+    partials fit; the ticket merge over split lanes above), the ticket merge's register work units
+    over split lanes at every split count, or its partials staged through shared memory. Tests
+    pass it to a wrapper (``tuning=``)."""
     from prims_ts import Tuning
 
-    return Tuning(merge_staged=request.param == "staged")
+    if request.param == "cluster":
+        return Tuning()
+    return Tuning(merge_staged=request.param == "staged", cluster_merge=False)

@@ -1,4 +1,4 @@
-"""Time the small-batch latency rows under forced split-KV counts and both split merges (a
+"""Time the small-batch latency rows under forced split-KV counts and every split merge (a
 tuning aid, not part of the bench): paged decode B1 L1024 H32/8 D128 (page 32) and MLA B1
 L1024 H16 (page 64), each as CUDA-graph replays of 20 calls.
 
@@ -7,7 +7,9 @@ L1024 H16 (page 64), each as CUDA-graph replays of 20 calls.
 Two times a line: *back to back*, the median call of a graph of 20 calls (L2 warm), and
 *one call*, the bench's figure (a graph of one call, ``prims_ts.bench.time_ms``: each replay
 after an L2 flush). SDPA's lines time its call the same two ways. The first line of each
-problem is the library's own policy. With few CTAs the in-kernel
+problem is the library's own policy. Merges: ``cluster`` (the default: on sm_90a 2-8 splits
+as one thread block cluster, merging through distributed shared memory), ``lanes`` and
+``staged`` (the ticket merge at every split count). With few CTAs the ticket
 merge (the last split CTA reads every split's partial rows) is on the critical path,
 so fewer, longer splits may win here where the bandwidth rows want many.
 """
@@ -117,11 +119,12 @@ def main() -> None:
 
     refs = {}
     for splits in [None] + counts:
-        for staged in (False, True):
-            label = f"splits {'policy' if splits is None else splits:>6} merge {'staged' if staged else 'lanes':6}"
+        for merge in ("cluster", "lanes", "staged"):
+            label = f"splits {'policy' if splits is None else splits:>6} merge {merge:7}"
             K.decode_policy = forced(default, splits)
             try:
-                rows = problems(Tuning(merge_staged=staged))
+                rows = problems(Tuning() if merge == "cluster" else
+                                Tuning(merge_staged=merge == "staged", cluster_merge=False))
             except Exception as e:
                 print(f"{label}: {type(e).__name__}: {str(e)[:160]}")
                 continue

@@ -5,6 +5,7 @@ compute-sanitizer (not collected by pytest).
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --variant tma   (one ring variant's cases)
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --block-sparse   (the block-sparse cases)
+    compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --decode   (the paged and MLA decode cases)
 
 Both tools slow kernels ~100x: keep every case small and the launches few.
 
@@ -52,6 +53,12 @@ DECODE_CASES = [
     # D256: the warps split O's columns and exchange P through shared memory (SPLIT_O)
     ("single d256 dense", "single", None, "dense", -1, 256, 8, 2, 16, "combined", [1, 17, 30], 30, False),
     ("split fixed sq4 d256 causal", "fixed", 4, "causal", -1, 256, 16, 2, 32, "tuple", [1500, 40], 1500, True),
+    # 2-8 splits (sm_90a: one thread block cluster a row tile, merged through distributed shared
+    # memory): 8 at D128, 8 with SPLIT_O at D256, 5 at D64 (one split of a request empty)
+    ("cluster single d128 dense", "single", None, "dense", -1, 128, 32, 8, 32, "combined", [1000], 1024, True),
+    ("cluster fixed sq2 d256 causal", "fixed", 2, "causal", -1, 256, 16, 8, 16, "tuple", [900, 300], 1000, True),
+    ("cluster single d64 causal w100", "single", None, "causal", 100, 64, 16, 4, 64, "combined", [600, 70, 5], 600,
+     True),
 ]
 
 
@@ -144,6 +151,7 @@ def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, 
         launch = w._plan.launch
         if launch is not None:
             assert launch.policy == pol and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
+            assert (launch.launch.cluster > 1) == (name.startswith("cluster") and _sm90(dev) and tuning.cluster_merge)
         res = w.run(q, cache, out=out)
     assert res is out
     ref = R.batch_decode(q, k, v, indptr, indices, seq_lens, qo_indptr=qo_indptr, mask_type=mask,
@@ -165,6 +173,9 @@ MLA_CASES = [
     ("packed h64 causal", "packed", [1, 3, 2], "causal", 64, 32, 4, [5, 50, 61], 64, False),
     ("split fixed sq2 h8 dense", "fixed", 2, "dense", 8, 64, 3, [3000, 1], 3000, True),
     ("split packed h128 causal", "packed", [4, 1], "causal", 128, 128, 4, [1200, 300], 1300, True),
+    # 2-8 splits (sm_90a: one cluster a row tile where the partials fit: the rows of 16)
+    ("cluster fixed sq1 h16 causal", "fixed", 1, "causal", 16, 64, 3, [1000, 200], 1000, True),
+    ("cluster fixed sq1 h8 dense", "fixed", 1, "dense", 8, 32, 4, [600], 600, True),
 ]
 
 
@@ -429,6 +440,8 @@ def run_all(dev) -> None:
     staged = DECODE_VARIANTS["merge_staged"]
     assert staged.merge_staged
     decode_cases(dev, staged)
+    decode_cases(dev, Tuning(cluster_merge=False))  # the ticket merge at 2-8 splits too
+    mla_cases(dev, Tuning(cluster_merge=False))
     mla_cases(dev, staged)
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
@@ -457,6 +470,15 @@ def run_variant(dev, name: str) -> None:
     torch.cuda.synchronize()
 
 
+def run_decode(dev) -> None:
+    """The paged- and MLA-decode cases alone: the standalone functions (the default tuning: 2-8
+    splits as a cluster on sm_90a), then wrappers with each ticket merge."""
+    for tuning in (None, Tuning(cluster_merge=False), DECODE_VARIANTS["merge_staged"]):
+        decode_cases(dev, tuning)
+        mla_cases(dev, tuning)
+    torch.cuda.synchronize()
+
+
 def run_block_sparse(dev) -> None:
     """The block-sparse cases alone: the default tuning, then (sm_90a) the cp.async producer."""
     block_sparse_cases(dev)
@@ -469,6 +491,8 @@ def main() -> None:
     torch.manual_seed(0)
     if len(sys.argv) == 3 and sys.argv[1] == "--variant":
         run_variant("cuda", sys.argv[2])
+    elif len(sys.argv) == 2 and sys.argv[1] == "--decode":
+        run_decode("cuda")
     elif len(sys.argv) == 2 and sys.argv[1] == "--block-sparse":
         run_block_sparse("cuda")
     else:

@@ -11,7 +11,7 @@ every value of every axis appears. K/V lengths include 1 and are not page multip
 tests: B from 1 to 512, one request of 131072 tokens, output dtypes and scales, the wrapper's
 bound page IDs and the one-shot.
 
-Both split merges: every compute test takes ``split_merge`` (conftest: ``Tuning(merge_staged=...)``)
+Every split merge: every compute test takes ``split_merge`` (conftest: the cluster, lanes and staged merges)
 and runs a ``BatchDecodePagedTSWrapper`` planned with it (the plan's policy, kernel key and
 merge flag must be the ones that tuning selects); under the default merge (register lanes,
 ``Tuning()``) the standalone ``prims_ts_batch_decode_with_kv_cache`` (always the default
@@ -42,7 +42,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
-from prims_ts.cuda.decode import DecodeKey, PreparedDecode, decode_policy
+from prims_ts.cuda.decode import CLUSTER_MAX_SPLITS, DecodeKey, PreparedDecode, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, device_limits
 from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, reference_must_not_run, rel_err, stable_seed
 
@@ -53,7 +53,7 @@ HOST = "cpu"  # the device of the misplaced workspace in the device checks
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 NAN = float("nan")
-DEFAULT = Tuning()  # the standalone function's and the one-shot's tuning (split_merge "lanes")
+DEFAULT = Tuning()  # the standalone function's and the one-shot's tuning (split_merge "cluster")
 GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
 MASKS = [("dense", -1), ("causal", -1), ("causal", 0), ("causal", 37)]
 MASK_IDS = [f"{m}{w if w >= 0 else ''}" for m, w in MASKS]
@@ -185,6 +185,14 @@ def check_plan(pb: Problem, w, tuning, causal: bool) -> None:
         assert plan.launch.policy == pol, (plan.launch.policy, pol)
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
         assert plan.launch.p.merge_staged == int(tuning.merge_staged)
+        # the splits as one cluster: sm_90a with 2-8 splits under the default merge (where the
+        # partials fit the shared memory), the ticket merge otherwise
+        arch, _, limit = device_limits(plan.device)
+        cluster = plan.launch.launch.cluster
+        may = arch == "sm_90a" and tuning.cluster_merge
+        assert cluster in (1, pol.splits) and (cluster > 1) <= may, (cluster, pol, key.name)
+        if may and 2 <= pol.splits <= CLUSTER_MAX_SPLITS and -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= limit:
+            assert cluster == pol.splits and plan.launch.launch.smem > key.smem, (cluster, pol, key.name)
 
 
 def compare(pb: Problem, results, ref, tol) -> None:

@@ -14,7 +14,7 @@ separate test runs every page size with both cache ranks and both Q modes. K/V l
 131072-token request, output dtypes and scales, a strided query, the wrapper (both run modes,
 bound metadata changed in place) and the one-shot.
 
-Both split merges: every compute test takes ``split_merge`` (conftest: ``Tuning(merge_staged=...)``)
+Every split merge: every compute test takes ``split_merge`` (conftest: the cluster, lanes and staged merges)
 and runs a ``BatchMLADecodePagedTSWrapper`` planned with it (with the engine tests' tuning
 fields on top); the plan's policy, kernel key and merge flag must be the ones that tuning
 selects. Under the default tuning (register lanes, ``Tuning()``) the standalone
@@ -46,7 +46,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from prims_ts import reference as R
-from prims_ts.cuda.decode import MLA_DIM_QK, DecodeKey, PreparedDecode, decode_policy
+from prims_ts.cuda.decode import MLA_DIM_QK, CLUSTER_MAX_SPLITS, DecodeKey, PreparedDecode, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, KV_COPY_TPRS, device_limits
 from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, reference_must_not_run, rel_err, stable_seed
 
@@ -60,7 +60,7 @@ NAN = float("nan")
 DQK, DV = 576, 512
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 512, 64
 SCALE = 1.0 / math.sqrt(DQK)
-DEFAULT = Tuning()  # the standalone function's and the one-shot's tuning (split_merge "lanes")
+DEFAULT = Tuning()  # the standalone function's and the one-shot's tuning (split_merge "cluster")
 GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
 MASKS = ["dense", "causal"]
 QMODES = ["fixed", "packed"]
@@ -182,6 +182,14 @@ def check_plan(pb: Problem, w, tuning, causal: bool) -> DecodeKey:
         assert plan.launch.policy == pol, (plan.launch.policy, pol)
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
         assert plan.launch.p.merge_staged == int(tuning.merge_staged)
+        # the splits as one cluster: sm_90a with 2-8 splits under the default merge (where the
+        # partials fit the shared memory), the ticket merge otherwise
+        arch, _, limit = device_limits(plan.device)
+        cluster = plan.launch.launch.cluster
+        may = arch == "sm_90a" and tuning.cluster_merge
+        assert cluster in (1, pol.splits) and (cluster > 1) <= may, (cluster, pol, key.name)
+        if may and 2 <= pol.splits <= CLUSTER_MAX_SPLITS and -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= limit:
+            assert cluster == pol.splits and plan.launch.launch.smem > key.smem, (cluster, pol, key.name)
     return key
 
 
@@ -281,7 +289,7 @@ def row_tile(request):
 
 def with_merge(tuning: Tuning, split_merge: Tuning) -> Tuning:
     """`tuning` with split_merge's merge."""
-    return dataclasses.replace(tuning, merge_staged=split_merge.merge_staged)
+    return dataclasses.replace(tuning, merge_staged=split_merge.merge_staged, cluster_merge=split_merge.cluster_merge)
 
 
 @pytest.mark.parametrize("hsq", SWAP_CELLS, ids=[f"h{h}_sq{q}" for h, q in SWAP_CELLS])

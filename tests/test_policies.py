@@ -405,6 +405,28 @@ def test_device_split_bound_matches_the_host():
     assert int(re.search(r"constexpr int DECODE_MAX_SPLITS = (\d+);", header).group(1)) == decode.DECODE_MAX_SPLITS
 
 
+def test_device_cluster_bounds_match_the_host():
+    """The cluster merge's split bound and the shared memory its CTAs may take (fmha_decode.cu)
+    are the host's, and the host clusters only the 2-8 splits whose partials fit after the key's
+    bytes (so the kernel, which compiles the merge where they fit, has it)."""
+    src = (Path(decode.__file__).parent / "fmha_decode.cu").read_text()
+    assert int(re.search(r"constexpr int CLUSTER_MAX_SPLITS = (\d+);", src).group(1)) == decode.CLUSTER_MAX_SPLITS
+    assert int(re.search(r"constexpr int DECODE_SMEM_LIMIT = (\d+);", src).group(1)) == keys.SM90_SMEM_LIMIT
+    for batch, hkv, group, d, n in ((1, 8, 4, 128, 1024), (1, 1, 16, 576, 1000), (1, 1, 64, 576, 1000),
+                                    (1, 8, 4, 128, 100000), (64, 8, 4, 128, 1024)):
+        pol = decode.decode_policy(batch, hkv, group, 1, d, n, 132)
+        key = decode.DecodeKey.of("bf16", d, False, pol, "sm_90a")
+        cluster, smem = decode.decode_cluster(key, pol, "sm_90a", Tuning(), keys.SM90_SMEM_LIMIT)
+        fits = -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= keys.SM90_SMEM_LIMIT
+        assert cluster == (pol.splits if 2 <= pol.splits <= decode.CLUSTER_MAX_SPLITS and fits else 1), (pol, key)
+        assert (smem > key.smem) == (cluster > 1)
+        assert decode.decode_cluster(key, pol, "sm_80", Tuning(), keys.SM90_SMEM_LIMIT) == (1, key.smem)
+        assert decode.decode_cluster(key, pol, "sm_90a", Tuning(cluster_merge=False), keys.SM90_SMEM_LIMIT) == (1, key.smem)
+    pol = decode.decode_policy(1, 8, 4, 1, 128, 1024, 132)
+    assert decode.decode_cluster(decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a"), pol, "sm_90a", Tuning(),
+                                 keys.SM90_SMEM_LIMIT)[0] == 8  # the latency row: one cluster of 8
+
+
 def test_mla_workspace_never_shrinks():
     for batch, heads in ((1, 16), (64, 16), (2, 128)):
         sizes = [decode.mla_workspace_bytes(batch, heads, 1, n, 132) for n in range(1, 20000, 97)]

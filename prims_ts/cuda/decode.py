@@ -25,6 +25,9 @@ MLA_DIM_QK = 576
 MLA_DIM_V = 512
 DECODE_MIN_KEYS_PER_SPLIT = 128
 DECODE_MAX_SPLITS = 128
+# Split counts a plan launches as one thread block cluster on sm_90a (Tuning.cluster_merge):
+# up to the portable cluster size (pt::CLUSTER_MAX_SPLITS)
+CLUSTER_MAX_SPLITS = 8
 
 # Per head dim: keys per K/V tile, pipeline depth (32 KB of K+V per stage, three stages) and
 # whether the warps split O's columns (D256: o[] would not fit in registers otherwise)
@@ -211,6 +214,17 @@ class DecodeKey(KernelKey):
         return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}>"
 
 
+def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int) -> Tuple[int, int]:
+    """The launch's cluster size and dynamic shared memory: on sm_90a the 2-8 splits of a row
+    tile as one cluster (Tuning.cluster_merge), each CTA keeping its partial rows and
+    log-sum-exps after the core's bytes (fmha_decode.cu: merge_cluster), where that fits the
+    per-block limit; otherwise (1, the key's)."""
+    if arch != "sm_90a" or not tuning.cluster_merge or not 2 <= pol.splits <= CLUSTER_MAX_SPLITS:
+        return 1, key.smem
+    smem = -(-key.smem // 16) * 16 + key.bm * key.dv * 4 + key.bm * 4
+    return (pol.splits, smem) if smem <= smem_limit else (1, key.smem)
+
+
 class DecodeParams(ctypes.Structure):
     """Mirror of pt::DecodeParams (prims_ts/cuda/include/pt_decode.cuh)."""
 
@@ -342,7 +356,10 @@ class PreparedDecode(Prepared):
         self.workspace_bytes = self._ws_offsets[3] if self._ws_offsets else 0
         self.static, self.dev, self.policy, self.key, self.p = static, dev, pol, key, p
         grid = (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
-        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p)
+        cluster, smem = decode_cluster(key, pol, arch, static.tuning, limit)
+        if cluster > 1:
+            runtime.reserve_smem(kernel, smem, key.name)
+        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p, cluster, smem)
         self._strides = None
         self.accepted = None
         self._v_off = 0

@@ -213,7 +213,67 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   }
 }
 
-template <class Cfg, bool CAUSAL>
+// Split-KV in a thread block cluster (sm_90a; the plan launches a row tile's 2-8 split CTAs
+// as one cluster where the partials fit the shared memory: Tuning.cluster_merge): each split CTA leaves its normalised partial rows
+// and log-sum-exps at the end of its own dynamic shared memory (part: [BM][DV], then [BM]);
+// after one cluster barrier every CTA merges its slice of the tile's 4-column groups,
+// reading the S partials of a group through distributed shared memory, all in flight at
+// once; a second barrier keeps each CTA's partials alive until its peers have read them. No
+// workspace, ticket or last CTA: the merge is S CTAs wide and one on-chip round trip long.
+// O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max) as in merge_if_last (an
+// all-empty or poisoned row writes zeros).
+constexpr int CLUSTER_MAX_SPLITS = 8;  // decode.CLUSTER_MAX_SPLITS: the portable cluster size
+constexpr int DECODE_SMEM_LIMIT = 232448;  // keys.SM90_SMEM_LIMIT: sm_90's per-block opt-in shared memory
+
+// The MMA threads (0 .. Cfg::THREADS - 1) merge; a producer warpgroup (its registers given
+// back) only meets the two barriers.
+template <class Cfg>
+__device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float* part, int b, int hk, int q_start,
+                                              int row0, int q_rows) {
+  constexpr int BM = Cfg::BM, DV = Cfg::DV, QUADS = DV / 4;
+  const int S = p.splits;  // the cluster's CTAs (checked by the caller)
+  cluster_sync();          // every split's partials written
+  const int n = q_rows * QUADS, per = (n + S - 1) / S;
+  const int g0 = (int)cluster_ctarank() * per, g1 = min_(n, g0 + per);
+  const u32 local = smem_addr(part);
+  for (int g = g0 + (int)threadIdx.x; g < g1; g += Cfg::THREADS) {
+    const int r = g / QUADS, c = 4 * (g % QUADS);
+    float lse[CLUSTER_MAX_SPLITS];
+    float4 o[CLUSTER_MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < CLUSTER_MAX_SPLITS; ++s) {
+      lse[s] = neg_inf();
+      o[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (s < S) {
+        const u32 peer = cluster_map(local, (u32)s);
+        lse[s] = ld_cluster_f32(peer + (u32)(BM * DV + r) * 4);
+        o[s] = ld_cluster_f32x4(peer + (u32)(r * DV + c) * 4);
+      }
+    }
+    float mx = neg_inf();
+#pragma unroll
+    for (int s = 0; s < CLUSTER_MAX_SPLITS; ++s) mx = max_(mx, lse[s]);
+    const bool none = mx == neg_inf() || mx == pos_inf();
+    float sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < CLUSTER_MAX_SPLITS; ++s) {
+      const float e = none || s >= S ? 0.f : fast_exp2(lse[s] - mx);
+      sum += e;
+      acc.x += e * o[s].x;
+      acc.y += e * o[s].y;
+      acc.z += e * o[s].z;
+      acc.w += e * o[s].w;
+    }
+    const float scale = sum > 0.f ? p.out_scale / sum : 0.f;
+    char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
+    store_pair(dst, p.out_dtype, acc.x * scale, acc.y * scale);
+    store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, acc.z * scale, acc.w * scale);
+  }
+  cluster_sync();  // the peers are done reading this CTA's partials
+}
+
+template <class Cfg, bool CAUSAL, int CL = 1>
 __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
@@ -252,8 +312,26 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   } else {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   }
-  if (threadIdx.x >= Cfg::THREADS) return;  // the producer warpgroup: done
-  if (p.splits > 1) merge_if_last<Cfg>(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
+  // the splits launched as one cluster (the plan's launch shape: decode.decode_cluster, which
+  // takes it only where the partials fit after the core's bytes: CLUSTER_FITS)
+  constexpr bool CLUSTER_FITS = Cfg::SMEM_BYTES + 16 + Cfg::BM * (Cfg::DV + 1) * 4 <= DECODE_SMEM_LIMIT;
+  const bool clustered = CLUSTER_FITS && pb.clustered();
+  if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: done, but for the cluster's barriers
+#if __CUDA_ARCH__ >= 900
+    if (clustered) {
+      cluster_sync();
+      cluster_sync();
+    }
+#endif
+    return;
+  }
+  if (clustered) {
+#if __CUDA_ARCH__ >= 900
+    if constexpr (CLUSTER_FITS) merge_cluster<Cfg>(p, pb.cluster_part(), b, hk, pb.q_start, pb.row0, pb.q_rows);
+#endif
+  } else if (p.splits > 1) {
+    merge_if_last<Cfg>(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
+  }
 }
 
 }  // namespace pt

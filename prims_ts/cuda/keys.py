@@ -60,6 +60,11 @@ class Tuning:
     # The decode kernels' split merge: register units over split lanes, or staged through
     # shared memory.
     merge_staged: bool = False
+    # Paged and MLA decode on sm_90a with 2-8 splits: the splits of a row tile are launched as
+    # one thread block cluster and merge through distributed shared memory (no workspace pass,
+    # ticket or last CTA), where the partials fit the shared memory. False: the ticket merge at
+    # every split count.
+    cluster_merge: bool = True
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     mla_swapped: bool = True
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong

@@ -26,7 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 INCLUDE_DIR = HERE / "include"
@@ -185,6 +185,7 @@ class LoadedKernel:
     smem: int  # dynamic shared memory bytes
     threads: int
     ctx: int = 0  # the CUcontext the module was loaded into (the device's primary context)
+    smem_max: int = 0  # the function's dynamic shared memory limit as set (reserve_smem)
 
 
 _loaded: Dict[Tuple[int, str], LoadedKernel] = {}
@@ -245,9 +246,22 @@ def get_kernel(device_index: int, ks: KernelSource, smem: int, threads: int) -> 
                     f"kernel {ks.key!r} needs {smem} bytes of shared memory, more than cuda:{device_index} allows: {e}"
                 ) from e
             ctx = _libcuda().current_context()
-        k = LoadedKernel(func=func, smem=smem, threads=threads, ctx=ctx)
+        k = LoadedKernel(func=func, smem=smem, threads=threads, ctx=ctx, smem_max=smem)
         _loaded[(device_index, ks.key)] = k
         return k
+
+
+def reserve_smem(kernel: LoadedKernel, smem: int, name: str) -> None:
+    """Let `kernel` launch with `smem` bytes of dynamic shared memory (more than its key's:
+    a launch shape that keeps extra bytes, e.g. decode's cluster merge). Plans call it, not
+    runs: it may call the driver."""
+    if smem <= max(kernel.smem_max, 48 * 1024):
+        return
+    try:
+        _driver().funcSetAttribute(kernel.func, _driver().CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+    except Exception as e:
+        raise KernelLaunchError(f"kernel {name!r} cannot take {smem} bytes of shared memory: {e}") from e
+    kernel.smem_max = smem
 
 
 class TensorMap(ctypes.Structure):
@@ -311,6 +325,17 @@ class _LaunchConfig(ctypes.Structure):
         ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
 
 
+class _LaunchAttr(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value (here a cluster shape)."""
+
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("x", ctypes.c_uint), ("y", ctypes.c_uint),
+                ("z", ctypes.c_uint), ("rest", ctypes.c_ubyte * 52)]
+
+
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+assert ctypes.sizeof(_LaunchAttr) == 72
+
+
 class _LibCuda:
     """The libcuda entry points a launch calls, through ctypes with prepared arguments (a
     launch through CuPy's wrapper costs several microseconds more; ctypes converts each
@@ -371,30 +396,48 @@ class PreparedLaunch:
     may rewrite it at once (and a CUDA graph keeps the values it captured). One thread at a
     time: a plan is not shared between threads that launch concurrently."""
 
-    __slots__ = ("name", "params", "ctx", "empty", "grid", "kernel", "_cfg", "_launch", "_args", "_argv")
+    __slots__ = ("name", "params", "ctx", "empty", "grid", "kernel", "cluster", "smem", "_cfg", "_attr", "_launch",
+                 "_args", "_argv")
 
-    def __init__(self, kernel: LoadedKernel, name: str, grid: Sequence[int], params: ctypes.Structure):
+    def __init__(self, kernel: LoadedKernel, name: str, grid: Sequence[int], params: ctypes.Structure,
+                 cluster: int = 1, smem: Optional[int] = None):
+        """`cluster` > 1: blocks of that many CTAs along x form one thread block cluster (sm_90;
+        gx a multiple of it); `smem`: dynamic shared memory other than the kernel's own
+        (raised on the function first: reserve_smem)."""
         gx, gy, gz = (list(grid) + [1, 1])[:3]
         self.name, self.kernel = name, kernel
         self.params = params
         self.ctx = kernel.ctx
         self.empty = gx * gy * gz == 0
         self.grid = (gx, gy, gz)
+        self.cluster = cluster
+        self.smem = kernel.smem if smem is None else smem
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self._attr = None
         drv = _libcuda()
+        if cluster > 1 and (drv.cuLaunchKernelEx is None or gx % cluster):
+            raise KernelLaunchError(f"{name}: a cluster of {cluster} CTAs needs cuLaunchKernelEx and a grid x "
+                                    f"that it divides, got {gx}")
         if drv.cuLaunchKernelEx is not None:
-            self._cfg = _LaunchConfig(gx, gy, gz, kernel.threads, 1, 1, kernel.smem, None, None, 0)
+            if cluster > 1:
+                self._attr = (_LaunchAttr * 1)()
+                self._attr[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                self._attr[0].x, self._attr[0].y, self._attr[0].z = cluster, 1, 1
+            self._cfg = _LaunchConfig(gx, gy, gz, kernel.threads, 1, 1, self.smem, None,
+                                      None if self._attr is None else ctypes.addressof(self._attr),
+                                      0 if self._attr is None else 1)
             self._args = (ctypes.byref(self._cfg), ctypes.c_void_p(kernel.func), self._argv, None)
             self._launch = drv.cuLaunchKernelEx
         else:
             self._cfg = None
             self._args = (ctypes.c_void_p(kernel.func), ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz),
-                          ctypes.c_uint(kernel.threads), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(kernel.smem))
+                          ctypes.c_uint(kernel.threads), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(self.smem))
             self._launch = drv.cuLaunchKernel
 
     def with_params(self, params: ctypes.Structure) -> "PreparedLaunch":
-        """The same kernel and grid over another parameter struct (a plan's own copy)."""
-        return PreparedLaunch(self.kernel, self.name, self.grid, params)
+        """The same kernel, grid, cluster and shared memory over another parameter struct (a
+        plan's own copy)."""
+        return PreparedLaunch(self.kernel, self.name, self.grid, params, self.cluster, self.smem)
 
     def set_grid_x(self, gx: int) -> None:
         """Another x extent of the grid (a kernel whose block count follows its work: the read)."""

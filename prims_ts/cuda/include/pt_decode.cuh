@@ -9,7 +9,7 @@
 // slot j % ps, of the K and V pools (combined caches are passed as two views).
 // Mask policy: key bound, bottom-right causal on the query token, left window.
 // Output policy: the output rows, or (split-KV) normalised partials and their
-// log-sum-exp in the workspace.
+// log-sum-exp in the workspace, or (split-KV in a cluster) in the CTA's shared memory.
 // Fail closed: the live metadata are checked where they are read, one compare an entry.
 // Packed query offsets outside the query rows: the request's rows are not written (they
 // have no place). More query rows than the launch's row tiles (past max_seq_len_q), CSR
@@ -76,6 +76,16 @@ __device__ __forceinline__ void decode_request(const DecodeParams& p, int b, int
     q_start = 0;
     sq = p.sq;
   }
+}
+
+// The cluster merge's partials of a CTA: [BM][DV] rows, then [BM] log-sum-exps, the last
+// bytes of the launch's dynamic shared memory (decode.decode_cluster sizes it)
+template <int BM, int DV>
+__device__ __forceinline__ float* decode_cluster_part() {
+  extern __shared__ __align__(1024) char smem_dyn[];
+  u32 bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return reinterpret_cast<float*>(smem_dyn + bytes - (BM * DV + BM) * 4);
 }
 
 template <class T, int DV, int BM, int BN, bool CAUSAL>
@@ -182,8 +192,20 @@ struct DecodeProblem {
   __device__ __forceinline__ i64 partial_row(int r) const {
     return (((i64)b * p->hkv + hk) * p->splits + split) * p->rows_max + row0 + r;
   }
+  // Split-KV launched as one thread block cluster (fmha_decode.cu: merge_cluster): this CTA's
+  // partial rows [BM][DV] and log-sum-exps [BM] at the end of its dynamic shared memory
+  __device__ __forceinline__ bool clustered() const {
+#if __CUDA_ARCH__ >= 900
+    return p->splits > 1 && (int)cluster_nctarank() == p->splits;
+#else
+    return false;
+#endif
+  }
+  __device__ __forceinline__ float* cluster_part() const { return decode_cluster_part<BM, DV>(); }
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
-    if (p->splits > 1) {
+    if (clustered()) {
+      *reinterpret_cast<float2*>(cluster_part() + r * DV + c) = make_float2(x, y);
+    } else if (p->splits > 1) {
       *reinterpret_cast<float2*>(p->ws_o + partial_row(r) * DV + c) = make_float2(x, y);
     } else {
       store_pair(decode_out_row(*p, b, hk, q_start, row0 + r) + c * out_dtype_size(p->out_dtype), p->out_dtype,
@@ -191,7 +213,11 @@ struct DecodeProblem {
     }
   }
   __device__ __forceinline__ void store_lse(int r, float lse) const {
-    if (p->splits > 1) p->ws_lse[partial_row(r)] = poisoned ? pos_inf() : lse;
+    if (clustered()) {
+      cluster_part()[BM * DV + r] = poisoned ? pos_inf() : lse;
+    } else if (p->splits > 1) {
+      p->ws_lse[partial_row(r)] = poisoned ? pos_inf() : lse;
+    }
   }
 };
 
