@@ -313,8 +313,8 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   }
   // the splits launched as one cluster (the plan's launch shape: decode.decode_cluster, which
-  // takes it only where the partials fit after the core's bytes: CLUSTER_FITS)
-  constexpr bool CLUSTER_FITS = Cfg::SMEM_BYTES + 16 + Cfg::BM * (Cfg::DV + 1) * 4 <= DECODE_SMEM_LIMIT;
+  // takes it only where round16(the key's bytes) + the partials fit, so CLUSTER_FITS holds)
+  constexpr bool CLUSTER_FITS = Cfg::SMEM_BYTES + Cfg::BM * (Cfg::DV + 1) * 4 <= DECODE_SMEM_LIMIT;
   const bool clustered = CLUSTER_FITS && pb.clustered();
   if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: done, but for the cluster's barriers
 #if __CUDA_ARCH__ >= 900
