@@ -257,10 +257,17 @@ def reserve_smem(kernel: LoadedKernel, smem: int, name: str) -> None:
     runs: it may call the driver."""
     if smem <= max(kernel.smem_max, 48 * 1024):
         return
+    lib = _libcuda()
+    cur = lib.current_context()
+    if cur != kernel.ctx:  # the kernel's context current, as its loading had it
+        lib.cuCtxSetCurrent(ctypes.c_void_p(kernel.ctx))
     try:
         _driver().funcSetAttribute(kernel.func, _driver().CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
     except Exception as e:
         raise KernelLaunchError(f"kernel {name!r} cannot take {smem} bytes of shared memory: {e}") from e
+    finally:
+        if cur != kernel.ctx:
+            lib.cuCtxSetCurrent(ctypes.c_void_p(cur))
     kernel.smem_max = smem
 
 
