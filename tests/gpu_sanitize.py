@@ -116,6 +116,15 @@ def poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt):
     return indptr, indices, seq_lens, cache, k, v, live_csr
 
 
+def _check_workspace(dev, name, split, workspace) -> None:
+    """A standalone call's workspace after it: untouched by the cluster merge (sm_90a, the
+    cases named so), the ticket's partials in it otherwise (split-KV)."""
+    if torch.device(dev).type != "cuda" or not split:
+        return
+    torch.cuda.synchronize()
+    assert (workspace.count_nonzero().item() == 0) == ("cluster" in name and _sm90(dev)), name
+
+
 def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, max_seq_len, split,
                 tuning=None) -> None:
     """One decode launch over shuffled pages (unused slots NaN; the standalone's CSR: garbage
@@ -144,6 +153,7 @@ def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, 
         res = prims_ts.prims_ts_batch_decode_with_kv_cache(q, cache, workspace, indptr, indices, seq_lens,
                                                            max_seq_len, mask_type=mask, window_left=window, out=out,
                                                            **kw)
+        _check_workspace(dev, name, split, workspace)
     else:
         w = prims_ts.BatchDecodePagedTSWrapper("HND", tuning=tuning)
         w.plan(*live_csr, hq, hkv, d, ps, q_data_type=dt, mask_type=mask, window_left=window,
@@ -151,7 +161,7 @@ def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, 
         launch = w._plan.launch
         if launch is not None:
             assert launch.policy == pol and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
-            assert (launch.launch.cluster > 1) == (name.startswith("cluster") and _sm90(dev) and tuning.cluster_merge)
+            assert (launch.launch.cluster > 1) == ("cluster" in name and _sm90(dev) and tuning.cluster_merge), name
         res = w.run(q, cache, out=out)
     assert res is out
     ref = R.batch_decode(q, k, v, indptr, indices, seq_lens, qo_indptr=qo_indptr, mask_type=mask,
@@ -223,6 +233,7 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, 
         res = prims_ts.prims_ts_batch_decode_with_kv_cache_mla(q, cache, workspace, 512, 64, table, seq_lens,
                                                                max_seq_len, mask_type=mask, bmm1_scale=scale,
                                                                out=out, **kw)
+        _check_workspace(dev, name, split, workspace)
     else:
         w = prims_ts.BatchMLADecodePagedTSWrapper(tuning=tuning)
         mode = kw if qmode == "packed" else dict(seq_len_q=sq)
@@ -230,6 +241,7 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, 
         launch = w._plan.launch
         if launch is not None:
             assert launch.policy == pol and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
+            assert (launch.launch.cluster > 1) == ("cluster" in name and _sm90(dev) and tuning.cluster_merge), name
         res = w.run(q, cache, bmm1_scale=scale, out=out)
     assert res is out
     ref = R.batch_mla_decode(q, cache, table, seq_lens, qo_indptr=qo_indptr, mask_type=mask, sm_scale=scale,
@@ -244,6 +256,7 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, 
 MLA_MMA_SYNC_CASES = [
     ("mma.sync fixed sq1 h16 causal", "fixed", 1, "causal", 16, 16, 3, [1, 37, 60], 60, False),
     ("mma.sync split packed h8 dense", "packed", [4, 1], "dense", 8, 64, 4, [3000, 2], 3000, True),
+    ("mma.sync cluster fixed sq1 h16 causal", "fixed", 1, "causal", 16, 32, 3, [1000, 300], 1000, True),
 ]
 
 
@@ -253,7 +266,9 @@ def mla_cases(dev, tuning=None) -> None:
     for case in MLA_CASES:
         mla_case(dev, *case, tuning=tuning)
     if _sm90(dev):
-        mma = dataclasses.replace(DECODE_VARIANTS["mla_mma"], merge_staged=(tuning or DEFAULT).merge_staged)
+        base = tuning or DEFAULT
+        mma = dataclasses.replace(DECODE_VARIANTS["mla_mma"], merge_staged=base.merge_staged,
+                                  cluster_merge=base.cluster_merge)
         assert not mma.mla_swapped
         for case in MLA_MMA_SYNC_CASES:
             mla_case(dev, *case, tuning=mma)
@@ -436,13 +451,12 @@ def run_all(dev) -> None:
     # MLA decode: fixed and packed, both cache ranks, with and without split-KV (sm_90a: the
     # mma.sync tile of rows of 16/32 through a wrapper too)
     mla_cases(dev)
-    # both again with the other split merge (partials staged in shared memory), through wrappers
-    staged = DECODE_VARIANTS["merge_staged"]
+    # both again with each ticket merge (at 2-8 splits too): lanes, then staged in shared memory
+    staged = dataclasses.replace(DECODE_VARIANTS["merge_staged"], cluster_merge=False)
     assert staged.merge_staged
-    decode_cases(dev, staged)
-    decode_cases(dev, Tuning(cluster_merge=False))  # the ticket merge at 2-8 splits too
-    mla_cases(dev, Tuning(cluster_merge=False))
-    mla_cases(dev, staged)
+    for tuning in (Tuning(cluster_merge=False), staged):
+        decode_cases(dev, tuning)
+        mla_cases(dev, tuning)
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
     # the producer ring's variants (sm_90a), each through wrappers planned with its tuning: consumer
@@ -473,7 +487,7 @@ def run_variant(dev, name: str) -> None:
 def run_decode(dev) -> None:
     """The paged- and MLA-decode cases alone: the standalone functions (the default tuning: 2-8
     splits as a cluster on sm_90a), then wrappers with each ticket merge."""
-    for tuning in (None, Tuning(cluster_merge=False), DECODE_VARIANTS["merge_staged"]):
+    for tuning in (None, Tuning(cluster_merge=False), Tuning(merge_staged=True, cluster_merge=False)):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
     torch.cuda.synchronize()

@@ -182,14 +182,16 @@ def check_plan(pb: Problem, w, tuning, causal: bool) -> DecodeKey:
         assert plan.launch.policy == pol, (plan.launch.policy, pol)
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
         assert plan.launch.p.merge_staged == int(tuning.merge_staged)
-        # the splits as one cluster: sm_90a with 2-8 splits under the default merge (where the
-        # partials fit the shared memory), the ticket merge otherwise
-        arch, _, limit = device_limits(plan.device)
-        cluster = plan.launch.launch.cluster
-        may = arch == "sm_90a" and tuning.cluster_merge
-        assert cluster in (1, pol.splits) and (cluster > 1) <= may, (cluster, pol, key.name)
-        if may and 2 <= pol.splits <= CLUSTER_MAX_SPLITS and -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= limit:
-            assert cluster == pol.splits and plan.launch.launch.smem > key.smem, (cluster, pol, key.name)
+        # the splits as one cluster: sm_90a with 2-8 splits under the default merge, where the
+        # partials fit the shared memory and cost no wave (decode.decode_cluster); else the ticket
+        arch, sms, limit = device_limits(plan.device)
+        launch = plan.launch.launch
+        may = arch == "sm_90a" and tuning.cluster_merge and 2 <= pol.splits <= CLUSTER_MAX_SPLITS
+        assert launch.cluster in ((1, pol.splits) if may else (1,)), (launch.cluster, pol, key.name)
+        assert (launch.smem > key.smem) == (launch.cluster > 1)
+        if may and launch.grid[0] * launch.grid[1] * launch.grid[2] <= sms and \
+                -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= limit:  # one wave however many fit
+            assert launch.cluster == pol.splits, (pol, key.name)
     return key
 
 
@@ -217,6 +219,11 @@ def check(pb: Problem, tuning, mask="causal", out_dtype=None, bmm1_scale=SCALE, 
         assert res is one
         results.append(("standalone", one))
     sync()
+    launch = w._plan.launch
+    if tuning == DEFAULT and launch is not None and launch.policy.splits > 1:
+        # the cluster merge never touches the caller's workspace; the ticket leaves its partials
+        # there (the standalone's policy and launch shape are the wrapper's)
+        assert (pb.workspace.count_nonzero().item() == 0) == (launch.launch.cluster > 1), launch.launch.cluster
     ref = pb.ref(mask, bmm1_scale, bmm2_scale)
     compare(pb, results, ref, tol or max(TOLERANCE[pb.dtype], TOLERANCE[odt]))
     return results, ref

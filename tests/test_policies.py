@@ -407,24 +407,41 @@ def test_device_split_bound_matches_the_host():
 
 def test_device_cluster_bounds_match_the_host():
     """The cluster merge's split bound and the shared memory its CTAs may take (fmha_decode.cu)
-    are the host's, and the host clusters only the 2-8 splits whose partials fit after the key's
-    bytes (so the kernel, which compiles the merge where they fit, has it)."""
+    are the host's; the host clusters only 2-8 splits whose partials fit after the key's bytes
+    (and then the kernel's own fit, on the core's bytes without the alignment slack, holds: it
+    has the merge), and only where the extra bytes cost no wave."""
     src = (Path(decode.__file__).parent / "fmha_decode.cu").read_text()
     assert int(re.search(r"constexpr int CLUSTER_MAX_SPLITS = (\d+);", src).group(1)) == decode.CLUSTER_MAX_SPLITS
-    assert int(re.search(r"constexpr int DECODE_SMEM_LIMIT = (\d+);", src).group(1)) == keys.SM90_SMEM_LIMIT
-    for batch, hkv, group, d, n in ((1, 8, 4, 128, 1024), (1, 1, 16, 576, 1000), (1, 1, 64, 576, 1000),
-                                    (1, 8, 4, 128, 100000), (64, 8, 4, 128, 1024)):
-        pol = decode.decode_policy(batch, hkv, group, 1, d, n, 132)
-        key = decode.DecodeKey.of("bf16", d, False, pol, "sm_90a")
-        cluster, smem = decode.decode_cluster(key, pol, "sm_90a", Tuning(), keys.SM90_SMEM_LIMIT)
-        fits = -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= keys.SM90_SMEM_LIMIT
-        assert cluster == (pol.splits if 2 <= pol.splits <= decode.CLUSTER_MAX_SPLITS and fits else 1), (pol, key)
-        assert (smem > key.smem) == (cluster > 1)
-        assert decode.decode_cluster(key, pol, "sm_80", Tuning(), keys.SM90_SMEM_LIMIT) == (1, key.smem)
-        assert decode.decode_cluster(key, pol, "sm_90a", Tuning(cluster_merge=False), keys.SM90_SMEM_LIMIT) == (1, key.smem)
-    pol = decode.decode_policy(1, 8, 4, 1, 128, 1024, 132)
+    limit = keys.SM90_SMEM_LIMIT
+    assert int(re.search(r"constexpr int DECODE_SMEM_LIMIT = (\d+);", src).group(1)) == limit
+    clustered = 0
+    for tuning in (Tuning(), Tuning(mla_swapped=False)):
+        for batch, hkv, group, d, n in itertools.product((1, 2, 8, 32), (1, 2, 8), (1, 4, 16, 64), (64, 128, 256, 576),
+                                                         (100, 1000, 5000, 100000)):
+            if d == 576 and hkv != 1:
+                continue
+            pol = decode.decode_policy(batch, hkv, group, 1, d, n, 132)
+            key = decode.DecodeKey.of("bf16", d, False, pol, "sm_90a", tuning)
+            ctas = pol.splits * hkv * pol.row_tiles * batch
+            cluster, smem = decode.decode_cluster(key, pol, "sm_90a", tuning, limit, 132, ctas)
+            part = pol.bm * (key.dv + 1) * 4
+            assert cluster in (1, pol.splits) and (smem > key.smem) == (cluster > 1), (pol, key.name)
+            if cluster > 1:
+                clustered += 1
+                assert 2 <= pol.splits <= decode.CLUSTER_MAX_SPLITS and -(-key.smem // 16) * 16 + part == smem <= limit
+                core = (decode.swap_smem_bytes(key.bm, key.bn, key.head_dim, key.stages) if key.swap else
+                        keys.fmha_smem_bytes(key.bm, key.bn, key.head_dim, key.stages, key.warps_n, key.split_o,
+                                             key.dv, key.shared_kv, key.producer))
+                assert core + part <= limit  # the kernel's CLUSTER_FITS
+            elif 2 <= pol.splits <= decode.CLUSTER_MAX_SPLITS and -(-key.smem // 16) * 16 + part <= limit:
+                assert ctas > 132 * decode._ctas_per_sm(-(-key.smem // 16) * 16 + part, key.threads), (pol, key.name)
+            assert decode.decode_cluster(key, pol, "sm_80", tuning, limit, 132, ctas) == (1, key.smem)
+            off = dataclasses.replace(tuning, cluster_merge=False)
+            assert decode.decode_cluster(key, pol, "sm_90a", off, limit, 132, ctas) == (1, key.smem)
+    assert clustered > 20
+    pol = decode.decode_policy(1, 8, 4, 1, 128, 1024, 132)  # the latency row: one cluster of 8
     assert decode.decode_cluster(decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a"), pol, "sm_90a", Tuning(),
-                                 keys.SM90_SMEM_LIMIT)[0] == 8  # the latency row: one cluster of 8
+                                 limit, 132, 64) == (8, -(-102400 // 16) * 16 + 16 * 129 * 4)
 
 
 def test_mla_workspace_never_shrinks():

@@ -214,15 +214,28 @@ class DecodeKey(KernelKey):
         return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}>"
 
 
-def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int) -> Tuple[int, int]:
+def _ctas_per_sm(smem: int, threads: int) -> int:
+    """Resident CTAs an SM holds by shared memory and threads (decode_policy's estimate)."""
+    return max(1, min(SM_SMEM_BYTES // (smem + 1024), 2048 // threads))
+
+
+def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int,
+                   sm_count: int, ctas: int) -> Tuple[int, int]:
     """The launch's cluster size and dynamic shared memory: on sm_90a the 2-8 splits of a row
     tile as one cluster (Tuning.cluster_merge), each CTA keeping its partial rows and
     log-sum-exps after the core's bytes (fmha_decode.cu: merge_cluster), where that fits the
-    per-block limit; otherwise (1, the key's)."""
+    per-block limit and the extra bytes cost no wave (the policy counted the resident CTAs of
+    the key's own bytes: `ctas` of the launch must still fit one pass of the fewer slots);
+    otherwise (1, the key's)."""
     if arch != "sm_90a" or not tuning.cluster_merge or not 2 <= pol.splits <= CLUSTER_MAX_SPLITS:
         return 1, key.smem
     smem = -(-key.smem // 16) * 16 + key.bm * key.dv * 4 + key.bm * 4
-    return (pol.splits, smem) if smem <= smem_limit else (1, key.smem)
+    if smem > smem_limit:
+        return 1, key.smem
+    slots = sm_count * _ctas_per_sm(smem, key.threads)
+    if slots < sm_count * _ctas_per_sm(key.smem, key.threads) and ctas > slots:
+        return 1, key.smem
+    return pol.splits, smem
 
 
 class DecodeParams(ctypes.Structure):
@@ -356,7 +369,7 @@ class PreparedDecode(Prepared):
         self.workspace_bytes = self._ws_offsets[3] if self._ws_offsets else 0
         self.static, self.dev, self.policy, self.key, self.p = static, dev, pol, key, p
         grid = (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
-        cluster, smem = decode_cluster(key, pol, arch, static.tuning, limit)
+        cluster, smem = decode_cluster(key, pol, arch, static.tuning, limit, sms, grid[0] * grid[1] * grid[2])
         if cluster > 1:
             runtime.reserve_smem(kernel, smem, key.name)
         self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p, cluster, smem)

@@ -232,6 +232,7 @@ __device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float
                                               int row0, int q_rows) {
   constexpr int BM = Cfg::BM, DV = Cfg::DV, QUADS = DV / 4;
   const int S = p.splits;  // the cluster's CTAs (checked by the caller)
+  __syncwarp();            // converged for the .aligned barrier
   cluster_sync();          // every split's partials written
   const int n = q_rows * QUADS, per = (n + S - 1) / S;
   const int g0 = (int)cluster_ctarank() * per, g1 = min_(n, g0 + per);
@@ -270,10 +271,11 @@ __device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float
     store_pair(dst, p.out_dtype, acc.x * scale, acc.y * scale);
     store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, acc.z * scale, acc.w * scale);
   }
+  __syncwarp();
   cluster_sync();  // the peers are done reading this CTA's partials
 }
 
-template <class Cfg, bool CAUSAL, int CL = 1>
+template <class Cfg, bool CAUSAL>
 __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
@@ -313,7 +315,8 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   }
   // the splits launched as one cluster (the plan's launch shape: decode.decode_cluster, which
-  // takes it only where round16(the key's bytes) + the partials fit, so CLUSTER_FITS holds)
+  // takes it only where round16(the key's bytes) + the partials fit, so CLUSTER_FITS holds,
+  // and launches with those bytes: the partials lie past the core's)
   constexpr bool CLUSTER_FITS = Cfg::SMEM_BYTES + Cfg::BM * (Cfg::DV + 1) * 4 <= DECODE_SMEM_LIMIT;
   const bool clustered = CLUSTER_FITS && pb.clustered();
   if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: done, but for the cluster's barriers

@@ -193,7 +193,8 @@ struct DecodeProblem {
     return (((i64)b * p->hkv + hk) * p->splits + split) * p->rows_max + row0 + r;
   }
   // Split-KV launched as one thread block cluster (fmha_decode.cu: merge_cluster): this CTA's
-  // partial rows [BM][DV] and log-sum-exps [BM] at the end of its dynamic shared memory
+  // partial rows [BM][DV] and log-sum-exps [BM] at the end of its dynamic shared memory. Read
+  // where the partials are stored (a flag kept through the core costs registers).
   __device__ __forceinline__ bool clustered() const {
 #if __CUDA_ARCH__ >= 900
     return p->splits > 1 && (int)cluster_nctarank() == p->splits;

@@ -142,10 +142,10 @@ __device__ __forceinline__ u32 cluster_ctarank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-// CTAs in this CTA's cluster (1 when the launch has no cluster shape)
+// CTAs in this CTA's cluster (1 when the launch has no cluster shape; fixed for the launch)
 __device__ __forceinline__ u32 cluster_nctarank() {
   u32 r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
   return r;
 }
 __device__ __forceinline__ void cluster_sync() {
