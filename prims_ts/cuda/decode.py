@@ -373,6 +373,8 @@ class PreparedDecode(Prepared):
         if cluster > 1:
             runtime.reserve_smem(kernel, smem, key.name)
         self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p, cluster, smem)
+        if not self.launch.clusters_fit():  # no SM set of this device holds one: the ticket merge
+            self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p)
         self._strides = None
         self.accepted = None
         self._v_off = 0

@@ -360,6 +360,7 @@ class _LibCuda:
         self.cuMemcpyDtoHAsync = lib.cuMemcpyDtoHAsync_v2
         self.cuMemcpyHtoDAsync = lib.cuMemcpyHtoDAsync_v2
         self.cuStreamSynchronize = lib.cuStreamSynchronize
+        self.cuOccupancyMaxActiveClusters = getattr(lib, "cuOccupancyMaxActiveClusters", None)
         self.cuEventCreate = lib.cuEventCreate
         self.cuEventRecord = lib.cuEventRecord
         self.cuEventSynchronize = lib.cuEventSynchronize
@@ -454,6 +455,29 @@ class PreparedLaunch:
             self._cfg.gridDimX = gx
         else:
             self._args = (self._args[0], ctypes.c_uint(gx)) + self._args[2:]
+
+    def clusters_fit(self) -> bool:
+        """Whether the device can hold at least one of this launch's clusters at once (an SM
+        partition, e.g. under MPS, may hold none). Plans ask it, not runs; True without a
+        cluster or without the driver's query, False (with a warning) when the query fails."""
+        lib = _libcuda()
+        if self.cluster <= 1 or lib.cuOccupancyMaxActiveClusters is None:
+            return True
+        n = ctypes.c_int(0)
+        cur = lib.current_context()
+        if cur != self.ctx:
+            lib.cuCtxSetCurrent(ctypes.c_void_p(self.ctx))
+        try:
+            rc = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(self.kernel.func),
+                                                  ctypes.byref(self._cfg))
+        finally:
+            if cur != self.ctx:
+                lib.cuCtxSetCurrent(ctypes.c_void_p(cur))
+        if rc:  # an unanswered query: the launch without a cluster (always valid), said once
+            warnings.warn(f"prims_ts: cuOccupancyMaxActiveClusters failed for {self.name!r} ({lib.error(rc)}); "
+                          "launching without a thread block cluster", RuntimeWarning, stacklevel=2)
+            return False
+        return n.value >= 1
 
     def launch(self, stream: int) -> None:
         """Launch on `stream` (a raw CUstream) in the kernel's context. No host sync."""
