@@ -214,12 +214,13 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
 }
 
 // Split-KV in a thread block cluster (sm_90a; the plan launches a row tile's 2-8 split CTAs
-// as one cluster where the partials fit the shared memory: Tuning.cluster_merge): each split CTA leaves its normalised partial rows
-// and log-sum-exps at the end of its own dynamic shared memory (part: [BM][DV], then [BM]);
-// after one cluster barrier every CTA merges its slice of the tile's 4-column groups,
-// reading the S partials of a group through distributed shared memory, all in flight at
-// once; a second barrier keeps each CTA's partials alive until its peers have read them. No
-// workspace, ticket or last CTA: the merge is S CTAs wide and one on-chip round trip long.
+// as one cluster where the partials fit the shared memory: Tuning.cluster_merge): each split
+// CTA leaves its normalised partial rows and log-sum-exps at the end of its own dynamic
+// shared memory (part: [BM][DV], then [BM]); after one cluster barrier every CTA merges its
+// slice of the tile's 4-column groups, reading the S partials of a group through distributed
+// shared memory, all in flight at once; a second barrier keeps each CTA's partials alive
+// until its peers have read them. No workspace, ticket or last CTA: the merge is S CTAs wide
+// and one on-chip round trip long.
 // O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max) as in merge_if_last (an
 // all-empty or poisoned row writes zeros).
 constexpr int CLUSTER_MAX_SPLITS = 8;  // decode.CLUSTER_MAX_SPLITS: the portable cluster size
