@@ -59,6 +59,30 @@ def assert_opcheck_passed(result, names=OPCHECK_TESTS) -> None:
     assert not bad, bad
 
 
+def check_decode_cluster(plan, key, tuning) -> None:
+    """A decode or MLA plan's launch shape (``plan``: a wrapper's ``_plan`` with a prepared
+    launch; ``key``: the kernel key the tests expect): the splits as one thread block cluster
+    on sm_90a with 2-8 splits under ``tuning.cluster_merge``, where the partials fit the shared
+    memory and cost no wave (``decode.decode_cluster``), the ticket merge otherwise."""
+    from .cuda.decode import CLUSTER_MAX_SPLITS
+    from .cuda.keys import device_limits
+
+    arch, sms, limit = device_limits(plan.device)
+    pol, launch = plan.launch.policy, plan.launch.launch
+    may = arch == "sm_90a" and tuning.cluster_merge and 2 <= pol.splits <= CLUSTER_MAX_SPLITS
+    assert launch.cluster in ((1, pol.splits) if may else (1,)), (launch.cluster, pol, key.name)
+    assert (launch.smem > key.smem) == (launch.cluster > 1)
+    if may and launch.grid[0] * launch.grid[1] * launch.grid[2] <= sms and \
+            -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= limit:  # one wave however many fit
+        assert launch.cluster == pol.splits, (pol, key.name)
+
+
+def check_decode_workspace(workspace: torch.Tensor, clustered: bool) -> None:
+    """A standalone split-KV decode call's workspace after it (synchronised): untouched by the
+    cluster merge, holding the ticket merge's partials otherwise."""
+    assert (workspace.count_nonzero().item() == 0) == clustered, clustered
+
+
 def huge_page_stride(pool: torch.Tensor) -> torch.Tensor:
     """A one-page view of a paged pool whose page stride is 2**31 elements (nothing past
     page 0 is touched, so no storage is needed for it): the validation tests' pool whose

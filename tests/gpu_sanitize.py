@@ -34,7 +34,7 @@ from prims_ts import reference as R
 from prims_ts.cuda.catalog import DECODE_VARIANTS, RING_VARIANTS
 from prims_ts.cuda.decode import MLA_DIM_QK, decode_policy
 from prims_ts.cuda.keys import device_limits
-from prims_ts.testing import cumsum0, relative_error, stable_seed
+from prims_ts.testing import check_decode_workspace, cumsum0, relative_error, stable_seed
 
 DEFAULT = Tuning()
 # CSR entries past a request's live pages: never read (an out-of-range ID makes a stray read fatal)
@@ -122,7 +122,7 @@ def _check_workspace(dev, name, split, workspace) -> None:
     if torch.device(dev).type != "cuda" or not split:
         return
     torch.cuda.synchronize()
-    assert (workspace.count_nonzero().item() == 0) == ("cluster" in name and _sm90(dev)), name
+    check_decode_workspace(workspace, "cluster" in name and _sm90(dev))
 
 
 def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, max_seq_len, split,

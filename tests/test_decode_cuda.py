@@ -42,9 +42,10 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
-from prims_ts.cuda.decode import CLUSTER_MAX_SPLITS, DecodeKey, PreparedDecode, decode_policy
+from prims_ts.cuda.decode import DecodeKey, PreparedDecode, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, device_limits
-from prims_ts.testing import TOLERANCE, assign_pages, cumsum0, reference_must_not_run, rel_err, stable_seed
+from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
+                              reference_must_not_run, rel_err, stable_seed)
 
 pytestmark = pytest.mark.cuda
 
@@ -185,16 +186,7 @@ def check_plan(pb: Problem, w, tuning, causal: bool) -> None:
         assert plan.launch.policy == pol, (plan.launch.policy, pol)
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
         assert plan.launch.p.merge_staged == int(tuning.merge_staged)
-        # the splits as one cluster: sm_90a with 2-8 splits under the default merge, where the
-        # partials fit the shared memory and cost no wave (decode.decode_cluster); else the ticket
-        arch, sms, limit = device_limits(plan.device)
-        launch = plan.launch.launch
-        may = arch == "sm_90a" and tuning.cluster_merge and 2 <= pol.splits <= CLUSTER_MAX_SPLITS
-        assert launch.cluster in ((1, pol.splits) if may else (1,)), (launch.cluster, pol, key.name)
-        assert (launch.smem > key.smem) == (launch.cluster > 1)
-        if may and launch.grid[0] * launch.grid[1] * launch.grid[2] <= sms and \
-                -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= limit:  # one wave however many fit
-            assert launch.cluster == pol.splits, (pol, key.name)
+        check_decode_cluster(plan, key, tuning)
 
 
 def compare(pb: Problem, results, ref, tol) -> None:
@@ -224,9 +216,8 @@ def check(pb: Problem, tuning, mask="dense", window=-1, out_dtype=None, bmm1_sca
     sync()
     launch = w._plan.launch
     if tuning == DEFAULT and launch is not None and launch.policy.splits > 1:
-        # the cluster merge never touches the caller's workspace; the ticket leaves its partials
-        # there (the standalone's policy and launch shape are the wrapper's)
-        assert (pb.workspace.count_nonzero().item() == 0) == (launch.launch.cluster > 1), launch.launch.cluster
+        # the standalone's policy and launch shape are the wrapper's
+        check_decode_workspace(pb.workspace, launch.launch.cluster > 1)
     ref = pb.ref(mask, window, bmm1_scale, bmm2_scale)
     compare(pb, results, ref, tol or TOLERANCE[pb.dtype])
     return results, ref

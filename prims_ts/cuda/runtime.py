@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -251,23 +252,32 @@ def get_kernel(device_index: int, ks: KernelSource, smem: int, threads: int) -> 
         return k
 
 
+@contextlib.contextmanager
+def _in_context(ctx: int):
+    """Plan-time driver calls in a kernel's context (`ctx` current, the caller's restored);
+    launches inline the same switch."""
+    lib = _libcuda()
+    cur = lib.current_context()
+    if cur != ctx:
+        lib.cuCtxSetCurrent(ctypes.c_void_p(ctx))
+    try:
+        yield lib
+    finally:
+        if cur != ctx:
+            lib.cuCtxSetCurrent(ctypes.c_void_p(cur))
+
+
 def reserve_smem(kernel: LoadedKernel, smem: int, name: str) -> None:
     """Let `kernel` launch with `smem` bytes of dynamic shared memory (more than its key's:
     a launch shape that keeps extra bytes, e.g. decode's cluster merge). Plans call it, not
     runs: it may call the driver."""
     if smem <= max(kernel.smem_max, 48 * 1024):
         return
-    lib = _libcuda()
-    cur = lib.current_context()
-    if cur != kernel.ctx:  # the kernel's context current, as its loading had it
-        lib.cuCtxSetCurrent(ctypes.c_void_p(kernel.ctx))
-    try:
-        _driver().funcSetAttribute(kernel.func, _driver().CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-    except Exception as e:
-        raise KernelLaunchError(f"kernel {name!r} cannot take {smem} bytes of shared memory: {e}") from e
-    finally:
-        if cur != kernel.ctx:
-            lib.cuCtxSetCurrent(ctypes.c_void_p(cur))
+    with _in_context(kernel.ctx):  # the kernel's context current, as its loading had it
+        try:
+            _driver().funcSetAttribute(kernel.func, _driver().CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        except Exception as e:
+            raise KernelLaunchError(f"kernel {name!r} cannot take {smem} bytes of shared memory: {e}") from e
     kernel.smem_max = smem
 
 
@@ -464,15 +474,9 @@ class PreparedLaunch:
         if self.cluster <= 1 or lib.cuOccupancyMaxActiveClusters is None:
             return True
         n = ctypes.c_int(0)
-        cur = lib.current_context()
-        if cur != self.ctx:
-            lib.cuCtxSetCurrent(ctypes.c_void_p(self.ctx))
-        try:
+        with _in_context(self.ctx):
             rc = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(self.kernel.func),
                                                   ctypes.byref(self._cfg))
-        finally:
-            if cur != self.ctx:
-                lib.cuCtxSetCurrent(ctypes.c_void_p(cur))
         if rc:  # an unanswered query: the launch without a cluster (always valid), said once
             warnings.warn(f"prims_ts: cuOccupancyMaxActiveClusters failed for {self.name!r} ({lib.error(rc)}); "
                           "launching without a thread block cluster", RuntimeWarning, stacklevel=2)
