@@ -105,6 +105,11 @@ def decode_tile_smem(head_dim: int, bm: int, bn: int, stages: int, warps_n: int,
                            head_dim == MLA_DIM_QK, wgmma) + (WGMMA_ALIGN_SLACK if wgmma else 0)
 
 
+def _ctas_per_sm(smem: int, threads: int) -> int:
+    """Resident CTAs an SM holds by shared memory and threads (decode_policy's estimate)."""
+    return max(1, min(SM_SMEM_BYTES // (smem + 1024), 2048 // threads))
+
+
 @functools.lru_cache(maxsize=4096)
 def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
                   max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT) -> DecodePolicy:
@@ -121,7 +126,7 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     ctas = batch * num_kv_heads * row_tiles
     threads = bm // 16 * warps_n * 32
     smem = decode_tile_smem(head_dim, bm, bn, stages, warps_n, split_o)
-    per_sm = max(1, min(SM_SMEM_BYTES // (smem + 1024), 2048 // threads))
+    per_sm = _ctas_per_sm(smem, threads)
     tiles = (max_seq_len + bn - 1) // bn
     # The split count fills the SMs' resident slots (wave quantisation included) and
     # is capped by the key count only (at least 128 keys per split), so it, and the
@@ -212,11 +217,6 @@ class DecodeKey(KernelKey):
                               self.stages, self.split_o, self.dv, self.shared_kv, self.producer,
                               copy_tpr=self.copy_tpr)
         return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}>"
-
-
-def _ctas_per_sm(smem: int, threads: int) -> int:
-    """Resident CTAs an SM holds by shared memory and threads (decode_policy's estimate)."""
-    return max(1, min(SM_SMEM_BYTES // (smem + 1024), 2048 // threads))
 
 
 def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int,
