@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -72,6 +72,18 @@ for s in "${stages[@]}"; do
     bsr) run_tests tests/test_block_sparse_cuda.py tests/test_block_sparse_contiguous.py ;;
     decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
+    twin)  # the twin MLA tile (Tuning.mla_twin, a variant): its grid cells and rerun tests, then its
+        # sanitizer cases (both merges, the rerun's spiked keys) under memcheck and racecheck
+        echo "== tests/test_mla_cuda.py -k twin"
+        timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k twin --maxfail=20 -p no:cacheprovider \
+            "${XDIST[@]}" >"$OUT/twin.log" 2>&1
+        echo "   rc=$? $(tail -1 "$OUT/twin.log")"
+        for tool in memcheck racecheck; do
+            echo "== compute-sanitizer $tool --mla-twin"
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                "$PY" tests/gpu_sanitize.py --mla-twin >"$OUT/twin_$tool.log" 2>&1
+            echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/twin_$tool.log" | tail -1)"
+        done ;;
     second)  # the tests that need two GPUs (tensors on cuda:1), every kernel file
         echo "== tests on cuda:1"
         timeout 280 "$PY" -m pytest "${KERNEL_TESTS[@]}" -q -m cuda -rs -k second_device -p no:cacheprovider \
@@ -108,13 +120,13 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); mw: MLA rows of 64 on the twin tile (AB_FAMILIES=mla). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families.
         if [ "$s" = ab ]; then variants="${AB_VARIANTS:-d c pd p}"; else variants="d 0 1 2"; fi
         for v in $variants; do
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c) fams="$fams --family mla" ;; esac
+            case "$v" in d | c | mw) fams="$fams --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -122,6 +134,7 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
+                mw) spec="mla_twin=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"

@@ -111,6 +111,9 @@ def main() -> None:
         info = [re.sub(r"^ptxas\s+(info\s+:|\.)\s*", "", ln.strip()) for ln in log.splitlines()
                 if "spill" in ln or "Used" in ln]
         waits = wait_order(sass)
+        for ln in log.splitlines():  # ptxas' notes (e.g. wgmma serialised: C75xx)
+            if "C75" in ln:
+                print("   ", ln.strip())
         print(key.name, "|", "; ".join(info), "|" if waits else "",
               " ".join(f"{e} exp2 / {n} ins under PV" for e, n in waits))
 

@@ -189,10 +189,12 @@ MLA_CASES = [
 ]
 
 
-def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, tuning=None) -> None:
+def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, tuning=None, spike=False) -> None:
     """One MLA launch over shuffled pages (unused slots NaN, garbage block-table entries past the live
     pages, a row-strided table) into a NaN-poisoned out, against the float64 reference. `tuning`
-    None: the standalone function; else a BatchMLADecodePagedTSWrapper planned with it."""
+    None: the standalone function; else a BatchMLADecodePagedTSWrapper planned with it. `spike`:
+    key 5 of each request (its last if shorter) is 4x one head's query of its first token, a score
+    far above every other (the twin tile's rerun)."""
     B, dt = len(lens), torch.bfloat16
     n_live = [(n + ps - 1) // ps for n in lens]
     num_pages = sum(n_live) + 2  # two pages no request uses
@@ -222,6 +224,12 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, 
         q = torch.randn(sum(sq), h, 576, device=dev, dtype=dt)
         max_sq = max(sq)
         kw.update(qo_indptr=qo_indptr, max_seq_len_q=max_sq)
+    if spike:
+        first = cumsum0(sq) if qmode == "packed" else None
+        for b, n in enumerate(lens):
+            j = min(5, n - 1)
+            row = q[first[b]] if first is not None else q[b, 0]
+            latents[int(wide[b, j // ps]), j % ps] = 4 * row[(37 * b) % h]
     pol = _policy(dev, B, 1, h, max_sq, MLA_DIM_QK, max_seq_len)
     assert (pol.splits > 1) == split, (name, pol)
     out = torch.full(tuple(q.shape[:-1]) + (512,), float("nan"), dtype=dt, device=dev)
@@ -471,8 +479,24 @@ def run_all(dev) -> None:
                 assert tuning == DECODE_VARIANTS["other_copy"]
                 for case in MLA_CASES:
                     mla_case(dev, *case, tuning=tuning)
+        print("MLA twin tile:")
+        run_mla_twin(dev)
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
+
+
+def run_mla_twin(dev) -> None:
+    """MLA_CASES through a wrapper planned with the twin tile (rows of 64 and more: the packed
+    H64 and split H128 cases; the others keep the swapped tile), both split merges; those two
+    cases again with a spiked key (the rerun: the barrier phases it continues)."""
+    for staged in (False, True):
+        tuning = dataclasses.replace(DECODE_VARIANTS["mla_twin"], merge_staged=staged)
+        assert tuning.mla_twin
+        for case in MLA_CASES:
+            mla_case(dev, *case, tuning=tuning)
+        for case in MLA_CASES[1:4:2]:
+            mla_case(dev, *case, tuning=tuning, spike=True)
+    torch.cuda.synchronize()
 
 
 def run_variant(dev, name: str) -> None:
@@ -509,6 +533,8 @@ def main() -> None:
         run_decode("cuda")
     elif len(sys.argv) == 2 and sys.argv[1] == "--block-sparse":
         run_block_sparse("cuda")
+    elif len(sys.argv) == 2 and sys.argv[1] == "--mla-twin":
+        run_mla_twin("cuda")
     else:
         run_all("cuda")
     print("sanitize cases done")

@@ -322,11 +322,12 @@ def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
 WIDE_CELLS = [(64, 1), (128, 1), (16, 4), (32, 3)]  # H x SQ >= 64: the 64-row wgmma tile
 
 
-def wide_problem(qmode, mask, hsq, salt: str) -> "Problem":
+def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
     """A cell of the wide-row grid (H x SQ >= 64): the rotation over page size, rank, dtype,
-    page IDs, long (split) or short lengths, such that every cell meets every axis."""
+    page IDs, long (split) or short lengths, such that every cell meets every axis; `shift`
+    turns the rotation for another tile's grid."""
     h, sq = hsq
-    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
+    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask)) + shift
     lengths = ("long", "short")[i % 2]
     lens = list(LONG if lengths == "long" else SHORT)
     q_lens = [1 + (b + sq) % sq for b in range(len(lens))]
@@ -351,6 +352,50 @@ def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
     pb = wide_problem(qmode, mask, hsq, "copy")
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
     assert key.arch == 90 and not key.swap and key.bm == 64 and key.copy_tpr == other, key.name
+    check(pb, tuning, mask)
+
+
+@pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_wide_rows_twin(split_merge, qmode, mask, hsq):
+    """Rows of 64 on sm_90a on the twin tile (Tuning(mla_twin=True)): the wide-row grid's
+    rotation turned by one (odd and even tile counts, split or one split, each page size)."""
+    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the twin tile is sm_90a's")
+    tuning = with_merge(Tuning(mla_twin=True), split_merge)
+    pb = wide_problem(qmode, mask, hsq, "twin", shift=1)
+    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
+    assert key.twin and key.bm == 64, key.name
+    if on_sm90():
+        assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
+    check(pb, tuning, mask)
+
+
+@pytest.mark.parametrize("lengths", ["long", "short"])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_twin_rerun(split_merge, dtype, mask, lengths):
+    """The twin tile's rerun (H 128, SQ 1): in each request one head's query meets a key early in
+    the request (the last tile a CTA takes) whose latent row is 4x that query, a score ~138 (log2)
+    above the first tiles' maxima: P against the first pass's reference overflows fp32 (and f16
+    long before), so only the rerun with the exact maxima gives a finite result. Split-KV (long:
+    a spike in the first and in a middle split) and one split (short: 64 requests of 150-400
+    keys, so that the spike lies past the first two tiles there too)."""
+    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the twin tile is sm_90a's")
+    tuning = with_merge(Tuning(mla_twin=True), split_merge)
+    lens = [2500, 1033, 300] if lengths == "long" else [400, 330, 257] + [150 + 4 * b for b in range(61)]
+    pb = Problem(lens, 128, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths), sq=1,
+                 max_seq_len=2600 if lengths == "long" else 400)
+    assert (pb.policy().splits > 1) == (lengths == "long")
+    for b, sk in enumerate(lens):
+        head = (17 + 50 * b) % 128
+        for j in ([5, 1100] if sk > 1100 else [5]):
+            page = pb.live[b][j // pb.ps]
+            pb.pool[page, j % pb.ps] = (4 * pb.q[b, 0, head].float()).to(dtype)
+    key = DecodeKey.of(DTYPE_CODES[dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
+    assert key.twin, key.name
     check(pb, tuning, mask)
 
 

@@ -138,6 +138,26 @@ def test_mla_swapped_tile_key(heads, sq):
     assert not DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", Tuning(mla_swapped=False)).swap
 
 
+@pytest.mark.parametrize("heads,sq", [(64, 1), (128, 1), (16, 4), (32, 2)])
+def test_mla_twin_tile_key(heads, sq):
+    """Rows of 64 on sm_90a under Tuning(mla_twin=True): the twin key (two MMA warpgroups that
+    issue their own TMA copies, the policy's 64-key tiles, two 72 KB stages beside Q within the
+    shared memory, the pool's map in its parameters), the split-O tile otherwise; rows of 16/32
+    keep the swapped tile; never on other archs."""
+    t = Tuning(mla_twin=True)
+    pol = decode_policy(64, 1, heads, sq, MLA_DIM_QK, 8192, sm_count=132)
+    assert pol.bm == 64 and pol.bn == decode.TWIN_BN
+    key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", t)
+    assert key.twin and not key.swap and key.threads == 256 and key.name.endswith("_twin")
+    assert key.tma and key.PARAMS == "DecodeTmaParams" and not key.producer
+    assert key.smem == decode.twin_smem_bytes(MLA_DIM_QK) + keys.WGMMA_ALIGN_SLACK <= keys.smem_limit("sm_90a")
+    assert "TwinConfig<pt::bf16, 576, 512>" in key.source().source
+    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a").twin
+    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).twin
+    small = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)
+    assert DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t).swap
+
+
 # ----------------------------------------------------------------------------
 # The tuning value
 # ----------------------------------------------------------------------------

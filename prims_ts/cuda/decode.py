@@ -137,6 +137,19 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, chunk)
 
 
+TWIN_BN = 64  # the twin tile's key tiles (MLA rows of 64: the policy's BN there)
+TWIN_STAGES = 2  # a tile a warpgroup in flight
+TWIN_THREADS = 256  # the two MMA warpgroups, which issue the tile copies themselves
+
+
+def twin_smem_bytes(head_dim: int) -> int:
+    """pt::TwinConfig<...>::SMEM_BYTES: Q (64 rows), two 64-key tiles, six floats a row (two
+    warpgroups' first-tile maxima, maxima and sums), a full mbarrier a tile stage and 64-column
+    panel."""
+    return (64 * head_dim * 2 + TWIN_STAGES * TWIN_BN * head_dim * 2 + 6 * 64 * 4
+            + TWIN_STAGES * (head_dim // 64) * 8)
+
+
 def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int) -> int:
     """pt::SwapConfig<...>::SMEM_BYTES: Q, the ring (`stages` shared K/V tiles), Pᵀ, the
     per-warp row reductions and the ring's mbarriers."""
@@ -147,7 +160,7 @@ def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int) -> int:
 class DecodeKey(KernelKey):
     PREFIX = "pt_decode"
     SOURCE = "fmha_decode.cu"
-    PARAMS = "DecodeParams"
+    PARAMS = property(lambda self: "DecodeTmaParams" if self.tma else "DecodeParams")
 
     dtype: str = tag("", always=True)
     head_dim: int = tag("d", always=True)
@@ -160,6 +173,7 @@ class DecodeKey(KernelKey):
     arch: int = tag("sm", 80)  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
     swap: bool = tag("swap", False)  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a)
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
+    twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a: Tuning.mla_twin)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -170,6 +184,9 @@ class DecodeKey(KernelKey):
         everything else the mma.sync tile."""
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
+        if arch == "sm_90a" and tuning.mla_twin and head_dim == MLA_DIM_QK and pol.bm == 64:
+            assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
+            return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True)
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine,
                          copy_tpr=tuning.copy_for(head_dim) if engine == 90 else 4)
@@ -183,11 +200,17 @@ class DecodeKey(KernelKey):
                          tuning.copy_for(MLA_DIM_QK))
 
     @property
-    def producer(self) -> bool:  # the wgmma engines take a producer warpgroup
-        return self.arch == 90
+    def producer(self) -> bool:  # the wgmma engines take a producer warpgroup (the twin tile none)
+        return self.arch == 90 and not self.twin
+
+    @property
+    def tma(self) -> bool:  # the tiles are TMA boxes of the pool (DecodeTmaParams)
+        return self.twin
 
     @property
     def threads(self) -> int:
+        if self.twin:
+            return TWIN_THREADS
         if self.swap:
             return SWAP_THREADS
         return self.bm // 16 * self.warps_n * 32 + (PRODUCER_THREADS if self.producer else 0)
@@ -202,13 +225,17 @@ class DecodeKey(KernelKey):
 
     @property
     def smem(self) -> int:
+        if self.twin:
+            return twin_smem_bytes(self.head_dim) + WGMMA_ALIGN_SLACK
         if self.swap:
             return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
                                self.shared_kv, self.producer) + (WGMMA_ALIGN_SLACK if self.arch == 90 else 0)
 
     def call(self) -> str:
-        if self.swap:
+        if self.twin:
+            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}>"
+        elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}>")
         else:
@@ -254,6 +281,15 @@ class DecodeParams(ctypes.Structure):
         ("out_scale", ctypes.c_float),
     ]
 
+
+class _DecodeTmaParams(ctypes.Structure):
+    """Mirror of pt::DecodeTmaParams: the latent pool's tensor map and a second (unused) map slot
+    (64-byte aligned, so the struct is a multiple of 64 bytes), then the DecodeParams."""
+
+    _fields_ = [("tmap_k", runtime.TensorMap), ("tmap_v", runtime.TensorMap), ("p", DecodeParams)]
+
+
+DecodeTmaParams = runtime.padded_to(_DecodeTmaParams, 64)
 
 # DecodeParams' leading pointers, q to seq_lens, written at once (PreparedDecode.rerun)
 _POINTERS = struct.Struct("=11Q")
@@ -347,7 +383,7 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class PreparedDecode(Prepared):
     """The loaded kernel, policy, grid and parameter struct of one DecodeStatic on one device."""
 
-    __slots__ = ("policy", "p", "workspace_bytes", "_ws_offsets", "_v_off")
+    __slots__ = ("policy", "p", "tp", "workspace_bytes", "_ws_offsets", "_v_off", "_map_layout")
 
     def __init__(self, static: DecodeStatic, dev: int):
         arch, sms, limit = device_info(dev)
@@ -356,7 +392,8 @@ class PreparedDecode(Prepared):
                             static.max_seq_len, sms, limit)
         key = DecodeKey.of(DTYPE_CODES[static.dtype], static.head_dim, static.causal, pol, arch, static.tuning)
         kernel = load(dev, key)
-        p = DecodeParams()
+        self.tp = DecodeTmaParams() if key.tma else None  # a TMA key's whole struct (p: its DecodeParams)
+        p = self.tp.p if key.tma else DecodeParams()
         p.sq = static.seq_len_q
         p.rows_max, p.row_tiles, p.splits, p.chunk = pol.rows_max, pol.row_tiles, pol.splits, pol.chunk
         p.group, p.hkv = group, static.num_kv_heads
@@ -378,6 +415,20 @@ class PreparedDecode(Prepared):
         self._strides = None
         self.accepted = None
         self._v_off = 0
+        self._maps = self._maps_at = self._map_layout = None
+
+    def _map_pool(self, pool: torch.Tensor, address: int) -> None:
+        """A TMA key: the latent pool's map (``[P, ps, D]`` or ``[P, 1, ps, D]``; boxes of 64
+        columns and a page's rows, at most a tile's), built when its layout changed and encoded
+        when its address did."""
+        layout = (tuple(pool.shape), pool.stride())
+        if layout != self._map_layout:
+            k = pool.unsqueeze(1) if pool.dim() == 3 else pool
+            self._set_maps(k, None, True, min(self.static.page_size, self.key.bn))
+            self._map_layout = layout
+        if address != self._maps_at[0]:
+            self._maps[0].encode(self.tp.tmap_k, address)
+            self._maps_at = (address, None)
 
     def run(self, query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
             sm_scale: float, output_scale: float, bt_stride: int = 0) -> None:
@@ -398,6 +449,8 @@ class PreparedDecode(Prepared):
         write_bounds(p, k_cache, kv_indptr, kv_indices, query if self.static.packed else None)
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
+        if self.tp is not None:
+            self._map_pool(k_cache, p.k)
         self.launch.launch(runtime.current_stream(self.dev))
         self._v_off = (p.v or 0) - (p.k or 0)
         if self.accepted is not None:
@@ -427,6 +480,9 @@ class PreparedDecode(Prepared):
             p.num_indices = num_indices
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
+        if self.tp is not None and k != self._maps_at[0]:  # the pool laid out as in that run
+            self._maps[0].encode(self.tp.tmap_k, k)
+            self._maps_at = (k, None)
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 
@@ -442,6 +498,9 @@ class PreparedDecode(Prepared):
         p.v = a[2] if v_cache is not None else a[1] + self._v_off
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
+        if self.tp is not None and a[1] != self._maps_at[0]:  # the pool laid out as in that run
+            self._maps[0].encode(self.tp.tmap_k, a[1])
+            self._maps_at = (a[1], None)
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 

@@ -10,11 +10,13 @@
 // tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
 // tile's keys for S and O's columns for PV, P exchanged through shared memory. Row
 // tiles of 16/32 may take the swapped-operand tile (pt_fmha_swap.cuh: the keys as
-// wgmma's M) on sm_90a.
+// wgmma's M) on sm_90a, and MLA rows of 64 the twin tile (pt_fmha_twin.cuh:
+// Tuning.mla_twin; its tiles are TMA boxes of the latent pool, DecodeTmaParams).
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/decode.py).
 #include "pt_decode.cuh"
 #include "pt_fmha_swap.cuh"
+#include "pt_fmha_twin.cuh"
 
 namespace pt {
 
@@ -276,8 +278,16 @@ __device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float
   cluster_sync();  // the peers are done reading this CTA's partials
 }
 
+// The twin keys' parameters: the latent pool's TMA map (pages of 64-column boxes; V's slot
+// unused: V is K's prefix), then the DecodeParams.
+struct DecodeTmaParams {
+  TmaMap tmap_k;
+  TmaMap tmap_v;
+  DecodeParams p;
+};
+
 template <class Cfg, bool CAUSAL>
-__device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
+__device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -310,7 +320,9 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   }
   // Every split CTA runs the core, even with an empty range: it then writes a zero
   // partial with lse = -inf, which the merge weighs as nothing.
-  if constexpr (Cfg::SWAP) {
+  if constexpr (Cfg::TWIN) {
+    fmha_tile_twin<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale, tmk);
+  } else if constexpr (Cfg::SWAP) {
     fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
   } else {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
@@ -336,6 +348,13 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p) {
   } else if (p.splits > 1) {
     merge_if_last<Cfg>(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
   }
+}
+
+// A TMA key's entry: the map lives in the kernel's __grid_constant__ parameters.
+template <class Cfg, bool CAUSAL>
+__device__ __forceinline__ void decode_kernel(const DecodeTmaParams& tp) {
+  static_assert(Cfg::TWIN, "DecodeTmaParams: the twin keys");
+  decode_kernel<Cfg, CAUSAL>(tp.p, &tp.tmap_k);
 }
 
 }  // namespace pt

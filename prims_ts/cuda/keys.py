@@ -67,6 +67,11 @@ class Tuning:
     cluster_merge: bool = True
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     mla_swapped: bool = True
+    # MLA rows of 64 on sm_90a: the twin tile (pt_fmha_twin.cuh: two warpgroups take the key
+    # tiles in turn for S and each owns half of O, P exponentiated against a reference fixed
+    # per pass, tiles by TMA) instead of the core's split-O tile. A variant until measured
+    # (benchmarks/NOTES.md, MLA).
+    mla_twin: bool = False
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0

@@ -34,6 +34,7 @@ template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, i
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;    // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
+  static constexpr bool TWIN = false;    // the twin MLA tile is TwinConfig (pt_fmha_twin.cuh)
   static constexpr int ARCH = ARCH_;
   static constexpr int D = D_;    // Q/K width (the QK^T reduction)
   static constexpr int DV = DV_;  // V/O width

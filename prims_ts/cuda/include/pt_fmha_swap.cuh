@@ -56,6 +56,7 @@ template <class T_, int D_, int DV_, int BM_, int STAGES_, int COPY_TPR_ = 4>
 struct SwapConfig {
   using T = T_;
   static constexpr bool SWAP = true;
+  static constexpr bool TWIN = false;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = BM_, BN = 64, STAGES = STAGES_;
   static constexpr int THREADS = 128;  // the MMA warpgroup

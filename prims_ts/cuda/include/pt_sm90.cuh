@@ -111,6 +111,13 @@ template <int R> __device__ __forceinline__ void fence_regs(float (&d)[R][4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
 }
+// ... and register A fragments: their values computed before a wgmma.fence that follows
+template <int R> __device__ __forceinline__ void fence_regs(u32 (&d)[R][4]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
+}
 // Ordinary (cp.async) shared-memory writes become visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 

@@ -1,0 +1,417 @@
+// The twin MLA tile (sm_90a; Tuning.mla_twin): 64 query rows (heads x query tokens) over
+// 64-key tiles of 576-wide latent rows, V the first 512 columns of each row. Two warpgroups
+// run the same code on alternate key tiles: warpgroup w computes S of tiles w, w + 2, ...
+// (m64n64 over all 576 columns, so its shared-memory operands stream at the rate the tensor
+// pipe takes them) and owns half w of O (256 columns, m64n256 for P V). For a pair of tiles,
+// each warpgroup with its own tile `own` and the other's `oth`:
+//
+//   P(own) = exp2(S(own) * scale_log2 - ref), to shared memory for the other warpgroup
+//   O_w += P(own) V(own)_w            (P from registers)
+//   O_w += P(oth) V(oth)_w            (P from shared memory, once the other has stored it)
+//   S(own + 2), its panels as they come back
+//
+// The exponents subtract a reference fixed for the whole pass, not a running maximum: the two
+// warpgroups never wait on each other's maxima and O is never rescaled. The reference is each
+// row's maximum over the first two tiles; every tile's row maxima are kept, and at the end a
+// row whose maximum lies more than SLACK above it (P would have exceeded 2^SLACK: risky for O
+// and the 16-bit P) sends the CTA through the tiles once more with the exact maxima as the
+// reference. The sums and both halves of O are relative to the same reference, so O / sum is
+// the softmax however far the maximum lies below it; the log-sum-exp is ref + log2(sum).
+//
+// Each P goes to shared memory in its own tile's last 64-column panel (the rope columns: K's
+// part there is read by S alone, which is done; V is the first DV columns). Shared memory
+// holds Q and two 72 KB stages (a tile each), so the copies run panel by panel: the latent
+// pool is one TMA map (pages of 64-column boxes, a box per page and panel) and every panel
+// of a stage has a full barrier of its own. Each warpgroup refills the panels it was the last
+// to read as soon as its product over them has landed: its V half of its own tile, and its V
+// half and the rope panel (that tile's P) of the other's tile. S then starts on the half that
+// came back first. No producer warpgroup: one lane a box of the warpgroup's first warp issues
+// the copies, each box's page ID loaded a pair ahead. Keys past the request's end are never
+// copied from a page the request does not list; the rows after the last key in the first
+// (partial) tile are zeroed before any P V reads them (a page's slots past the length hold
+// anything, P is 0 there and 0 x NaN is not). The problem policies are the decode problem's
+// (pt_decode.cuh).
+#pragma once
+#include "pt_fmha.cuh"
+
+namespace pt {
+
+// How far (log2) a row's maximum may lie above the reference before the rerun: P <= 2^SLACK.
+// bf16 P keeps fp32's exponent range (O's sums stay finite for |V| < 2^78 over 2^17 keys);
+// f16 P stops at 65504.
+template <class T> struct TwinSlack;
+template <> struct TwinSlack<bf16> { static constexpr float value = 32.f; };
+template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
+// a panel count as a type (the S k-steps' unrolled loop)
+template <int N> struct TwinPanels { static constexpr int value = N; };
+
+template <class T_, int D_, int DV_>
+struct TwinConfig {
+  using T = T_;
+  static constexpr bool SWAP = false;
+  static constexpr bool TWIN = true;
+  static constexpr int ARCH = 90;
+  static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
+  static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
+  static constexpr int WARPS = 8;
+  static constexpr int LAUNCH_THREADS = THREADS;
+  using QTile = SmemTileW<BM, D>;
+  using KVTile = SmemTileW<BN, D>;
+  using PTile = SmemTileW<BM, BN>;  // P: [query row][key] in a tile's last panel, A of the other's P V
+  static constexpr int QP = D / 64;    // 64-column panels of a row: V's two halves, then the rope panel
+  static constexpr int VH = DV / 128;  // V panels a warpgroup
+  static constexpr int DVH = DV / 2;   // O columns a warpgroup
+  static constexpr int SMEM_Q = QTile::BYTES;
+  static constexpr int SMEM_RING = STAGES * KVTile::BYTES;
+  static constexpr int SMEM_ROWS = 6 * BM * 4;  // [2][BM] first-tile maxima, [2][BM] maxima, [2][BM] sums
+  static constexpr int SMEM_BARS = STAGES * QP * 8;  // a full barrier a stage and panel
+  static constexpr int SMEM_BYTES = SMEM_Q + SMEM_RING + SMEM_ROWS + SMEM_BARS;
+  static constexpr float SLACK = TwinSlack<T>::value;
+  static_assert(D % 64 == 0 && DV % 128 == 0 && 2 * VH + 1 == QP, "V's two halves, then one rope panel");
+  static_assert(PTile::BYTES == KVTile::PANEL && QTile::PANEL == KVTile::PANEL, "P fills a tile's panel; Q's panels as K's");
+  static_assert(DVH == 256, "m64n256 halves of O");
+};
+
+// Named barriers (256 threads: one warpgroup arrives, the other waits). 1 is the CTA's (Q's
+// copy, the maxima exchanges, the epilogue; 2 the split merge's), 3 warpgroup 0's (the first
+// tile's zeroed rows); P(own) of pair i is published on TWIN_P + 2 (i & 1) + w, so that a
+// warpgroup's next arrival on one barrier waits for the other's wait on it.
+enum TwinBar : int { TWIN_P = 4 };
+
+// The boxes of one key tile from the latent pool, as one lane of the issuing warp sees them:
+// rows a box (a page, or BN rows of a longer one), boxes with a key below the request's end
+// (the others are never copied), and this lane's box (lane < live): its page and slot.
+struct TwinBoxes {
+  int rows, live, page, slot;
+};
+
+template <class Cfg, class Problem>
+__device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, float scale_log2, float out_scale,
+                                               const TmaMap* tmk) {
+  using T = typename Cfg::T;
+  using QTile = typename Cfg::QTile;
+  using KVTile = typename Cfg::KVTile;
+  static_assert(!Problem::SHORT_TILES, "whole 64-key tiles (the decode problem's)");
+  constexpr int BN = Cfg::BN, THREADS = Cfg::THREADS, QP = Cfg::QP, VH = Cfg::VH;
+  constexpr int DT = Cfg::DVH / 8;  // O n-tiles a thread
+
+  const u32 sQ = smem_addr(smem);
+  const u32 sKV = sQ + Cfg::SMEM_Q;
+  float* rows = reinterpret_cast<float*>(smem + Cfg::SMEM_Q + Cfg::SMEM_RING);
+  float* sF = rows;        // [2][BM] each warpgroup's row maxima over its first tile (raw scores)
+  float* sX = rows + 128;  // [2][BM] each warpgroup's row maxima over its tiles
+  float* sL = rows + 256;  // [2][BM] each warpgroup's row sums
+  const u32 bars = sKV + Cfg::SMEM_RING + Cfg::SMEM_ROWS;
+  const auto range = pb.range();
+  const int n_tiles = range.n_tiles();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // w: own tiles w, w + 2, ... and O's half w. Broadcast from lane 0 so that ptxas sees a
+  // warp-uniform value (the wgmma paths branch on values derived from it; else C7520)
+  const int w = __shfl_sync(0xffffffffu, warp >> 2, 0);
+  const bool issuer = (warp & 3) == 0;  // the warpgroup's first warp issues its copies
+  const int row0 = (warp & 3) * 16;     // this warp's rows (the same in both warpgroups)
+  const int g = lane >> 2, t = lane & 3;
+  int pass = 0;  // 1: the rerun with the exact maxima as the reference
+
+  // a tile's stage, opaque to the compiler: a warpgroup's own tiles all lie in stage w, so their
+  // descriptors would be loop-invariant, hoisted out of the pair loop and spilled
+  auto stage = [&](int it) {
+    u32 a = sKV + (u32)(it & 1) * KVTile::BYTES;
+    asm volatile("" : "+r"(a));
+    return a;
+  };
+  auto full = [&](int it, int panel) { return bars + 8u * (u32)((it & 1) * QP + panel); };
+  // a stage's barriers complete once a tile; the rerun carries on from the phases of the first
+  // pass (stage 0 held ceil(n / 2) tiles, stage 1 floor(n / 2))
+  auto parity = [&](int it) {
+    const int before = pass ? (n_tiles + 1 - (it & 1)) >> 1 : 0;
+    return (u32)(((it >> 1) + before) & 1);
+  };
+  // tile it's boxes for this lane (its page ID load in flight until the boxes are issued)
+  auto boxes = [&](int it) {
+    TwinBoxes bx{0, 0, 0, 0};
+    if (it < n_tiles) {
+      const KeyTile kt = range.tile(it);
+      const int shift = pb.p->page_shift;
+      bx.rows = min_(1 << shift, BN);
+      bx.live = (kt.rows + bx.rows - 1) / bx.rows;
+      if (lane < bx.live) {
+        const int j = kt.k0 + lane * bx.rows;
+        bx.page = pb.kv_page(j);
+        bx.slot = j & ((1 << shift) - 1);
+      }
+    }
+    return bx;
+  };
+  // panels c0 .. c0 + n - 1 (and the rope panel under ROPE) of tile it into its stage: lane 0
+  // arrives on each panel's barrier expecting its bytes, each lane below `live` issues its box
+  // of each panel (the issuing warp, whole; nothing when it is past the last tile)
+  auto fill = [&](int it, const TwinBoxes& bx, int c0, int n, bool rope) {
+    if (it >= n_tiles) return;
+    const u32 bytes = (u32)(bx.live * bx.rows * 128);
+    const u32 dst = stage(it) + (u32)(lane * bx.rows * 128);
+    auto panel = [&](int c) {
+      if (lane == 0) mbar_arrive_expect_tx(full(it, c), bytes);
+      if (lane < bx.live) tma_load_4d(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c));
+    };
+#pragma unroll 1
+    for (int c = c0; c < c0 + n; ++c) panel(c);
+    if (rope) panel(QP - 1);
+  };
+  auto acquire = [&](int it, int c0, int n) {
+#pragma unroll 1
+    for (int c = c0; c < c0 + n; ++c) mbar_wait(full(it, c), parity(it));
+  };
+
+  if (threadIdx.x == 0) {
+#pragma unroll 1
+    for (int i = 0; i < 2 * QP; ++i) mbar_init(bars + 8u * i, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  float s[8][4];   // S, then P, of this warpgroup's current tile
+  float o[DT][4];  // this warpgroup's half of O
+  float ref[2];    // the pass's reference of rows g and g + 8 (scaled: log2 units)
+  float mt[2];     // the rows' maxima over this warpgroup's tiles (raw scores, this thread's keys)
+  float l[2];      // this thread's share of the rows' sums over this warpgroup's tiles
+
+  // S k-steps of `np` panels from panel c0 (four a panel); the descriptors: a base each and one
+  // add a k-step, the address field being addr >> 4. Q's base made opaque, else its
+  // loop-invariant descriptors are hoisted and spilled.
+  auto s_steps = [&](int it, int c0, auto np, bool first) {
+    u64 dq = desc_kmajor(sQ + (u32)c0 * KVTile::PANEL);
+    asm volatile("" : "+l"(dq));
+    const u64 dk = desc_kmajor(stage(it) + (u32)c0 * KVTile::PANEL);
+#pragma unroll
+    for (int c = 0; c < decltype(np)::value; ++c) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const u32 off = (u32)c * KVTile::PANEL + (u32)k * 32;  // QTile::PANEL == KVTile::PANEL
+        Wgmma<T, 64>::ss(s, dq + (off >> 4), dk + (off >> 4), (first && c == 0 && k == 0) ? 0 : 1);
+      }
+    }
+  };
+  using Half = TwinPanels<VH>;
+  using One = TwinPanels<1>;
+  auto mask = [&](int it) {
+    const KeyTile kt = range.tile(it);
+    if (pb.tile_needs_mask(kt.k0)) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!pb.visible(row0 + g + (e >> 1) * 8, kt.k0 + nt * 8 + 2 * t + (e & 1))) s[nt][e] = neg_inf();
+    }
+  };
+  // this thread's row maxima of S (masked), from m
+  auto row_max = [&](const float (&m)[2], float (&mx)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = m[h];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) mx[h] = fmaxf(mx[h], fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    }
+  };
+  // rows g and g + 8 of [2][BM] from each lane's share: over the quad, lane t == 0 writes
+  auto publish = [&](float* dst, float (&v)[2], bool is_max) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int x = 1; x <= 2; x <<= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, v[h], x);
+        v[h] = is_max ? fmaxf(v[h], y) : v[h] + y;
+      }
+      if (t == 0) dst[w * 64 + row0 + g + 8 * h] = v[h];
+    }
+  };
+  // the reference of a row whose maximum (raw) is mx: a row without keys subtracts 0
+  auto reference = [&](float mx) { return mx == neg_inf() ? 0.f : mx * scale_log2; };
+  // P = exp2(S * scale_log2 - ref) in place, the rows' maxima and sums taking the tile's
+  auto softmax = [&](int it) {
+    mask(it);
+    row_max(mt, mt);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -ref[h]));
+        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -ref[h]));
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+      l[h] += sum;
+    }
+  };
+  // tile it's P: its stage's last panel (shared-memory and generic addresses)
+  auto p_smem = [&](int it) { return stage(it) + (u32)(QP - 1) * KVTile::PANEL; };
+  // this warpgroup's half of V in tile it's stage
+  auto v_half = [&](int it) { return stage(it) + (u32)(w * VH) * KVTile::PANEL; };
+  // O += P V with P from registers (this warpgroup's tile); the caller fences and commits
+  auto pv_own = [&](int it, const u32 (&pf)[4][4]) {
+    const u32 vb = v_half(it);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      Wgmma<T, Cfg::DVH>::rs_nmajor(o, pf[kk], desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL), 1);
+  };
+  // O += P V with P from shared memory (the other warpgroup's tile)
+  auto pv_other = [&](int it) {
+    const u32 vb = v_half(it), sp = p_smem(it);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      Wgmma<T, Cfg::DVH>::ss_nmajor(o, desc_kmajor(sp + kk * 32), desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL),
+                                    1);
+  };
+  // P as 16-bit values into tile it's P panel, visible to the other warpgroup's wgmma
+  // (PTile::offset(r, nt) + 4 t, r = row0 + g + 8 h: r & 7 = g; the row's base opaque, else
+  // the 16 loop-invariant offsets are hoisted and kept)
+  auto store_p = [&](int it) {
+    u32 base = p_smem(it) - sQ + (u32)(row0 + g) * 128 + 4 * t;
+    asm volatile("" : "+r"(base));
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<u32*>(smem + base + h * 1024 + ((nt ^ g) << 4)) = pack2<T>(s[nt][2 * h], s[nt][2 * h + 1]);
+    fence_proxy_async();
+  };
+
+  // this warpgroup's first tile, every panel, under Q's copy (again at the rerun's start)
+  if (issuer) fill(w, boxes(w), 0, QP - 1, true);
+  load_q_for_mma<QTile, THREADS>(sQ, pb);
+  bool redo = false;
+#pragma unroll 1
+  for (;; pass = 1) {
+    if (pass == 1 && issuer) fill(w, boxes(w), 0, QP - 1, true);
+#pragma unroll
+    for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    mt[0] = mt[1] = neg_inf();
+    l[0] = l[1] = 0.f;
+    if (w < n_tiles) {
+      acquire(w, 0, QP);
+      fence_regs(s);
+      wgmma_fence();
+      s_steps(w, 0, Half{}, true);
+      s_steps(w, VH, Half{}, false);
+      s_steps(w, QP - 1, One{}, false);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_regs(s);
+    // the first tile (the range's last keys) cut by the request's end: its rows past the last key
+    // zeroed in V's panels by warpgroup 0, whose S has read them, before its P V (warpgroup 1
+    // reads them after P(0)'s barrier)
+    if (w == 0 && n_tiles > 0 && range.tile(0).rows < BN) {
+      const int live = range.tile(0).rows;
+      for (int i = threadIdx.x; i < (BN - live) * 8 * 2 * VH; i += THREADS / 2) {
+        const int c = i / ((BN - live) * 8), r = live + (i / 8) % (BN - live), q = i % 8;
+        *reinterpret_cast<uint4*>(smem + (stage(0) - sQ) + c * KVTile::PANEL + r * 128 + q * 16) = make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();
+      named_bar_sync(3, THREADS / 2);
+    }
+    if (pass == 0) {  // the reference: each row's maximum over the two first tiles
+      float mx[2] = {neg_inf(), neg_inf()};
+      if (w < n_tiles) {
+        mask(w);
+        row_max(mx, mx);
+      }
+      publish(sF, mx, true);
+      named_bar_sync(1, THREADS);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ref[h] = reference(fmaxf(sF[row0 + g + 8 * h], sF[64 + row0 + g + 8 * h]));
+    }
+
+    // ---- the pairs of tiles ---------------------------------------------------------------
+#pragma unroll 1
+    for (int i = 0; 2 * i < n_tiles; ++i) {
+      const int own = 2 * i + w, oth = 2 * i + 1 - w;
+      const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
+      const int bar_own = TWIN_P + 2 * (i & 1) + w, bar_oth = TWIN_P + 2 * (i & 1) + 1 - w;
+      // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
+      TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0};
+      if (issuer) {
+        bx_own = boxes(own + 2);
+        bx_oth = boxes(oth + 2);
+      }
+      u32 pf[4][4];
+      if (has_own) {
+        softmax(own);
+        store_p(own);
+        named_bar_arrive(bar_own, THREADS);
+        pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
+      }
+      fence_regs(pf);
+      fence_regs(o);
+      wgmma_fence();
+      if (has_own) pv_own(own, pf);
+      wgmma_commit();
+      if (has_oth) {
+        named_bar_sync(bar_oth, THREADS);  // P(oth), written and fenced by the other warpgroup
+        pv_other(oth);                     // the same accumulators, after the group above
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // P(own) V(own)_w has landed: V(own)_w refills
+      fence_regs(o);
+      if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
+      // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
+      if (more) {
+        fence_regs(s);
+        acquire(own + 2, w * VH, VH);
+        s_steps(own + 2, w * VH, Half{}, true);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // P(oth) V(oth)_w has landed: V(oth)_w and P(oth)'s panel refill
+      fence_regs(o);
+      if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+      if (more) {
+        acquire(own + 2, (1 - w) * VH, VH);
+        acquire(own + 2, QP - 1, 1);
+        s_steps(own + 2, (1 - w) * VH, Half{}, false);
+        s_steps(own + 2, QP - 1, One{}, false);
+      }
+      wgmma_commit();
+      // one unconditional wait (a wait under a branch leaves ptxas a path with wgmma in flight)
+      wgmma_wait<0>();
+      fence_regs(o);
+      fence_regs(s);
+    }
+
+    // ---- the rows' maxima and sums; a row whose maximum outran the reference reruns --------
+    publish(sX, mt, true);
+    publish(sL, l, false);
+    named_bar_sync(1, THREADS);
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + g + 8 * h;
+      mx[h] = fmaxf(sX[r], sX[64 + r]);
+      l[h] = sL[r] + sL[64 + r];  // the row's whole sum
+      redo = redo || (pass == 0 && mx[h] != neg_inf() && fabsf(mx[h] * scale_log2 - ref[h]) > Cfg::SLACK);
+    }
+    // every thread's reads of sX and sL above come before this barrier, so a rerun may write them
+    redo = named_bar_any(1, THREADS, redo);
+    if (!redo) break;
+    redo = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ref[h] = reference(mx[h]);
+  }
+
+  // ---- epilogue: O / sum, each warpgroup its half ---------------------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + g + 8 * h;
+    if constexpr (Problem::WANTS_LSE) {
+      if (w == 0 && t == 0 && r < pb.q_rows) pb.store_lse(r, l[h] > 0.f ? ref[h] + fast_log2(l[h]) : neg_inf());
+    }
+    const float inv = OnlineSoftmax::inverse(l[h], out_scale);
+    if (r < pb.q_rows) {
+#pragma unroll
+      for (int n = 0; n < DT; ++n)
+        pb.store2(r, w * Cfg::DVH + n * 8 + 2 * t, o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+  }
+}
+
+}  // namespace pt
