@@ -715,3 +715,51 @@ def test_standalone_mla_rerun_is_the_full_runs_struct(monkeypatch):
     fresh.run(q, pool, None, ws, out, None, table, lens, None, 0.25, 1.0, bt_stride=table.stride(0))
     assert launched[1] == launched[2]
     assert launched[0] != launched[1]
+
+
+def test_twin_key_launches_its_tma_struct(monkeypatch):
+    """A TMA decode key (the twin MLA tile: Tuning.mla_twin) launches the whole DecodeTmaParams
+    (the latent pool's map, then the DecodeParams), not its DecodeParams alone: the plan's copy
+    and the launch carry the struct the kernel's signature names; the map is of the pool
+    [P, ps, 576] as (576, ps, 1, P) in (64, min(ps, 64), 1, 1) boxes, encoded at the pool's
+    address."""
+    import ctypes
+
+    from prims_ts import Tuning
+    from prims_ts.cuda import keys as KK
+
+    KD, launched = _stub_prepared(monkeypatch)
+    made, encoded = [], []
+
+    class FakeEncoder:
+        def __init__(self, dtype, dims, strides, box, what):
+            made.append((dtype, dims, strides, box, what))
+
+        def encode(self, dst, address):
+            encoded.append(address)
+            ctypes.memmove(ctypes.addressof(dst), bytes([7]) * ctypes.sizeof(dst), ctypes.sizeof(dst))
+
+    monkeypatch.setattr(KK.runtime, "TileMapEncoder", FakeEncoder)
+    ps, b = 32, 2
+    static = KD.DecodeStatic(BF16, 576, 128, 1, ps, False, -1, BF16, b, 1, 1, 4096, False, Tuning(mla_twin=True))
+    prepared = KD.PreparedDecode(static, 0)
+    assert prepared.key.twin and prepared.key.PARAMS == "DecodeTmaParams"
+    plan = prepared.for_plan(None)
+    for launch in (prepared.launch, plan.launch):
+        assert type(launch.params) is KD.DecodeTmaParams, type(launch.params).__name__
+    q = torch.randn(b, 128, 576, dtype=BF16)
+    pool = torch.randn(6, ps, 576, dtype=BF16)
+    o = torch.empty(b, 128, 512, dtype=BF16)
+    ws = torch.zeros(1 << 24, dtype=torch.uint8)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    lens = torch.tensor([40, 96], dtype=torch.int32)
+    plan.run(q, pool, None, ws, o, None, table, lens, None, 0.125, 1.0, bt_stride=table.stride(0))
+    (dtype, dims, strides, box, what), = made
+    assert (dtype, what, dims, box) == ("bf16", "k", (576, ps, 1, 6), (64, ps, 1, 1))
+    assert strides[0] == 576 * 2 and encoded == [pool.data_ptr()]
+    sent = launched[-1]
+    assert len(sent) == ctypes.sizeof(KD.DecodeTmaParams)
+    assert sent[:128] == bytes([7]) * 128  # the map first
+    off = KD.DecodeTmaParams.p.offset
+    assert sent[off:off + ctypes.sizeof(KD.DecodeParams)] == bytes(plan.p)  # then the parameters
+    assert plan.p.k == pool.data_ptr()

@@ -409,9 +409,10 @@ class PreparedDecode(Prepared):
         cluster, smem = decode_cluster(key, pol, arch, static.tuning, limit, sms, grid[0] * grid[1] * grid[2])
         if cluster > 1:
             runtime.reserve_smem(kernel, smem, key.name)
-        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p, cluster, smem)
+        params = self.tp if key.tma else p  # the struct the kernel takes (a TMA key's: the maps, then p)
+        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params, cluster, smem)
         if not self.launch.clusters_fit():  # no SM set of this device holds one: the ticket merge
-            self.launch = runtime.PreparedLaunch(kernel, key.name, grid, p)
+            self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params)
         self._strides = None
         self.accepted = None
         self._v_off = 0

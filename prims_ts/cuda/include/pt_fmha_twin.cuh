@@ -335,34 +335,40 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
         bx_own = boxes(own + 2);
         bx_oth = boxes(oth + 2);
       }
-      u32 pf[4][4];
+      // Each product's commit lies inside its branch, and the waits count the groups that
+      // were issued: a commit after the branch would make ptxas close the group on the taken
+      // path and issue an empty group after the join, doubling the count the waits see.
       if (has_own) {
+        u32 pf[4][4];
         softmax(own);
         store_p(own);
         named_bar_arrive(bar_own, THREADS);
         pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
+        fence_regs(pf);
+        fence_regs(o);
+        wgmma_fence();
+        pv_own(own, pf);
+        wgmma_commit();
       }
-      fence_regs(pf);
-      fence_regs(o);
-      wgmma_fence();
-      if (has_own) pv_own(own, pf);
-      wgmma_commit();
       if (has_oth) {
         named_bar_sync(bar_oth, THREADS);  // P(oth), written and fenced by the other warpgroup
-        pv_other(oth);                     // the same accumulators, after the group above
+        fence_regs(o);
+        wgmma_fence();
+        pv_other(oth);  // the same accumulators, after the group above
+        wgmma_commit();
       }
-      wgmma_commit();
-      wgmma_wait<1>();  // P(own) V(own)_w has landed: V(own)_w refills
+      wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
       fence_regs(o);
       if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
       // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
       if (more) {
         fence_regs(s);
         acquire(own + 2, w * VH, VH);
+        wgmma_fence();
         s_steps(own + 2, w * VH, Half{}, true);
+        wgmma_commit();
       }
-      wgmma_commit();
-      wgmma_wait<1>();  // P(oth) V(oth)_w has landed: V(oth)_w and P(oth)'s panel refill
+      wgmma_wait_dyn<1>(more ? 1 : 0);  // P(oth) V(oth)_w has landed: V(oth)_w and P(oth)'s panel refill
       fence_regs(o);
       if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
       if (more) {
@@ -370,9 +376,8 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
         acquire(own + 2, QP - 1, 1);
         s_steps(own + 2, (1 - w) * VH, Half{}, false);
         s_steps(own + 2, QP - 1, One{}, false);
+        wgmma_commit();
       }
-      wgmma_commit();
-      // one unconditional wait (a wait under a branch leaves ptxas a path with wgmma in flight)
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(s);
