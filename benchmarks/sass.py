@@ -15,7 +15,9 @@ registers and spills, the .cubin and .sass under DIR, and for wgmma keys where e
 the older of two wgmma groups in flight (`WARPGROUP.DEPBAR.LE gsb0, 0x1`: S^T of tile j landed,
 P V of tile j - 1 may run) sits against the wait for both (`0x0`): the exp2 (MUFU.EX2) and other
 instructions between them, i.e. what the softmax runs under the P V. Zero exp2 there means
-ptxas hoisted the P V wait above the softmax.
+ptxas hoisted the P V wait above the softmax. Also printed: ptxas' wgmma notes (C75xx) and the
+count of empty wgmma groups (`HGMMA ... RZ, !UPT`: a commit ptxas could not attach to a wgmma,
+which every later wait counts).
 """
 import argparse
 import ctypes
@@ -114,6 +116,11 @@ def main() -> None:
         for ln in log.splitlines():  # ptxas' notes (e.g. wgmma serialised: C75xx)
             if "C75" in ln:
                 print("   ", ln.strip())
+        # empty wgmma groups: a commit ptxas could not attach to a wgmma (a commit after the join
+        # of a branch around wgmma), which every later wait<N> counts as a group
+        empty = len(re.findall(r"HGMMA\.\S+ RZ, gdesc\[URZ\], RZ, !UPT", sass))
+        if empty:
+            print(f"    {empty} empty wgmma groups (HGMMA RZ, !UPT)")
         print(key.name, "|", "; ".join(info), "|" if waits else "",
               " ".join(f"{e} exp2 / {n} ins under PV" for e, n in waits))
 
