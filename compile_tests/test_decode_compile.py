@@ -28,7 +28,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, cumsum0, rel_err
+from prims_ts.testing import TOLERANCE, check_decode_workspace, cumsum0, on_sm90_gpu, rel_err
 from aoti_child import run_aoti_in_child
 from cuda_graphs import assert_no_allocation_no_sync, synchronize, warm_and_capture
 
@@ -457,17 +457,20 @@ GRAPH_CASES = [("single", "dense", -1), ("single", "causal", 50), ("fixed", "cau
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("max_len", [127, 8192], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("max_len", [127, 1024, 8192], ids=["one_split", "cluster", "split_kv"])
 @pytest.mark.parametrize("qmode,mask,window", GRAPH_CASES,
                          ids=[f"{q}-{m}{w if w >= 0 else ''}" for q, m, w in GRAPH_CASES])
 def test_cuda_graph_standalone_replay(device, qmode, mask, window, max_len):
+    """Capture the standalone call, replay it over lengths, page IDs, packed offsets and cache
+    data rewritten in place: one split, 8 splits (on sm_90a one thread block cluster a row tile,
+    merged on chip: the workspace stays untouched) and 33 splits (the ticket merge)."""
     lens = [100, 7, 120, 64] if max_len == 127 else [300, 7, 555, 64]
     ps = 16 if max_len == 127 else 64
-    slack = 6 if max_len == 127 else 64  # room for longer requests after the CSR rewrite
+    slack = {127: 6, 1024: 20, 8192: 64}[max_len]  # room for longer requests after the CSR rewrite
     pb = Prob(qmode, lens, 16, 4, 128, ps, BF16, device, seed=len(qmode) + max_len + window, sq=4,
               q_lens=[3, 1, 4, 2], max_seq_len=max_len, max_seq_len_q=4, slack=slack)
     pol = pb.policy()
-    assert (pol.splits > 1) == (max_len == 8192), pol
+    assert (pol.splits > 1) == (max_len > 127) and (pol.splits <= 8) == (max_len <= 1024), pol
     out = torch.full(pb.q.shape, NAN, dtype=BF16, device=device)
 
     def launch():
@@ -485,8 +488,9 @@ def test_cuda_graph_standalone_replay(device, qmode, mask, window, max_len):
     g = torch.Generator().manual_seed(max_len)
     new_data = randn(pb.cache.shape, BF16, gen(device, 5), device)
     # new lengths (each >= the request's query count, as causal masks require), new packed offsets
-    steps = [([4, 127, 5, 100], [4, 3, 2, 1]), ([127, 4, 16, 126], [1, 4, 4, 1])] if max_len == 127 else \
-        [([8192, 4, 5, 3000], [4, 3, 2, 1]), ([64, 8000, 4, 8191], [1, 4, 4, 1])]
+    steps = {127: [([4, 127, 5, 100], [4, 3, 2, 1]), ([127, 4, 16, 126], [1, 4, 4, 1])],
+             1024: [([1024, 4, 5, 700], [4, 3, 2, 1]), ([64, 1000, 4, 1023], [1, 4, 4, 1])],
+             8192: [([8192, 4, 5, 3000], [4, 3, 2, 1]), ([64, 8000, 4, 8191], [1, 4, 4, 1])]}[max_len]
     for new_lens, new_q in steps:
         pb.rewrite_metadata(new_lens, g, new_q if qmode == "packed" else None)
         pb.cache.copy_(new_data)
@@ -500,6 +504,8 @@ def test_cuda_graph_standalone_replay(device, qmode, mask, window, max_len):
         for b in range(len(new_lens)):
             s = pb.rows(b)
             assert rel_err(out[s], ref[s]) <= TOLERANCE[BF16], (b, new_lens)
+    if max_len == 1024 and on_sm90_gpu(device):  # every launch merged in its cluster
+        check_decode_workspace(pb.ws, True)
 
 
 WRAPPER_GRAPH_MASKS = [("dense", -1), ("causal", -1), ("causal", 31)]

@@ -27,7 +27,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from prims_ts import reference as R
-from prims_ts.testing import TOLERANCE, cumsum0, rel_err
+from prims_ts.testing import TOLERANCE, check_decode_workspace, cumsum0, on_sm90_gpu, rel_err
 from aoti_child import run_aoti_in_child
 from cuda_graphs import assert_no_allocation_no_sync, synchronize, warm_and_capture
 
@@ -335,16 +335,21 @@ GRAPH_CASES = [("fixed", "causal"), ("fixed", "dense"), ("packed", "causal"), ("
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("max_len", [127, 8192], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("max_len", [127, 1024, 8192], ids=["one_split", "cluster", "split_kv"])
 @pytest.mark.parametrize("qmode,mask", GRAPH_CASES, ids=[f"{q}-{m}" for q, m in GRAPH_CASES])
 def test_cuda_graph_standalone_replay(device, qmode, mask, max_len):
+    """Capture the standalone call, replay it over lengths, page IDs, packed offsets and latent
+    data rewritten in place: one split (H 16, SQ 4: rows of 64), 8 splits of rows of 16 (H 8,
+    SQ 2; on sm_90a the swapped tile's splits as one thread block cluster, merged on chip: the
+    workspace stays untouched) and 32+ splits (the ticket merge)."""
     lens = [100, 7, 120, 64] if max_len == 127 else [300, 7, 555, 64]
     ps = 16 if max_len == 127 else 64
-    slack = 4 if max_len == 127 else 120  # room for longer requests after the rewrite
-    pb = Prob(qmode, lens, 16, ps, BF16, device, seed=len(qmode) + max_len, sq=4, q_lens=[3, 1, 4, 2],
-              max_seq_len=max_len, max_seq_len_q=4, slack=slack, rank=3 + (mask == "dense"))
+    slack = {127: 4, 1024: 20, 8192: 120}[max_len]  # room for longer requests after the rewrite
+    h, sq, q_lens = (8, 2, [2, 1, 2, 1]) if max_len == 1024 else (16, 4, [3, 1, 4, 2])
+    pb = Prob(qmode, lens, h, ps, BF16, device, seed=len(qmode) + max_len, sq=sq, q_lens=q_lens,
+              max_seq_len=max_len, max_seq_len_q=sq, slack=slack, rank=3 + (mask == "dense"))
     pol = pb.policy()
-    assert (pol.splits > 1) == (max_len == 8192), pol
+    assert (pol.splits > 1) == (max_len > 127) and (pol.splits <= 8) == (max_len <= 1024), pol
     out = torch.full(pb.out_shape, NAN, dtype=BF16, device=device)
 
     def launch():
@@ -362,8 +367,9 @@ def test_cuda_graph_standalone_replay(device, qmode, mask, max_len):
     g = torch.Generator().manual_seed(max_len)
     new_data = randn(pb.pool.shape, BF16, gen(device, 5), device)
     # new lengths (each >= the request's query count, as causal masks require), new packed offsets
-    steps = [([4, 127, 5, 100], [4, 3, 2, 1]), ([127, 4, 16, 126], [1, 4, 4, 1])] if max_len == 127 else \
-        [([8192, 4, 5, 3000], [4, 3, 2, 1]), ([64, 8000, 4, 8191], [1, 4, 4, 1])]
+    steps = {127: [([4, 127, 5, 100], [4, 3, 2, 1]), ([127, 4, 16, 126], [1, 4, 4, 1])],
+             1024: [([1024, 4, 5, 700], [2, 2, 1, 1]), ([64, 1000, 4, 1023], [1, 2, 1, 2])],
+             8192: [([8192, 4, 5, 3000], [4, 3, 2, 1]), ([64, 8000, 4, 8191], [1, 4, 4, 1])]}[max_len]
     for new_lens, new_q in steps:
         pb.rewrite_metadata(new_lens, g, new_q if qmode == "packed" else None)
         pb.pool.copy_(new_data)
@@ -377,6 +383,8 @@ def test_cuda_graph_standalone_replay(device, qmode, mask, max_len):
         for b in range(len(new_lens)):
             s = pb.rows(b)
             assert rel_err(out[s], ref[s]) <= TOLERANCE[BF16], (b, new_lens)
+    if max_len == 1024 and on_sm90_gpu(device):  # every launch merged in its cluster
+        check_decode_workspace(pb.ws, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

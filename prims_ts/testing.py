@@ -77,6 +77,11 @@ def check_decode_cluster(plan, key, tuning) -> None:
         assert launch.cluster == pol.splits, (pol, key.name)
 
 
+def on_sm90_gpu(device) -> bool:
+    """`device` is a CUDA device of compute capability 9.0 (where the sm_90a kernels run)."""
+    return torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def check_decode_workspace(workspace: torch.Tensor, clustered: bool) -> None:
     """A standalone split-KV decode call's workspace after it (synchronised): untouched by the
     cluster merge, holding the ticket merge's partials otherwise."""
