@@ -263,17 +263,18 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       Wgmma<T, Cfg::DVH>::ss_nmajor(o, desc_kmajor(sp + kk * 32), desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL),
                                     1);
   };
-  // P as 16-bit values into tile it's P panel, visible to the other warpgroup's wgmma
-  // (PTile::offset(r, nt) + 4 t, r = row0 + g + 8 h: r & 7 = g; the row's base opaque, else
-  // the 16 loop-invariant offsets are hoisted and kept)
-  auto store_p = [&](int it) {
+  // P (packed: pack_p_frags' A fragments, pf[kk][2 j + h] = n-tile 2 kk + j, row g + 8 h) into
+  // tile it's P panel, visible to the other warpgroup's wgmma (PTile::offset(r, nt) + 4 t,
+  // r = row0 + g + 8 h: r & 7 = g; the row's base opaque, else the 16 loop-invariant offsets
+  // are hoisted and kept)
+  auto store_p = [&](int it, const u32 (&pf)[4][4]) {
     u32 base = p_smem(it) - sQ + (u32)(row0 + g) * 128 + 4 * t;
     asm volatile("" : "+r"(base));
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<u32*>(smem + base + h * 1024 + ((nt ^ g) << 4)) = pack2<T>(s[nt][2 * h], s[nt][2 * h + 1]);
+        *reinterpret_cast<u32*>(smem + base + h * 1024 + ((nt ^ g) << 4)) = pf[nt >> 1][2 * (nt & 1) + h];
     fence_proxy_async();
   };
 
@@ -341,9 +342,9 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       if (has_own) {
         u32 pf[4][4];
         softmax(own);
-        store_p(own);
-        named_bar_arrive(bar_own, THREADS);
         pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
+        store_p(own, pf);
+        named_bar_arrive(bar_own, THREADS);
         fence_regs(pf);
         fence_regs(o);
         wgmma_fence();
