@@ -399,6 +399,22 @@ def test_twin_rerun(split_merge, dtype, mask, lengths):
     check(pb, tuning, mask)
 
 
+@pytest.mark.parametrize("out_dtype", [BF16, FP16, FP32])
+def test_twin_epilogue_out_dtypes(split_merge, out_dtype):
+    """The twin tile's two epilogues (H 128, SQ 2): with one split (64 requests) and 16-bit
+    output its rows go through shared memory as 16-byte chunks, fp32 output and split-KV
+    partials (2 requests) by store2; bmm scales on top."""
+    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the twin tile is sm_90a's")
+    tuning = with_merge(Tuning(mla_twin=True), split_merge)
+    for lens in ([150 + 4 * b for b in range(64)], [3000, 77]):
+        pb = Problem(lens, 128, 32, FP16, stable_seed("twin-out", str(out_dtype), len(lens)), sq=2,
+                     max_seq_len=max(lens))
+        assert (pb.policy().splits > 1) == (len(lens) == 2)
+        assert DecodeKey.of("f16", DQK, True, pb.policy(), "sm_90a", tuning).twin
+        check(pb, tuning, "causal", out_dtype=out_dtype, bmm1_scale=0.7 * SCALE, bmm2_scale=1.5)
+
+
 @pytest.mark.parametrize("out_dtype", [FP32, BF16])
 def test_row_tile_engines_long_request_and_out_dtype(row_tile, split_merge, out_dtype):
     """One 131072-token request beside a 4-token one (H 16, SQ 2), bmm scales, output dtypes."""

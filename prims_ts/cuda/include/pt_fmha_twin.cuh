@@ -30,9 +30,9 @@
 // copied from a page the request does not list; the rows after the last key in the first
 // (partial) tile are zeroed before any P V reads them (a page's slots past the length hold
 // anything, P is 0 there and 0 x NaN is not). The problem policies are the decode problem's
-// (pt_decode.cuh).
+// (pt_decode.cuh); one split's 16-bit output rows leave through shared memory.
 #pragma once
-#include "pt_fmha.cuh"
+#include "pt_decode.cuh"
 
 namespace pt {
 
@@ -84,6 +84,33 @@ enum TwinBar : int { TWIN_P = 4 };
 struct TwinBoxes {
   int rows, live, page, slot;
 };
+
+// The epilogue's 16-bit rows (one split): each warp's O half, scaled and cast, into an
+// [BM][DV] tile at `base` by stmatrix (the mma C layout is stmatrix's: matrix 2k + h is n-tile
+// n + k's rows h * 8..; lane l gives row l & 7 of matrix l >> 3 its address), then, after both
+// warpgroups' halves (the CTA's barrier 1), each row's DV * 2 bytes as 16-byte chunks, a warp
+// a row's consecutive chunks.
+template <class Cfg, class OutT, class Problem>
+__device__ __forceinline__ void twin_store_rows(const Problem& pb, u32 base, const float (&o)[Cfg::DVH / 8][4],
+                                                const float (&inv)[2], int w, int row0) {
+  using OTile = SmemTileW<Cfg::BM, Cfg::DV>;
+  constexpr int DT = Cfg::DVH / 8, CHUNKS = Cfg::DV / 8;
+  const int lane = threadIdx.x & 31, mat = lane >> 3;
+#pragma unroll
+  for (int n = 0; n < DT; n += 2) {
+    stmatrix_x4(base + OTile::offset(row0 + (lane & 7) + 8 * (mat & 1), w * DT + n + (mat >> 1)),
+                pack2<OutT>(o[n][0] * inv[0], o[n][1] * inv[0]), pack2<OutT>(o[n][2] * inv[1], o[n][3] * inv[1]),
+                pack2<OutT>(o[n + 1][0] * inv[0], o[n + 1][1] * inv[0]),
+                pack2<OutT>(o[n + 1][2] * inv[1], o[n + 1][3] * inv[1]));
+  }
+  named_bar_sync(1, Cfg::THREADS);
+  const DecodeParams& p = *pb.p;
+  for (int i = threadIdx.x; i < pb.q_rows * CHUNKS; i += Cfg::THREADS) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    const uint4 v = ld_shared_u4(base + OTile::offset(r, c));
+    *reinterpret_cast<uint4*>(decode_out_row(p, pb.b, pb.hk, pb.q_start, pb.row0 + r) + c * 16) = v;
+  }
+}
 
 template <class Cfg, class Problem>
 __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, float scale_log2, float out_scale,
@@ -405,17 +432,31 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
   }
 
   // ---- epilogue: O / sum, each warpgroup its half ---------------------------------------
+  float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row0 + g + 8 * h;
     if constexpr (Problem::WANTS_LSE) {
       if (w == 0 && t == 0 && r < pb.q_rows) pb.store_lse(r, l[h] > 0.f ? ref[h] + fast_log2(l[h]) : neg_inf());
     }
-    const float inv = OnlineSoftmax::inverse(l[h], out_scale);
+    inv[h] = OnlineSoftmax::inverse(l[h], out_scale);
+  }
+  // One split with 16-bit output rows 16-byte aligned: the rows through stage 0 (free: every
+  // tile was consumed before the last barrier) as whole 16-byte chunks; else store2.
+  const DecodeParams& p = *pb.p;
+  const int kind = p.splits == 1 && p.out_dtype != OUT_F32 &&
+                           ((reinterpret_cast<u64>(p.o) | (u64)(p.o_sb | p.o_st | p.o_sh) * 2) & 15) == 0
+                       ? p.out_dtype
+                       : -1;
+  if (kind == OUT_BF16) return twin_store_rows<Cfg, bf16>(pb, sKV, o, inv, w, row0);
+  if (kind == OUT_F16) return twin_store_rows<Cfg, f16>(pb, sKV, o, inv, w, row0);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + g + 8 * h;
     if (r < pb.q_rows) {
 #pragma unroll
       for (int n = 0; n < DT; ++n)
-        pb.store2(r, w * Cfg::DVH + n * 8 + 2 * t, o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+        pb.store2(r, w * Cfg::DVH + n * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
     }
   }
 }
