@@ -402,6 +402,7 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       if (more) {
         acquire(own + 2, (1 - w) * VH, VH);
         acquire(own + 2, QP - 1, 1);
+        wgmma_fence();
         s_steps(own + 2, (1 - w) * VH, Half{}, false);
         s_steps(own + 2, QP - 1, One{}, false);
         wgmma_commit();
