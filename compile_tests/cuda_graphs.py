@@ -8,6 +8,8 @@ capture itself, and the no-allocation / no-sync check, are CUDA's.
 """
 import torch
 
+from prims_ts.testing import rel_err
+
 
 def is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
@@ -65,3 +67,33 @@ def assert_no_allocation_no_sync(fn, device="cuda"):
         torch.cuda.set_sync_debug_mode(prev)
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == n0, "run(out=...) allocated device memory"
+
+
+def check_standalone_replays(launch, out, pb, data, new_data, steps, packed, reference, tol, device, seed):
+    """A standalone call's graph over metadata rewritten in place: capture `launch` (one call into
+    `out`), check the warm call and a replay against `reference()`; then before each further
+    replay rewrite `pb`'s metadata (``pb.rewrite_metadata(lengths, g, query counts if packed)``
+    for each (lengths, query counts) of `steps`) and copy `new_data` into `data` (the cache):
+    the whole output and each request's rows (``pb.rows(b)``: a short request must not hide
+    behind a long one) must match the new reference, which must differ from the first."""
+    graph = warm_and_capture(launch, device)
+    assert_no_allocation_no_sync(launch, device)
+    assert rel_err(out, reference()) <= tol
+    out.fill_(float("nan"))
+    graph.replay()
+    synchronize(device)
+    first = reference()
+    assert rel_err(out, first) <= tol
+    g = torch.Generator().manual_seed(seed)
+    for new_lens, new_q in steps:
+        pb.rewrite_metadata(new_lens, g, new_q if packed else None)
+        data.copy_(new_data)
+        out.fill_(float("nan"))
+        graph.replay()
+        synchronize(device)
+        ref = reference()
+        assert rel_err(first.float(), ref) > 0.1
+        assert rel_err(out, ref) <= tol, (new_lens, new_q)
+        for b in range(len(new_lens)):
+            s = pb.rows(b)
+            assert rel_err(out[s], ref[s]) <= tol, (b, new_lens)

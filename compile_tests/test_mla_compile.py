@@ -29,7 +29,7 @@ from prims_ts import (
 from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, check_decode_workspace, cumsum0, on_sm90_gpu, rel_err
 from aoti_child import run_aoti_in_child
-from cuda_graphs import assert_no_allocation_no_sync, synchronize, warm_and_capture
+from cuda_graphs import assert_no_allocation_no_sync, check_standalone_replays, synchronize, warm_and_capture
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
@@ -351,38 +351,13 @@ def test_cuda_graph_standalone_replay(device, qmode, mask, max_len):
     pol = pb.policy()
     assert (pol.splits > 1) == (max_len > 127) and (pol.splits <= 8) == (max_len <= 1024), pol
     out = torch.full(pb.out_shape, NAN, dtype=BF16, device=device)
-
-    def launch():
-        pb.call(mask_type=mask, bmm1_scale=SCALE, out=out)
-
-    graph = warm_and_capture(launch, device)
-    assert_no_allocation_no_sync(launch, device)
-    assert rel_err(out, pb.ref(mask, SCALE)) <= TOLERANCE[BF16]
-    out.fill_(NAN)
-    graph.replay()
-    synchronize(device)
-    first = pb.ref(mask, SCALE)
-    assert rel_err(out, first) <= TOLERANCE[BF16]
-
-    g = torch.Generator().manual_seed(max_len)
-    new_data = randn(pb.pool.shape, BF16, gen(device, 5), device)
     # new lengths (each >= the request's query count, as causal masks require), new packed offsets
     steps = {127: [([4, 127, 5, 100], [4, 3, 2, 1]), ([127, 4, 16, 126], [1, 4, 4, 1])],
              1024: [([1024, 4, 5, 700], [2, 2, 1, 1]), ([64, 1000, 4, 1023], [1, 2, 1, 2])],
              8192: [([8192, 4, 5, 3000], [4, 3, 2, 1]), ([64, 8000, 4, 8191], [1, 4, 4, 1])]}[max_len]
-    for new_lens, new_q in steps:
-        pb.rewrite_metadata(new_lens, g, new_q if qmode == "packed" else None)
-        pb.pool.copy_(new_data)
-        out.fill_(NAN)
-        graph.replay()
-        synchronize(device)
-        ref = pb.ref(mask, SCALE)
-        assert rel_err(first.float(), ref) > 0.1
-        assert rel_err(out, ref) <= TOLERANCE[BF16], (new_lens, new_q)
-        # per request too: a short request must not hide behind a long one
-        for b in range(len(new_lens)):
-            s = pb.rows(b)
-            assert rel_err(out[s], ref[s]) <= TOLERANCE[BF16], (b, new_lens)
+    check_standalone_replays(lambda: pb.call(mask_type=mask, bmm1_scale=SCALE, out=out), out, pb, pb.pool,
+                             randn(pb.pool.shape, BF16, gen(device, 5), device), steps, qmode == "packed",
+                             lambda: pb.ref(mask, SCALE), TOLERANCE[BF16], device, seed=max_len)
     if max_len == 1024 and on_sm90_gpu(device):  # every launch merged in its cluster
         check_decode_workspace(pb.ws, True)
 
