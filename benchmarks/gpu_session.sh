@@ -122,9 +122,12 @@ for s in "${stages[@]}"; do
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
         # page; AB_FAMILIES=paged_prefill); mw: MLA rows of 64 on the twin tile (AB_FAMILIES=mla). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
-        # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families.
+        # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
+        # come again ("d mw mw d": base / new / new / base, the last d the drift): the files are numbered in order.
         if [ "$s" = ab ]; then variants="${AB_VARIANTS:-d c pd p}"; else variants="d 0 1 2"; fi
+        n=0; files=""
         for v in $variants; do
+            n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
             case "$v" in d | c | mw) fams="$fams --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
@@ -140,11 +143,11 @@ for s in "${stages[@]}"; do
             echo "== bench, variant $v (tuning '${spec:-default}')"
             # shellcheck disable=SC2086
             timeout 140 "$PY" -m prims_ts bench $fams --runners prims_ts,prims_ts_contiguous --tuning "$spec" \
-                --json "$OUT/ab$v.json" 2>&1 | tee "$OUT/ab$v.log" | grep -v '^\[' | tail -44
+                --json "$json" 2>&1 | tee "${json%.json}.log" | grep -v '^\[' | tail -44
         done
-        echo "== speedups over variant d (the defaults)"
-        # shellcheck disable=SC2046
-        "$PY" benchmarks/ab_table.py $(for v in $variants; do echo "$OUT/ab$v.json"; done) | tee "$OUT/${s}_table.txt" ;;
+        echo "== speedups over the first variant"
+        # shellcheck disable=SC2086
+        "$PY" benchmarks/ab_table.py $files | tee "$OUT/${s}_table.txt" ;;
     pathstree)
         # host paths before/after in one call: `bench --paths` of the package at ab_base/ (see
         # abtree), then of this tree's, each from its own tree's directory (paths_base.log,
