@@ -1,6 +1,7 @@
 // The online softmax (exp2, scale * log2(e) folded into the scores): the steps of one row's
 // running maximum and sum (OnlineSoftmax: the core's rows and the swapped-operand tile's query
-// columns), and the core's two rows per thread over a key tile's S fragments (RowSoftmax).
+// columns), the core's two rows per thread over a key tile's S fragments (RowSoftmax), and the
+// same rows against a reference fixed for a pass (RefSoftmax: the twin MLA tile).
 #pragma once
 #include "pt_fmha_config.cuh"
 
@@ -105,6 +106,42 @@ struct RowSoftmax {
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     }
+  }
+};
+
+// Rows g and g + 8 over S fragments [NT][4] (RowSoftmax's layout) against a reference fixed for
+// a pass (the twin MLA tile): P = exp2(S * scale_log2 - ref) with no running maximum, so that O
+// and the sums are never rescaled. The rows' maxima of the raw scores are kept alongside (fmax,
+// this thread's keys only) for the caller's check that none outran the reference.
+template <int NT>
+struct RefSoftmax {
+  // this thread's maxima of rows g, g + 8 over its keys of the tile, from m
+  __device__ __forceinline__ static void tile_max(const float (&m)[2], const float (&s)[NT][4], float (&mx)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = m[h];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx[h] = fmaxf(mx[h], fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    }
+  }
+  // P in place; l takes the tile's sums (this thread's share)
+  __device__ __forceinline__ static void exp_tile(float (&s)[NT][4], const float (&ref)[2], float scale_log2,
+                                                  float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -ref[h]));
+        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -ref[h]));
+        sum += s[nt][2 * h] + s[nt][2 * h + 1];
+      }
+      l[h] += sum;
+    }
+  }
+  // the reference of a row whose maximum (raw) is mx: a row without keys subtracts 0
+  __device__ __forceinline__ static float reference(float mx, float scale_log2) {
+    return mx == neg_inf() ? 0.f : mx * scale_log2;
   }
 };
 

@@ -118,6 +118,7 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
   using T = typename Cfg::T;
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
+  using Softmax = RefSoftmax<8>;
   static_assert(!Problem::SHORT_TILES, "whole 64-key tiles (the decode problem's)");
   constexpr int BN = Cfg::BN, THREADS = Cfg::THREADS, QP = Cfg::QP, VH = Cfg::VH;
   constexpr int DT = Cfg::DVH / 8;  // O n-tiles a thread
@@ -232,15 +233,6 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
           if (!pb.visible(row0 + g + (e >> 1) * 8, kt.k0 + nt * 8 + 2 * t + (e & 1))) s[nt][e] = neg_inf();
     }
   };
-  // this thread's row maxima of S (masked), from m
-  auto row_max = [&](const float (&m)[2], float (&mx)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = m[h];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) mx[h] = fmaxf(mx[h], fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
-    }
-  };
   // rows g and g + 8 of [2][BM] from each lane's share: over the quad, lane t == 0 writes
   auto publish = [&](float* dst, float (&v)[2], bool is_max) {
 #pragma unroll
@@ -253,23 +245,11 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       if (t == 0) dst[w * 64 + row0 + g + 8 * h] = v[h];
     }
   };
-  // the reference of a row whose maximum (raw) is mx: a row without keys subtracts 0
-  auto reference = [&](float mx) { return mx == neg_inf() ? 0.f : mx * scale_log2; };
   // P = exp2(S * scale_log2 - ref) in place, the rows' maxima and sums taking the tile's
   auto softmax = [&](int it) {
     mask(it);
-    row_max(mt, mt);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        s[nt][2 * h] = fast_exp2(fmaf(s[nt][2 * h], scale_log2, -ref[h]));
-        s[nt][2 * h + 1] = fast_exp2(fmaf(s[nt][2 * h + 1], scale_log2, -ref[h]));
-        sum += s[nt][2 * h] + s[nt][2 * h + 1];
-      }
-      l[h] += sum;
-    }
+    Softmax::tile_max(mt, s, mt);
+    Softmax::exp_tile(s, ref, scale_log2, l);
   };
   // tile it's P: its stage's last panel (shared-memory and generic addresses)
   auto p_smem = [&](int it) { return stage(it) + (u32)(QP - 1) * KVTile::PANEL; };
@@ -343,12 +323,12 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       float mx[2] = {neg_inf(), neg_inf()};
       if (w < n_tiles) {
         mask(w);
-        row_max(mx, mx);
+        Softmax::tile_max(mx, s, mx);
       }
       publish(sF, mx, true);
       named_bar_sync(1, THREADS);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) ref[h] = reference(fmaxf(sF[row0 + g + 8 * h], sF[64 + row0 + g + 8 * h]));
+      for (int h = 0; h < 2; ++h) ref[h] = Softmax::reference(fmaxf(sF[row0 + g + 8 * h], sF[64 + row0 + g + 8 * h]), scale_log2);
     }
 
     // ---- the pairs of tiles ---------------------------------------------------------------
@@ -429,7 +409,7 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
     if (!redo) break;
     redo = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) ref[h] = reference(mx[h]);
+    for (int h = 0; h < 2; ++h) ref[h] = Softmax::reference(mx[h], scale_log2);
   }
 
   // ---- epilogue: O / sum, each warpgroup its half ---------------------------------------
