@@ -24,30 +24,10 @@ from prims_ts.ops.block_sparse import BlockSparsePagedTSWrapper, block_sparse_at
 from prims_ts.testing import TOLERANCE, cumsum0, rel_err
 from aoti_child import run_aoti_in_child
 from cuda_graphs import assert_no_allocation_no_sync, synchronize, warm_and_capture
+from compile_helpers import BF16, DEVICES, FP16, FP32, I32, NAN, close, gen, ip, randn
 
 R = prims_ts.reference
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-I32 = torch.int32
-NAN = float("nan")
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 BLOCK_GARBAGE = (-7, 2**31 - 1, -2**31, 77777)
-
-
-def gen(device, seed):
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def randn(shape, dtype, g, device):
-    return torch.randn(*shape, generator=g, device=device, dtype=FP32).to(dtype)
-
-
-def ip(values, device):
-    return torch.tensor(values, dtype=I32, device=device)
-
-
-def close(a, b):
-    """Compiled vs eager: the same kernel, so equal up to fused surrounding arithmetic."""
-    torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-3)
 
 
 def random_routes(lens, sq, hkv, q_block, kv_block, g, density=0.5):

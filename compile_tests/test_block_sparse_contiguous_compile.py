@@ -24,12 +24,9 @@ from prims_ts.ops.block_sparse import BlockSparseTSWrapper, block_sparse_attenti
 from prims_ts.testing import TOLERANCE, rel_err
 from aoti_child import run_aoti_in_child
 from cuda_graphs import assert_no_allocation_no_sync, synchronize, warm_and_capture
+from compile_helpers import BF16, DEVICES, FP32, I32, NAN, close
 
 R = prims_ts.reference
-BF16, FP32 = torch.bfloat16, torch.float32
-I32 = torch.int32
-NAN = float("nan")
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 # per device: B, Sq, Skv, Hq, Hkv, D, q_block, kv_block
 SIZES = {"cpu": (2, 10, 45, 8, 2, 128, 4, 8), "cuda": (2, 200, 1333, 16, 4, 128, 32, 64)}
 
@@ -81,10 +78,6 @@ class Prob:
                                                    self.q_block, self.kv_block,
                                                    kv_valid_bits=self.bits if bits else None, mask_type=mask,
                                                    sm_scale=sm_scale, compute_dtype=torch.float64)
-
-
-def close(a, b):
-    torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

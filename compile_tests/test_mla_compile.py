@@ -30,31 +30,11 @@ from prims_ts import reference as R
 from prims_ts.testing import TOLERANCE, check_decode_workspace, cumsum0, on_sm90_gpu, rel_err
 from aoti_child import run_aoti_in_child
 from cuda_graphs import assert_no_allocation_no_sync, check_standalone_replays, synchronize, warm_and_capture
+from compile_helpers import BF16, DEVICES, FP16, FP32, I32, NAN, close, gen, ip, randn
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-I32 = torch.int32
-NAN = float("nan")
 DQK, DV = 576, 512
 SCALE = 1.0 / math.sqrt(DQK)
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 RANKS = (512, 64)  # kv_lora_rank, qk_rope_head_dim
-
-
-def gen(device, seed):
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def randn(shape, dtype, g, device):
-    return torch.randn(*shape, generator=g, device=device, dtype=FP32).to(dtype)
-
-
-def ip(values, device):
-    return torch.tensor(values, dtype=I32, device=device)
-
-
-def close(a, b):
-    """Compiled vs eager: the same kernel, so equal up to fused surrounding arithmetic."""
-    torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-3)
 
 
 def ws_for(device, batch, h, ps, max_seq_len, max_seq_len_q=1, dtype=BF16):
