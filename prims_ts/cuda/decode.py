@@ -421,15 +421,13 @@ class PreparedDecode(Prepared):
     def _map_pool(self, pool: torch.Tensor, address: int) -> None:
         """A TMA key: the latent pool's map (``[P, ps, D]`` or ``[P, 1, ps, D]``; boxes of 64
         columns and a page's rows, at most a tile's), built when its layout changed and encoded
-        when its address did."""
+        when its address did (V is K's prefix: no map of its own)."""
         layout = (tuple(pool.shape), pool.stride())
         if layout != self._map_layout:
             k = pool.unsqueeze(1) if pool.dim() == 3 else pool
             self._set_maps(k, None, True, min(self.static.page_size, self.key.bn))
             self._map_layout = layout
-        if address != self._maps_at[0]:
-            self._maps[0].encode(self.tp.tmap_k, address)
-            self._maps_at = (address, None)
+        self._encode_maps(self.tp, address, None)
 
     def run(self, query, k_cache, v_cache, workspace, out, kv_indptr, kv_indices, seq_lens, qo_indptr,
             sm_scale: float, output_scale: float, bt_stride: int = 0) -> None:
@@ -481,9 +479,8 @@ class PreparedDecode(Prepared):
             p.num_indices = num_indices
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
-        if self.tp is not None and k != self._maps_at[0]:  # the pool laid out as in that run
-            self._maps[0].encode(self.tp.tmap_k, k)
-            self._maps_at = (k, None)
+        if self.tp is not None:  # the pool laid out as in that run
+            self._encode_maps(self.tp, k, None)
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 
@@ -499,9 +496,8 @@ class PreparedDecode(Prepared):
         p.v = a[2] if v_cache is not None else a[1] + self._v_off
         p.scale_log2 = sm_scale * LOG2E
         p.out_scale = output_scale
-        if self.tp is not None and a[1] != self._maps_at[0]:  # the pool laid out as in that run
-            self._maps[0].encode(self.tp.tmap_k, a[1])
-            self._maps_at = (a[1], None)
+        if self.tp is not None:  # the pool laid out as in that run
+            self._encode_maps(self.tp, a[1], None)
         self.launch.launch(runtime.current_stream(self.dev))
         return True
 
