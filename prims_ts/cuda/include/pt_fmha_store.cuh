@@ -26,24 +26,32 @@ __device__ __forceinline__ uint4 ld_shared_u4(u32 addr) {
   return v;
 }
 
-// Warpgroup `wg` (whole-row warps, every thread of it): `o` is the calling warp's O (16 rows
-// from tile row `row0`: rows g and g + 8 of each 8-column n-tile), `inv` its two rows' factors.
-// The mma C layout is stmatrix's: matrix 2k + h is n-tile n + k's rows h * 8..; lane l gives
-// row l & 7 of matrix l >> 3 its address. Named barrier 6 + wg orders the warpgroup's rows
-// between the two passes.
-template <class QTile, class OutT, int DT, class Problem>
-__device__ __forceinline__ void store_o_rows(const Problem& pb, u32 sQ, const float (&o)[DT][4],
-                                             const float (&inv)[2], int wg, int row0) {
+// The calling warp's O (16 rows from tile row `row0`: rows g and g + 8 of each 8-column n-tile,
+// its columns from 16-byte chunk `chunk0` on), scaled by `inv` (its two rows' factors) and cast,
+// into a Tile at `base`. The mma C layout is stmatrix's: matrix 2k + h is n-tile n + k's rows
+// h * 8..; lane l gives row l & 7 of matrix l >> 3 its address.
+template <class Tile, class OutT, int DT>
+__device__ __forceinline__ void stage_o_rows(u32 base, const float (&o)[DT][4], const float (&inv)[2], int row0,
+                                             int chunk0) {
   static_assert(DT % 2 == 0, "n-tile pairs");
   const int lane = threadIdx.x & 31;
   const int mat = lane >> 3;
 #pragma unroll
   for (int n = 0; n < DT; n += 2) {
-    stmatrix_x4(sQ + QTile::offset(row0 + (lane & 7) + 8 * (mat & 1), n + (mat >> 1)),
+    stmatrix_x4(base + Tile::offset(row0 + (lane & 7) + 8 * (mat & 1), chunk0 + n + (mat >> 1)),
                 pack2<OutT>(o[n][0] * inv[0], o[n][1] * inv[0]), pack2<OutT>(o[n][2] * inv[1], o[n][3] * inv[1]),
                 pack2<OutT>(o[n + 1][0] * inv[0], o[n + 1][1] * inv[0]),
                 pack2<OutT>(o[n + 1][2] * inv[1], o[n + 1][3] * inv[1]));
   }
+}
+
+// Warpgroup `wg` (whole-row warps, every thread of it): its rows staged in its Q rows
+// (stage_o_rows), then stored. Named barrier 6 + wg orders the warpgroup's rows between the
+// two passes.
+template <class QTile, class OutT, int DT, class Problem>
+__device__ __forceinline__ void store_o_rows(const Problem& pb, u32 sQ, const float (&o)[DT][4],
+                                             const float (&inv)[2], int wg, int row0) {
+  stage_o_rows<QTile, OutT, DT>(sQ, o, inv, row0, 0);
   named_bar_sync(6 + wg, 128);
   // every chunk read first (O's registers are free now), then the stores of the rows there are
   constexpr int PER_THREAD = 64 * DT / 128;  // DT 16-byte chunks a row

@@ -85,24 +85,16 @@ struct TwinBoxes {
   int rows, live, page, slot;
 };
 
-// The epilogue's 16-bit rows (one split): each warp's O half, scaled and cast, into an
-// [BM][DV] tile at `base` by stmatrix (the mma C layout is stmatrix's: matrix 2k + h is n-tile
-// n + k's rows h * 8..; lane l gives row l & 7 of matrix l >> 3 its address), then, after both
-// warpgroups' halves (the CTA's barrier 1), each row's DV * 2 bytes as 16-byte chunks, a warp
-// a row's consecutive chunks.
+// The epilogue's 16-bit rows (one split): each warp's O half into an [BM][DV] tile at `base`
+// (stage_o_rows: warpgroup w's columns from chunk w * DVH / 8), then, after both warpgroups'
+// halves (the CTA's barrier 1), each row's DV * 2 bytes as 16-byte chunks, a warp a row's
+// consecutive chunks.
 template <class Cfg, class OutT, class Problem>
 __device__ __forceinline__ void twin_store_rows(const Problem& pb, u32 base, const float (&o)[Cfg::DVH / 8][4],
                                                 const float (&inv)[2], int w, int row0) {
   using OTile = SmemTileW<Cfg::BM, Cfg::DV>;
   constexpr int DT = Cfg::DVH / 8, CHUNKS = Cfg::DV / 8;
-  const int lane = threadIdx.x & 31, mat = lane >> 3;
-#pragma unroll
-  for (int n = 0; n < DT; n += 2) {
-    stmatrix_x4(base + OTile::offset(row0 + (lane & 7) + 8 * (mat & 1), w * DT + n + (mat >> 1)),
-                pack2<OutT>(o[n][0] * inv[0], o[n][1] * inv[0]), pack2<OutT>(o[n][2] * inv[1], o[n][3] * inv[1]),
-                pack2<OutT>(o[n + 1][0] * inv[0], o[n + 1][1] * inv[0]),
-                pack2<OutT>(o[n + 1][2] * inv[1], o[n + 1][3] * inv[1]));
-  }
+  stage_o_rows<OTile, OutT, DT>(base, o, inv, row0, w * DT);
   named_bar_sync(1, Cfg::THREADS);
   const DecodeParams& p = *pb.p;
   for (int i = threadIdx.x; i < pb.q_rows * CHUNKS; i += Cfg::THREADS) {
