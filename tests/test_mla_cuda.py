@@ -49,7 +49,7 @@ from prims_ts import reference as R
 from prims_ts.cuda.decode import MLA_DIM_QK, DecodeKey, PreparedDecode, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, KV_COPY_TPRS, device_limits
 from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
-                              reference_must_not_run, rel_err, stable_seed)
+                              on_sm90_gpu, reference_must_not_run, rel_err, stable_seed)
 
 pytestmark = pytest.mark.cuda
 
@@ -78,6 +78,12 @@ LONGEST = 131072  # the long-request tests
 def sync():
     if torch.device(DEVICE).type == "cuda":
         torch.cuda.synchronize()
+
+
+def skip_off_sm90(what: str) -> None:
+    """Skip on a CUDA device that is not sm_90a (`what` is that engine's only); a CPU dry run goes on."""
+    if torch.device(DEVICE).type == "cuda" and not on_sm90_gpu(DEVICE):
+        pytest.skip(f"{what} is sm_90a's")
 
 
 def on_sm90() -> bool:
@@ -345,8 +351,7 @@ def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
     """Rows of 64 on sm_90a (the wgmma tile with the producer warpgroup) with the producer
     copy the default does not take (Tuning(flip_copy=True): 4 here); the main grid runs the
     default."""
-    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the producer ring is sm_90a's")
+    skip_off_sm90("the producer ring")
     tuning = with_merge(Tuning(flip_copy=True), split_merge)
     other = next(t for t in KV_COPY_TPRS if t != DEFAULT.copy_for(DQK))
     pb = wide_problem(qmode, mask, hsq, "copy")
@@ -361,8 +366,7 @@ def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
 def test_wide_rows_twin(split_merge, qmode, mask, hsq):
     """Rows of 64 on sm_90a on the twin tile (Tuning(mla_twin=True)): the wide-row grid's
     rotation turned by one (odd and even tile counts, split or one split, each page size)."""
-    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the twin tile is sm_90a's")
+    skip_off_sm90("the twin tile")
     tuning = with_merge(Tuning(mla_twin=True), split_merge)
     pb = wide_problem(qmode, mask, hsq, "twin", shift=1)
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
@@ -382,8 +386,7 @@ def test_twin_rerun(split_merge, dtype, mask, lengths):
     long before), so only the rerun with the exact maxima gives a finite result. Split-KV (long:
     a spike in the first and in a middle split) and one split (short: 64 requests of 150-400
     keys, so that the spike lies past the first two tiles there too)."""
-    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the twin tile is sm_90a's")
+    skip_off_sm90("the twin tile")
     tuning = with_merge(Tuning(mla_twin=True), split_merge)
     lens = [2500, 1033, 300] if lengths == "long" else [400, 330, 257] + [150 + 4 * b for b in range(61)]
     pb = Problem(lens, 128, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths), sq=1,
@@ -404,8 +407,7 @@ def test_twin_epilogue_out_dtypes(split_merge, out_dtype):
     """The twin tile's two epilogues (H 128, SQ 2): with one split (64 requests) and 16-bit
     output its rows go through shared memory as 16-byte chunks, fp32 output and split-KV
     partials (2 requests) by store2; bmm scales on top."""
-    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the twin tile is sm_90a's")
+    skip_off_sm90("the twin tile")
     tuning = with_merge(Tuning(mla_twin=True), split_merge)
     for lens in ([150 + 4 * b for b in range(64)], [3000, 77]):
         pb = Problem(lens, 128, 32, FP16, stable_seed("twin-out", str(out_dtype), len(lens)), sq=2,
