@@ -486,15 +486,16 @@ def run_all(dev) -> None:
 
 
 def run_mla_twin(dev) -> None:
-    """MLA_CASES through a wrapper planned with the twin tile (rows of 64 and more: the packed
-    H64 and split H128 cases; the others keep the swapped tile), both split merges; those two
-    cases again with a spiked key (the rerun: the barrier phases it continues)."""
+    """MLA_CASES through a wrapper planned with the twin tile for every row height (rows of 16
+    and 32 in its 64: Tuning.mla_twin_narrow), both split merges (no cluster: the twin's
+    partials do not fit beside its stages); the packed H64, split H8 SQ2 and split H128 cases
+    again with a spiked key (the rerun: the barrier phases it continues)."""
     for staged in (False, True):
         tuning = dataclasses.replace(DECODE_VARIANTS["mla_twin"], merge_staged=staged)
-        assert tuning.mla_twin
+        assert tuning.mla_twin and tuning.mla_twin_narrow
         for case in MLA_CASES:
             mla_case(dev, *case, tuning=tuning)
-        for case in MLA_CASES[1:4:2]:
+        for case in MLA_CASES[1:4]:
             mla_case(dev, *case, tuning=tuning, spike=True)
     torch.cuda.synchronize()
 

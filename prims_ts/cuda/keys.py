@@ -72,6 +72,10 @@ class Tuning:
     # per pass, tiles by TMA) instead of the core's split-O tile. A variant until measured
     # (benchmarks/NOTES.md, MLA).
     mla_twin: bool = False
+    # MLA rows of 16/32 on sm_90a: the twin tile too, its 64 rows holding the 16 or 32 (the
+    # memory-bound rows: two warpgroups streaming 72 KB tiles by TMA, no producer warpgroup),
+    # instead of the swapped-operand tile. A variant until measured (benchmarks/NOTES.md, MLA).
+    mla_twin_narrow: bool = False
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
