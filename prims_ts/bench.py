@@ -762,23 +762,35 @@ register_family(Family(
 # ----------------------------------------------------------------------------
 
 
+def _decode_lens(p: Dict[str, Any]) -> List[int]:
+    """A decode problem's K/V lengths: B of L, or (``short`` given) one request of L and B - 1
+    of ``short`` (a serving batch with one long-context request)."""
+    b, n = p["B"], p["L"]
+    return [n] * b if "short" not in p else [n] + [p["short"]] * (b - 1)
+
+
 def _decode_problems() -> List[Problem]:
     shapes = [
-        # (B, L, Hq, Hkv, D, quick, graph)
-        (128, 4096, 32, 8, 128, True, False),
-        (16, 32768, 32, 8, 128, False, False),
-        (64, 8192, 64, 8, 128, False, False),
-        (32, 8192, 16, 8, 256, True, False),
-        (1, 131072, 32, 8, 128, True, False),
-        (1, 1024, 32, 8, 128, True, True),  # latency: CUDA graphs on both sides
+        # (B, L, Hq, Hkv, D, quick, graph, the other requests' length: None, all L)
+        (128, 4096, 32, 8, 128, True, False, None),
+        (16, 32768, 32, 8, 128, False, False, None),
+        (64, 8192, 64, 8, 128, False, False, None),
+        (32, 8192, 16, 8, 256, True, False, None),
+        (1, 131072, 32, 8, 128, True, False, None),
+        (1, 1024, 32, 8, 128, True, True, None),  # latency: CUDA graphs on both sides
+        (64, 32768, 32, 8, 128, False, False, 1024),  # skewed: one request of 32768, 63 of 1024
     ]
     out = []
-    for b, n, hq, hkv, d, quick, graph in shapes:
-        kv_bytes = 2 * b * n * hkv * d * 2
+    for b, n, hq, hkv, d, quick, graph, short in shapes:
+        params = dict(B=b, L=n, Hq=hq, Hkv=hkv, D=d, page_size=32, graph=graph, dtype="bf16")
+        if short is not None:
+            params["short"] = short
+        kv_bytes = 2 * sum(_decode_lens(params)) * hkv * d * 2
+        size = f"L{n}" if short is None else f"L{n}+{b - 1}x{short}"
         out.append(Problem(
             family="decode",
-            name=f"B{b} L{n} H{hq}/{hkv} D{d} page32" + (" graphs" if graph else ""),
-            params=dict(B=b, L=n, Hq=hq, Hkv=hkv, D=d, page_size=32, graph=graph, dtype="bf16"),
+            name=f"B{b} {size} H{hq}/{hkv} D{d} page32" + (" graphs" if graph else ""),
+            params=params,
             work=float(kv_bytes),
             unit="TB/s",
             quick=quick,
@@ -787,7 +799,9 @@ def _decode_problems() -> List[Problem]:
 
 
 class DecodeInputs:
-    """q [B, Hq, D]; a combined paged cache with shuffled pages; the same K/V contiguous for the peers."""
+    """q [B, Hq, D]; a combined paged cache with shuffled pages (each request its own count);
+    the same K/V contiguous for the peers, padded with zeros to the longest request where the
+    lengths differ (``ragged``: the peers then mask the padding)."""
 
     def __init__(self, prob: Problem, device: torch.device):
         import prims_ts
@@ -798,28 +812,42 @@ class DecodeInputs:
         g = torch.Generator(device=device)
         g.manual_seed(0)
         self.graph = p["graph"]
+        self.lens = _decode_lens(p)
+        self.ragged = len(set(self.lens)) > 1
         self.q = torch.randn(b, hq, d, device=device, dtype=dt, generator=g)
-        per = (n + ps - 1) // ps
-        self.cache = torch.randn(b * per, 2, hkv, ps, d, device=device, dtype=dt, generator=g)
-        perm = torch.randperm(b * per, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+        per = [(x + ps - 1) // ps for x in self.lens]
+        pages = sum(per)
+        self.cache = torch.randn(pages, 2, hkv, ps, d, device=device, dtype=dt, generator=g)
+        perm = torch.randperm(pages, generator=torch.Generator().manual_seed(1)).to(torch.int32)
         self.indices = perm.to(device)
-        self.indptr = torch.arange(b + 1, device=device, dtype=torch.int32) * per
-        self.seq_lens = torch.full((b,), n, device=device, dtype=torch.int32)
-        self.max_seq_len = n
-        self.ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, ps, n, device=device),
+        self.indptr = torch.tensor(testing.cumsum0(per), device=device, dtype=torch.int32)
+        self.seq_lens = torch.tensor(self.lens, device=device, dtype=torch.int32)
+        self.max_seq_len = max(self.lens)
+        self.ws = torch.zeros(prims_ts.get_prims_ts_batch_decode_workspace_size(b, hq, hkv, d, ps, self.max_seq_len,
+                                                                               device=device),
                               dtype=torch.uint8, device=device)
         self._contig = None
 
     def contiguous(self):
-        """K, V as [B, Hkv, L, D] in logical order, and q as [B, Hq, 1, D]."""
+        """K, V as [B, Hkv, L, D] in logical order (zeros past a request's length), and q as
+        [B, Hq, 1, D]."""
         if self._contig is None:
-            b = self.q.shape[0]
-            pages = self.cache[self.indices.long()]  # [B*per, 2, Hkv, ps, D]
-            per = pages.shape[0] // b
-            kv = pages.view(b, per, 2, *pages.shape[2:]).permute(2, 0, 3, 1, 4, 5)  # [2, B, Hkv, per, ps, D]
-            kv = kv.reshape(2, b, kv.shape[2], -1, kv.shape[-1])[:, :, :, : self.max_seq_len].contiguous()
-            self._contig = (self.q.unsqueeze(2), kv[0], kv[1])
+            b, ps = self.q.shape[0], self.cache.shape[3]
+            hkv, d = self.cache.shape[2], self.cache.shape[4]
+            k = self.q.new_zeros(b, hkv, self.max_seq_len, d)
+            v = torch.zeros_like(k)
+            at = self.indptr.tolist()
+            for r, n in enumerate(self.lens):
+                pages = self.cache[self.indices[at[r]:at[r + 1]].long()]  # [per, 2, Hkv, ps, D]
+                kv = pages.permute(1, 2, 0, 3, 4).reshape(2, hkv, -1, d)[:, :, :n]
+                k[r, :, :n], v[r, :, :n] = kv[0], kv[1]
+            self._contig = (self.q.unsqueeze(2), k, v)
         return self._contig
+
+    def key_mask(self) -> torch.Tensor:
+        """[B, 1, 1, L]: the keys each request holds (the contiguous copies' padding excluded)."""
+        keys = torch.arange(self.max_seq_len, device=self.q.device)
+        return (keys[None, :] < self.seq_lens[:, None]).view(len(self.lens), 1, 1, -1)
 
 
 def _graphed(fn, enabled: bool):
@@ -878,15 +906,27 @@ def _setup_sdpa_decode(prob: Problem, x: DecodeInputs):
     import torch.nn.functional as F
 
     q, k, v = x.contiguous()
+    mask = x.key_mask() if x.ragged else None  # ragged: the padded keys masked (off the flash kernels)
 
     def fn():
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).squeeze(2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).squeeze(2)
 
     return _graphed(fn, x.graph)
 
 
 def _setup_flex_decode(prob: Problem, x: DecodeInputs):
-    call = _flex_call(*x.contiguous())
+    block_mask = None
+    if x.ragged:  # each request's keys: Flex skips the padding's blocks
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        lens = x.seq_lens
+
+        def keys_mod(b, h, q_idx, kv_idx):
+            return kv_idx < lens[b]
+
+        block_mask = create_block_mask(keys_mod, B=len(x.lens), H=None, Q_LEN=1, KV_LEN=x.max_seq_len,
+                                       device=x.q.device)
+    call = _flex_call(*x.contiguous(), block_mask=block_mask)
 
     def fn():
         return call().squeeze(2)
