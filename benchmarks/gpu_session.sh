@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -84,6 +84,19 @@ for s in "${stages[@]}"; do
                 "$PY" tests/gpu_sanitize.py --mla-twin >"$OUT/twin_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/twin_$tool.log" | tail -1)"
         done ;;
+    balanced)  # balanced split-KV (Tuning.balanced_split, a variant): the decode and MLA grids' cells
+        # under it (split_merge "balanced": 7 CTAs at every size), then the sanitizer's decode cases
+        # (its balanced pass among them) under memcheck and racecheck
+        echo "== tests/test_decode_cuda.py tests/test_mla_cuda.py -k balanced"
+        timeout 280 "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py -q -m cuda -rs -k balanced \
+            --maxfail=20 -p no:cacheprovider "${XDIST[@]}" >"$OUT/balanced.log" 2>&1
+        echo "   rc=$? $(tail -1 "$OUT/balanced.log")"
+        for tool in memcheck racecheck; do
+            echo "== compute-sanitizer $tool --decode"
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                "$PY" tests/gpu_sanitize.py --decode >"$OUT/balanced_$tool.log" 2>&1
+            echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/balanced_$tool.log" | tail -1)"
+        done ;;
     second)  # the tests that need two GPUs (tensors on cuda:1), every kernel file
         echo "== tests on cuda:1"
         timeout 280 "$PY" -m pytest "${KERNEL_TESTS[@]}" -q -m cuda -rs -k second_device -p no:cacheprovider \
@@ -120,7 +133,8 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); mw: every MLA row tile on the twin tile (AB_FAMILIES=mla). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); mw: every MLA row tile on the twin tile (AB_FAMILIES=mla); bs: balanced
+        # split-KV (AB_FAMILIES="decode mla"); bw: bs on the twin tile. abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
         # come again ("d mw mw d": base / new / new / base, the last d the drift): the files are numbered in order.
@@ -129,7 +143,7 @@ for s in "${stages[@]}"; do
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c | mw) fams="$fams --family mla" ;; esac
+            case "$v" in d | c | mw) fams="$fams --family mla" ;; bs | bw) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -138,6 +152,7 @@ for s in "${stages[@]}"; do
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
                 mw) spec="mla_twin=True;mla_twin_narrow=True" ;;
+                bs) spec="balanced_split=True" ;; bw) spec="balanced_split=True;mla_twin=True;mla_twin_narrow=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"

@@ -32,7 +32,7 @@ except ModuleNotFoundError:  # run as `python tests/gpu_sanitize.py` from an uni
 from prims_ts import Tuning
 from prims_ts import reference as R
 from prims_ts.cuda.catalog import DECODE_VARIANTS, RING_VARIANTS
-from prims_ts.cuda.decode import MLA_DIM_QK, decode_policy
+from prims_ts.cuda.decode import MLA_DIM_QK, balances, decode_policy
 from prims_ts.cuda.keys import device_limits
 from prims_ts.testing import check_decode_workspace, cumsum0, relative_error, stable_seed
 
@@ -71,10 +71,12 @@ def _sm90(dev) -> bool:
     return device_limits(dev)[0] == "sm_90a"
 
 
-def _policy(dev, batch, hkv, group, max_sq, d, max_seq_len):
-    """The decode policy on `dev` (the CPU: the nominal H200's SMs and shared memory)."""
-    _, sms, limit = device_limits(dev)
-    return decode_policy(batch, hkv, group, max_sq, d, max_seq_len, sms, limit)
+def _policy(dev, batch, hkv, group, max_sq, d, max_seq_len, tuning=None):
+    """The decode policy on `dev` (the CPU: the nominal H200's SMs and shared memory): the static
+    one, or the one a plan with `tuning` takes (balanced split-KV)."""
+    arch, sms, limit = device_limits(dev)
+    balance = balances(tuning, arch, d, group * max_sq) if tuning is not None else 0
+    return decode_policy(batch, hkv, group, max_sq, d, max_seq_len, sms, limit, balance)
 
 
 def poisoned_csr_pool(dev, lens, hkv, ps, d, form, dt):
@@ -160,8 +162,10 @@ def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, 
                max_kv_len=max_seq_len, **kw)  # the standalone's static problem: the same policy
         launch = w._plan.launch
         if launch is not None:
-            assert launch.policy == pol and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
-            assert (launch.launch.cluster > 1) == ("cluster" in name and _sm90(dev) and tuning.cluster_merge), name
+            planned = _policy(dev, B, hkv, hq // hkv, max_sq, d, max_seq_len, tuning)
+            assert launch.policy == planned and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
+            clustered = "cluster" in name and _sm90(dev) and tuning.cluster_merge and not planned.balanced
+            assert (launch.launch.cluster > 1) == clustered, name
         res = w.run(q, cache, out=out)
     assert res is out
     ref = R.batch_decode(q, k, v, indptr, indices, seq_lens, qo_indptr=qo_indptr, mask_type=mask,
@@ -248,8 +252,10 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, 
         w.plan(table, seq_lens, h, 512, 64, ps, q_data_type=dt, mask_type=mask, max_kv_len=max_seq_len, **mode)
         launch = w._plan.launch
         if launch is not None:
-            assert launch.policy == pol and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
-            assert (launch.launch.cluster > 1) == ("cluster" in name and _sm90(dev) and tuning.cluster_merge), name
+            planned = _policy(dev, B, 1, h, max_sq, MLA_DIM_QK, max_seq_len, tuning)
+            assert launch.policy == planned and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
+            clustered = "cluster" in name and _sm90(dev) and tuning.cluster_merge and not planned.balanced
+            assert (launch.launch.cluster > 1) == clustered, name
         res = w.run(q, cache, bmm1_scale=scale, out=out)
     assert res is out
     ref = R.batch_mla_decode(q, cache, table, seq_lens, qo_indptr=qo_indptr, mask_type=mask, sm_scale=scale,
@@ -276,7 +282,8 @@ def mla_cases(dev, tuning=None) -> None:
     if _sm90(dev):
         base = tuning or DEFAULT
         mma = dataclasses.replace(DECODE_VARIANTS["mla_mma"], merge_staged=base.merge_staged,
-                                  cluster_merge=base.cluster_merge)
+                                  cluster_merge=base.cluster_merge, balanced_split=base.balanced_split,
+                                  balanced_ctas=base.balanced_ctas)
         assert not mma.mla_swapped
         for case in MLA_MMA_SYNC_CASES:
             mla_case(dev, *case, tuning=mma)
@@ -488,11 +495,13 @@ def run_all(dev) -> None:
 def run_mla_twin(dev) -> None:
     """MLA_CASES through a wrapper planned with the twin tile for every row height (rows of 16
     and 32 in its 64: Tuning.mla_twin_narrow), both split merges (no cluster: the twin's
-    partials do not fit beside its stages); the packed H64, split H8 SQ2 and split H128 cases
-    again with a spiked key (the rerun: the barrier phases it continues)."""
-    for staged in (False, True):
-        tuning = dataclasses.replace(DECODE_VARIANTS["mla_twin"], merge_staged=staged)
-        assert tuning.mla_twin and tuning.mla_twin_narrow
+    partials do not fit beside its stages) and balanced split-KV over 7 CTAs (its barriers
+    retired and set up again item after item); the packed H64, split H8 SQ2 and split H128
+    cases again with a spiked key (the rerun: the barrier phases it continues)."""
+    twin = DECODE_VARIANTS["mla_twin"]
+    assert twin.mla_twin and twin.mla_twin_narrow
+    for tuning in (twin, dataclasses.replace(twin, merge_staged=True),
+                   dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)):
         for case in MLA_CASES:
             mla_case(dev, *case, tuning=tuning)
         for case in MLA_CASES[1:4]:
@@ -511,8 +520,10 @@ def run_variant(dev, name: str) -> None:
 
 def run_decode(dev) -> None:
     """The paged- and MLA-decode cases alone: the standalone functions (the default tuning: 2-8
-    splits as a cluster on sm_90a), then wrappers with each ticket merge."""
-    for tuning in (None, Tuning(cluster_merge=False), Tuning(merge_staged=True, cluster_merge=False)):
+    splits as a cluster on sm_90a), then wrappers with each ticket merge and with balanced
+    split-KV over 7 CTAs (the walk, its CTA barriers, a unit's parts merged by the ticket)."""
+    for tuning in (None, Tuning(cluster_merge=False), Tuning(merge_staged=True, cluster_merge=False),
+                   Tuning(balanced_split=True, balanced_ctas=7)):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
     torch.cuda.synchronize()

@@ -42,7 +42,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
-from prims_ts.cuda.decode import DecodeKey, PreparedDecode, decode_policy
+from prims_ts.cuda.decode import DecodeKey, PreparedDecode, balances, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, device_limits
 from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
                               reference_must_not_run, rel_err, stable_seed)
@@ -142,10 +142,12 @@ class Problem:
             return dict(qo_indptr=self.qo_indptr, max_seq_len_q=self.max_seq_len_q)
         return {}
 
-    def policy(self):
-        _, sms, limit = device_limits(DEVICE)
+    def policy(self, tuning=None):
+        """The static policy of the problem, or (`tuning`) the one its plans take."""
+        arch, sms, limit = device_limits(DEVICE)
+        balance = balances(tuning, arch, self.d, self.hq // self.hkv * self.max_seq_len_q) if tuning else 0
         return decode_policy(self.B, self.hkv, self.hq // self.hkv, self.max_seq_len_q, self.d, self.max_seq_len,
-                             sms, limit)
+                             sms, limit, balance)
 
     def call(self, **kw):
         """The standalone function (the default tuning)."""
@@ -180,7 +182,7 @@ def check_plan(pb: Problem, w, tuning, causal: bool) -> None:
     plan = w._plan
     assert plan.static.tuning == tuning and plan.tuning_code == tuning.encode()
     arch = device_limits(plan.device)[0]
-    pol = pb.policy()
+    pol = pb.policy(tuning)
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], pb.d, causal, pol, arch, tuning)
     if plan.launch is not None:
         assert plan.launch.policy == pol, (plan.launch.policy, pol)

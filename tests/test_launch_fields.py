@@ -382,6 +382,43 @@ def test_standalone_relaunch_writes_what_a_full_run_writes(form, monkeypatch):
 
 
 # ----------------------------------------------------------------------------
+# The parameter structs: each ctypes mirror field for field against its C++ struct
+# ----------------------------------------------------------------------------
+
+
+def test_parameter_mirrors_match_the_kernels_structs(tmp_path, monkeypatch):
+    """Every parameter struct a launch writes through ctypes (DecodeParams, DecodeTmaParams,
+    PrefillParams, PrefillTmaParams, BlockSparseParams, BlockSparseTmaParams) has the size of the
+    C++ struct its kernel reads (a field added on one side only, where the tail padding does not
+    hide it): NVRTC compiles each kernel source's declarations (the entry cut off) with a
+    static_assert a struct. (NVRTC has no constant offsetof: the order of the fields is the GPU
+    launch tests' to check.)"""
+    import ctypes
+
+    from prims_ts.cuda import block_sparse as BS
+    from prims_ts.cuda import decode as KD
+    from prims_ts.cuda import prefill as PF
+    from prims_ts.cuda import runtime
+
+    monkeypatch.setenv("PRIMS_TS_CACHE_DIR", str(tmp_path))
+    pol = KD.decode_policy(1, 1, 4, 1, 128, 1, 132)
+    sources = {
+        "decode": (KD.DecodeKey.of("bf16", 128, False, pol, "sm_90a").source(),
+                   [(KD.DecodeParams, "pt::DecodeParams"), (KD.DecodeTmaParams, "pt::DecodeTmaParams")]),
+        "prefill": (PF.PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a").source(),
+                    [(PF.PrefillParams, "pt::PrefillParams"), (PF.PrefillTmaParams, "pt::PrefillTmaParams")]),
+        "block_sparse": (BS.BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a").source(),
+                         [(BS.BlockSparseParams, "pt::BlockSparseParams"),
+                          (BS.BlockSparseTmaParams, "pt::BlockSparseTmaParams")]),
+    }
+    for name, (ks, mirrors) in sources.items():
+        body = ks.source[:ks.source.rindex('extern "C"')]
+        checks = [f'static_assert(sizeof({cname}) == {ctypes.sizeof(cls)}, "sizeof({cname})");' for cls, cname in mirrors]
+        src = runtime.KernelSource(f"layout:{name}", f"layout_{name}", body + "\n".join(checks) + "\n")
+        runtime.compile_cubin(src, "sm_90a", use_cache=False)  # a failed static_assert names the struct
+
+
+# ----------------------------------------------------------------------------
 # Prefill: the TMA keys' parameter layout and choice
 # ----------------------------------------------------------------------------
 

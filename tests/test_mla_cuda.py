@@ -46,7 +46,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from prims_ts import reference as R
-from prims_ts.cuda.decode import MLA_DIM_QK, DecodeKey, PreparedDecode, decode_policy
+from prims_ts.cuda.decode import MLA_DIM_QK, DecodeKey, PreparedDecode, balances, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, KV_COPY_TPRS, device_limits
 from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
                               on_sm90_gpu, reference_must_not_run, rel_err, stable_seed)
@@ -141,9 +141,11 @@ class Problem:
     def out_shape(self):
         return tuple(self.q.shape[:-1]) + (DV,)
 
-    def policy(self):
-        _, sms, limit = device_limits(DEVICE)
-        return decode_policy(self.B, 1, self.h, self.max_seq_len_q, MLA_DIM_QK, self.max_seq_len, sms, limit)
+    def policy(self, tuning=None):
+        """The static policy of the problem, or (`tuning`) the one its plans take."""
+        arch, sms, limit = device_limits(DEVICE)
+        balance = balances(tuning, arch, MLA_DIM_QK, self.h * self.max_seq_len_q) if tuning else 0
+        return decode_policy(self.B, 1, self.h, self.max_seq_len_q, MLA_DIM_QK, self.max_seq_len, sms, limit, balance)
 
     def call(self, q=None, **kw):
         """The standalone function (the default tuning)."""
@@ -183,7 +185,7 @@ def check_plan(pb: Problem, w, tuning, causal: bool) -> DecodeKey:
     plan = w._plan
     assert plan.static.tuning == tuning and plan.tuning_code == tuning.encode()
     arch = device_limits(plan.device)[0]
-    pol = pb.policy()
+    pol = pb.policy(tuning)
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], MLA_DIM_QK, causal, pol, arch, tuning)
     if plan.launch is not None:
         assert plan.launch.policy == pol, (plan.launch.policy, pol)
@@ -303,8 +305,9 @@ def row_tile(request):
 
 
 def with_merge(tuning: Tuning, split_merge: Tuning) -> Tuning:
-    """`tuning` with split_merge's merge."""
-    return dataclasses.replace(tuning, merge_staged=split_merge.merge_staged, cluster_merge=split_merge.cluster_merge)
+    """`tuning` with split_merge's merge (balanced split-KV included)."""
+    return dataclasses.replace(tuning, merge_staged=split_merge.merge_staged, cluster_merge=split_merge.cluster_merge,
+                               balanced_split=split_merge.balanced_split, balanced_ctas=split_merge.balanced_ctas)
 
 
 @pytest.mark.parametrize("hsq", SWAP_CELLS, ids=[f"h{h}_sq{q}" for h, q in SWAP_CELLS])
@@ -326,8 +329,8 @@ def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
     pb = Problem(lens, h, PAGE_SIZES[i % 4], (BF16, FP16)[(i // 2) % 2], stable_seed("swap", qmode, mask, h, sq),
                  qmode=qmode, sq=sq, q_lens=q_lens, max_seq_len_q=sq, rank=RANKS[(i // 4) % 2],
                  kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
-    pol = pb.policy()
-    assert (pol.splits > 1) == (lengths == "long"), pol
+    assert (pb.policy().splits > 1) == (lengths == "long"), pb.policy()
+    pol = pb.policy(tuning)
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pol, "sm_90a", tuning)
     check_row_engine(key, pol, kind, tpr)
     if on_sm90():  # the planned launch is this key (check_plan compares it on CUDA)
@@ -365,7 +368,7 @@ def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
     tuning = with_merge(Tuning(flip_copy=True), split_merge)
     other = next(t for t in KV_COPY_TPRS if t != DEFAULT.copy_for(DQK))
     pb = wide_problem(qmode, mask, hsq, "copy")
-    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
+    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
     assert key.arch == 90 and not key.swap and key.bm == 64 and key.copy_tpr == other, key.name
     check(pb, tuning, mask)
 
@@ -379,7 +382,7 @@ def test_wide_rows_twin(split_merge, qmode, mask, hsq):
     skip_off_sm90("the twin tile")
     tuning = with_merge(Tuning(mla_twin=True), split_merge)
     pb = wide_problem(qmode, mask, hsq, "twin", shift=1)
-    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
+    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
     assert key.twin and key.bm == 64, key.name
     if on_sm90():
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
@@ -410,7 +413,7 @@ def test_twin_rerun(split_merge, dtype, mask, lengths, heads):
         for j in ([5, 1100] if sk > 1100 else [5]):
             page = pb.live[b][j // pb.ps]
             pb.pool[page, j % pb.ps] = (4 * pb.q[b, 0, head].float()).to(dtype)
-    key = DecodeKey.of(DTYPE_CODES[dtype], DQK, mask == "causal", pb.policy(), "sm_90a", tuning)
+    key = DecodeKey.of(DTYPE_CODES[dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
     assert key.twin, key.name
     check(pb, tuning, mask)
 
@@ -426,7 +429,7 @@ def test_twin_epilogue_out_dtypes(split_merge, out_dtype):
         pb = Problem(lens, 128, 32, FP16, stable_seed("twin-out", str(out_dtype), len(lens)), sq=2,
                      max_seq_len=max(lens))
         assert (pb.policy().splits > 1) == (len(lens) == 2)
-        assert DecodeKey.of("f16", DQK, True, pb.policy(), "sm_90a", tuning).twin
+        assert DecodeKey.of("f16", DQK, True, pb.policy(tuning), "sm_90a", tuning).twin
         check(pb, tuning, "causal", out_dtype=out_dtype, bmm1_scale=0.7 * SCALE, bmm2_scale=1.5)
 
 

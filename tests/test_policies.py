@@ -178,6 +178,135 @@ def test_mla_twin_narrow_rows_key(heads, sq):
 
 
 # ----------------------------------------------------------------------------
+# Balanced split-KV: a mirror of fmha_decode.cu's walk (walk_start, walk_next, the merge's parts),
+# the same integer arithmetic, checked over many launches: every key tile of every unit in
+# exactly one item, a unit's parts and slots as its merger computes them.
+# ----------------------------------------------------------------------------
+
+
+def _walk_items(weights, units, grid, threads=128):
+    """The items every CTA of a balanced launch walks: weights[b] tiles per unit of request b,
+    `units` units a request, `grid` CTAs (each scanning with `threads` threads, each a run of
+    consecutive requests). Returns [(cta, b, j, a, e, slot, c0, parts, x)]."""
+    B = len(weights)
+    total = units * sum(weights)
+    g = min(grid, total)
+    per = -(-B // threads)
+    items = []
+    for c in range(g):
+        t0, t1 = c * total // g, (c + 1) * total // g
+        found = []
+        for tid in range(threads):  # the scan's finder: the thread whose run holds tile t0
+            b0, b1 = min(B, tid * per), min(B, min(B, tid * per) + per)
+            s0 = units * sum(weights[:b0])
+            mine = sum(weights[b0:b1])
+            if s0 <= t0 < s0 + mine * units:
+                s = s0
+                for i in range(b0, b1):
+                    e = s + weights[i] * units
+                    if t0 < e:
+                        found.append((i, s))
+                        break
+                    s = e
+        assert len(found) == 1, (c, found)
+        b, sreq = found[0]
+        wb, pos = weights[b], t0
+        while pos < t1 and b < B:  # walk_next
+            j = (pos - sreq) // wb
+            su, eu = sreq + j * wb, sreq + j * wb + wb
+            a, e = pos - su, min(t1, eu) - su
+            slot = c0 = parts = x = None
+            if not (a == 0 and e == wb):
+                first = pos == c * total // g
+                slot = 2 * c + (0 if first else 1)
+                c0 = ((su + 1) * g - 1) // total
+                parts = ((eu - 1 + 1) * g - 1) // total - c0 + 1
+                x = int(c0 * total // g != su)
+            items.append((c, b, j, a, e, slot, c0, parts, x))
+            pos = su + e
+            if j + 1 == units and pos < t1:
+                sreq = eu
+                b += 1
+                if b < B:
+                    wb = weights[b]
+    return items
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balanced_walk_covers_each_tile_once(seed):
+    """The balanced walk's items cover every unit's key tiles exactly once; an item holding a
+    whole unit writes the output rows; a cut unit's items are its parts c0 .. c0 + parts - 1
+    (consecutive CTAs, at least two), each at the slot its merger reads (part 0 at 2 c0 + x,
+    part s at 2 (c0 + s)), no slot written twice; fewer tiles than CTAs leave the rest idle."""
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 300))
+    units = int(rng.choice([1, 2, 8, 16]))
+    kind = seed % 4
+    if kind == 0:  # uniform
+        weights = [int(rng.integers(1, 200))] * B
+    elif kind == 1:  # one long request among short ones
+        weights = [int(rng.integers(1, 20)) for _ in range(B)]
+        weights[int(rng.integers(0, B))] = 2048
+    elif kind == 2:  # empty requests weigh one tile
+        weights = [int(rng.choice([1, 1, 3, 70])) for _ in range(B)]
+    else:
+        weights = [int(rng.integers(1, 5000)) for _ in range(B)]
+    grid = int(rng.choice([1, 5, 7, 132, 264, 1000]))
+    items = _walk_items(weights, units, grid, threads=int(rng.choice([128, 256])))
+    total = units * sum(weights)
+    assert len({it[0] for it in items}) == min(grid, total)  # every CTA of G' has an item
+    cover = {}
+    slots = set()
+    for c, b, j, a, e, slot, c0, parts, x in items:
+        assert 0 <= j < units and 0 <= a < e <= weights[b]
+        cover.setdefault((b, j), []).append((a, e, c, slot, c0, parts, x))
+        if slot is not None:
+            assert slot not in slots
+            slots.add(slot)
+    assert len(cover) == B * units
+    for (b, j), pieces in cover.items():
+        pieces.sort()
+        assert pieces[0][0] == 0 and pieces[-1][1] == weights[b]
+        assert all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))  # contiguous, disjoint
+        if len(pieces) == 1:
+            assert pieces[0][3] is None  # the whole unit: the output rows
+            continue
+        c0, parts, x = pieces[0][4:]
+        assert parts == len(pieces) >= 2 and all(p[4:] == (c0, parts, x) for p in pieces)
+        for s, (_, _, c, slot, _, _, _) in enumerate(pieces):
+            assert c == c0 + s and slot == 2 * (c0 + s) + (x if s == 0 else 0)
+
+
+def test_balanced_policy():
+    """Tuning(balanced_split=True): decode and MLA launches of at least BALANCED_MIN_TILES_PER_SLOT
+    key tiles a resident slot take a persistent grid of the slots (splits 1, the capacity in
+    keys), the latency rows the static split; balanced_ctas forces it at any size; MLA's 64-row
+    split-O wgmma tile never (the twin tile does); the workspace holds two slots a CTA."""
+    on = Tuning(balanced_split=True)
+    b = decode.balances(on, "sm_90a", 128, 4)
+    assert b == -1 and decode.balances(Tuning(), "sm_90a", 128, 4) == 0
+    assert decode.balances(on, "sm_90a", MLA_DIM_QK, 128) == 0
+    assert decode.balances(Tuning(balanced_split=True, mla_twin=True), "sm_90a", MLA_DIM_QK, 128) == -1
+    assert decode.balances(on, "sm_80", MLA_DIM_QK, 128) == -1
+    big = decode_policy(128, 8, 4, 1, 128, 4096, 132, balance=b)
+    slots = 132 * 2
+    assert (big.balanced, big.splits, big.chunk) == (slots, 1, 4096)
+    small = decode_policy(1, 8, 4, 1, 128, 1024, 132, balance=b)
+    assert small.balanced == 0 and small == decode_policy(1, 8, 4, 1, 128, 1024, 132)
+    forced = decode_policy(1, 8, 4, 1, 128, 1024, 132, balance=7)
+    assert (forced.balanced, forced.splits, forced.chunk) == (7, 1, 1024)
+    rows = min(big.bm, big.rows_max)
+    lse, o, count, end = decode.decode_partial_layout(128, 8, big, 128)
+    assert o >= 2 * slots * rows * 4 and count - o >= 2 * slots * rows * 128 * 4 and end - count == 128 * 8 * 4
+    assert decode.decode_workspace_bytes(128, 8, 4, 1, 128, 4096, 132, balance=b) >= end
+    key = DecodeKey.of("bf16", 128, False, big, "sm_90a", on)
+    assert key.balanced and key.name.endswith("_bal") and key.call().endswith(", true>")
+    assert not DecodeKey.of("bf16", 128, False, small, "sm_90a", on).balanced
+    mla = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, 132, balance=-1)
+    assert mla.balanced == 132 and DecodeKey.of("bf16", MLA_DIM_QK, False, mla, "sm_90a", on).swap
+
+
+# ----------------------------------------------------------------------------
 # The tuning value
 # ----------------------------------------------------------------------------
 
@@ -312,7 +441,8 @@ def test_persistent_choice_and_grid(persistent):
 def test_catalogue_defaults_and_variants():
     """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
     tuning of catalog.VARIANTS builds at least one key the default does not, except the staged
-    split merge, a runtime choice); the portable engine has no variants."""
+    split merge, a runtime choice); the portable engine's only variants are the balanced
+    split-KV keys."""
     default = {ks.name for ks in catalog.all_keys("sm_90a")}
     every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     assert default < every
@@ -320,7 +450,10 @@ def test_catalogue_defaults_and_variants():
         own = {k.name for k in catalog.default_keys("sm_90a", t)}
         assert own <= every
         assert bool(own - default) == (t != Tuning(merge_staged=True)), t
-    assert {ks.name for ks in catalog.all_keys("sm_80")} == {ks.name for ks in catalog.all_keys("sm_80", True)}
+    sm80 = {ks.name for ks in catalog.all_keys("sm_80")}
+    extra = {ks.name for ks in catalog.all_keys("sm_80", True)} - sm80
+    assert extra and all(n.startswith("pt_decode_") and n.endswith("_bal") for n in extra)
+    assert {n[:-len("_bal")] for n in extra} <= sm80  # the static keys' tiles
 
 
 def test_page_major_v_keys():

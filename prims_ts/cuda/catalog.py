@@ -6,12 +6,13 @@ that tests and A/B runs select (each builds some keys the default does not), com
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Iterator, List
 
 from . import runtime
 from .block_sparse import block_sparse_keys
 from .decode import HEAD_DIMS as DECODE_HEAD_DIMS
-from .decode import MLA_DIM_QK, DecodeKey, decode_policy
+from .decode import MLA_DIM_QK, DecodeKey, balances, decode_policy
 from .keys import DEFAULT_TUNING, DTYPE_CODES, NOMINAL_SMS, KernelKey, Tuning, smem_limit
 from .prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
@@ -42,13 +43,14 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "portable": Tuning(portable=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
-# MLA rows of 16/32 on the mma.sync tile, the other producer copy of MLA's wgmma tiles, and
-# every MLA row tile on the twin tile.
+# MLA rows of 16/32 on the mma.sync tile, the other producer copy of MLA's wgmma tiles,
+# every MLA row tile on the twin tile, and split-KV balanced over a persistent grid.
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "merge_staged": Tuning(merge_staged=True),
     "mla_mma": Tuning(mla_swapped=False),
     "other_copy": Tuning(flip_copy=True),
     "mla_twin": Tuning(mla_twin=True, mla_twin_narrow=True),
+    "balanced_split": Tuning(balanced_split=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 
@@ -63,16 +65,22 @@ def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelK
             for mask in ("dense", "causal"):
                 for ps in PAGE_SIZES if tuning.page_major_v else (0,):  # page_major_v: a key a short page size
                     yield PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning, page_size=ps)
+    def decode_keys(dt: str, d: int, group: int):
+        # one policy per row-tile height (BM 16, 32, 64); where the tuning balances split-KV,
+        # the balanced key (large launches) besides the static one (the latency rows)
+        pol = decode_policy(1, 1, group, 1, d, 1, NOMINAL_SMS, smem_limit(arch))
+        pols = [pol] + ([dataclasses.replace(pol, splits=1, balanced=NOMINAL_SMS)]
+                        if balances(tuning, arch, d, group) != 0 else [])
+        for p in pols:
+            for causal in (False, True):
+                yield DecodeKey.of(dt, d, causal, p, arch, tuning)
+
     for dt in DTYPE_CODES.values():
         for d in DECODE_HEAD_DIMS:
-            for group in (1, 32, 64):  # one policy per row-tile height (BM 16, 32, 64)
-                pol = decode_policy(1, 1, group, 1, d, 1, NOMINAL_SMS, smem_limit(arch))
-                for causal in (False, True):
-                    yield DecodeKey.of(dt, d, causal, pol, arch, tuning)
-        for heads in (16, 32, 64):  # MLA: one policy per row-tile height (BM 16, 32, 64)
-            pol = decode_policy(1, 1, heads, 1, MLA_DIM_QK, 1, NOMINAL_SMS, smem_limit(arch))
-            for causal in (False, True):
-                yield DecodeKey.of(dt, MLA_DIM_QK, causal, pol, arch, tuning)
+            for group in (1, 32, 64):
+                yield from decode_keys(dt, d, group)
+        for heads in (16, 32, 64):  # MLA: H rows
+            yield from decode_keys(dt, MLA_DIM_QK, heads)
     yield from block_sparse_keys(arch, tuning)
 
 

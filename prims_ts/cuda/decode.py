@@ -50,7 +50,8 @@ class DecodePolicy:
     row_tiles: int  # CTAs along the M rows of one (request, K/V head)
     rows_max: int  # group * max query tokens
     splits: int  # K/V chunks per (request, K/V head), merged through the workspace
-    chunk: int  # keys per split (multiple of bn)
+    chunk: int  # keys per split (multiple of bn); balanced: the keys a request may hold
+    balanced: int = 0  # > 0: balanced split-KV over this many CTAs (splits 1)
 
 
 def value_dim(head_dim: int) -> int:
@@ -110,11 +111,31 @@ def _ctas_per_sm(smem: int, threads: int) -> int:
     return max(1, min(SM_SMEM_BYTES // (smem + 1024), 2048 // threads))
 
 
+# Balanced split-KV: a launch's key tiles (every request at max_seq_len) per resident CTA slot
+# from which the persistent grid is taken
+BALANCED_MIN_TILES_PER_SLOT = 4
+
+
+def balances(tuning: Tuning, arch: str, head_dim: int, rows_max: int) -> int:
+    """decode_policy's `balance` under `tuning`: 0 (static split-KV) unless the tuning asks for
+    balanced split-KV and the key's tile can take it (every tile but MLA's 64-row split-O wgmma
+    tile on sm_90a, whose warpgroups' register shares are set once a CTA: the twin tile replaces
+    it under Tuning.mla_twin); then Tuning.balanced_ctas, or -1 (the resident slots)."""
+    wide_wgmma = arch == "sm_90a" and head_dim == MLA_DIM_QK and rows_max > 32 and not tuning.mla_twin
+    if not tuning.balanced_split or wide_wgmma:
+        return 0
+    return tuning.balanced_ctas or -1
+
+
 @functools.lru_cache(maxsize=4096)
 def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
-                  max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT) -> DecodePolicy:
+                  max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT,
+                  balance: int = 0) -> DecodePolicy:
     """Tile and split-KV choice from the static arguments only (no metadata values): the
-    first tile of `_decode_tiles` whose shared memory fits the device's per-block limit."""
+    first tile of `_decode_tiles` whose shared memory fits the device's per-block limit.
+    `balance` (``balances``): -1, balanced split-KV over the resident CTA slots where the launch
+    holds at least BALANCED_MIN_TILES_PER_SLOT key tiles a slot at max_seq_len (the others, the
+    latency rows, keep the static split and its cluster merge); n > 0, over n CTAs at any size."""
     rows_max = group * max_seq_len_q
     bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
     for bm, bn, stages, warps_n, split_o in _decode_tiles(head_dim, bm):
@@ -132,6 +153,14 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     # is capped by the key count only (at least 128 keys per split), so it, and the
     # workspace, never shrink as max_seq_len grows: a workspace sized for the longest
     # key serves all shorter ones; a trailing split may then be empty (merged as nothing).
+    if balance:
+        g = balance if balance > 0 else sm_count * per_sm
+        total = ctas * max(1, tiles)
+        # the merge's weights (BM rows of up to g parts) fit the tile's shared memory; the
+        # kernel's tile arithmetic stays inside int64
+        big = balance > 0 or total >= BALANCED_MIN_TILES_PER_SLOT * g
+        if big and bm * g * 4 + 256 <= smem and total * g < 2 ** 62:
+            return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, 1, tiles * bn, g)
     splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     chunk = ((tiles + splits - 1) // splits) * bn
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, chunk)
@@ -174,6 +203,7 @@ class DecodeKey(KernelKey):
     swap: bool = tag("swap", False)  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a)
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
     twin: bool = tag("twin", False)  # the twin tile (MLA on sm_90a: Tuning.mla_twin, mla_twin_narrow)
+    balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -183,16 +213,19 @@ class DecodeKey(KernelKey):
         producer warpgroup (or the twin tile: Tuning.mla_twin) and rows of 16/32 the
         swapped-operand tile (Tuning.mla_swapped; or the twin tile, its 64 rows holding them:
         Tuning.mla_twin_narrow); everything else the mma.sync tile."""
+        bal = pol.balanced > 0
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and (tuning.mla_twin if pol.bm == 64 else tuning.mla_twin_narrow):
             # the policy's 64-key tiles (its row tiles of 16/32 count one 64-row tile each:
             # rows_max <= 32 there)
             assert pol.bn == TWIN_BN and (pol.bm == 64 or pol.row_tiles == 1), pol
-            return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True)
+            return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
+                             balanced=bal)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
+        assert not (bal and engine == 90), pol  # decode.balances keeps the split-O wgmma tile static
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine,
-                         copy_tpr=tuning.copy_for(head_dim) if engine == 90 else 4)
+                         copy_tpr=tuning.copy_for(head_dim) if engine == 90 else 4, balanced=bal)
 
     @staticmethod
     def swapped(dtype: str, causal: bool, pol: DecodePolicy, tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
@@ -200,7 +233,7 @@ class DecodeKey(KernelKey):
         policy's split chunks stay whole tiles): two stages of 72 KB tiles."""
         assert pol.bm in (16, 32) and pol.bn == SWAP_BN, pol
         return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, 2, False, 90, True,
-                         tuning.copy_for(MLA_DIM_QK))
+                         tuning.copy_for(MLA_DIM_QK), balanced=pol.balanced > 0)
 
     @property
     def producer(self) -> bool:  # the wgmma engines take a producer warpgroup (the twin tile none)
@@ -246,7 +279,7 @@ class DecodeKey(KernelKey):
             cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
                               self.stages, self.split_o, self.dv, self.shared_kv, self.producer,
                               copy_tpr=self.copy_tpr)
-        return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}>"
+        return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}{', true' if self.balanced else ''}>"
 
 
 def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int,
@@ -257,7 +290,7 @@ def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning,
     per-block limit and the extra bytes cost no wave (the policy counted the resident CTAs of
     the key's own bytes: `ctas` of the launch must still fit one pass of the fewer slots);
     otherwise (1, the key's)."""
-    if arch != "sm_90a" or not tuning.cluster_merge or not 2 <= pol.splits <= CLUSTER_MAX_SPLITS:
+    if arch != "sm_90a" or not tuning.cluster_merge or pol.balanced or not 2 <= pol.splits <= CLUSTER_MAX_SPLITS:
         return 1, key.smem
     smem = -(-key.smem // 16) * 16 + key.bm * key.dv * 4 + key.bm * 4
     if smem > smem_limit:
@@ -279,7 +312,7 @@ class DecodeParams(ctypes.Structure):
             "bt_stride")] + [
         (n, ctypes.c_int32) for n in (
             "sq", "rows_max", "row_tiles", "splits", "chunk", "group", "hkv", "page_shift", "window_left",
-            "out_dtype", "merge_staged", "num_pages", "num_indices", "total_q")] + [
+            "out_dtype", "merge_staged", "num_pages", "num_indices", "total_q", "balanced", "batch")] + [
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
     ]
@@ -306,8 +339,12 @@ assert DecodeParams.q.offset == 0 and DecodeParams.seq_lens.offset == 10 * 8
 
 def decode_partial_layout(batch: int, num_kv_heads: int, pol: DecodePolicy, dv: int) -> Tuple[int, int, int, int]:
     """Workspace layout of a split launch, byte offsets of: lse rows, partial outputs, the
-    per-row-tile arrival counters (sections 256-byte aligned), and the end."""
-    rows = batch * num_kv_heads * pol.splits * pol.rows_max
+    per-row-tile arrival counters (sections 256-byte aligned), and the end. Balanced: two slots
+    a CTA of min(BM, rows_max) rows."""
+    if pol.balanced:
+        rows = 2 * pol.balanced * min(pol.bm, pol.rows_max)
+    else:
+        rows = batch * num_kv_heads * pol.splits * pol.rows_max
     align = lambda n: (n + 255) // 256 * 256  # noqa: E731
     o = align(rows * 4)
     count = o + align(rows * dv * 4)
@@ -316,12 +353,15 @@ def decode_partial_layout(batch: int, num_kv_heads: int, pol: DecodePolicy, dv: 
 
 def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head_dim: int) -> int:
     """Workspace bytes of one launch (0 without split-KV)."""
-    return 0 if pol.splits == 1 else decode_partial_layout(batch, num_kv_heads, pol, value_dim(head_dim))[3]
+    if pol.splits == 1 and not pol.balanced:
+        return 0
+    return decode_partial_layout(batch, num_kv_heads, pol, value_dim(head_dim))[3]
 
 
 @functools.lru_cache(maxsize=4096)
 def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
-                           max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT) -> int:
+                           max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT,
+                           balance: int = 0) -> int:
     """Workspace bytes for these static arguments.
 
     Taller row tiles mean more CTAs and so fewer splits; the size is the largest over
@@ -329,7 +369,7 @@ def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_le
     enough), so that it never shrinks as max_seq_len_q or max_seq_len grows.
     """
     def need(sq: int) -> int:
-        pol = decode_policy(batch, num_kv_heads, group, sq, head_dim, max_seq_len, sm_count, smem_limit)
+        pol = decode_policy(batch, num_kv_heads, group, sq, head_dim, max_seq_len, sm_count, smem_limit, balance)
         return _decode_partial_bytes(batch, num_kv_heads, pol, head_dim)
 
     # the last sq of each (bm, row_tiles) shape: group * sq just below each multiple of 16
@@ -338,9 +378,10 @@ def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_le
 
 
 def mla_workspace_bytes(batch: int, num_heads: int, max_seq_len_q: int, max_seq_len: int, sm_count: int,
-                        smem_limit: int = NOMINAL_SMEM_LIMIT) -> int:
+                        smem_limit: int = NOMINAL_SMEM_LIMIT, balance: int = 0) -> int:
     """Workspace bytes of MLA decode (never shrinks as max_seq_len or max_seq_len_q grows)."""
-    return decode_workspace_bytes(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sm_count, smem_limit)
+    return decode_workspace_bytes(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sm_count, smem_limit,
+                                  balance)
 
 
 # ----------------------------------------------------------------------------
@@ -391,8 +432,9 @@ class PreparedDecode(Prepared):
     def __init__(self, static: DecodeStatic, dev: int):
         arch, sms, limit = device_info(dev)
         group = static.num_qo_heads // static.num_kv_heads
+        balance = balances(static.tuning, arch, static.head_dim, group * static.max_seq_len_q)
         pol = decode_policy(static.batch, static.num_kv_heads, group, static.max_seq_len_q, static.head_dim,
-                            static.max_seq_len, sms, limit)
+                            static.max_seq_len, sms, limit, balance)
         key = DecodeKey.of(DTYPE_CODES[static.dtype], static.head_dim, static.causal, pol, arch, static.tuning)
         kernel = load(dev, key)
         self.tp = DecodeTmaParams() if key.tma else None  # a TMA key's whole struct (p: its DecodeParams)
@@ -404,11 +446,12 @@ class PreparedDecode(Prepared):
         p.window_left = static.window_left
         p.out_dtype = OUT_DTYPE_CODES[static.out_dtype]
         p.merge_staged = int(static.tuning.merge_staged)
+        p.balanced, p.batch = pol.balanced, static.batch
         self._ws_offsets = decode_partial_layout(static.batch, static.num_kv_heads, pol, key.dv) \
-            if pol.splits > 1 else None
+            if pol.splits > 1 or pol.balanced else None
         self.workspace_bytes = self._ws_offsets[3] if self._ws_offsets else 0
         self.static, self.dev, self.policy, self.key, self.p = static, dev, pol, key, p
-        grid = (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
+        grid = (pol.balanced, 1, 1) if pol.balanced else (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
         cluster, smem = decode_cluster(key, pol, arch, static.tuning, limit, sms, grid[0] * grid[1] * grid[2])
         if cluster > 1:
             runtime.reserve_smem(kernel, smem, key.name)
@@ -565,5 +608,6 @@ def decode_key(dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_
                tuning: Tuning = DEFAULT_TUNING) -> Tuple[DecodePolicy, DecodeKey]:
     """The policy and kernel of a decode-shaped launch on CUDA device `dev`."""
     arch, sms, limit = device_info(dev)
-    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
+    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit,
+                        balances(tuning, arch, head_dim, group * max_seq_len_q))
     return pol, DecodeKey.of(DTYPE_CODES[dtype], head_dim, causal, pol, arch, tuning)

@@ -5,6 +5,8 @@
 // covers a BN-aligned chunk of keys; with more than one split, every CTA writes its
 // normalised partial O and its log-sum-exp to the workspace, and the last split CTA of
 // each row tile to finish merges them (merge_if_last: a ticket counter per row tile).
+// Balanced keys (Tuning.balanced_split) instead share the launch's key tiles evenly over
+// a persistent grid, whatever the requests' lengths (DecodeWalk below).
 // MLA decode is this kernel with one latent K/V head (Hkv = 1, group = H) whose V row
 // is the first DV values of the K row: the core then keeps one tile per stage. Row
 // tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
@@ -35,15 +37,31 @@ namespace pt {
 // lanes as fill one pass, so few rows over many splits (long-context decode: 4 rows x
 // 128 splits) still keep every thread's loads in flight; the lanes' sums then meet in
 // shared memory. Many rows (MLA's 64) take one lane and several passes.
+// The partials a merge reads: part s's first row (of DV floats) in the workspace. Static
+// split-KV: the tile's rows of split s, rows_max apart. Balanced split-KV: the parts are the
+// slots of consecutive CTAs, two slots a CTA, part 0 one slot off the others' stride where
+// the unit is its CTA's last item, not its first (DecodeWalk).
+struct MergeParts {
+  int count;
+  i64 first, second, step;  // part 0's row, part 1's row, rows from part s to s + 1 (s >= 1)
+  __device__ __forceinline__ i64 row(int s) const { return s == 0 ? first : second + (i64)(s - 1) * step; }
+  __device__ __forceinline__ static MergeParts strided(int count, i64 first, i64 step) {
+    return MergeParts{count, first, first + step, step};
+  }
+};
+
 template <class Cfg>
-__device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk, int rt, int q_start, int row0,
-                                           int q_rows) {
+__device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergeParts parts, int b, int hk, int rt,
+                                           int q_start, int row0, int q_rows) {
   extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
   constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, QUADS = DV / 4;
   // units a thread (6: within every mma.sync decode kernel's own register count); kernels
   // that re-divide registers among warpgroups (setmaxnreg, 384 threads) compile this
   // out-of-line function at the smallest share: 2 (its spills grow with the units, 176 B)
   constexpr int UNITS = Cfg::LAUNCH_THREADS >= 384 ? 2 : 6;
+  // the staged merge (static split-KV only) sizes its weights for the most splits; the lanes
+  // for this merge's parts (balanced split-KV: up to the grid's CTAs; the plan checks that
+  // BM rows of them fit)
   constexpr int W_BYTES = (Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16;
   constexpr int SLOTS = (Cfg::SMEM_BYTES - W_BYTES) / 16;  // float4 lane sums after the weights
   static_assert(DV % 4 == 0, "4-column groups");
@@ -57,21 +75,21 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   named_bar_sync(2, THREADS);
   if (threadIdx.x == 0) {
     int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
-    last = atomicAdd(count, 1) == p.splits - 1;
+    last = atomicAdd(count, 1) == parts.count - 1;
     if (last) *count = 0;
   }
   named_bar_sync(2, THREADS);
   if (!last) return;
   __threadfence();  // every other split's partials, after the ticket
 
-  const int S = p.splits;
-  const i64 base = ((i64)b * p.hkv + hk) * S * p.rows_max + row0;  // partial row (split 0, row0)
-  float* w = reinterpret_cast<float*>(smem);                         // [q_rows][S]
-  float4* sums = reinterpret_cast<float4*>(smem + W_BYTES);          // [lane][group]
+  const int S = parts.count;  // >= 2
+  const int w_bytes = (q_rows * S * 4 + 15) / 16 * 16;
+  float* w = reinterpret_cast<float*>(smem);                  // [q_rows][S]
+  float4* sums = reinterpret_cast<float4*>(smem + w_bytes);   // [lane][group]
   // every (row, split) log-sum-exp into shared memory, the loads all in flight together
   for (int i = threadIdx.x; i < q_rows * S; i += THREADS) {
     const int r = i / S;
-    w[i] = p.ws_lse[base + (i64)(i - r * S) * p.rows_max + r];
+    w[i] = p.ws_lse[parts.row(i - r * S) + r];
   }
   named_bar_sync(2, THREADS);
   // a warp per row: the max and the sum over the splits, then the weights in place
@@ -100,9 +118,8 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
   // group g of the tile's rows: row g / QUADS, columns 4 (g % QUADS) .. + 3 (the float4
   // at 4 g of a split's partial rows, DV = 4 QUADS; the workspace is 16-byte aligned)
   const int n = q_rows * QUADS;
-  const float4* part = reinterpret_cast<const float4*>(p.ws_o + base * DV);  // group 0 of split 0
-  const i64 stride = (i64)p.rows_max * QUADS;  // float4s from one split's partial rows to the next
-  if (p.merge_staged) {
+  const float4* o4 = reinterpret_cast<const float4*>(p.ws_o);  // part s's group g: o4[row(s) QUADS + g]
+  if (p.merge_staged && S <= DECODE_MAX_SPLITS) {
     // Staged: a pass covers STAGED_QPT groups a thread; its groups of as many splits as fit
     // the shared memory after the weights are copied in with cp.async, every copy of the
     // chunk in flight at once (one round trip a chunk instead of one per split pair), then
@@ -119,7 +136,7 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
         const int ns = min_(per, S - s0);
         for (int i = 0; i < ns; ++i)
           for (int j = threadIdx.x; j < nq; j += THREADS)
-            cp_async_16(smem_addr(stage + i * nq + j), part + (s0 + i) * stride + q0 + j, true);
+            cp_async_16(smem_addr(stage + i * nq + j), o4 + parts.row(s0 + i) * QUADS + q0 + j, true);
         cp_async_commit();
         cp_async_wait<0>();  // each thread reads only the slots it copied (j = tid + k * THREADS)
 #pragma unroll
@@ -153,7 +170,8 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
     return;
   }
   // lanes: as many as fill one pass and the shared memory after the weights (CTA-uniform)
-  const int lanes = max_(1, min_(S, min_(THREADS * UNITS, SLOTS) / n));
+  const int slots = (Cfg::SMEM_BYTES - w_bytes) / 16;  // float4 lane sums after the weights
+  const int lanes = max_(1, min_(S, min_(THREADS * UNITS, slots) / n));
   const int units = lanes * n;
 #pragma unroll 1
   for (int u0 = 0; u0 < units; u0 += THREADS * UNITS) {
@@ -173,8 +191,8 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, int b, int hk,
       for (int k = 0; k < UNITS; ++k) {
         const int sa = s + first[k], sb = sa + lanes;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f), c = a;
-        if (sa < S) a = part[sa * stride + grp[k]];
-        if (sb < S) c = part[sb * stride + grp[k]];
+        if (sa < S) a = o4[parts.row(sa) * QUADS + grp[k]];
+        if (sb < S) c = o4[parts.row(sb) * QUADS + grp[k]];
         const float wa = sa < S ? w[wrow[k] + sa] : 0.f, wb = sb < S ? w[wrow[k] + sb] : 0.f;
         acc[k].x += wa * a.x + wb * c.x;
         acc[k].y += wa * a.y + wb * c.y;
@@ -286,24 +304,146 @@ struct DecodeTmaParams {
   DecodeParams p;
 };
 
+// One work item of a CTA: request b, K/V head hk, row tile rt, keys [begin, end) (clipped to
+// the request's length), and where its output goes: slot < 0 the output rows; else partials
+// (the static split's index, or a balanced slot), merged once every part of the unit arrived.
+// parts, c0, x: a balanced partial's unit (its part count, first CTA and part 0's slot offset).
+struct DecodeItem {
+  int b, hk, rt, begin, end, slot, parts, c0, x;
+};
+
+// Balanced split-KV (DecodeParams::balanced = G > 0; the balanced keys, Tuning.balanced_split).
+// The units (request b, K/V head, row tile), in that order, weigh W(b) key tiles each: the request's
+// length in BN tiles (1 where it is empty or past the plan's capacity: the unit is still
+// written). Every CTA scans the weights (the same sums everywhere: the metadata do not change
+// under a launch); CTA c takes the global tiles [c T / G', (c + 1) T / G'), T the total and
+// G' = min(G, T) (so that no range is empty: the CTAs past G' leave at once), and walks the
+// items its range's unit boundaries cut. An item holding its whole unit writes the output
+// rows; a cut one (only a CTA's first and last can be) leaves partials in the CTA's slot 2c
+// (its first item) or 2c + 1 (its last), and the unit's last part to arrive merges them. The
+// parts of a unit are the consecutive CTAs cta(first tile) .. cta(last tile), cta(v) =
+// floor(((v + 1) G' - 1) / T): part s >= 1 holds the unit as its CTA's first item (slot
+// 2 (c0 + s)), part 0 as its first or, where its range began before the unit, its last (x).
+// Thread 0 walks the range in shared memory (the items double-buffered behind the CTA barrier
+// that starts each item), so no walk state is live in registers across the core.
+struct DecodeWalk {
+  i64 pos, t1, total, sreq;  // next tile; the range's end; the tile total; request b's first tile
+  int b, wb, g;              // the current request, its units' weight, G'
+};
+
+template <int BN>
+__device__ __forceinline__ int unit_weight(const DecodeParams& p, int b) {
+  const int sk = p.seq_lens[b];
+  return sk > 0 && sk <= p.chunk ? (sk + BN - 1) / BN : 1;
+}
+
+__device__ __forceinline__ int walk_cta(i64 v, i64 total, int g) { return (int)(((v + 1) * g - 1) / total); }
+
+// Thread 0: the walk's next item into `it` (b = -1: the range is done).
+template <int BN>
+__device__ __forceinline__ void walk_next(const DecodeParams& p, DecodeWalk& w, DecodeItem& it) {
+  if (w.pos >= w.t1 || w.b >= p.batch) {
+    it.b = -1;
+    return;
+  }
+  const int units = p.hkv * p.row_tiles, c = (int)blockIdx.x;
+  const int j = (int)((w.pos - w.sreq) / w.wb);  // the unit within request b
+  const i64 su = w.sreq + (i64)j * w.wb, eu = su + w.wb;
+  const int a = (int)(w.pos - su), e = (int)(min_(w.t1, eu) - su);
+  const bool first = w.pos == (i64)c * w.total / w.g;
+  it.b = w.b;
+  it.hk = j / p.row_tiles;
+  it.rt = j % p.row_tiles;
+  it.begin = a * BN;
+  it.end = e * BN;
+  if (a == 0 && e == w.wb) {
+    it.slot = -1;
+  } else {
+    it.slot = 2 * c + (first ? 0 : 1);
+    it.c0 = walk_cta(su, w.total, w.g);
+    it.parts = walk_cta(eu - 1, w.total, w.g) - it.c0 + 1;
+    it.x = (i64)it.c0 * w.total / w.g != su;
+  }
+  w.pos = su + e;
+  if (j + 1 == units && w.pos < w.t1) {  // request b's units are done: on to b + 1
+    w.sreq = eu;
+    if (++w.b < p.batch) w.wb = unit_weight<BN>(p, w.b);
+  }
+}
+
+// Every thread of the CTA: the tile total, this CTA's range and the request holding its first
+// tile (a scan of the requests' weights, each thread a run of consecutive requests), into
+// thread 0's walk with the first item. False: no range (a CTA past G').
+template <class Cfg>
+__device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch, DecodeWalk& w, DecodeItem& it) {
+  constexpr int NT = Cfg::LAUNCH_THREADS, NW = NT / 32, BN = Cfg::BN;
+  i64* wsum = reinterpret_cast<i64*>(scratch);  // [NW] the warps' sums
+  const int units = p.hkv * p.row_tiles, B = p.batch;
+  const int per = (B + NT - 1) / NT, b0 = min_(B, (int)threadIdx.x * per), b1 = min_(B, b0 + per);
+  i64 mine = 0;
+  for (int i = b0; i < b1; ++i) mine += unit_weight<BN>(p, i);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  i64 incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const i64 y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) wsum[warp] = incl;
+  __syncthreads();
+  i64 before = 0, all = 0;
+#pragma unroll
+  for (int k = 0; k < NW; ++k) {
+    const i64 x = wsum[k];
+    before += k < warp ? x : 0;
+    all += x;
+  }
+  const i64 total = all * units;  // >= B * units >= 1
+  const int g = (int)min_((i64)gridDim.x, total);
+  if ((int)blockIdx.x >= g) return false;  // the same in every thread
+  const i64 t0 = (i64)blockIdx.x * total / g;
+  const i64 s0 = (before + incl - mine) * units;  // the first tile of request b0
+  if (s0 <= t0 && t0 < s0 + mine * units) {       // this thread's requests hold tile t0
+    i64 s = s0;
+    for (int i = b0; i < b1; ++i) {
+      const i64 e = s + (i64)unit_weight<BN>(p, i) * units;
+      if (t0 < e) {
+        w.b = i;
+        w.sreq = s;
+        break;
+      }
+      s = e;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    w.pos = t0;
+    w.t1 = (i64)(blockIdx.x + 1) * total / g;
+    w.total = total;
+    w.g = g;
+    w.wb = unit_weight<BN>(p, w.b);
+    walk_next<BN>(p, w, it);
+  }
+  __syncthreads();  // the first item in shared memory; the scratch free again
+  return true;
+}
+
+// One item on the whole CTA: the core over its keys, then (partials) the merge.
 template <class Cfg, bool CAUSAL>
-__device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
+__device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, const DecodeItem& it,
+                                            const TmaMap* tmk) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
-  extern __shared__ __align__(1024) char smem_raw[];
-  char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
-
-  const int split = blockIdx.x, b = blockIdx.z;
-  const int hk = blockIdx.y / p.row_tiles, rt = blockIdx.y % p.row_tiles;
+  const int b = it.b, hk = it.hk, rt = it.rt;
   DecodeProblem<T, Cfg::DV, BM, BN, CAUSAL> pb;
   int q_start, sq;
   decode_request(p, b, q_start, sq);
   // rows beyond this request's queries: nothing to write or merge
   if (!pb.init(p, b, hk, q_start, sq, rt * BM, p.group * sq)) return;
-  pb.split = split;
+  pb.split = it.slot;
 
-  // range: this split's keys, narrowed by the causal band of the tile's tokens
-  int begin = split * p.chunk, end = min_(pb.sk, begin + p.chunk);
+  // range: the item's keys, narrowed by the causal band of the tile's tokens
+  int begin = it.begin, end = min_(pb.sk, it.end);
   if (CAUSAL) {
     end = min_(end, pb.diag(pb.q_rows - 1) + 1);
     if (p.window_left >= 0) begin = max_(begin, pb.diag(0) - p.window_left);
@@ -318,14 +458,15 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
     pb.kv_end = pb.kv_begin;
     pb.poisoned = true;
   }
-  // Every split CTA runs the core, even with an empty range: it then writes a zero
-  // partial with lse = -inf, which the merge weighs as nothing.
+  // Every item runs the core, even with an empty range: a partial is then zero with
+  // lse = -inf, which the merge weighs as nothing.
+  const float out_scale = it.slot >= 0 ? 1.f : p.out_scale;
   if constexpr (Cfg::TWIN) {
-    fmha_tile_twin<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale, tmk);
+    fmha_tile_twin<Cfg>(pb, smem, p.scale_log2, out_scale, tmk);
   } else if constexpr (Cfg::SWAP) {
-    fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
+    fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, out_scale);
   } else {
-    fmha_tile<Cfg>(pb, smem, p.scale_log2, p.splits > 1 ? 1.f : p.out_scale);
+    fmha_tile<Cfg>(pb, smem, p.scale_log2, out_scale);
   }
   // the splits launched as one cluster (the plan's launch shape: decode.decode_cluster, which
   // takes it only where round16(the key's bytes) + the partials fit, so CLUSTER_FITS holds,
@@ -345,16 +486,50 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
 #if __CUDA_ARCH__ >= 900
     if constexpr (CLUSTER_FITS) merge_cluster<Cfg>(p, pb.cluster_part(), b, hk, pb.q_start, pb.row0, pb.q_rows);
 #endif
-  } else if (p.splits > 1) {
-    merge_if_last<Cfg>(p, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
+  } else if (it.slot >= 0) {
+    const i64 rows = min_(BM, p.rows_max);  // a balanced slot's rows
+    const MergeParts parts =
+        p.balanced > 0
+            ? MergeParts{it.parts, rows * (2 * it.c0 + it.x), rows * (2 * it.c0 + 2), 2 * rows}
+            : MergeParts::strided(p.splits, ((i64)b * p.hkv + hk) * p.splits * p.rows_max + pb.row0, p.rows_max);
+    merge_if_last<Cfg>(p, parts, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
+  }
+}
+
+// BALANCED: the balanced split-KV keys (decode.DecodeKey.balanced), whose grid walks the
+// items of its key tiles; the others one item a CTA, blockIdx = (split, K/V head * row_tiles
+// + row tile, request).
+template <class Cfg, bool CAUSAL, bool BALANCED = false>
+__device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
+  if constexpr (BALANCED) {
+    // the tiles a CTA may run item after item (the wgmma split-O tile sets its warpgroups'
+    // register shares once: it has no balanced key)
+    static_assert(Cfg::SWAP || Cfg::TWIN || Cfg::ARCH != 90, "balanced split-KV: re-entrant tiles");
+    __shared__ DecodeWalk walk;
+    __shared__ DecodeItem items[2];
+    if (!walk_start<Cfg>(p, smem, walk, items[0])) return;
+#pragma unroll 1
+    for (int i = 0;; ++i) {
+      if (i > 0) __syncthreads();  // the previous item's shared memory and merge done; items[i & 1] written
+      if (items[i & 1].b < 0) break;
+      if (threadIdx.x == 0) walk_next<Cfg::BN>(p, walk, items[(i + 1) & 1]);
+      decode_item<Cfg, CAUSAL>(p, smem, items[i & 1], tmk);  // its fields read where used
+    }
+  } else {
+    const int split = blockIdx.x;
+    const DecodeItem it{(int)blockIdx.z, (int)blockIdx.y / p.row_tiles, (int)blockIdx.y % p.row_tiles,
+                        split * p.chunk, split * p.chunk + p.chunk, p.splits > 1 ? split : -1, 0, 0, 0};
+    decode_item<Cfg, CAUSAL>(p, smem, it, tmk);
   }
 }
 
 // A TMA key's entry: the map lives in the kernel's __grid_constant__ parameters.
-template <class Cfg, bool CAUSAL>
+template <class Cfg, bool CAUSAL, bool BALANCED = false>
 __device__ __forceinline__ void decode_kernel(const DecodeTmaParams& tp) {
   static_assert(Cfg::TWIN, "DecodeTmaParams: the twin keys");
-  decode_kernel<Cfg, CAUSAL>(tp.p, &tp.tmap_k);
+  decode_kernel<Cfg, CAUSAL, BALANCED>(tp.p, &tp.tmap_k);
 }
 
 }  // namespace pt

@@ -76,6 +76,15 @@ class Tuning:
     # memory-bound rows: two warpgroups streaming 72 KB tiles by TMA, no producer warpgroup),
     # instead of the swapped-operand tile. A variant until measured (benchmarks/NOTES.md, MLA).
     mla_twin_narrow: bool = False
+    # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
+    # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
+    # instead of every request split as if it were max_seq_len long; where a launch holds at
+    # least 4 key tiles a slot (MLA rows of 64 on sm_90a only on the twin tile). A variant until
+    # measured (benchmarks/NOTES.md, "Split-KV by the lengths").
+    balanced_split: bool = False
+    # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
+    # the size floor: how the grids run the walk and the merge of many parts on small problems.
+    balanced_ctas: Optional[int] = None
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
@@ -126,6 +135,8 @@ class Tuning:
             raise ValueError(f"tuning: loop must be None or one of {FMHA_LOOPS}, got {self.loop!r}")
         if self.copy_tpr is not None and self.copy_tpr not in KV_COPY_TPRS:
             raise ValueError(f"tuning: copy_tpr must be None or one of {KV_COPY_TPRS}, got {self.copy_tpr!r}")
+        if self.balanced_ctas is not None and self.balanced_ctas < 1:
+            raise ValueError(f"tuning: balanced_ctas must be None or >= 1, got {self.balanced_ctas!r}")
         if self.persistent_ctas is not None and self.persistent_ctas < 1:
             raise ValueError(f"tuning: persistent_ctas must be None or >= 1, got {self.persistent_ctas!r}")
         if self.prefill_bn is not None and self.prefill_bn not in PREFILL_BNS:

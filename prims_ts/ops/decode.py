@@ -196,13 +196,15 @@ def query_mode(batch: int, qo_indptr, seq_len_q, max_seq_len_q, query_shape=None
     return batch, seq_len_q, seq_len_q
 
 
-def _workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, max_seq_len, max_seq_len_q, device) -> int:
-    _, sms, limit = device_limits(device)
+def _workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, max_seq_len, max_seq_len_q, device,
+                     tuning: Tuning = DEFAULT_TUNING) -> int:
+    arch, sms, limit = device_limits(device)
     group = num_qo_heads // num_kv_heads
-    pol = K.decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit)
+    balance = K.balances(tuning, arch, head_dim, group * max_seq_len_q)
+    pol = K.decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit, balance)
     V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
     return max(256, K.decode_workspace_bytes(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms,
-                                             limit))
+                                             limit, balance))
 
 
 def check_dtypes(q_dtype, kv_dtype, out_dtype, names=("q_data_type", "kv_data_type", "o_data_type")):
@@ -590,7 +592,7 @@ class BatchDecodePagedTSWrapper:
                 b = V.first(bad)
                 V.fail(f"paged_kv_last_page_len: causal decode requires every per-request Q length to be no greater "
                        f"than its K/V length; request {b} has Q={int(q_lens[b])} and K/V={int(lens[b])}")
-        need = _workspace_bytes(batch, num_qo_heads, num_kv_heads, d, max_kv_len, max_seq_len_q, device)
+        need = _workspace_bytes(batch, num_qo_heads, num_kv_heads, d, max_kv_len, max_seq_len_q, device, self.tuning)
         static = decode_static(dtype, d, num_qo_heads, num_kv_heads, page_size, odt, packed, batch,
                                1 if packed else seq_len_q, max_seq_len_q, max_kv_len, mask_type, window_left,
                                self.tuning)

@@ -155,16 +155,17 @@ def _fixed_sq(seq_len_q, max_seq_len_q, default: int = 1) -> int:
     return seq_len_q if seq_len_q is not None else (max_seq_len_q if max_seq_len_q is not None else default)
 
 
-def _workspace_bytes(batch, num_heads, max_seq_len, max_seq_len_q, device) -> int:
-    _, sms, limit = device_limits(device)
-    return _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit)
+def _workspace_bytes(batch, num_heads, max_seq_len, max_seq_len_q, device, tuning: Tuning = DEFAULT_TUNING) -> int:
+    arch, sms, limit = device_limits(device)
+    balance = K.balances(tuning, arch, K.MLA_DIM_QK, num_heads * max_seq_len_q)
+    return _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit, balance)
 
 
 @functools.lru_cache(maxsize=1024)  # per static key and device limits: plans and one-shots ask again
-def _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit) -> int:
-    pol = K.decode_policy(batch, 1, num_heads, max_seq_len_q, K.MLA_DIM_QK, max_seq_len, sms, limit)
+def _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit, balance: int) -> int:
+    pol = K.decode_policy(batch, 1, num_heads, max_seq_len_q, K.MLA_DIM_QK, max_seq_len, sms, limit, balance)
     V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
-    return max(256, int(K.mla_workspace_bytes(batch, num_heads, max_seq_len_q, max_seq_len, sms, limit)))
+    return max(256, int(K.mla_workspace_bytes(batch, num_heads, max_seq_len_q, max_seq_len, sms, limit, balance)))
 
 
 def get_prims_ts_batch_decode_mla_workspace_size(
@@ -563,7 +564,7 @@ class BatchMLADecodePagedTSWrapper:
             _values_causal(q_lens, lens)
         got = launches.get((max_kv_len, max_seq_len_q)) if launches is not None else None
         if got is None:
-            need = _workspace_bytes(batch, num_heads, max_kv_len, max_seq_len_q, device)
+            need = _workspace_bytes(batch, num_heads, max_kv_len, max_seq_len_q, device, self.tuning)
             static = _static(a.dtype, num_heads, page_size, a.out_dtype, packed, batch,
                              1 if packed else max_seq_len_q, max_seq_len_q, max_kv_len, a.mask_type, self.tuning)
             launch = None

@@ -10,6 +10,8 @@
 // Mask policy: key bound, bottom-right causal on the query token, left window.
 // Output policy: the output rows, or (split-KV) normalised partials and their
 // log-sum-exp in the workspace, or (split-KV in a cluster) in the CTA's shared memory.
+// Balanced split-KV (`balanced` CTAs, fmha_decode.cu: DecodeWalk): a CTA's partial
+// items go to its two workspace slots of min(BM, rows_max) rows.
 // Fail closed: the live metadata are checked where they are read, one compare an entry.
 // Packed query offsets outside the query rows: the request's rows are not written (they
 // have no place). More query rows than the launch's row tiles (past max_seq_len_q), CSR
@@ -57,6 +59,8 @@ struct DecodeParams {
   int num_pages;     // pages in the pools: every page ID read must be in [0, num_pages)
   int num_indices;   // kv_indices' entries (CSR), or the block table's columns
   int total_q;       // packed queries: the query rows qo_indptr must stay inside
+  int balanced;      // > 0: balanced split-KV over this many CTAs (splits = 1, chunk = the keys' capacity)
+  int batch;        // requests (balanced split-KV walks them)
   float scale_log2;
   float out_scale;
 };
@@ -97,7 +101,8 @@ struct DecodeProblem {
   const T* k;  // K/V head applied
   const T* v;
   const int* pages;  // this request's CSR page IDs
-  int b, hk, split, q_start, row0;  // row0: first group row of this tile
+  int b, hk, q_start, row0;  // row0: first group row of this tile
+  int split;  // where the partials go: the split (static), the slot (balanced); -1: the output rows
   int q_rows, sk, sq, kv_begin, kv_end;
   bool poisoned;  // a page ID of this CTA's keys lay outside the pools (split-KV: lse +inf)
   __device__ __forceinline__ BandRange<BN> range() const { return BandRange<BN>(kv_begin, kv_end, sk); }
@@ -110,7 +115,7 @@ struct DecodeProblem {
     p = &params;
     b = b_;
     hk = hk_;
-    split = 0;
+    split = -1;
     q_start = q_start_;
     sq = sq_;
     row0 = row0_;
@@ -136,7 +141,7 @@ struct DecodeProblem {
       }
       ok = ok && sk >= 0 && (i64)sk <= (listed << params.page_shift);
     }
-    if (params.splits > 1) ok = ok && (i64)sk <= (i64)params.splits * params.chunk;
+    if (params.splits > 1 || params.balanced > 0) ok = ok && (i64)sk <= (i64)params.splits * params.chunk;
     if (!ok) sk = 0;
     q = static_cast<const T*>(params.q) + b * params.q_sb + (i64)q_start * params.q_st +
         (i64)hk * params.group * params.q_sh;
@@ -190,6 +195,7 @@ struct DecodeProblem {
     return ok;
   }
   __device__ __forceinline__ i64 partial_row(int r) const {
+    if (p->balanced > 0) return (i64)split * min_(BM, p->rows_max) + r;
     return (((i64)b * p->hkv + hk) * p->splits + split) * p->rows_max + row0 + r;
   }
   // Split-KV launched as one thread block cluster (fmha_decode.cu: merge_cluster): this CTA's
@@ -206,7 +212,7 @@ struct DecodeProblem {
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
     if (clustered()) {
       *reinterpret_cast<float2*>(cluster_part() + r * DV + c) = make_float2(x, y);
-    } else if (p->splits > 1) {
+    } else if (split >= 0) {
       *reinterpret_cast<float2*>(p->ws_o + partial_row(r) * DV + c) = make_float2(x, y);
     } else {
       store_pair(decode_out_row(*p, b, hk, q_start, row0 + r) + c * out_dtype_size(p->out_dtype), p->out_dtype,
@@ -216,7 +222,7 @@ struct DecodeProblem {
   __device__ __forceinline__ void store_lse(int r, float lse) const {
     if (clustered()) {
       cluster_part()[BM * DV + r] = poisoned ? pos_inf() : lse;
-    } else if (p->splits > 1) {
+    } else if (split >= 0) {
       p->ws_lse[partial_row(r)] = poisoned ? pos_inf() : lse;
     }
   }

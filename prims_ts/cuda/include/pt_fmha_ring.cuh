@@ -97,6 +97,19 @@ struct KvRing {
     }
   }
 
+  // one thread, once no thread uses the ring any more (its copies landed, its waits returned)
+  __device__ __forceinline__ void inval() const {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_inval(k_full(s));
+      mbar_inval(k_empty(s));
+      if constexpr (KV_TILES == 2) {
+        mbar_inval(v_full(s));
+        mbar_inval(v_empty(s));
+      }
+    }
+  }
+
   // One part (KV_K or KV_V) of tile `kt` into the stage where `pos` stands, once the MMA warps
   // released the stage's previous tile of that part (from the ring's second pass on).
   // Paged TMA: thread 0 issues a box per whole page below the request's end (the bytes it

@@ -240,6 +240,9 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
       if (g == 0) red[warp * BM + 8 * j + 2 * t + c] = v;
     }
   named_bar_sync(1, THREADS);  // the ring is drained too: every copied tile was consumed
+  // its barriers retired (the producer's last wait returned before the last tile's copies were
+  // issued): their memory is the split merge's, or the next item's ring (balanced split-KV)
+  if (threadIdx.x == 0) ring.ring.inval();
   float* obuf = reinterpret_cast<float*>(smem + Cfg::SMEM_Q);
 #pragma unroll
   for (int j = 0; j < NJ; ++j)

@@ -398,7 +398,15 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
     }
     // every thread's reads of sX and sL above come before this barrier, so a rerun may write them
     redo = named_bar_any(1, THREADS, redo);
-    if (!redo) break;
+    if (!redo) {
+      // every tile's copies landed and were waited for: the barriers retired (their memory the
+      // split merge's, or the next item's barriers under balanced split-KV)
+      if (threadIdx.x == 0) {
+#pragma unroll 1
+        for (int i = 0; i < 2 * QP; ++i) mbar_inval(bars + 8u * i);
+      }
+      break;
+    }
     redo = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) ref[h] = Softmax::reference(mx[h], scale_log2);
@@ -414,10 +422,10 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
     }
     inv[h] = OnlineSoftmax::inverse(l[h], out_scale);
   }
-  // One split with 16-bit output rows 16-byte aligned: the rows through stage 0 (free: every
+  // The output rows (no partials) in 16 bits, 16-byte aligned: the rows through stage 0 (free: every
   // tile was consumed before the last barrier) as whole 16-byte chunks; else store2.
   const DecodeParams& p = *pb.p;
-  const int kind = p.splits == 1 && p.out_dtype != OUT_F32 &&
+  const int kind = pb.split < 0 && p.out_dtype != OUT_F32 &&
                            ((reinterpret_cast<u64>(p.o) | (u64)(p.o_sb | p.o_st | p.o_sh) * 2) & 15) == 0
                        ? p.out_dtype
                        : -1;
