@@ -156,10 +156,12 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     if balance:
         g = balance if balance > 0 else sm_count * per_sm
         total = ctas * max(1, tiles)
-        # the merge's weights (BM rows of up to g parts) fit the tile's shared memory; the
-        # kernel's tile arithmetic stays inside int64
+        # the merge's weights (a tile's rows of up to g parts) fit the shared memory of every
+        # key this policy may launch (MLA rows of 64: the twin's, the smaller); the kernel's tile
+        # arithmetic stays inside int64
+        fits = min(smem, twin_smem_bytes(head_dim)) if head_dim == MLA_DIM_QK else smem
         big = balance > 0 or total >= BALANCED_MIN_TILES_PER_SLOT * g
-        if big and bm * g * 4 + 256 <= smem and total * g < 2 ** 62:
+        if big and min(bm, rows_max) * g * 4 + 256 <= fits and total * g < 2 ** 62:
             return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, 1, tiles * bn, g)
     splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     chunk = ((tiles + splits - 1) // splits) * bn

@@ -512,7 +512,11 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
     if (!walk_start<Cfg>(p, smem, walk, items[0])) return;
 #pragma unroll 1
     for (int i = 0;; ++i) {
-      if (i > 0) __syncthreads();  // the previous item's shared memory and merge done; items[i & 1] written
+      if (i > 0) {
+        // this thread's generic writes (epilogue, merge) before the next item's TMA / wgmma
+        if constexpr (Cfg::ARCH == 90) fence_proxy_async();
+        __syncthreads();      // the previous item's shared memory and merge done; items[i & 1] written
+      }
       if (items[i & 1].b < 0) break;
       if (threadIdx.x == 0) walk_next<Cfg::BN>(p, walk, items[(i + 1) & 1]);
       decode_item<Cfg, CAUSAL>(p, smem, items[i & 1], tmk);  // its fields read where used
