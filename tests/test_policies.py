@@ -304,6 +304,11 @@ def test_balanced_policy():
     assert not DecodeKey.of("bf16", 128, False, small, "sm_90a", on).balanced
     mla = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, 132, balance=-1)
     assert mla.balanced == 132 and DecodeKey.of("bf16", MLA_DIM_QK, False, mla, "sm_90a", on).swap
+    # the merge's weights (a tile's rows of G parts) must fit the smallest key the policy may
+    # launch: MLA rows of 64 the twin's bytes, below the policy tile's
+    for g, balanced in ((860, True), (880, False)):
+        wide = decode_policy(1, 1, 64, 1, MLA_DIM_QK, 60000, 132, balance=g)
+        assert (wide.balanced == g) == balanced and 64 * 860 * 4 + 256 <= decode.twin_smem_bytes(MLA_DIM_QK)
 
 
 # ----------------------------------------------------------------------------
