@@ -277,6 +277,35 @@ def test_balanced_walk_covers_each_tile_once(seed):
             assert c == c0 + s and slot == 2 * (c0 + s) + (x if s == 0 else 0)
 
 
+def _unit_span(sk, sq, window, bn, chunk):
+    """A mirror of fmha_decode.cu's unit_span (causal): a request's key tiles, (first, weight)."""
+    if not 0 < sk <= chunk:
+        return 0, 1
+    first = 0
+    if window >= 0:
+        lo = sk - max(sq, 1) - window
+        first = lo // bn if lo > 0 else 0
+    return first, -(-sk // bn) - first
+
+
+def test_balanced_unit_span_holds_every_visible_key():
+    """A balanced unit's tiles start at the first tile any of its query rows sees under a causal
+    window (bottom-right: token t sees keys [sk - sq + t - window, sk - sq + t]) and end at its
+    length: every visible key inside, at most BN - 1 keys before the lowest visible one; no
+    window: the whole length; an empty or over-capacity length one (empty) tile."""
+    rng = np.random.default_rng(5)
+    for _ in range(3000):
+        bn = int(rng.choice([32, 64, 128]))
+        sk, sq = int(rng.integers(1, 3000)), int(rng.integers(1, 6))
+        sq = min(sq, sk)
+        window = int(rng.choice([-1, 0, 1, 37, 300, 5000]))
+        first, weight = _unit_span(sk, sq, window, bn, chunk=4096)
+        assert weight >= 1 and (first + weight) * bn >= sk > (first + weight - 1) * bn
+        lows = [max(0, sk - sq + t - window) if window >= 0 else 0 for t in range(sq)]
+        assert first * bn <= min(lows) < first * bn + bn
+    assert _unit_span(0, 1, 5, 64, 4096) == (0, 1) and _unit_span(5000, 1, 5, 64, 4096) == (0, 1)
+
+
 def test_balanced_policy():
     """Tuning(balanced_split=True): decode and MLA launches of at least BALANCED_MIN_TILES_PER_SLOT
     key tiles a resident slot take a persistent grid of the slots (splits 1, the capacity in

@@ -315,7 +315,7 @@ struct DecodeItem {
 // Balanced split-KV (DecodeParams::balanced = G > 0; the balanced keys, Tuning.balanced_split).
 // The units (request b, K/V head, row tile), in that order, weigh W(b) key tiles each: the request's
 // length in BN tiles (1 where it is empty or past the plan's capacity: the unit is still
-// written). Every CTA scans the weights (the same sums everywhere: the metadata do not change
+// written), from the first one a causal window lets its rows see (unit_span). Every CTA scans the weights (the same sums everywhere: the metadata do not change
 // under a launch); CTA c takes the global tiles [c T / G', (c + 1) T / G'), T the total and
 // G' = min(G, T) (so that no range is empty: the CTAs past G' leave at once), and walks the
 // items its range's unit boundaries cut. An item holding its whole unit writes the output
@@ -328,19 +328,34 @@ struct DecodeItem {
 // that starts each item), so no walk state is live in registers across the core.
 struct DecodeWalk {
   i64 pos, t1, total, sreq;  // next tile; the range's end; the tile total; request b's first tile
-  int b, wb, g;              // the current request, its units' weight, G'
+  int b, wb, wf, g;          // the current request, its units' weight and first key tile, G'
 };
 
-template <int BN>
-__device__ __forceinline__ int unit_weight(const DecodeParams& p, int b) {
+// The key tiles of each unit of request b: `weight` of its BN tiles from tile `first`. Its
+// length (one tile where it is empty or past the plan's capacity: the unit is still written),
+// from the first tile a causal window lets any of its query rows see (token 0's band starts
+// lowest).
+struct UnitSpan {
+  int first, weight;
+};
+
+template <int BN, bool CAUSAL>
+__device__ __forceinline__ UnitSpan unit_span(const DecodeParams& p, int b) {
   const int sk = p.seq_lens[b];
-  return sk > 0 && sk <= p.chunk ? (sk + BN - 1) / BN : 1;
+  if (!(sk > 0 && sk <= p.chunk)) return UnitSpan{0, 1};
+  int first = 0;
+  if (CAUSAL && p.window_left >= 0) {
+    const int sq = p.qo_indptr != nullptr ? p.qo_indptr[b + 1] - p.qo_indptr[b] : p.sq;
+    const i64 lo = (i64)sk - max_(sq, 1) - p.window_left;  // token 0's first visible key
+    first = lo > 0 ? (int)(lo / BN) : 0;
+  }
+  return UnitSpan{first, (sk + BN - 1) / BN - first};
 }
 
 __device__ __forceinline__ int walk_cta(i64 v, i64 total, int g) { return (int)(((v + 1) * g - 1) / total); }
 
 // Thread 0: the walk's next item into `it` (b = -1: the range is done).
-template <int BN>
+template <int BN, bool CAUSAL>
 __device__ __forceinline__ void walk_next(const DecodeParams& p, DecodeWalk& w, DecodeItem& it) {
   if (w.pos >= w.t1 || w.b >= p.batch) {
     it.b = -1;
@@ -354,8 +369,8 @@ __device__ __forceinline__ void walk_next(const DecodeParams& p, DecodeWalk& w, 
   it.b = w.b;
   it.hk = j / p.row_tiles;
   it.rt = j % p.row_tiles;
-  it.begin = a * BN;
-  it.end = e * BN;
+  it.begin = (w.wf + a) * BN;
+  it.end = (w.wf + e) * BN;
   if (a == 0 && e == w.wb) {
     it.slot = -1;
   } else {
@@ -367,21 +382,25 @@ __device__ __forceinline__ void walk_next(const DecodeParams& p, DecodeWalk& w, 
   w.pos = su + e;
   if (j + 1 == units && w.pos < w.t1) {  // request b's units are done: on to b + 1
     w.sreq = eu;
-    if (++w.b < p.batch) w.wb = unit_weight<BN>(p, w.b);
+    if (++w.b < p.batch) {
+      const UnitSpan u = unit_span<BN, CAUSAL>(p, w.b);
+      w.wb = u.weight;
+      w.wf = u.first;
+    }
   }
 }
 
 // Every thread of the CTA: the tile total, this CTA's range and the request holding its first
 // tile (a scan of the requests' weights, each thread a run of consecutive requests), into
 // thread 0's walk with the first item. False: no range (a CTA past G').
-template <class Cfg>
+template <class Cfg, bool CAUSAL>
 __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch, DecodeWalk& w, DecodeItem& it) {
   constexpr int NT = Cfg::LAUNCH_THREADS, NW = NT / 32, BN = Cfg::BN;
   i64* wsum = reinterpret_cast<i64*>(scratch);  // [NW] the warps' sums
   const int units = p.hkv * p.row_tiles, B = p.batch;
   const int per = (B + NT - 1) / NT, b0 = min_(B, (int)threadIdx.x * per), b1 = min_(B, b0 + per);
   i64 mine = 0;
-  for (int i = b0; i < b1; ++i) mine += unit_weight<BN>(p, i);
+  for (int i = b0; i < b1; ++i) mine += unit_span<BN, CAUSAL>(p, i).weight;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   i64 incl = mine;
 #pragma unroll
@@ -406,7 +425,7 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
   if (s0 <= t0 && t0 < s0 + mine * units) {       // this thread's requests hold tile t0
     i64 s = s0;
     for (int i = b0; i < b1; ++i) {
-      const i64 e = s + (i64)unit_weight<BN>(p, i) * units;
+      const i64 e = s + (i64)unit_span<BN, CAUSAL>(p, i).weight * units;
       if (t0 < e) {
         w.b = i;
         w.sreq = s;
@@ -421,8 +440,10 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
     w.t1 = (i64)(blockIdx.x + 1) * total / g;
     w.total = total;
     w.g = g;
-    w.wb = unit_weight<BN>(p, w.b);
-    walk_next<BN>(p, w, it);
+    const UnitSpan u = unit_span<BN, CAUSAL>(p, w.b);
+    w.wb = u.weight;
+    w.wf = u.first;
+    walk_next<BN, CAUSAL>(p, w, it);
   }
   __syncthreads();  // the first item in shared memory; the scratch free again
   return true;
@@ -509,7 +530,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
     static_assert(Cfg::SWAP || Cfg::TWIN || Cfg::ARCH != 90, "balanced split-KV: re-entrant tiles");
     __shared__ DecodeWalk walk;
     __shared__ DecodeItem items[2];
-    if (!walk_start<Cfg>(p, smem, walk, items[0])) return;
+    if (!walk_start<Cfg, CAUSAL>(p, smem, walk, items[0])) return;
 #pragma unroll 1
     for (int i = 0;; ++i) {
       if (i > 0) {
@@ -518,7 +539,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
         __syncthreads();      // the previous item's shared memory and merge done; items[i & 1] written
       }
       if (items[i & 1].b < 0) break;
-      if (threadIdx.x == 0) walk_next<Cfg::BN>(p, walk, items[(i + 1) & 1]);
+      if (threadIdx.x == 0) walk_next<Cfg::BN, CAUSAL>(p, walk, items[(i + 1) & 1]);
       decode_item<Cfg, CAUSAL>(p, smem, items[i & 1], tmk);  // its fields read where used
     }
   } else {
