@@ -133,7 +133,7 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); mw: every MLA row tile on the twin tile (AB_FAMILIES=mla); bs: balanced
+        # page; AB_FAMILIES=paged_prefill); mw: MLA rows of 64 on the twin tile (AB_FAMILIES=mla); bs: balanced
         # split-KV (AB_FAMILIES="decode mla"); bw: bs on the twin tile. abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
@@ -151,8 +151,8 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                mw) spec="mla_twin=True;mla_twin_narrow=True" ;;
-                bs) spec="balanced_split=True" ;; bw) spec="balanced_split=True;mla_twin=True;mla_twin_narrow=True" ;;
+                mw) spec="mla_twin=True" ;;
+                bs) spec="balanced_split=True" ;; bw) spec="balanced_split=True;mla_twin=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"

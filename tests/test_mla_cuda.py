@@ -275,25 +275,21 @@ def test_mla_grid(split_merge, qmode, mask, h, sq):
 
 # ----------------------------------------------------------------------------
 # Rows of 16/32 on sm_90a: the swapped-operand tile (the default there), with each producer
-# copy (Tuning.copy_tpr), the mma.sync tile (sm_80/sm_89's engine, selected with
-# Tuning(mla_swapped=False)) and the twin tile (its 64 rows holding them:
-# Tuning(mla_twin_narrow=True)), on the same grid, with every split merge
+# copy (Tuning.copy_tpr) and the mma.sync tile (sm_80/sm_89's engine, selected with
+# Tuning(mla_swapped=False)), on the same grid, with every split merge
 # ----------------------------------------------------------------------------
 
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
-# name -> (tuning, the engine expected: "swap", "mma" or "twin", the producer copy of a swapped tile)
+# name -> (tuning, the engine expected: "swap" or "mma", the producer copy of a swapped tile)
 ROW_ENGINES = {"swapped_copy4": (Tuning(copy_tpr=4), "swap", 4), "swapped_copy8": (Tuning(copy_tpr=8), "swap", 8),
-               "mma_sync": (Tuning(mla_swapped=False), "mma", 4), "twin": (Tuning(mla_twin_narrow=True), "twin", 4)}
+               "mma_sync": (Tuning(mla_swapped=False), "mma", 4)}
 
 
 def check_row_engine(key: DecodeKey, pol, engine: str, tpr: int) -> None:
     """`key` is the 16/32-row policy's key of `engine` (ROW_ENGINES)."""
-    if engine == "twin":
-        assert key.twin and key.bm == 64 and pol.row_tiles == 1, key.name
-    else:
-        swapped = engine == "swap"
-        assert key.swap == swapped and key.bm == pol.bm and key.arch == (90 if swapped else 80), key.name
-        assert key.copy_tpr == tpr, key.name
+    swapped = engine == "swap"
+    assert key.swap == swapped and key.bm == pol.bm and key.arch == (90 if swapped else 80), key.name
+    assert key.copy_tpr == tpr, key.name
 
 
 @pytest.fixture(params=list(ROW_ENGINES))
@@ -389,27 +385,24 @@ def test_wide_rows_twin(split_merge, qmode, mask, hsq):
     check(pb, tuning, mask)
 
 
-@pytest.mark.parametrize("heads", [128, 16])
 @pytest.mark.parametrize("lengths", ["long", "short"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_twin_rerun(split_merge, dtype, mask, lengths, heads):
-    """The twin tile's rerun (SQ 1): in each request one head's query meets a key early in the
-    request (the last tile a CTA takes) whose latent row is 4x that query, a score ~138 (log2)
+def test_twin_rerun(split_merge, dtype, mask, lengths):
+    """The twin tile's rerun (H 128, SQ 1): in each request one head's query meets a key early in
+    the request (the last tile a CTA takes) whose latent row is 4x that query, a score ~138 (log2)
     above the first tiles' maxima: P against the first pass's reference overflows fp32 (and f16
     long before), so only the rerun with the exact maxima gives a finite result. Split-KV (long:
-    a spike in the first and in a middle split) and, at H 128, one split (short: 64 requests of
-    150-400 keys, so that the spike lies past the first two tiles there too; H 16 splits those
-    in two, the spike in the first split's fourth tile). H 16: the twin's 64 rows holding 16
-    (Tuning.mla_twin_narrow)."""
+    a spike in the first and in a middle split) and one split (short: 64 requests of 150-400
+    keys, so that the spike lies past the first two tiles there too)."""
     skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_twin=True, mla_twin_narrow=True), split_merge)
+    tuning = with_merge(Tuning(mla_twin=True), split_merge)
     lens = [2500, 1033, 300] if lengths == "long" else [400, 330, 257] + [150 + 4 * b for b in range(61)]
-    pb = Problem(lens, heads, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths, heads), sq=1,
+    pb = Problem(lens, 128, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths), sq=1,
                  max_seq_len=2600 if lengths == "long" else 400)
-    assert (pb.policy().splits > 1) == (lengths == "long" or heads == 16)
+    assert (pb.policy().splits > 1) == (lengths == "long")
     for b, sk in enumerate(lens):
-        head = (17 + 50 * b) % heads
+        head = (17 + 50 * b) % 128
         for j in ([5, 1100] if sk > 1100 else [5]):
             page = pb.live[b][j // pb.ps]
             pb.pool[page, j % pb.ps] = (4 * pb.q[b, 0, head].float()).to(dtype)

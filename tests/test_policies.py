@@ -158,25 +158,6 @@ def test_mla_twin_tile_key(heads, sq):
     assert DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t).swap
 
 
-@pytest.mark.parametrize("heads,sq", [(16, 1), (8, 2), (32, 1), (16, 2)])
-def test_mla_twin_narrow_rows_key(heads, sq):
-    """Rows of 16/32 on sm_90a under Tuning(mla_twin_narrow=True): the twin key, its 64 rows
-    holding the policy's one row tile (the policy, grid and workspace unchanged), whatever
-    Tuning.mla_swapped says; rows of 64 follow Tuning.mla_twin alone; never on other archs."""
-    t = Tuning(mla_twin_narrow=True)
-    pol = decode_policy(64, 1, heads, sq, MLA_DIM_QK, 8192, sm_count=132)
-    assert pol.bm in (16, 32) and pol.row_tiles == 1 and pol.bn == decode.TWIN_BN
-    for tuning in (t, dataclasses.replace(t, mla_swapped=False)):
-        key = DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", tuning)
-        assert key.twin and key.bm == 64 and key.tma and key.threads == 256, key.name
-    assert DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", t) == \
-        DecodeKey.of("bf16", MLA_DIM_QK, False, decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132),
-                     "sm_90a", Tuning(mla_twin=True))  # one key for every row height
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_80", t).twin
-    wide = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, False, wide, "sm_90a", t).twin
-
-
 # ----------------------------------------------------------------------------
 # Balanced split-KV: a mirror of fmha_decode.cu's walk (walk_start, walk_next, the merge's parts),
 # the same integer arithmetic, checked over many launches: every key tile of every unit in

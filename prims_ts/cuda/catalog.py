@@ -44,12 +44,12 @@ RING_VARIANTS: Dict[str, Tuning] = {
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, the other producer copy of MLA's wgmma tiles,
-# every MLA row tile on the twin tile, and split-KV balanced over a persistent grid.
+# MLA rows of 64 on the twin tile, and split-KV balanced over a persistent grid.
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "merge_staged": Tuning(merge_staged=True),
     "mla_mma": Tuning(mla_swapped=False),
     "other_copy": Tuning(flip_copy=True),
-    "mla_twin": Tuning(mla_twin=True, mla_twin_narrow=True),
+    "mla_twin": Tuning(mla_twin=True),
     "balanced_split": Tuning(balanced_split=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())

@@ -204,7 +204,7 @@ class DecodeKey(KernelKey):
     arch: int = tag("sm", 80)  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
     swap: bool = tag("swap", False)  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a)
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
-    twin: bool = tag("twin", False)  # the twin tile (MLA on sm_90a: Tuning.mla_twin, mla_twin_narrow)
+    twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a: Tuning.mla_twin)
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
 
     @staticmethod
@@ -213,13 +213,10 @@ class DecodeKey(KernelKey):
            tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
         """The tile of each engine for a policy: on sm_90a, MLA rows of 64 take wgmma with a
         producer warpgroup (or the twin tile: Tuning.mla_twin) and rows of 16/32 the
-        swapped-operand tile (Tuning.mla_swapped; or the twin tile, its 64 rows holding them:
-        Tuning.mla_twin_narrow); everything else the mma.sync tile."""
+        swapped-operand tile (Tuning.mla_swapped); everything else the mma.sync tile."""
         bal = pol.balanced > 0
-        if arch == "sm_90a" and head_dim == MLA_DIM_QK and (tuning.mla_twin if pol.bm == 64 else tuning.mla_twin_narrow):
-            # the policy's 64-key tiles (its row tiles of 16/32 count one 64-row tile each:
-            # rows_max <= 32 there)
-            assert pol.bn == TWIN_BN and (pol.bm == 64 or pol.row_tiles == 1), pol
+        if arch == "sm_90a" and tuning.mla_twin and head_dim == MLA_DIM_QK and pol.bm == 64:
+            assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
                              balanced=bal)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:

@@ -72,10 +72,6 @@ class Tuning:
     # per pass, tiles by TMA) instead of the core's split-O tile. A variant until measured
     # (benchmarks/NOTES.md, MLA).
     mla_twin: bool = False
-    # MLA rows of 16/32 on sm_90a: the twin tile too, its 64 rows holding the 16 or 32 (the
-    # memory-bound rows: two warpgroups streaming 72 KB tiles by TMA, no producer warpgroup),
-    # instead of the swapped-operand tile. A variant until measured (benchmarks/NOTES.md, MLA).
-    mla_twin_narrow: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at
