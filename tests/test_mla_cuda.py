@@ -280,21 +280,14 @@ def test_mla_grid(split_merge, qmode, mask, h, sq):
 # ----------------------------------------------------------------------------
 
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
-# name -> (tuning, the engine expected: "swap" or "mma", the producer copy of a swapped tile)
-ROW_ENGINES = {"swapped_copy4": (Tuning(copy_tpr=4), "swap", 4), "swapped_copy8": (Tuning(copy_tpr=8), "swap", 8),
-               "mma_sync": (Tuning(mla_swapped=False), "mma", 4)}
-
-
-def check_row_engine(key: DecodeKey, pol, engine: str, tpr: int) -> None:
-    """`key` is the 16/32-row policy's key of `engine` (ROW_ENGINES)."""
-    swapped = engine == "swap"
-    assert key.swap == swapped and key.bm == pol.bm and key.arch == (90 if swapped else 80), key.name
-    assert key.copy_tpr == tpr, key.name
+# name -> (tuning, swapped tile expected, its producer copy)
+ROW_ENGINES = {"swapped_copy4": (Tuning(copy_tpr=4), True, 4), "swapped_copy8": (Tuning(copy_tpr=8), True, 8),
+               "mma_sync": (Tuning(mla_swapped=False), False, 4)}
 
 
 @pytest.fixture(params=list(ROW_ENGINES))
 def row_tile(request):
-    """The sm_90a engine of 16/32-row tiles: (its Tuning, the engine, a swapped tile's producer copy)."""
+    """The sm_90a engine of 16/32-row tiles: (its Tuning, swapped, producer copy)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the engine choice exists on sm_90a only")
     return ROW_ENGINES[request.param]
@@ -312,7 +305,7 @@ def with_merge(tuning: Tuning, split_merge: Tuning) -> Tuning:
 def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
     """The grid's rotation (page size, rank, dtype, page IDs, split or one split) on each
     engine; the policy's key must be the chosen engine's."""
-    engine, kind, tpr = row_tile
+    engine, swapped, tpr = row_tile
     tuning = with_merge(engine, split_merge)
     h, sq = hsq
     i = SWAP_CELLS.index(hsq) + 6 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
@@ -328,7 +321,8 @@ def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
     assert (pb.policy().splits > 1) == (lengths == "long"), pb.policy()
     pol = pb.policy(tuning)
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pol, "sm_90a", tuning)
-    check_row_engine(key, pol, kind, tpr)
+    assert key.swap == swapped and key.bm == pol.bm and key.arch == (90 if swapped else 80), key.name
+    assert key.copy_tpr == tpr, key.name
     if on_sm90():  # the planned launch is this key (check_plan compares it on CUDA)
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)

@@ -352,6 +352,8 @@ __device__ __forceinline__ UnitSpan unit_span(const DecodeParams& p, int b) {
   return UnitSpan{first, (sk + BN - 1) / BN - first};
 }
 
+// CTA c's first global tile, and the CTA whose range holds tile v
+__device__ __forceinline__ i64 walk_first(int c, i64 total, int g) { return (i64)c * total / g; }
 __device__ __forceinline__ int walk_cta(i64 v, i64 total, int g) { return (int)(((v + 1) * g - 1) / total); }
 
 // Thread 0: the walk's next item into `it` (b = -1: the range is done).
@@ -365,7 +367,7 @@ __device__ __forceinline__ void walk_next(const DecodeParams& p, DecodeWalk& w, 
   const int j = (int)((w.pos - w.sreq) / w.wb);  // the unit within request b
   const i64 su = w.sreq + (i64)j * w.wb, eu = su + w.wb;
   const int a = (int)(w.pos - su), e = (int)(min_(w.t1, eu) - su);
-  const bool first = w.pos == (i64)c * w.total / w.g;
+  const bool first = w.pos == walk_first(c, w.total, w.g);
   it.b = w.b;
   it.hk = j / p.row_tiles;
   it.rt = j % p.row_tiles;
@@ -377,7 +379,7 @@ __device__ __forceinline__ void walk_next(const DecodeParams& p, DecodeWalk& w, 
     it.slot = 2 * c + (first ? 0 : 1);
     it.c0 = walk_cta(su, w.total, w.g);
     it.parts = walk_cta(eu - 1, w.total, w.g) - it.c0 + 1;
-    it.x = (i64)it.c0 * w.total / w.g != su;
+    it.x = walk_first(it.c0, w.total, w.g) != su;
   }
   w.pos = su + e;
   if (j + 1 == units && w.pos < w.t1) {  // request b's units are done: on to b + 1
@@ -420,7 +422,7 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
   const i64 total = all * units;  // >= B * units >= 1
   const int g = (int)min_((i64)gridDim.x, total);
   if ((int)blockIdx.x >= g) return false;  // the same in every thread
-  const i64 t0 = (i64)blockIdx.x * total / g;
+  const i64 t0 = walk_first(blockIdx.x, total, g);
   const i64 s0 = (before + incl - mine) * units;  // the first tile of request b0
   if (s0 <= t0 && t0 < s0 + mine * units) {       // this thread's requests hold tile t0
     i64 s = s0;
@@ -437,7 +439,7 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
   __syncthreads();
   if (threadIdx.x == 0) {
     w.pos = t0;
-    w.t1 = (i64)(blockIdx.x + 1) * total / g;
+    w.t1 = walk_first(blockIdx.x + 1, total, g);
     w.total = total;
     w.g = g;
     const UnitSpan u = unit_span<BN, CAUSAL>(p, w.b);
