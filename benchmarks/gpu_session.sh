@@ -72,10 +72,10 @@ for s in "${stages[@]}"; do
     bsr) run_tests tests/test_block_sparse_cuda.py tests/test_block_sparse_contiguous.py ;;
     decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
-    twin)  # the twin MLA tile (Tuning.mla_twin, a variant): its grid cells and rerun tests, then its
+    twin)  # the twin MLA tile (rows of 64, the default): its own tests (rerun, epilogues) and the split-O grid, then its
         # sanitizer cases (both merges, the rerun's spiked keys) under memcheck and racecheck
-        echo "== tests/test_mla_cuda.py -k twin"
-        timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k twin --maxfail=20 -p no:cacheprovider \
+        echo "== tests/test_mla_cuda.py -k 'twin or split_o'"
+        timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or split_o" --maxfail=20 -p no:cacheprovider \
             "${XDIST[@]}" >"$OUT/twin.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/twin.log")"
         for tool in memcheck racecheck; do
@@ -133,17 +133,17 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); mw: MLA rows of 64 on the twin tile (AB_FAMILIES=mla); bs: balanced
-        # split-KV (AB_FAMILIES="decode mla"); bw: bs on the twin tile. abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); so: MLA rows of 64 on the split-O tile (the default: twin; AB_FAMILIES=mla);
+        # bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
-        # come again ("d mw mw d": base / new / new / base, the last d the drift): the files are numbered in order.
+        # come again ("d so so d": base / new / new / base, the last d the drift): the files are numbered in order.
         if [ "$s" = ab ]; then variants="${AB_VARIANTS:-d c pd p}"; else variants="d 0 1 2"; fi
         n=0; files=""
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c | mw) fams="$fams --family mla" ;; bs | bw) fams="--family decode --family mla" ;; esac
+            case "$v" in d | c | so) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -151,8 +151,8 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                mw) spec="mla_twin=True" ;;
-                bs) spec="balanced_split=True" ;; bw) spec="balanced_split=True;mla_twin=True" ;;
+                so) spec="mla_twin=False" ;;
+                bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"

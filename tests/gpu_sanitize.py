@@ -482,10 +482,13 @@ def run_all(dev) -> None:
             print(f"ring variant {name} ({tuning.encode()}):")
             prefill_cases(dev, tuning)
             block_sparse_cases(dev, tuning)
-            if tuning.flip_copy:
-                assert tuning == DECODE_VARIANTS["other_copy"]
-                for case in MLA_CASES:
-                    mla_case(dev, *case, tuning=tuning)
+        # MLA's wgmma tiles with a producer (rows of 16/32 swapped; rows of 64 split-O, not the
+        # default twin tile) with each producer copy
+        for name in ("mla_split_o", "other_copy"):
+            tuning = DECODE_VARIANTS[name]
+            print(f"decode variant {name} ({tuning.encode()}):")
+            for case in MLA_CASES:
+                mla_case(dev, *case, tuning=tuning)
         print("MLA twin tile:")
         run_mla_twin(dev)
     if torch.device(dev).type == "cuda":
@@ -493,11 +496,11 @@ def run_all(dev) -> None:
 
 
 def run_mla_twin(dev) -> None:
-    """MLA_CASES through a wrapper planned with the twin tile (rows of 64 and more: the packed
-    H64 and split H128 cases; the others keep the swapped tile), both split merges and balanced
-    split-KV over 7 CTAs (its barriers retired and set up again item after item); those two
-    cases again with a spiked key (the rerun: the barrier phases it continues)."""
-    twin = DECODE_VARIANTS["mla_twin"]
+    """MLA_CASES through a wrapper planned with the twin tile (the default for rows of 64 and
+    more: the packed H64 and split H128 cases; the others keep the swapped tile), both split
+    merges and balanced split-KV over 7 CTAs (its barriers retired and set up again item after
+    item); those two cases again with a spiked key (the rerun: the barrier phases it continues)."""
+    twin = Tuning()
     assert twin.mla_twin
     for tuning in (twin, dataclasses.replace(twin, merge_staged=True),
                    dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)):

@@ -347,33 +347,19 @@ def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
                    kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
 
 
+@pytest.mark.parametrize("copy", KV_COPY_TPRS)
 @pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("qmode", QMODES)
-def test_wide_rows_each_producer_copy(split_merge, qmode, mask, hsq):
-    """Rows of 64 on sm_90a (the wgmma tile with the producer warpgroup) with the producer
-    copy the default does not take (Tuning(flip_copy=True): 4 here); the main grid runs the
-    default."""
+def test_wide_rows_split_o(split_merge, qmode, mask, hsq, copy):
+    """Rows of 64 on sm_90a on the split-O tile (Tuning(mla_twin=False): the wgmma tile with
+    the producer warpgroup) with each producer copy (Tuning.copy_tpr), the wide-row grid's
+    rotation turned by one for the default copy; the main grid runs the default twin tile."""
     skip_off_sm90("the producer ring")
-    tuning = with_merge(Tuning(flip_copy=True), split_merge)
-    other = next(t for t in KV_COPY_TPRS if t != DEFAULT.copy_for(DQK))
-    pb = wide_problem(qmode, mask, hsq, "copy")
+    tuning = with_merge(Tuning(mla_twin=False, copy_tpr=copy), split_merge)
+    pb = wide_problem(qmode, mask, hsq, f"split-o{copy}", shift=int(copy == DEFAULT.copy_for(DQK)))
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.arch == 90 and not key.swap and key.bm == 64 and key.copy_tpr == other, key.name
-    check(pb, tuning, mask)
-
-
-@pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("qmode", QMODES)
-def test_wide_rows_twin(split_merge, qmode, mask, hsq):
-    """Rows of 64 on sm_90a on the twin tile (Tuning(mla_twin=True)): the wide-row grid's
-    rotation turned by one (odd and even tile counts, split or one split, each page size)."""
-    skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_twin=True), split_merge)
-    pb = wide_problem(qmode, mask, hsq, "twin", shift=1)
-    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and key.bm == 64, key.name
+    assert key.arch == 90 and not key.swap and not key.twin and key.bm == 64 and key.copy_tpr == copy, key.name
     if on_sm90():
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)

@@ -140,11 +140,11 @@ def test_mla_swapped_tile_key(heads, sq):
 
 @pytest.mark.parametrize("heads,sq", [(64, 1), (128, 1), (16, 4), (32, 2)])
 def test_mla_twin_tile_key(heads, sq):
-    """Rows of 64 on sm_90a under Tuning(mla_twin=True): the twin key (two MMA warpgroups that
-    issue their own TMA copies, the policy's 64-key tiles, two 72 KB stages beside Q within the
-    shared memory, the pool's map in its parameters), the split-O tile otherwise; rows of 16/32
-    keep the swapped tile; never on other archs."""
-    t = Tuning(mla_twin=True)
+    """Rows of 64 on sm_90a by default: the twin key (two MMA warpgroups that issue their own
+    TMA copies, the policy's 64-key tiles, two 72 KB stages beside Q within the shared memory,
+    the pool's map in its parameters), the split-O tile under Tuning(mla_twin=False); rows of
+    16/32 keep the swapped tile; never on other archs."""
+    t = Tuning()
     pol = decode_policy(64, 1, heads, sq, MLA_DIM_QK, 8192, sm_count=132)
     assert pol.bm == 64 and pol.bn == decode.TWIN_BN
     key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", t)
@@ -152,7 +152,8 @@ def test_mla_twin_tile_key(heads, sq):
     assert key.tma and key.PARAMS == "DecodeTmaParams" and not key.producer
     assert key.smem == decode.twin_smem_bytes(MLA_DIM_QK) + keys.WGMMA_ALIGN_SLACK <= keys.smem_limit("sm_90a")
     assert "TwinConfig<pt::bf16, 576, 512>" in key.source().source
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a").twin
+    split_o = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_twin=False))
+    assert not split_o.twin and split_o.producer and split_o.split_o
     assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).twin
     small = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)
     assert DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t).swap
@@ -295,8 +296,8 @@ def test_balanced_policy():
     on = Tuning(balanced_split=True)
     b = decode.balances(on, "sm_90a", 128, 4)
     assert b == -1 and decode.balances(Tuning(), "sm_90a", 128, 4) == 0
-    assert decode.balances(on, "sm_90a", MLA_DIM_QK, 128) == 0
-    assert decode.balances(Tuning(balanced_split=True, mla_twin=True), "sm_90a", MLA_DIM_QK, 128) == -1
+    assert decode.balances(on, "sm_90a", MLA_DIM_QK, 128) == -1  # the twin tile
+    assert decode.balances(Tuning(balanced_split=True, mla_twin=False), "sm_90a", MLA_DIM_QK, 128) == 0
     assert decode.balances(on, "sm_80", MLA_DIM_QK, 128) == -1
     big = decode_policy(128, 8, 4, 1, 128, 4096, 132, balance=b)
     slots = 132 * 2
@@ -413,9 +414,9 @@ def test_producer_copy_choice(tpr):
     chosen = [PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", tuning=t),
               PrefillKey.choose(torch.bfloat16, 256, "dense", "sm_90a", paged=True, tuning=t),
               BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", t)]
-    for h in (16, 64):
+    for h, mla in ((16, t), (64, dataclasses.replace(t, mla_twin=False))):  # the twin tile has no producer
         pol = decode_policy(8, 1, h, 1, MLA_DIM_QK, 8192, sm_count=132)
-        chosen.append(DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", t))
+        chosen.append(DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", mla))
     names = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     for key in chosen:
         assert key.copy_tpr == tpr and (f"_cp{tpr}" in key.name) == (tpr != 4), key

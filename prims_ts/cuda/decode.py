@@ -119,8 +119,8 @@ BALANCED_MIN_TILES_PER_SLOT = 4
 def balances(tuning: Tuning, arch: str, head_dim: int, rows_max: int) -> int:
     """decode_policy's `balance` under `tuning`: 0 (static split-KV) unless the tuning asks for
     balanced split-KV and the key's tile can take it (every tile but MLA's 64-row split-O wgmma
-    tile on sm_90a, whose warpgroups' register shares are set once a CTA: the twin tile replaces
-    it under Tuning.mla_twin); then Tuning.balanced_ctas, or -1 (the resident slots)."""
+    tile on sm_90a, Tuning(mla_twin=False), whose warpgroups' register shares are set once a
+    CTA); then Tuning.balanced_ctas, or -1 (the resident slots)."""
     wide_wgmma = arch == "sm_90a" and head_dim == MLA_DIM_QK and rows_max > 32 and not tuning.mla_twin
     if not tuning.balanced_split or wide_wgmma:
         return 0
@@ -204,7 +204,7 @@ class DecodeKey(KernelKey):
     arch: int = tag("sm", 80)  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
     swap: bool = tag("swap", False)  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a)
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
-    twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a: Tuning.mla_twin)
+    twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a unless Tuning(mla_twin=False))
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
 
     @staticmethod
@@ -212,7 +212,7 @@ class DecodeKey(KernelKey):
     def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str = "sm_80",
            tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
         """The tile of each engine for a policy: on sm_90a, MLA rows of 64 take wgmma with a
-        producer warpgroup (or the twin tile: Tuning.mla_twin) and rows of 16/32 the
+        producer warpgroup (Tuning(mla_twin=False)) or the twin tile (the default) and rows of 16/32 the
         swapped-operand tile (Tuning.mla_swapped); everything else the mma.sync tile."""
         bal = pol.balanced > 0
         if arch == "sm_90a" and tuning.mla_twin and head_dim == MLA_DIM_QK and pol.bm == 64:

@@ -12,8 +12,8 @@
 // tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
 // tile's keys for S and O's columns for PV, P exchanged through shared memory. Row
 // tiles of 16/32 may take the swapped-operand tile (pt_fmha_swap.cuh: the keys as
-// wgmma's M) on sm_90a, and MLA rows of 64 the twin tile (pt_fmha_twin.cuh:
-// Tuning.mla_twin; its tiles are TMA boxes of the latent pool, DecodeTmaParams).
+// wgmma's M) on sm_90a, and MLA rows of 64 the twin tile (pt_fmha_twin.cuh,
+// unless Tuning(mla_twin=False); its tiles are TMA boxes of the latent pool, DecodeTmaParams).
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/decode.py).
 #include "pt_decode.cuh"

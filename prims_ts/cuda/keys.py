@@ -69,9 +69,9 @@ class Tuning:
     mla_swapped: bool = True
     # MLA rows of 64 on sm_90a: the twin tile (pt_fmha_twin.cuh: two warpgroups take the key
     # tiles in turn for S and each owns half of O, P exponentiated against a reference fixed
-    # per pass, tiles by TMA) instead of the core's split-O tile. A variant until measured
-    # (benchmarks/NOTES.md, MLA).
-    mla_twin: bool = False
+    # per pass, tiles by TMA; MLA B128 L4096 H128 x 1.33 over the split-O tile: benchmarks/NOTES.md).
+    # False: the core's split-O tile with a producer warpgroup.
+    mla_twin: bool = True
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at
