@@ -499,13 +499,17 @@ def run_mla_twin(dev) -> None:
     """MLA_CASES through a wrapper planned with the twin tile (the default for rows of 64 and
     more: the packed H64 and split H128 cases; the others keep the swapped tile), both split
     merges and balanced split-KV over 7 CTAs (its barriers retired and set up again item after
-    item); those two cases again with a spiked key (the rerun: the barrier phases it continues)."""
+    item); those two cases again with a spiked key (the rerun: the barrier phases it continues);
+    and three whole tiles a request, dense (an odd tile count without the first tile's zeroing:
+    warpgroup 1 waits for one P more than warpgroup 0)."""
     twin = Tuning()
     assert twin.mla_twin
     for tuning in (twin, dataclasses.replace(twin, merge_staged=True),
                    dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)):
         for case in MLA_CASES:
             mla_case(dev, *case, tuning=tuning)
+        mla_case(dev, "three tiles packed h64 dense", "packed", [1, 1, 1], "dense", 64, 32, 4, [192, 192, 192], 192,
+                 False, tuning=tuning)
         for case in MLA_CASES[1:4:2]:
             mla_case(dev, *case, tuning=tuning, spike=True)
     torch.cuda.synchronize()

@@ -72,11 +72,16 @@ struct TwinConfig {
   static_assert(DVH == 256, "m64n256 halves of O");
 };
 
-// Named barriers (256 threads: one warpgroup arrives, the other waits). 1 is the CTA's (Q's
-// copy, the maxima exchanges, the epilogue; 2 the split merge's), 3 warpgroup 0's (the first
-// tile's zeroed rows); P(own) of pair i is published on TWIN_P + 2 (i & 1) + w, so that a
-// warpgroup's next arrival on one barrier waits for the other's wait on it.
-enum TwinBar : int { TWIN_P = 4 };
+// Named barriers. 1 is the CTA's (Q's copy, the maxima exchanges, the epilogue; 2 the split
+// merge's). P(own) of pair i is published on TWIN_P + 2 (i & 1) + w (256 threads: one
+// warpgroup arrives, the other waits), so that a warpgroup's next arrival on one barrier waits
+// for the other's wait on it. TWIN_WG + w is warpgroup w's own (128 threads): warpgroup 0's
+// zeroed rows of the first tile, and in each warpgroup the place of a wait the other makes and
+// it does not (the zeroing's; the P wait of an odd tile count's last pair). Both warpgroups so
+// pass the same number of barrier waits, which compute-sanitizer's racecheck takes as the
+// CTA's barrier order: with a wait fewer in one warpgroup it reported the next exchange
+// through barrier 1 as a race.
+enum TwinBar : int { TWIN_P = 4, TWIN_WG = 8 };
 
 // The boxes of one key tile from the latent pool, as one lane of the issuing warp sees them:
 // rows a box (a page, or BN rows of a longer one), boxes with a key below the request's end
@@ -302,14 +307,16 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
     // the first tile (the range's last keys) cut by the request's end: its rows past the last key
     // zeroed in V's panels by warpgroup 0, whose S has read them, before its P V (warpgroup 1
     // reads them after P(0)'s barrier)
-    if (w == 0 && n_tiles > 0 && range.tile(0).rows < BN) {
-      const int live = range.tile(0).rows;
-      for (int i = threadIdx.x; i < (BN - live) * 8 * 2 * VH; i += THREADS / 2) {
-        const int c = i / ((BN - live) * 8), r = live + (i / 8) % (BN - live), q = i % 8;
-        *reinterpret_cast<uint4*>(smem + (stage(0) - sQ) + c * KVTile::PANEL + r * 128 + q * 16) = make_uint4(0, 0, 0, 0);
+    if (n_tiles > 0 && range.tile(0).rows < BN) {
+      if (w == 0) {
+        const int live = range.tile(0).rows;
+        for (int i = threadIdx.x; i < (BN - live) * 8 * 2 * VH; i += THREADS / 2) {
+          const int c = i / ((BN - live) * 8), r = live + (i / 8) % (BN - live), q = i % 8;
+          *reinterpret_cast<uint4*>(smem + (stage(0) - sQ) + c * KVTile::PANEL + r * 128 + q * 16) = make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();
       }
-      fence_proxy_async();
-      named_bar_sync(3, THREADS / 2);
+      named_bar_sync(TWIN_WG + w, THREADS / 2);
     }
     if (pass == 0) {  // the reference: each row's maximum over the two first tiles
       float mx[2] = {neg_inf(), neg_inf()};
@@ -356,6 +363,8 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
         wgmma_fence();
         pv_other(oth);  // the same accumulators, after the group above
         wgmma_commit();
+      } else {
+        named_bar_sync(TWIN_WG + w, THREADS / 2);  // the other warpgroup's P wait, matched
       }
       wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
       fence_regs(o);
