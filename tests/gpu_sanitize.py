@@ -505,7 +505,8 @@ def run_mla_twin(dev) -> None:
     twin = Tuning()
     assert twin.mla_twin
     for tuning in (twin, dataclasses.replace(twin, merge_staged=True),
-                   dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)):
+                   dataclasses.replace(twin, balanced_split=True, balanced_ctas=7),
+                   DECODE_VARIANTS["twin_prefetch"]):
         for case in MLA_CASES:
             mla_case(dev, *case, tuning=tuning)
         mla_case(dev, "three tiles packed h64 dense", "packed", [1, 1, 1], "dense", 64, 32, 4, [192, 192, 192], 192,

@@ -206,6 +206,7 @@ class DecodeKey(KernelKey):
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
     twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a unless Tuning(mla_twin=False))
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
+    prefetch: bool = tag("pf", False)  # the twin tile's L2 prefetch two pairs ahead (Tuning.twin_prefetch)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -218,7 +219,7 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and tuning.mla_twin and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal)
+                             balanced=bal, prefetch=tuning.twin_prefetch)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
@@ -269,7 +270,7 @@ class DecodeKey(KernelKey):
 
     def call(self) -> str:
         if self.twin:
-            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}>"
+            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{', true' if self.prefetch else ''}>"
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}>")

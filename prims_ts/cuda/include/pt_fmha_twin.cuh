@@ -45,11 +45,14 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_>
+template <class T_, int D_, int DV_, bool PREFETCH_ = false>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
+  // each warpgroup's copies of tile own + 2 go with an L2 prefetch of tile own + 4 (its next
+  // own tile but one): Tuning.twin_prefetch
+  static constexpr bool PREFETCH = PREFETCH_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -184,6 +187,12 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
     for (int c = c0; c < c0 + n; ++c) panel(c);
     if (rope) panel(QP - 1);
   };
+  // every panel of tile it into L2 (Cfg::PREFETCH): the boxes that its fill will copy
+  auto prefetch = [&](int it, const TwinBoxes& bx) {
+    if (it >= n_tiles || lane >= bx.live) return;
+#pragma unroll 1
+    for (int c = 0; c < QP; ++c) tma_prefetch_4d(tmk, c * 64, bx.slot, 0, bx.page);
+  };
   auto acquire = [&](int it, int c0, int n) {
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) mbar_wait(full(it, c), parity(it));
@@ -284,6 +293,7 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
 
   // this warpgroup's first tile, every panel, under Q's copy (again at the rerun's start)
   if (issuer) fill(w, boxes(w), 0, QP - 1, true);
+  if (Cfg::PREFETCH && issuer) prefetch(w + 2, boxes(w + 2));
   load_q_for_mma<QTile, THREADS>(sQ, pb);
   bool redo = false;
 #pragma unroll 1
@@ -337,10 +347,11 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
       const int bar_own = TWIN_P + 2 * (i & 1) + w, bar_oth = TWIN_P + 2 * (i & 1) + 1 - w;
       // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
-      TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0};
+      TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0}, bx_pf{0, 0, 0, 0};
       if (issuer) {
         bx_own = boxes(own + 2);
         bx_oth = boxes(oth + 2);
+        if (Cfg::PREFETCH) bx_pf = boxes(own + 4);
       }
       // Each product's commit lies inside its branch, and the waits count the groups that
       // were issued: a commit after the branch would make ptxas close the group on the taken
@@ -368,7 +379,10 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       }
       wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
       fence_regs(o);
-      if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
+      if (issuer && has_own) {
+        fill(own + 2, bx_own, w * VH, VH, false);
+        if (Cfg::PREFETCH) prefetch(own + 4, bx_pf);
+      }
       // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
       if (more) {
         fence_regs(s);

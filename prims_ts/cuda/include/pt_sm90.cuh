@@ -194,6 +194,13 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int c0, 
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// TMA: the box at (c0, .., c3) of `map` fetched from memory into L2 only (no shared memory,
+// no barrier): a later tma_load_4d of it then reads L2.
+__device__ __forceinline__ void tma_prefetch_4d(const TmaMap* map, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(reinterpret_cast<u64>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
 __device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, int c4,
                                             u32 bar) {
   asm volatile(
