@@ -72,15 +72,16 @@ for s in "${stages[@]}"; do
     bsr) run_tests tests/test_block_sparse_cuda.py tests/test_block_sparse_contiguous.py ;;
     decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
-    twin)  # the twin MLA tile (rows of 64, the default): its own tests (rerun, epilogues) and the split-O grid, then its
-        # sanitizer cases (both merges, the rerun's spiked keys) under memcheck and racecheck
-        echo "== tests/test_mla_cuda.py -k 'twin or split_o'"
-        timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or split_o" --maxfail=20 -p no:cacheprovider \
+    twin)  # the twin MLA tile (rows of 64, the default): its own tests (rerun, epilogues, prefetches), the split-O
+        # grid and the swapped tile's prefetch cells, then its sanitizer cases (both merges, balanced, prefetches,
+        # an odd tile count, the rerun's spiked keys) under memcheck and racecheck
+        echo "== tests/test_mla_cuda.py -k 'twin or split_o or prefetch'"
+        timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or split_o or prefetch" --maxfail=20 -p no:cacheprovider \
             "${XDIST[@]}" >"$OUT/twin.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/twin.log")"
         for tool in memcheck racecheck; do
             echo "== compute-sanitizer $tool --mla-twin"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py --mla-twin >"$OUT/twin_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/twin_$tool.log" | tail -1)"
         done ;;
@@ -126,7 +127,7 @@ for s in "${stages[@]}"; do
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
     ab | abloops)
         # tunings in one call, for before/after figures in benchmarks/NOTES.md, each against d
-        # (the default Tuning). ab: the other producer copy (c, the MLA rows too), persistent
+        # (the default Tuning). ab: the other producer copy (c, MLA's swapped tile too), persistent
         # CTAs with the default loops (pd) and with loop 0 (p); a: K/V tiles and pages by
         # cp.async (the default: TMA boxes); ln / pl: the MMA warps' leaner instructions at every head dim /
         # at none (the default: D128); ez: O rescaled on every new running maximum (the default: lazy); up / pf: the
@@ -134,7 +135,7 @@ for s in "${stages[@]}"; do
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
         # page; AB_FAMILIES=paged_prefill); so: MLA rows of 64 on the split-O tile (the default: twin; AB_FAMILIES=mla);
-        # tp: the twin tile's L2 prefetches (AB_FAMILIES=mla);
+        # tp: MLA's tiles with L2 prefetches (AB_FAMILIES=mla);
         # bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
@@ -152,7 +153,7 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                so) spec="mla_twin=False" ;; tp) spec="twin_prefetch=True" ;;
+                so) spec="mla_twin=False" ;; tp) spec="mla_prefetch=True" ;;
                 bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac

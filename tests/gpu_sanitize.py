@@ -12,10 +12,12 @@ Both tools slow kernels ~100x: keep every case small and the launches few.
 The default tuning runs through the one-shots and the standalone decode/MLA functions (they
 always take ``Tuning()``); every other kernel variant through a wrapper planned with its
 ``prims_ts.Tuning`` (``tuning=``): the other split merge (``Tuning(merge_staged=True)``), the
-mma.sync tile of MLA rows of 16/32 (``Tuning(mla_swapped=False)``) and the producer ring's
+mma.sync tile of MLA rows of 16/32 (``Tuning(mla_swapped=False)``), the producer ring's
 variants of ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1, persistent CTAs
-with ``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``,
-MLA's wgmma tiles too). ``run_all(dev)`` takes any device: on the CPU every case runs the
+with ``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``),
+MLA's split-O tile of rows of 64 (``mla_split_o``, each producer copy, both ticket merges) and
+the twin tile's own cases (``--mla-twin``: spiked keys, an odd tile count, balanced split-KV,
+the L2 prefetches). ``run_all(dev)`` takes any device: on the CPU every case runs the
 reference path (a dry run of the case builders; the CPU counts as the nominal H200).
 """
 import dataclasses
@@ -476,44 +478,47 @@ def run_all(dev) -> None:
     block_sparse_cases(dev)
     # the producer ring's variants (sm_90a), each through wrappers planned with its tuning: consumer
     # loops 0/1/2, persistent CTAs (three: each walks many items), and the producer copy the
-    # default does not take (MLA's wgmma tiles too)
+    # default does not take
     if _sm90(dev):
         for name, tuning in RING_VARIANTS.items():
             print(f"ring variant {name} ({tuning.encode()}):")
             prefill_cases(dev, tuning)
             block_sparse_cases(dev, tuning)
         # MLA's wgmma tiles with a producer (rows of 16/32 swapped; rows of 64 split-O, not the
-        # default twin tile) with each producer copy
-        for name in ("mla_split_o", "other_copy"):
-            tuning = DECODE_VARIANTS[name]
-            print(f"decode variant {name} ({tuning.encode()}):")
+        # default twin tile) with each producer copy, and the split-O tile's staged merge
+        split_o_staged = dataclasses.replace(DECODE_VARIANTS["mla_split_o"], merge_staged=True, cluster_merge=False)
+        for tuning in (DECODE_VARIANTS["mla_split_o"], DECODE_VARIANTS["other_copy"], split_o_staged):
+            print(f"decode variant ({tuning.encode()}):")
             for case in MLA_CASES:
                 mla_case(dev, *case, tuning=tuning)
         print("MLA twin tile:")
-        run_mla_twin(dev)
+        run_mla_twin(dev, merges=False)  # its default and staged merges ran above
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
 
 
-def run_mla_twin(dev) -> None:
+def run_mla_twin(dev, merges: bool = True) -> None:
     """MLA_CASES through a wrapper planned with the twin tile (the default for rows of 64 and
     more: the packed H64 and split H128 cases; the others keep the swapped tile), both split
-    merges and balanced split-KV over 7 CTAs (its barriers retired and set up again item after
-    item); those two cases again with a spiked key (the rerun: the barrier phases it continues);
-    and three whole tiles a request, dense (an odd tile count without the first tile's zeroing:
-    warpgroup 1 waits for one P more than warpgroup 0)."""
+    merges (`merges`), balanced split-KV over 7 CTAs (its barriers retired and set up again item
+    after item) and the L2 prefetches (Tuning.mla_prefetch, the swapped tile's too); the two
+    twin cases again with a spiked key (the rerun: the barrier phases it continues); and three
+    whole tiles a request, dense (an odd tile count without the first tile's zeroing: warpgroup
+    1 waits for one P more than warpgroup 0)."""
     twin = Tuning()
     assert twin.mla_twin
-    for tuning in (twin, dataclasses.replace(twin, merge_staged=True),
-                   dataclasses.replace(twin, balanced_split=True, balanced_ctas=7),
-                   DECODE_VARIANTS["twin_prefetch"]):
+    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), DECODE_VARIANTS["mla_prefetch"]]
+    if merges:
+        tunings = [twin, dataclasses.replace(twin, merge_staged=True)] + tunings
+    for tuning in tunings:
         for case in MLA_CASES:
             mla_case(dev, *case, tuning=tuning)
         mla_case(dev, "three tiles packed h64 dense", "packed", [1, 1, 1], "dense", 64, 32, 4, [192, 192, 192], 192,
                  False, tuning=tuning)
         for case in MLA_CASES[1:4:2]:
             mla_case(dev, *case, tuning=tuning, spike=True)
-    torch.cuda.synchronize()
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def run_variant(dev, name: str) -> None:

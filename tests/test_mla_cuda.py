@@ -9,8 +9,9 @@ across and within requests) and the length set (long: split-KV; short: one split
 with ``prims_ts.cuda.decode.decode_policy``) rotate so that every value of every axis appears; a
 separate test runs every page size with both cache ranks and both Q modes. K/V lengths include
 1 (or the query count) and are not page multiples. Further tests: the sm_90a engines of rows of
-16/32 (the swapped-operand tile with each producer copy, and the mma.sync tile) and of rows of
-64 with the other producer copy, split-KV and one-split policies, batch sizes 1..512, a
+16/32 (the swapped-operand tile with each producer copy and with L2 prefetches, and the
+mma.sync tile), rows of 64 on the split-O tile with each producer copy and on the twin tile
+(the default) with L2 prefetches, the twin's rerun and epilogues, split-KV and one-split policies, batch sizes 1..512, a
 131072-token request, output dtypes and scales, a strided query, the wrapper (both run modes,
 bound metadata changed in place) and the one-shot.
 
@@ -282,6 +283,7 @@ def test_mla_grid(split_merge, qmode, mask, h, sq):
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
 # name -> (tuning, swapped tile expected, its producer copy)
 ROW_ENGINES = {"swapped_copy4": (Tuning(copy_tpr=4), True, 4), "swapped_copy8": (Tuning(copy_tpr=8), True, 8),
+               "swapped_prefetch": (Tuning(mla_prefetch=True), True, Tuning().copy_for(DQK)),
                "mma_sync": (Tuning(mla_swapped=False), False, 4)}
 
 
@@ -365,6 +367,23 @@ def test_wide_rows_split_o(split_merge, qmode, mask, hsq, copy):
     check(pb, tuning, mask)
 
 
+@pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("qmode", QMODES)
+def test_wide_rows_twin_prefetch(split_merge, qmode, mask, hsq):
+    """Rows of 64 on the twin tile with its L2 prefetches (Tuning.mla_prefetch): the wide-row
+    grid's rotation turned by two (every page size, split or one split; the prefetches' boxes
+    are the copies' own)."""
+    skip_off_sm90("the twin tile")
+    tuning = with_merge(Tuning(mla_prefetch=True), split_merge)
+    pb = wide_problem(qmode, mask, hsq, "twin-prefetch", shift=2)
+    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
+    assert key.twin and key.prefetch and key.bm == 64, key.name
+    if on_sm90():
+        assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
+    check(pb, tuning, mask)
+
+
 @pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("lengths", ["long", "short"])
 @pytest.mark.parametrize("mask", MASKS)
@@ -376,9 +395,9 @@ def test_twin_rerun(split_merge, dtype, mask, lengths, prefetch):
     long before), so only the rerun with the exact maxima gives a finite result. Split-KV (long:
     a spike in the first and in a middle split) and one split (short: 64 requests of 150-400
     keys, so that the spike lies past the first two tiles there too). With and without the L2
-    prefetches (Tuning.twin_prefetch)."""
+    prefetches (Tuning.mla_prefetch)."""
     skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_twin=True, twin_prefetch=prefetch), split_merge)
+    tuning = with_merge(Tuning(mla_twin=True, mla_prefetch=prefetch), split_merge)
     lens = [2500, 1033, 300] if lengths == "long" else [400, 330, 257] + [150 + 4 * b for b in range(61)]
     pb = Problem(lens, 128, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths), sq=1,
                  max_seq_len=2600 if lengths == "long" else 400)

@@ -152,15 +152,18 @@ def test_mla_twin_tile_key(heads, sq):
     assert key.tma and key.PARAMS == "DecodeTmaParams" and not key.producer
     assert key.smem == decode.twin_smem_bytes(MLA_DIM_QK) + keys.WGMMA_ALIGN_SLACK <= keys.smem_limit("sm_90a")
     assert "TwinConfig<pt::bf16, 576, 512>" in key.source().source
-    pf = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(twin_prefetch=True))  # L2 prefetches
+    pf = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True))  # L2 prefetches
     assert pf.twin and pf.prefetch and pf.name == key.name + "_pf" and pf.smem == key.smem
     assert "TwinConfig<pt::bf16, 576, 512, true>" in pf.source().source
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(twin_prefetch=True, mla_twin=False)).prefetch
+    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True, mla_twin=False)).prefetch
     split_o = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_twin=False))
     assert not split_o.twin and split_o.producer and split_o.split_o
     assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).twin
     small = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)
-    assert DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t).swap
+    swap = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t)
+    swap_pf = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", Tuning(mla_prefetch=True))
+    assert swap.swap and swap_pf.swap and swap_pf.prefetch and swap_pf.name == swap.name + "_pf"
+    assert f"{swap.copy_tpr}, true>" in swap_pf.source().source
 
 
 # ----------------------------------------------------------------------------

@@ -206,7 +206,7 @@ class DecodeKey(KernelKey):
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
     twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a unless Tuning(mla_twin=False))
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
-    prefetch: bool = tag("pf", False)  # the twin tile's L2 prefetch two pairs ahead (Tuning.twin_prefetch)
+    prefetch: bool = tag("pf", False)  # MLA's wgmma tiles' L2 prefetches (Tuning.mla_prefetch)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -219,7 +219,7 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and tuning.mla_twin and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, prefetch=tuning.twin_prefetch)
+                             balanced=bal, prefetch=tuning.mla_prefetch)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
@@ -233,7 +233,7 @@ class DecodeKey(KernelKey):
         policy's split chunks stay whole tiles): two stages of 72 KB tiles."""
         assert pol.bm in (16, 32) and pol.bn == SWAP_BN, pol
         return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, 2, False, 90, True,
-                         tuning.copy_for(MLA_DIM_QK), balanced=pol.balanced > 0)
+                         tuning.copy_for(MLA_DIM_QK), balanced=pol.balanced > 0, prefetch=tuning.mla_prefetch)
 
     @property
     def producer(self) -> bool:  # the wgmma engines take a producer warpgroup (the twin tile none)
@@ -273,7 +273,7 @@ class DecodeKey(KernelKey):
             cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{', true' if self.prefetch else ''}>"
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
-                   f"{self.copy_tpr}>")
+                   f"{self.copy_tpr}{', true' if self.prefetch else ''}>")
         else:
             q_regs = self.head_dim <= 128 and self.arch != 90
             cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,

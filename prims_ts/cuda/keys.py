@@ -72,10 +72,11 @@ class Tuning:
     # per pass, tiles by TMA; MLA B128 L4096 H128 x 1.33 over the split-O tile: benchmarks/NOTES.md).
     # False: the core's split-O tile with a producer warpgroup.
     mla_twin: bool = True
-    # The twin tile's copies of a key tile with an L2 prefetch (TMA) of the warpgroup's tile
-    # after it, two pairs ahead, so that the copy which S waits for reads L2 rather than DRAM.
-    # A variant until measured (benchmarks/NOTES.md, MLA).
-    twin_prefetch: bool = False
+    # MLA's sm_90a tiles prefetch key tiles into L2 ahead of their copies, so that the copies
+    # the MMA warps wait for read L2 rather than DRAM: the twin tile a warpgroup's tile two
+    # pairs ahead (TMA), the swapped tile's producer the next tile's rows. A variant until
+    # measured (benchmarks/NOTES.md, MLA).
+    mla_prefetch: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at

@@ -31,7 +31,11 @@ struct RingPos {
 // MMA warps wait for first is not queued behind a V whose stage is still being read.
 // VTile: V's layout when it is its own tile (FmhaConfig::VTile: page-major under V_PAGE; the
 // same bytes as a KVTile).
-template <class KVTile, int STAGES, int KV_TILES, int COPY_TPR = 4, bool V_LAG = false, class VTile = KVTile>
+// L2_NEXT (a shared tile by cp.async: the swapped MLA tile under Tuning.mla_prefetch): behind
+// each tile's copies the producer prefetches the next tile's rows into L2 (a row a thread),
+// so that those copies, issued once a stage is free, read L2 rather than DRAM.
+template <class KVTile, int STAGES, int KV_TILES, int COPY_TPR = 4, bool V_LAG = false, class VTile = KVTile,
+          bool L2_NEXT = false>
 struct KvRing {
   static_assert(VTile::BYTES == KVTile::BYTES, "V's tile: K's bytes");
   static_assert(KV_TILES == 1 || KV_TILES == 2, "a K/V tile pair a stage, or one shared tile");
@@ -162,6 +166,16 @@ struct KvRing {
     RingPos vpos = pos;  // V's, LAG tiles behind
     for (int it = 0; it < n_tiles + LAG; ++it) {
       if (it < n_tiles) fill<KV_K, NTHREADS>(pb, range.tile(it), tid, pos);
+      if constexpr (L2_NEXT) {
+        static_assert(KV_TILES == 1 && !UsesTma<Problem>::value, "L2_NEXT: a shared tile by cp.async");
+        if (it + 1 < n_tiles) {
+          const KeyTile kt = range.tile(it + 1);
+          for (int r = tid; r < kt.rows; r += NTHREADS) {
+            const int j = kt.k0 + r;
+            bulk_prefetch_l2(pb.k_row(pb.kv_page(j), j), (u32)(KVTile::CHUNKS * 16));
+          }
+        }
+      }
       if constexpr (KV_TILES == 2) {
         if (it >= LAG) {
           fill<KV_V, NTHREADS>(pb, range.tile(it - LAG), tid, vpos);

@@ -51,7 +51,7 @@ struct TwinConfig {
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
   // each warpgroup's copies of tile own + 2 go with an L2 prefetch of tile own + 4 (its next
-  // own tile but one): Tuning.twin_prefetch
+  // own tile but one): Tuning.mla_prefetch
   static constexpr bool PREFETCH = PREFETCH_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
@@ -293,12 +293,12 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
 
   // this warpgroup's first tile, every panel, under Q's copy (again at the rerun's start)
   if (issuer) fill(w, boxes(w), 0, QP - 1, true);
-  if (Cfg::PREFETCH && issuer) prefetch(w + 2, boxes(w + 2));
   load_q_for_mma<QTile, THREADS>(sQ, pb);
   bool redo = false;
 #pragma unroll 1
   for (;; pass = 1) {
     if (pass == 1 && issuer) fill(w, boxes(w), 0, QP - 1, true);
+    if (Cfg::PREFETCH && issuer) prefetch(w + 2, boxes(w + 2));
 #pragma unroll
     for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     mt[0] = mt[1] = neg_inf();
