@@ -313,10 +313,11 @@ struct DecodeItem {
 };
 
 // Balanced split-KV (DecodeParams::balanced = G > 0; the balanced keys, Tuning.balanced_split).
-// The units (request b, K/V head, row tile), in that order, weigh W(b) key tiles each: the request's
-// length in BN tiles (1 where it is empty or past the plan's capacity: the unit is still
-// written), from the first one a causal window lets its rows see (unit_span). Every CTA scans the weights (the same sums everywhere: the metadata do not change
-// under a launch); CTA c takes the global tiles [c T / G', (c + 1) T / G'), T the total and
+// The units (request b, K/V head, row tile), in that order, weigh W(b) key tiles each: the
+// request's length in BN tiles (1 where it is empty or past the plan's capacity: the unit is
+// still written), from the first one a causal window lets its rows see (unit_span). Every CTA
+// scans the weights (the same sums everywhere: the metadata do not change under a launch);
+// CTA c takes the global tiles [c T / G', (c + 1) T / G'), T the total and
 // G' = min(G, T) (so that no range is empty: the CTAs past G' leave at once), and walks the
 // items its range's unit boundaries cut. An item holding its whole unit writes the output
 // rows; a cut one (only a CTA's first and last can be) leaves partials in the CTA's slot 2c
@@ -538,7 +539,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
       if (i > 0) {
         // this thread's generic writes (epilogue, merge) before the next item's TMA / wgmma
         if constexpr (Cfg::ARCH == 90) fence_proxy_async();
-        __syncthreads();      // the previous item's shared memory and merge done; items[i & 1] written
+        __syncthreads();  // the previous item's shared memory and merge done; items[i & 1] written
       }
       if (items[i & 1].b < 0) break;
       if (threadIdx.x == 0) walk_next<Cfg::BN, CAUSAL>(p, walk, items[(i + 1) & 1]);
