@@ -135,7 +135,8 @@ for s in "${stages[@]}"; do
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
         # page; AB_FAMILIES=paged_prefill); so: MLA rows of 64 on the split-O tile (the default: twin; AB_FAMILIES=mla);
-        # tp: MLA's tiles with L2 prefetches (AB_FAMILIES=mla);
+        # tp: MLA's tiles with L2 prefetches (AB_FAMILIES=mla); dp: paged decode's mma.sync tile with L2 prefetches
+        # (AB_FAMILIES=decode); pp: both (AB_FAMILIES="decode mla": each family's rows run only its own tiles);
         # bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
@@ -145,7 +146,7 @@ for s in "${stages[@]}"; do
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c | so | tp) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; esac
+            case "$v" in d | c | so | tp) fams="$fams --family mla" ;; bs | dp | pp) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -153,7 +154,8 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                so) spec="mla_twin=False" ;; tp) spec="mla_prefetch=True" ;;
+                so) spec="mla_twin=False" ;; tp) spec="mla_prefetch=True" ;; dp) spec="decode_prefetch=True" ;;
+                pp) spec="mla_prefetch=True;decode_prefetch=True" ;;
                 bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac

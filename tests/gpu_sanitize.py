@@ -17,7 +17,7 @@ variants of ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1, persist
 with ``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``),
 MLA's split-O tile of rows of 64 (``mla_split_o``, each producer copy, both ticket merges) and
 the twin tile's own cases (``--mla-twin``: spiked keys, an odd tile count, balanced split-KV,
-the L2 prefetches). ``run_all(dev)`` takes any device: on the CPU every case runs the
+the L2 prefetches), and paged decode's L2 prefetches (``decode_prefetch``). ``run_all(dev)`` takes any device: on the CPU every case runs the
 reference path (a dry run of the case builders; the CPU counts as the nominal H200).
 """
 import dataclasses
@@ -474,6 +474,8 @@ def run_all(dev) -> None:
     for tuning in (Tuning(cluster_merge=False), staged):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
+    # paged decode's mma.sync tile with its L2 prefetches
+    decode_cases(dev, DECODE_VARIANTS["decode_prefetch"])
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
     # the producer ring's variants (sm_90a), each through wrappers planned with its tuning: consumer
@@ -533,11 +535,13 @@ def run_variant(dev, name: str) -> None:
 def run_decode(dev) -> None:
     """The paged- and MLA-decode cases alone: the standalone functions (the default tuning: 2-8
     splits as a cluster on sm_90a), then wrappers with each ticket merge and with balanced
-    split-KV over 7 CTAs (the walk, its CTA barriers, a unit's parts merged by the ticket)."""
+    split-KV over 7 CTAs (the walk, its CTA barriers, a unit's parts merged by the ticket); then
+    paged decode with the mma.sync tile's L2 prefetches."""
     for tuning in (None, Tuning(cluster_merge=False), Tuning(merge_staged=True, cluster_merge=False),
                    Tuning(balanced_split=True, balanced_ctas=7)):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
+    decode_cases(dev, DECODE_VARIANTS["decode_prefetch"])
     torch.cuda.synchronize()
 
 

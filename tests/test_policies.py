@@ -166,6 +166,25 @@ def test_mla_twin_tile_key(heads, sq):
     assert f"{swap.copy_tpr}, true>" in swap_pf.source().source
 
 
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_decode_prefetch_key(arch):
+    """Tuning.decode_prefetch: paged decode's mma.sync keys take L2_AHEAD (the FmhaConfig's last
+    parameter, the key's `_pf`) at every head dim, with the same launch shape; MLA's keys do not
+    (their tiles have Tuning.mla_prefetch), nor does the default."""
+    t = Tuning(decode_prefetch=True)
+    for d in (64, 128, 256):
+        pol = decode_policy(128, 8, 4, 1, d, 4096, sm_count=132)
+        base, pf = DecodeKey.of("bf16", d, False, pol, arch), DecodeKey.of("bf16", d, False, pol, arch, t)
+        assert not base.prefetch and pf.prefetch and pf.name == base.name + "_pf", (base.name, pf.name)
+        assert (pf.smem, pf.threads, pf.stages, pf.bn) == (base.smem, base.threads, base.stages, base.bn)
+        src = pf.source().source
+        assert "FmhaConfig<" in src and ", true>, false>" in src, src[-300:]
+        assert ", true>, false>" not in base.source().source
+    for heads in (16, 64):
+        pol = decode_policy(64, 1, heads, 1, MLA_DIM_QK, 8192, sm_count=132)
+        assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, arch, t).prefetch
+
 # ----------------------------------------------------------------------------
 # Balanced split-KV: a mirror of fmha_decode.cu's walk (walk_start, walk_next, the merge's parts),
 # the same integer arithmetic, checked over many launches: every key tile of every unit in
@@ -464,8 +483,8 @@ def test_persistent_choice_and_grid(persistent):
 def test_catalogue_defaults_and_variants():
     """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
     tuning of catalog.VARIANTS builds at least one key the default does not, except the staged
-    split merge, a runtime choice); the portable engine's only variants are the balanced
-    split-KV keys."""
+    split merge, a runtime choice); the portable engine's only variants are paged decode's
+    balanced split-KV and L2 prefetch keys."""
     default = {ks.name for ks in catalog.all_keys("sm_90a")}
     every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     assert default < every
@@ -475,8 +494,8 @@ def test_catalogue_defaults_and_variants():
         assert bool(own - default) == (t != Tuning(merge_staged=True)), t
     sm80 = {ks.name for ks in catalog.all_keys("sm_80")}
     extra = {ks.name for ks in catalog.all_keys("sm_80", True)} - sm80
-    assert extra and all(n.startswith("pt_decode_") and n.endswith("_bal") for n in extra)
-    assert {n[:-len("_bal")] for n in extra} <= sm80  # the static keys' tiles
+    assert extra and all(n.startswith("pt_decode_") and n.endswith(("_bal", "_pf")) for n in extra)
+    assert {n.rsplit("_", 1)[0] for n in extra} <= sm80  # the static keys' tiles
 
 
 def test_page_major_v_keys():

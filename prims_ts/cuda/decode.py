@@ -206,7 +206,9 @@ class DecodeKey(KernelKey):
     copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
     twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a unless Tuning(mla_twin=False))
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
-    prefetch: bool = tag("pf", False)  # MLA's wgmma tiles' L2 prefetches (Tuning.mla_prefetch)
+    # L2 prefetches ahead of the copies: MLA's wgmma tiles' (Tuning.mla_prefetch), the mma.sync
+    # tile's (Tuning.decode_prefetch)
+    prefetch: bool = tag("pf", False)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -225,7 +227,8 @@ class DecodeKey(KernelKey):
         engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
         assert not (bal and engine == 90), pol  # decode.balances keeps the split-O wgmma tile static
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine,
-                         copy_tpr=tuning.copy_for(head_dim) if engine == 90 else 4, balanced=bal)
+                         copy_tpr=tuning.copy_for(head_dim) if engine == 90 else 4, balanced=bal,
+                         prefetch=engine == 80 and tuning.decode_prefetch and head_dim != MLA_DIM_QK)
 
     @staticmethod
     def swapped(dtype: str, causal: bool, pol: DecodePolicy, tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
@@ -278,7 +281,7 @@ class DecodeKey(KernelKey):
             q_regs = self.head_dim <= 128 and self.arch != 90
             cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
                               self.stages, self.split_o, self.dv, self.shared_kv, self.producer,
-                              copy_tpr=self.copy_tpr)
+                              copy_tpr=self.copy_tpr, l2_ahead=self.prefetch)
         return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}{', true' if self.balanced else ''}>"
 
 

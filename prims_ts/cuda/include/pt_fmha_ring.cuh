@@ -32,7 +32,7 @@ struct RingPos {
 // VTile: V's layout when it is its own tile (FmhaConfig::VTile: page-major under V_PAGE; the
 // same bytes as a KVTile).
 // L2_NEXT (a shared tile by cp.async: the swapped MLA tile under Tuning.mla_prefetch): behind
-// each tile's copies the producer prefetches the next tile's rows into L2 (a row a thread),
+// each tile's copies the producer prefetches the next tile's rows into L2 (prefetch_kv_rows),
 // so that those copies, issued once a stage is free, read L2 rather than DRAM.
 template <class KVTile, int STAGES, int KV_TILES, int COPY_TPR = 4, bool V_LAG = false, class VTile = KVTile,
           bool L2_NEXT = false>
@@ -170,10 +170,7 @@ struct KvRing {
         static_assert(KV_TILES == 1 && !UsesTma<Problem>::value, "L2_NEXT: a shared tile by cp.async");
         if (it + 1 < n_tiles) {
           const KeyTile kt = range.tile(it + 1);
-          for (int r = tid; r < kt.rows; r += NTHREADS) {
-            const int j = kt.k0 + r;
-            bulk_prefetch_l2(pb.k_row(pb.kv_page(j), j), (u32)(KVTile::CHUNKS * 16));
-          }
+          prefetch_kv_rows<NTHREADS, KVTile::CHUNKS * 8, KVTile::CHUNKS * 8, true>(pb, kt.k0, kt.rows, tid);
         }
       }
       if constexpr (KV_TILES == 2) {

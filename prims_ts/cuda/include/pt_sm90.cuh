@@ -194,10 +194,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int c0, 
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
-// `bytes` (a multiple of 16) at `src` (16-byte aligned) fetched from memory into L2 only.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(reinterpret_cast<u64>(src)), "r"(bytes) : "memory");
-}
 // TMA: the box at (c0, .., c3) of `map` fetched from memory into L2 only (no shared memory,
 // no barrier): a later tma_load_4d of it then reads L2.
 __device__ __forceinline__ void tma_prefetch_4d(const TmaMap* map, int c0, int c1, int c2, int c3) {

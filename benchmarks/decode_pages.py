@@ -1,0 +1,72 @@
+"""Where paged decode's bandwidth rows lose to SDPA (a measurement aid, not part of the bench):
+the bench's decode problems with the page table shuffled (the bench's) and in order (each
+request's pages consecutive in the pool: the same bytes as SDPA's contiguous K/V), at page
+sizes 16-128, under each tuning given, beside SDPA on the contiguous copy, in one process.
+
+    python benchmarks/decode_pages.py [--rows "B128 L4096" ...] [--tunings "" "decode_prefetch=True" ...]
+        [--pages 16 32 64 128]
+
+Each line: the median of the bench's timer (``prims_ts.bench.time_ms``) as TB/s of K/V bytes,
+and the ratio to SDPA's. Reading: in-order pages as fast as SDPA say the page walk (its order
+in DRAM) costs the gap; in-order pages still short of SDPA say the kernel's stream does.
+The tunings run in the order given (e.g. "" "decode_prefetch=True" "decode_prefetch=True" ""
+for base / new / new / base).
+"""
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from prims_ts import bench  # noqa: E402
+from prims_ts.cuda.keys import Tuning  # noqa: E402
+
+
+def ordered(x: "bench.DecodeInputs") -> "bench.DecodeInputs":
+    """The same inputs with each request's pages consecutive in the pool (indices 0, 1, 2, ...):
+    the cache's page p then holds what the shuffled table's entry p pointed at."""
+    y = bench.DecodeInputs.__new__(bench.DecodeInputs)
+    y.__dict__.update(x.__dict__)
+    y.cache = x.cache[x.indices.long()].contiguous()
+    y.indices = torch.arange(len(x.indices), device=x.indices.device, dtype=torch.int32)
+    return y
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", default=["B128 L4096", "B16 L32768"])
+    ap.add_argument("--tunings", nargs="+", default=["", "decode_prefetch=True"])
+    ap.add_argument("--pages", nargs="+", type=int, default=[16, 32, 64, 128])
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    fam = bench.FAMILIES["decode"]
+    ours = next(r for r in fam.runners if r.name == "prims_ts")
+    sdpa = next(r for r in fam.runners if r.name == "sdpa")
+    print(f"{torch.cuda.get_device_name(dev)}; timer {bench.timer_name()}")
+    for row in args.rows:
+        probs = [p for p in fam.problems() if row in p.name]
+        if len(probs) != 1:
+            raise SystemExit(f"{row!r}: {len(probs)} decode problems match")
+        base = probs[0]
+        ref_ms = None
+        for ps in args.pages:
+            prob = dataclasses.replace(base, params={**base.params, "page_size": ps})
+            x = bench.DecodeInputs(prob, dev)
+            if ref_ms is None:  # SDPA reads the contiguous copy: the page size does not matter
+                ref_ms = bench.time_ms(sdpa.setup(prob, x))
+                print(f"{base.name}: sdpa {ref_ms * 1e3:8.1f} us {prob.work / ref_ms / 1e9:6.3f} TB/s")
+            for order, inputs in (("shuffled", x), ("in order", ordered(x))):
+                for spec in args.tunings:
+                    inputs.tuning = Tuning.decode(spec)
+                    ms = bench.time_ms(ours.setup(prob, inputs))
+                    print(f"  page {ps:3d} {order:8s} {spec or 'default':28s} {ms * 1e3:8.1f} us "
+                          f"{prob.work / ms / 1e9:6.3f} TB/s  x{ref_ms / ms:5.3f} of sdpa")
+            del x
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
