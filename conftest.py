@@ -30,7 +30,8 @@ def ring_variant(request):
     none (the default: D128), O rescaled whenever a running maximum moves (the default keeps a
     maximum while within 2^8), the softmax under the previous PV everywhere and nowhere (the
     default: the prefill keys, not block-sparse), the portable engine (sm_80's mma.sync tiles, no ring), which
-    the grids check on a Hopper GPU this way, and paged K's row groups interleaved (a box a page). Tests pass it to a wrapper (``tuning=``). Other
+    the grids check on a Hopper GPU this way, and the paged TMA producers' L2 prefetch of the next
+    tile's pages. Tests pass it to a wrapper (``tuning=``). Other
     devices have no ring (the portable engine is theirs): they run the first variant only."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         if request.param != "loop0":

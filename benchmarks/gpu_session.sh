@@ -136,7 +136,8 @@ for s in "${stages[@]}"; do
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
         # page; AB_FAMILIES=paged_prefill); so: MLA rows of 64 on the split-O tile (the default: twin; AB_FAMILIES=mla);
         # tp: MLA's tiles with L2 prefetches (AB_FAMILIES=mla); dp: paged decode's mma.sync tile with L2 prefetches
-        # (AB_FAMILIES=decode); pp: both (AB_FAMILIES="decode mla": each family's rows run only its own tiles);
+        # (AB_FAMILIES=decode); pp: both (AB_FAMILIES="decode mla": each family's rows run only its own tiles); pgf: the
+        # paged TMA producers' L2 prefetch of the next tile's pages (AB_FAMILIES="paged_prefill block_sparse");
         # bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
@@ -155,7 +156,7 @@ for s in "${stages[@]}"; do
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
                 so) spec="mla_twin=False" ;; tp) spec="mla_prefetch=True" ;; dp) spec="decode_prefetch=True" ;;
-                pp) spec="mla_prefetch=True;decode_prefetch=True" ;;
+                pp) spec="mla_prefetch=True;decode_prefetch=True" ;; pgf) spec="paged_prefetch=True" ;;
                 bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac

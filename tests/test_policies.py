@@ -613,6 +613,27 @@ def test_page_major_k_keys():
         assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", page_size=16).kil
 
 
+def test_paged_prefetch_keys():
+    """Tuning.paged_prefetch: the sm_90a paged TMA keys (paged prefill at every page size,
+    block-sparse over pages) take L2_AHEAD (the FmhaConfig's last parameter, the key's `_pf`)
+    with the same launch shape; never contiguous K/V, cp.async pages, sm_80, or the default."""
+    t = Tuning(paged_prefetch=True)
+    for d in (128, 256):
+        for ps in prefill.PAGE_SIZES:
+            base = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, page_size=ps)
+            key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=t, page_size=ps)
+            assert key.l2 and not base.l2 and key.name == base.name + "_pf", (key.name, base.name)
+            assert (key.smem, key.threads, key.stages) == (base.smem, base.threads, base.stages)
+            assert key.call().endswith(", true>, 1, true, false, true>"), key.call()
+            cp = Tuning(paged_prefetch=True, paged_tma=False)
+            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=cp, page_size=ps).l2
+            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", paged=True, tuning=t, page_size=ps).l2
+        assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t).l2
+        bsr = BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t)
+        assert bsr.l2 and bsr.name.endswith("_pf") and ", true>, true, false, false, true>" in bsr.call(), bsr.call()
+        assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t, contiguous=True).l2
+        assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a").l2
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()

@@ -27,7 +27,8 @@ from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
 # PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys). The
 # default paged keys lay V out page-major and interleave K's row groups where a page is shorter
 # than the key tile (Tuning.page_major_v, Tuning.page_major_k: a key per such page size); page
-# 128 checks the panel-major layouts.
+# 128 checks the panel-major layouts. The paged TMA producers' L2 prefetch of the next tile's
+# pages (Tuning.paged_prefetch).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -41,6 +42,7 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "under_pv": Tuning(softmax_under_pv=True),
     "pv_first": Tuning(softmax_under_pv=False),
     "portable": Tuning(portable=True),
+    "paged_prefetch": Tuning(paged_prefetch=True),
 }
 # The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
 # MLA rows of 16/32 on the mma.sync tile, MLA rows of 64 on the split-O tile with each producer

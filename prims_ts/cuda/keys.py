@@ -82,6 +82,10 @@ class Tuning:
     # than DRAM (MLA's latents off sm_90a: not, its rows of 16/32 would spill). A variant until
     # measured (benchmarks/NOTES.md, Paged decode).
     decode_prefetch: bool = False
+    # The sm_90a paged TMA producers (paged prefill, block-sparse over pages) prefetch the next
+    # key tile's page boxes into L2 behind each tile's boxes, so that its copy reads L2 rather
+    # than DRAM. A variant until measured (benchmarks/NOTES.md, Paged prefill).
+    paged_prefetch: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at

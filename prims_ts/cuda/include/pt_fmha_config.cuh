@@ -105,11 +105,11 @@ struct FmhaConfig {
   using KTile = typename Select<K_IL_, SmemTileI<BN, D_>, KVTile>::type;
   static_assert(!K_IL_ || (ARCH_ == 90 && PRODUCER_ && !SHARED_KV_),
                 "an interleaved K tile: the sm_90a producer ring (its copies and S read KTile), K its own tile");
-  // L2_AHEAD (Tuning.decode_prefetch; the CTA's own cp.async pipeline): each refill's copies go
-  // with an L2 prefetch of the next tile's rows, so that the copy after it reads L2 (a tile more
-  // in flight than the stages hold)
+  // L2_AHEAD: each tile's copies go with an L2 prefetch of the tile after it, so that its copy
+  // reads L2 (a tile more in flight than the stages hold): the CTA's own cp.async pipeline
+  // (Tuning.decode_prefetch) its rows, the producer ring (Tuning.paged_prefetch: KvRing
+  // L2_NEXT) the paged TMA problems' page boxes
   static constexpr bool L2_AHEAD = L2_AHEAD_;
-  static_assert(!L2_AHEAD_ || !PRODUCER_, "L2_AHEAD: the CTA's own cp.async pipeline");
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
   static constexpr int KV_TILES = SHARED_KV ? 1 : 2;  // tiles per stage

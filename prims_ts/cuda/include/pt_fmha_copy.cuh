@@ -185,8 +185,9 @@ struct TmaKv {
   // Hkv, P)) takes one box (64, GROUP, D / 64) a page, all its panels; a row-group interleaved
   // one (SmemTileI, K under Tuning.page_major_k: the map (64, 8, D / 64, page_size / 8, pages
   // x kxp + heads x kxh), its last dimension striding the pages' and heads' common divisor)
-  // one box (64, 8, D / 64, rows / 8) a page.
-  template <class Tile, int BN, class Problem>
+  // one box (64, 8, D / 64, rows / 8) a page. PREFETCH: the same boxes into L2 only (`dst` and
+  // `bar` unused), so that their copy a tile later reads L2.
+  template <class Tile, int BN, bool PREFETCH = false, class Problem>
   __device__ __forceinline__ void pages(const Problem& pb, int part, u32 dst, int k0, int rows, int page_shift,
                                         u32 bar, int lane, int lanes) const {
     const TmaMap* tm = map(part);
@@ -196,13 +197,26 @@ struct TmaKv {
       const int j = k0 + r;
       const int page = pb.kv_page(j), slot = j & (ps - 1);
       if constexpr (Tile::PAGE_MAJOR) {
-        tma_load_5d(dst + Tile::offset(r, 0), tm, 0, slot, 0, hk, page, bar);
+        if constexpr (PREFETCH) {
+          tma_prefetch_5d(tm, 0, slot, 0, hk, page);
+        } else {
+          tma_load_5d(dst + Tile::offset(r, 0), tm, 0, slot, 0, hk, page, bar);
+        }
       } else if constexpr (Tile::INTERLEAVED) {
-        tma_load_5d(dst + Tile::row8(r), tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh, bar);
+        if constexpr (PREFETCH) {
+          tma_prefetch_5d(tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh);
+        } else {
+          tma_load_5d(dst + Tile::row8(r), tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh, bar);
+        }
       } else {
 #pragma unroll
-        for (int c = 0; c < Tile::CHUNKS / 8; ++c)
-          tma_load_4d(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
+        for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
+          if constexpr (PREFETCH) {
+            tma_prefetch_4d(tm, c * 64, slot, hk, page);
+          } else {
+            tma_load_4d(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
+          }
+        }
       }
     }
   }
