@@ -1,14 +1,17 @@
 """Where paged decode's bandwidth rows lose to SDPA (a measurement aid, not part of the bench):
 the bench's decode problems with the page table shuffled (the bench's) and in order (each
-request's pages consecutive in the pool: the same bytes as SDPA's contiguous K/V), at page
-sizes 16-128, under each tuning given, beside SDPA on the contiguous copy, in one process.
+request's pages consecutive in the pool), at page sizes 16-128, under each tuning given, beside
+SDPA on the contiguous copy, in one process. In order is not SDPA's layout: the pool stays
+[page, K/V, Hkv, slot, D], so one head's rows come in page-sized runs a pool page apart; what
+the two orders differ in is the pages' order alone.
 
     python benchmarks/decode_pages.py [--rows "B128 L4096" ...] [--tunings "" "decode_prefetch=True" ...]
         [--pages 16 32 64 128]
 
 Each line: the median of the bench's timer (``prims_ts.bench.time_ms``) as TB/s of K/V bytes,
-and the ratio to SDPA's. Reading: in-order pages as fast as SDPA say the page walk (its order
-in DRAM) costs the gap; in-order pages still short of SDPA say the kernel's stream does.
+and the ratio to SDPA's. Reading: in-order pages faster than shuffled ones say the pages' order
+(DRAM rows, address translations) costs part of the gap; the rest is the page layout or the
+kernel's stream (the page sizes tell those apart: larger pages, longer runs).
 The tunings run in the order given (e.g. "" "decode_prefetch=True" "decode_prefetch=True" ""
 for base / new / new / base).
 """
@@ -64,7 +67,7 @@ def main() -> None:
                     ms = bench.time_ms(ours.setup(prob, inputs))
                     print(f"  page {ps:3d} {order:8s} {spec or 'default':28s} {ms * 1e3:8.1f} us "
                           f"{prob.work / ms / 1e9:6.3f} TB/s  x{ref_ms / ms:5.3f} of sdpa")
-            del x
+            del x, inputs
             torch.cuda.empty_cache()
 
 

@@ -292,6 +292,23 @@ def test_decode_prefetch(split_merge, qmode, mask, window):
     check(pb, tuning, mask, window)
 
 
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", 100)], ids=["dense", "causal100"])
+def test_decode_prefetch_long_rows(split_merge, mask, window, d):
+    """The prefetches where they run: one split of up to 600 keys a CTA (B 32 x Hkv 8 fill the
+    slots), so a CTA walks 0 to 19 tiles (D64: BN 128, D128: 64, D256: 32) and prefetches every
+    tile past its first STAGES; lengths of 1, 17, 192, 256, 257, 600 keys (D128: 1, 1, 3, 4, 5, 10
+    tiles)."""
+    lens = [(1, 17, 192, 256, 257, 600)[b % 6] for b in range(32)]
+    pb = Problem(lens, 32, 8, d, 32, BF16, stable_seed("prefetch-long", mask, window, d), kind="perm",
+                 max_seq_len=600)
+    tuning = dataclasses.replace(split_merge, decode_prefetch=True)
+    pol = pb.policy(tuning)
+    key = DecodeKey.of("bf16", d, mask == "causal", pol, "sm_90a", tuning)
+    assert key.prefetch and (pol.balanced or (pol.splits == 1 and pol.chunk // pol.bn > pol.stages + 1)), pol
+    check(pb, tuning, mask, window)
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 def test_both_cache_forms_every_page_size(split_merge, ps, form):

@@ -634,6 +634,44 @@ def test_paged_prefetch_keys():
         assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t, contiguous=True).l2
         assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a").l2
 
+def test_prefetch_variants_emit_their_prefetches():
+    """An L2 prefetch changes no result, so the grids cannot tell a variant that lost its
+    prefetches: the PTX (NVRTC, compute_90a / compute_80) of each prefetch key holds its
+    instruction and the default key's does not: paged decode's `prefetch.global.L2` (sm_90a and
+    sm_80), the swapped MLA tile's too, the paged TMA producer's `cp.async.bulk.prefetch.tensor`."""
+    from prims_ts.cuda import runtime
+
+    nvrtc, headers = runtime._nvrtc(), runtime.include_sources()
+
+    def ptx(key, arch):
+        src = key.source()
+        prog = nvrtc.createProgram(src.source, src.name + ".cu", [v.encode() for v in headers.values()],
+                                   [n.encode() for n in headers])
+        try:
+            nvrtc.compileProgram(prog, [o.replace(arch, "compute_" + arch[3:]) for o in runtime._options(arch)])
+            text = nvrtc.getPTX(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        return text.decode() if isinstance(text, bytes) else text
+
+    pol = decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132)
+    mla = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)
+    cases = [  # (default key, prefetch key, arch, the prefetch's instruction)
+        (DecodeKey.of("bf16", 128, False, pol, "sm_90a"),
+         DecodeKey.of("bf16", 128, False, pol, "sm_90a", Tuning(decode_prefetch=True)), "sm_90a", "prefetch.global.L2 "),
+        (DecodeKey.of("bf16", 128, False, pol, "sm_80"),
+         DecodeKey.of("bf16", 128, False, pol, "sm_80", Tuning(decode_prefetch=True)), "sm_80", "prefetch.global.L2 "),
+        (DecodeKey.of("bf16", MLA_DIM_QK, False, mla, "sm_90a"),
+         DecodeKey.of("bf16", MLA_DIM_QK, False, mla, "sm_90a", Tuning(mla_prefetch=True)), "sm_90a",
+         "prefetch.global.L2 "),
+        (PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a", paged=True, page_size=16),
+         PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a", paged=True, page_size=16,
+                           tuning=Tuning(paged_prefetch=True)), "sm_90a", "cp.async.bulk.prefetch.tensor"),
+    ]
+    for base, pf, arch, instr in cases:
+        assert instr in ptx(pf, arch), pf.name
+        assert instr not in ptx(base, arch), base.name
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()
