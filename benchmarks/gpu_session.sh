@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|prefetch|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -84,6 +84,22 @@ for s in "${stages[@]}"; do
             PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py --mla-twin >"$OUT/twin_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/twin_$tool.log" | tail -1)"
+        done ;;
+    prefetch)  # the L2 prefetch variants (Tuning.decode_prefetch, mla_prefetch, paged_prefetch): their grid cells
+        # (decode's long rows included), then the paged ring variant's sanitizer cases and the decode cases (the
+        # prefetch pass last) under memcheck
+        echo "== decode / MLA / paged / block-sparse tests -k prefetch"
+        timeout 300 "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py tests/test_paged_cuda.py \
+            tests/test_block_sparse_cuda.py -q -m cuda -rs -k prefetch --maxfail=20 -p no:cacheprovider \
+            "${XDIST[@]}" >"$OUT/prefetch.log" 2>&1
+        echo "   rc=$? $(tail -1 "$OUT/prefetch.log")"
+        for part in paged decode; do
+            args="--decode"; [ "$part" = paged ] && args="--variant paged_prefetch"
+            echo "== compute-sanitizer memcheck $args"
+            # shellcheck disable=SC2086
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 \
+                "$PY" tests/gpu_sanitize.py $args >"$OUT/prefetch_memcheck_$part.log" 2>&1
+            echo "   rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/prefetch_memcheck_$part.log" | tail -1)"
         done ;;
     balanced)  # balanced split-KV (Tuning.balanced_split, a variant): the decode and MLA grids' cells
         # under it (split_merge "balanced": 7 CTAs at every size), then the sanitizer's decode cases
