@@ -622,17 +622,17 @@ def test_paged_prefetch_keys():
         for ps in prefill.PAGE_SIZES:
             base = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, page_size=ps)
             key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=t, page_size=ps)
-            assert key.l2 and not base.l2 and key.name == base.name + "_pf", (key.name, base.name)
+            assert key.prefetch and not base.prefetch and key.name == base.name + "_pf", (key.name, base.name)
             assert (key.smem, key.threads, key.stages) == (base.smem, base.threads, base.stages)
             assert key.call().endswith(", true>, 1, true, false, true>"), key.call()
             cp = Tuning(paged_prefetch=True, paged_tma=False)
-            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=cp, page_size=ps).l2
-            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", paged=True, tuning=t, page_size=ps).l2
-        assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t).l2
+            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=cp, page_size=ps).prefetch
+            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", paged=True, tuning=t, page_size=ps).prefetch
+        assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t).prefetch
         bsr = BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t)
-        assert bsr.l2 and bsr.name.endswith("_pf") and ", true>, true, false, false, true>" in bsr.call(), bsr.call()
-        assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t, contiguous=True).l2
-        assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a").l2
+        assert bsr.prefetch and bsr.name.endswith("_pf") and ", true>, true, false, false, true>" in bsr.call(), bsr.call()
+        assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t, contiguous=True).prefetch
+        assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a").prefetch
 
 def test_prefetch_variants_emit_their_prefetches():
     """An L2 prefetch changes no result, so the grids cannot tell a variant that lost its

@@ -48,7 +48,7 @@ class BlockSparseKey(KernelKey):
     lean: bool = tag("ln", False)  # the MMA warps' fewer instructions (Tuning.lean_mma)
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
-    l2: bool = tag("pf", False)  # paged TMA keys: the next tile's pages into L2 (Tuning.paged_prefetch)
+    prefetch: bool = tag("pf", False)  # paged TMA keys: the next tile's pages into L2 (Tuning.paged_prefetch)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -89,7 +89,7 @@ class BlockSparseKey(KernelKey):
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
                           self.arch, stages=self.stages, producer=self.producer, loop=self.loop,
                           copy_tpr=self.copy_tpr, lean=self.lean, lazy=self.lazy, under_pv=self.under_pv,
-                          l2_ahead=self.l2)
+                          l2_ahead=self.prefetch)
         return (f"pt::block_sparse_kernel<{cfg}, {cpp_bool(self.causal)}, {cpp_bool(self.persistent)}, "
                 f"{cpp_bool(self.contiguous)}, {cpp_bool(self.tma)}>")
 

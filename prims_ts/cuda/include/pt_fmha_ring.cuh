@@ -168,7 +168,8 @@ struct KvRing {
     for (int it = 0; it < n_tiles + LAG; ++it) {
       if (it < n_tiles) fill<KV_K, NTHREADS>(pb, range.tile(it), tid, pos);
       if constexpr (L2_NEXT) {
-        static_assert(PagedTma<Problem>::value || !UsesTma<Problem>::value, "L2_NEXT: pages by TMA, or cp.async");
+        static_assert(PagedTma<Problem>::value || (KV_TILES == 1 && !UsesTma<Problem>::value),
+                      "L2_NEXT: pages by TMA, or a shared tile by cp.async");
         if (it + 1 < n_tiles) {
           const KeyTile kt = range.tile(it + 1);
           if constexpr (PagedTma<Problem>::value) {  // the whole pages' boxes (the tail: cp.async, not fetched)
@@ -179,7 +180,7 @@ struct KvRing {
             }
           } else {
             constexpr int D = KVTile::CHUNKS * 8;
-            prefetch_kv_rows<NTHREADS, D, D, KV_TILES == 1>(pb, kt.k0, kt.rows, tid);
+            prefetch_kv_rows<NTHREADS, D, D, true>(pb, kt.k0, kt.rows, tid);
           }
         }
       }
