@@ -83,61 +83,52 @@ struct SwapConfig {
   static_assert(BM * O_STRIDE * 4 <= SMEM_RING && STAGES >= 2, "ring");
 };
 
+// The swapped tile of one work item, as its MMA warpgroup runs it: the state (shared-memory
+// addresses, this thread's keys, O^T and the per-query statistics) and the steps of a key tile.
+// The registers live in the caller (fmha_tile_swap) and the tile refers to them, as the twin
+// tile's do.
 template <class Cfg, class Problem>
-__device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, float scale_log2, float out_scale) {
+struct SwapTile {
   using T = typename Cfg::T;
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
   using PTile = typename Cfg::PTile;
-  constexpr int D = Cfg::D, DV = Cfg::DV, BM = Cfg::BM, BN = Cfg::BN;
-  constexpr int THREADS = Cfg::THREADS;
-  constexpr int KD = D / 16;   // k-steps of S^T
-  constexpr int NJ = BM / 8;   // 8-column groups of an accumulator (query rows)
-  constexpr int MP = DV / 64;  // 64-column panels of V: the M blocks of O^T
-  constexpr int PV_GROUPS = MP % 4 == 0 ? 4 : (MP % 2 == 0 ? 2 : 1);  // O^T's commit groups
-  constexpr int PER_GROUP = MP / PV_GROUPS;
+  using Range = decltype(((const Problem*)nullptr)->range());
+  static constexpr int D = Cfg::D, DV = Cfg::DV, BM = Cfg::BM, BN = Cfg::BN;
+  static constexpr int THREADS = Cfg::THREADS;
+  static constexpr int KD = D / 16;   // k-steps of S^T
+  static constexpr int NJ = BM / 8;   // 8-column groups of an accumulator (query rows)
+  static constexpr int MP = DV / 64;  // 64-column panels of V: the M blocks of O^T
+  static constexpr int PV_GROUPS = MP % 4 == 0 ? 4 : (MP % 2 == 0 ? 2 : 1);  // O^T's commit groups
+  static constexpr int PER_GROUP = MP / PV_GROUPS;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const u32 sQ = smem_addr(smem);
-  const u32 sKV = sQ + Cfg::SMEM_Q;
-  const u32 sP = sKV + Cfg::SMEM_RING;
-  char* pP = smem + Cfg::SMEM_Q + Cfg::SMEM_RING;
-  float* red = reinterpret_cast<float*>(pP + Cfg::SMEM_P);
-  const typename Cfg::Ring ring(sKV, sP + Cfg::SMEM_P + Cfg::SMEM_RED);
-  const auto range = pb.range();
-  const int n_tiles = range.n_tiles();
-
-  if (threadIdx.x == 0) ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
-  __syncthreads();
-  if (threadIdx.x >= THREADS) {  // the producer warpgroup
-    ring.template produce<Cfg::PRODUCER_THREADS>(pb, range, n_tiles, threadIdx.x - THREADS);
-    return;
-  }
-  load_q_for_mma<QTile, THREADS>(sQ, pb);
-
+  const Problem& pb;
+  char* const smem;
+  const float scale_log2;
+  const int warp, lane, g, t;
+  const int key_r0;  // this thread's keys of a tile: key_r0, key_r0 + 8
+  const u32 sQ, sKV, sP;
+  char* const pP;
+  float* const red;  // [warp][query row]: the warps' maxima, then their sums
+  const typename Cfg::Ring ring;
+  const Range range;
+  const int n_tiles;
   // Accumulator element [j][e] of this thread: key (M row) 16 * warp + g + 8 * (e >> 1),
   // query row (N column) 8 * j + 2 * t + (e & 1).
-  float o[MP][NJ][4];
-#pragma unroll
-  for (int mp = 0; mp < MP; ++mp)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) o[mp][j][0] = o[mp][j][1] = o[mp][j][2] = o[mp][j][3] = 0.f;
-  float m_q[NJ][2], l_q[NJ][2];  // per query column: running max (raw), this thread's share of the sum
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    m_q[j][0] = m_q[j][1] = neg_inf();
-    l_q[j][0] = l_q[j][1] = 0.f;
-  }
-  const int key_r0 = warp * 16 + g;  // this thread's keys of a tile: key_r0, key_r0 + 8
+  float (&o)[MP][NJ][4];
+  float (&m_q)[NJ][2];  // per query column: running max (raw)
+  float (&l_q)[NJ][2];  // per query column: this thread's share of the sum
 
-  RingCursor cur{0, 0u};  // the current tile in the ring
-  for (int it = 0; it < n_tiles; ++it, Cfg::Ring::next(cur)) {
-    const KeyTile kt = range.tile(it);
-    const int k0 = kt.k0;
+  __device__ __forceinline__ SwapTile(const Problem& pb_, char* smem_, float scale_log2_, float (&o_)[MP][NJ][4],
+                                      float (&m_q_)[NJ][2], float (&l_q_)[NJ][2])
+      : pb(pb_), smem(smem_), scale_log2(scale_log2_), warp(threadIdx.x >> 5), lane(threadIdx.x & 31), g(lane >> 2),
+        t(lane & 3), sQ(smem_addr(smem_)), sKV(sQ + Cfg::SMEM_Q), sP(sKV + Cfg::SMEM_RING),
+        pP(smem_ + Cfg::SMEM_Q + Cfg::SMEM_RING), red(reinterpret_cast<float*>(pP + Cfg::SMEM_P)),
+        ring(sKV, sP + Cfg::SMEM_P + Cfg::SMEM_RED), range(pb_.range()), n_tiles(range.n_tiles()),
+        key_r0(warp * 16 + g), o(o_), m_q(m_q_), l_q(l_q_) {}
 
-    // ---- S^T = K Q^T, once the tile has landed -------------------------------------
-    float s[NJ][4];
+  // S^T = K Q^T of the ring's current tile, once it has landed
+  __device__ __forceinline__ void s_tile(const RingCursor& cur, float (&s)[NJ][4]) const {
     ring.acquire(cur);
     fence_regs(s);
     wgmma_fence();
@@ -150,8 +141,10 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);
-
-    // ---- mask ---------------------------------------------------------------------
+  }
+  // keys past a short tile's end or outside a query row's band to -inf
+  __device__ __forceinline__ void mask(const KeyTile& kt, float (&s)[NJ][4]) const {
+    const int k0 = kt.k0;
     if ((Problem::SHORT_TILES && kt.rows < BN) || pb.tile_needs_mask(k0)) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
@@ -161,8 +154,10 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
           if ((Problem::SHORT_TILES && kr >= kt.rows) || !pb.visible(q, k0 + kr)) s[j][e] = neg_inf();
         }
     }
-
-    // ---- online softmax over the keys (M) -----------------------------------------
+  }
+  // The online softmax over the keys (M): each query column's tile maximum over the warp's
+  // row groups (shuffles) and the 4 warps (shared memory), P in place, the sums and O^T rescaled.
+  __device__ __forceinline__ void softmax(float (&s)[NJ][4]) {
     float mx[NJ][2];
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
@@ -196,8 +191,9 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
       for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[mp][j][e] *= mx[j][e & 1];
-
-    // ---- P^T to shared memory (B of the second product, [query row][key]) ----------
+  }
+  // P^T to shared memory: B of the second product, [query row][key]
+  __device__ __forceinline__ void store_pt(const float (&s)[NJ][4]) const {
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -208,8 +204,9 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
       }
     fence_proxy_async();
     named_bar_sync(1, THREADS);
-
-    // ---- O^T += V^T P^T: PV_GROUPS commit groups of V panels --------------------------
+  }
+  // O^T += V^T P^T in PV_GROUPS commit groups of V panels; the tile goes back to the ring
+  __device__ __forceinline__ void pv(const RingCursor& cur) {
 #pragma unroll
     for (int mp = 0; mp < MP; ++mp) fence_regs(o[mp]);
     wgmma_fence();
@@ -229,47 +226,86 @@ __device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, fl
     }
     ring.release(cur);  // this warp's reads of the tile are done (waited above)
   }
-
-  // ---- epilogue: sums over the keys, O through shared memory to store2 -----------------
+  // The MMA warpgroup's key tiles (the producer warpgroup fills the ring meanwhile).
+  __device__ __forceinline__ void run() {
+    load_q_for_mma<QTile, THREADS>(sQ, pb);
 #pragma unroll
-  for (int j = 0; j < NJ; ++j)
+    for (int mp = 0; mp < MP; ++mp)
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      float v = l_q[j][c];
-      v += __shfl_xor_sync(0xffffffffu, v, 4);
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (g == 0) red[warp * BM + 8 * j + 2 * t + c] = v;
+      for (int j = 0; j < NJ; ++j) o[mp][j][0] = o[mp][j][1] = o[mp][j][2] = o[mp][j][3] = 0.f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      m_q[j][0] = m_q[j][1] = neg_inf();
+      l_q[j][0] = l_q[j][1] = 0.f;
     }
-  named_bar_sync(1, THREADS);  // the ring is drained too: every copied tile was consumed
-  // its barriers retired (the producer's last wait returned before the last tile's copies were
-  // issued): their memory is the split merge's, or the next item's ring (balanced split-KV)
-  if (threadIdx.x == 0) ring.ring.inval();
-  float* obuf = reinterpret_cast<float*>(smem + Cfg::SMEM_Q);
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int q = 8 * j + 2 * t + c;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < Cfg::WARPS; ++w) l += red[w * BM + q];
-      if constexpr (Problem::WANTS_LSE) {
-        if (warp == 0 && g == 0 && q < pb.q_rows) pb.store_lse(q, OnlineSoftmax::lse(m_q[j][c], l, scale_log2));
-      }
-      const float inv = OnlineSoftmax::inverse(l, out_scale);
-#pragma unroll
-      for (int mp = 0; mp < MP; ++mp)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          obuf[q * Cfg::O_STRIDE + mp * 64 + key_r0 + 8 * h] = o[mp][j][c + 2 * h] * inv;
+    RingCursor cur{0, 0u};  // the current tile in the ring
+    for (int it = 0; it < n_tiles; ++it, Cfg::Ring::next(cur)) {
+      const KeyTile kt = range.tile(it);
+      float s[NJ][4];
+      s_tile(cur, s);
+      mask(kt, s);
+      softmax(s);
+      store_pt(s);
+      pv(cur);
     }
-  named_bar_sync(1, THREADS);
-  constexpr int PAIRS = DV / 2;
-  for (int i = threadIdx.x; i < pb.q_rows * PAIRS; i += THREADS) {
-    const int r = i / PAIRS, c = 2 * (i % PAIRS);
-    pb.store2(r, c, obuf[r * Cfg::O_STRIDE + c], obuf[r * Cfg::O_STRIDE + c + 1]);
   }
+  // The sums over the keys; O through shared memory to store2.
+  __device__ __forceinline__ void epilogue(float out_scale) const {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float v = l_q[j][c];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) red[warp * BM + 8 * j + 2 * t + c] = v;
+      }
+    named_bar_sync(1, THREADS);  // the ring is drained too: every copied tile was consumed
+    // its barriers retired (the producer's last wait returned before the last tile's copies were
+    // issued): their memory is the split merge's, or the next item's ring (balanced split-KV)
+    if (threadIdx.x == 0) ring.ring.inval();
+    float* obuf = reinterpret_cast<float*>(smem + Cfg::SMEM_Q);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int q = 8 * j + 2 * t + c;
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < Cfg::WARPS; ++w) l += red[w * BM + q];
+        if constexpr (Problem::WANTS_LSE) {
+          if (warp == 0 && g == 0 && q < pb.q_rows) pb.store_lse(q, OnlineSoftmax::lse(m_q[j][c], l, scale_log2));
+        }
+        const float inv = OnlineSoftmax::inverse(l, out_scale);
+#pragma unroll
+        for (int mp = 0; mp < MP; ++mp)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            obuf[q * Cfg::O_STRIDE + mp * 64 + key_r0 + 8 * h] = o[mp][j][c + 2 * h] * inv;
+      }
+    named_bar_sync(1, THREADS);
+    constexpr int PAIRS = DV / 2;
+    for (int i = threadIdx.x; i < pb.q_rows * PAIRS; i += THREADS) {
+      const int r = i / PAIRS, c = 2 * (i % PAIRS);
+      pb.store2(r, c, obuf[r * Cfg::O_STRIDE + c], obuf[r * Cfg::O_STRIDE + c + 1]);
+    }
+  }
+};
+
+template <class Cfg, class Problem>
+__device__ __forceinline__ void fmha_tile_swap(const Problem& pb, char* smem, float scale_log2, float out_scale) {
+  using Tile = SwapTile<Cfg, Problem>;
+  float o[Tile::MP][Tile::NJ][4], m_q[Tile::NJ][2], l_q[Tile::NJ][2];
+  Tile tile(pb, smem, scale_log2, o, m_q, l_q);
+  if (threadIdx.x == 0) tile.ring.template init<Cfg::PRODUCER_THREADS>(Cfg::WARPS);
+  __syncthreads();
+  if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup
+    tile.ring.template produce<Cfg::PRODUCER_THREADS>(pb, tile.range, tile.n_tiles, threadIdx.x - Cfg::THREADS);
+    return;
+  }
+  tile.run();
+  tile.epilogue(out_scale);
 }
 
 }  // namespace pt

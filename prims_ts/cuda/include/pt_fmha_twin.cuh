@@ -112,52 +112,79 @@ __device__ __forceinline__ void twin_store_rows(const Problem& pb, u32 base, con
   }
 }
 
+// The twin tile of one work item: the state both warpgroups keep (the ring's addresses, this
+// thread's role and rows, its registers) and the steps of a pass, each one idea. fmha_tile_twin
+// runs it.
 template <class Cfg, class Problem>
-__device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, float scale_log2, float out_scale,
-                                               const TmaMap* tmk) {
+struct TwinTile {
   using T = typename Cfg::T;
   using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
   using Softmax = RefSoftmax<8>;
+  using Range = decltype(((const Problem*)nullptr)->range());
+  using Half = TwinPanels<Cfg::VH>;
+  using One = TwinPanels<1>;
   static_assert(!Problem::SHORT_TILES, "whole 64-key tiles (the decode problem's)");
-  constexpr int BN = Cfg::BN, THREADS = Cfg::THREADS, QP = Cfg::QP, VH = Cfg::VH;
-  constexpr int DT = Cfg::DVH / 8;  // O n-tiles a thread
+  static constexpr int BN = Cfg::BN, THREADS = Cfg::THREADS, QP = Cfg::QP, VH = Cfg::VH;
+  static constexpr int DT = Cfg::DVH / 8;  // O n-tiles a thread
 
-  const u32 sQ = smem_addr(smem);
-  const u32 sKV = sQ + Cfg::SMEM_Q;
-  float* rows = reinterpret_cast<float*>(smem + Cfg::SMEM_Q + Cfg::SMEM_RING);
-  float* sF = rows;        // [2][BM] each warpgroup's row maxima over its first tile (raw scores)
-  float* sX = rows + 128;  // [2][BM] each warpgroup's row maxima over its tiles
-  float* sL = rows + 256;  // [2][BM] each warpgroup's row sums
-  const u32 bars = sKV + Cfg::SMEM_RING + Cfg::SMEM_ROWS;
-  const auto range = pb.range();
-  const int n_tiles = range.n_tiles();
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const Problem& pb;
+  char* const smem;
+  const TmaMap* const tmk;
+  const float scale_log2;
+  const u32 sQ, sKV;
+  float* const sF;  // [2][BM] each warpgroup's row maxima over its first tile (raw scores)
+  float* const sX;  // [2][BM] each warpgroup's row maxima over its tiles
+  float* const sL;  // [2][BM] each warpgroup's row sums
+  const u32 bars;
+  const Range range;
+  const int n_tiles;
+  const int lane;
   // w: own tiles w, w + 2, ... and O's half w. Broadcast from lane 0 so that ptxas sees a
   // warp-uniform value (the wgmma paths branch on values derived from it; else C7520)
-  const int w = __shfl_sync(0xffffffffu, warp >> 2, 0);
-  const bool issuer = (warp & 3) == 0;  // the warpgroup's first warp issues its copies
-  const int row0 = (warp & 3) * 16;     // this warp's rows (the same in both warpgroups)
-  const int g = lane >> 2, t = lane & 3;
+  const int w;
+  const bool issuer;  // the warpgroup's first warp issues its copies
+  const int row0;     // this warp's rows (the same in both warpgroups)
+  const int g, t;
   int pass = 0;  // 1: the rerun with the exact maxima as the reference
+
+  // What a thread keeps in registers through the item, held by the caller (fmha_tile_twin): as
+  // the tile's own members, NVVM laid out the set-up differently and the pair loop came out 1%
+  // longer.
+  float (&s)[8][4];   // S, then P, of this warpgroup's current tile
+  float (&o)[DT][4];  // this warpgroup's half of O
+  float (&ref)[2];    // the pass's reference of rows g and g + 8 (scaled: log2 units)
+  float (&mt)[2];     // the rows' maxima over this warpgroup's tiles (raw scores, this thread's keys)
+  float (&l)[2];      // this thread's share of the rows' sums over this warpgroup's tiles
+
+  __device__ __forceinline__ TwinTile(const Problem& pb_, char* smem_, float scale_log2_, const TmaMap* tmk_,
+                                      float (&s_)[8][4], float (&o_)[DT][4], float (&ref_)[2], float (&mt_)[2],
+                                      float (&l_)[2])
+      : pb(pb_), smem(smem_), tmk(tmk_), scale_log2(scale_log2_), sQ(smem_addr(smem_)), sKV(sQ + Cfg::SMEM_Q),
+        sF(reinterpret_cast<float*>(smem_ + Cfg::SMEM_Q + Cfg::SMEM_RING)), sX(sF + 128), sL(sF + 256),
+        bars(sKV + Cfg::SMEM_RING + Cfg::SMEM_ROWS), range(pb_.range()), n_tiles(range.n_tiles()),
+        lane(threadIdx.x & 31), w(__shfl_sync(0xffffffffu, (threadIdx.x >> 5) >> 2, 0)),
+        issuer(((threadIdx.x >> 5) & 3) == 0), row0(((threadIdx.x >> 5) & 3) * 16), g(lane >> 2), t(lane & 3),
+        s(s_), o(o_), ref(ref_), mt(mt_), l(l_) {}
+
+  // ---- the ring: two stages of a tile, a full barrier a stage and panel -------------------
 
   // a tile's stage, opaque to the compiler: a warpgroup's own tiles all lie in stage w, so their
   // descriptors would be loop-invariant, hoisted out of the pair loop and spilled
-  auto stage = [&](int it) {
+  __device__ __forceinline__ u32 stage(int it) const {
     u32 a = sKV + (u32)(it & 1) * KVTile::BYTES;
     asm volatile("" : "+r"(a));
     return a;
-  };
-  auto full = [&](int it, int panel) { return bars + 8u * (u32)((it & 1) * QP + panel); };
+  }
+  __device__ __forceinline__ u32 full(int it, int panel) const { return bars + 8u * (u32)((it & 1) * QP + panel); }
   // a stage's barriers complete once a tile; the rerun carries on from the phases of the first
   // pass (stage 0 held ceil(n / 2) tiles, stage 1 floor(n / 2))
-  auto parity = [&](int it) {
+  __device__ __forceinline__ u32 parity(int it) const {
     const int before = pass ? (n_tiles + 1 - (it & 1)) >> 1 : 0;
     return (u32)(((it >> 1) + before) & 1);
-  };
+  }
   // tile it's boxes for this lane (its page ID load in flight until the boxes are issued)
-  auto boxes = [&](int it) {
+  __device__ __forceinline__ TwinBoxes boxes(int it) const {
     TwinBoxes bx{0, 0, 0, 0};
     if (it < n_tiles) {
       const KeyTile kt = range.tile(it);
@@ -171,11 +198,11 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       }
     }
     return bx;
-  };
+  }
   // panels c0 .. c0 + n - 1 (and the rope panel under ROPE) of tile it into its stage: lane 0
   // arrives on each panel's barrier expecting its bytes, each lane below `live` issues its box
   // of each panel (the issuing warp, whole; nothing when it is past the last tile)
-  auto fill = [&](int it, const TwinBoxes& bx, int c0, int n, bool rope) {
+  __device__ __forceinline__ void fill(int it, const TwinBoxes& bx, int c0, int n, bool rope) const {
     if (it >= n_tiles) return;
     const u32 bytes = (u32)(bx.live * bx.rows * 128);
     const u32 dst = stage(it) + (u32)(lane * bx.rows * 128);
@@ -186,50 +213,54 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) panel(c);
     if (rope) panel(QP - 1);
-  };
+  }
   // every panel of tile it into L2 (Cfg::PREFETCH): the boxes that its fill will copy
-  auto prefetch = [&](int it, const TwinBoxes& bx) {
+  __device__ __forceinline__ void prefetch(int it, const TwinBoxes& bx) const {
     if (it >= n_tiles || lane >= bx.live) return;
 #pragma unroll 1
     for (int c = 0; c < QP; ++c) tma_prefetch_4d(tmk, c * 64, bx.slot, 0, bx.page);
-  };
-  auto acquire = [&](int it, int c0, int n) {
+  }
+  __device__ __forceinline__ void acquire(int it, int c0, int n) const {
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) mbar_wait(full(it, c), parity(it));
-  };
-
-  if (threadIdx.x == 0) {
-#pragma unroll 1
-    for (int i = 0; i < 2 * QP; ++i) mbar_init(bars + 8u * i, 1);
-    fence_mbar_init();
   }
-  __syncthreads();
+  __device__ __forceinline__ void init_barriers() const {
+    if (threadIdx.x == 0) {
+#pragma unroll 1
+      for (int i = 0; i < 2 * QP; ++i) mbar_init(bars + 8u * i, 1);
+      fence_mbar_init();
+    }
+    __syncthreads();
+  }
+  // every tile's copies landed and were waited for: the barriers retired (their memory the
+  // split merge's, or the next item's barriers under balanced split-KV)
+  __device__ __forceinline__ void retire_barriers() const {
+    if (threadIdx.x == 0) {
+#pragma unroll 1
+      for (int i = 0; i < 2 * QP; ++i) mbar_inval(bars + 8u * i);
+    }
+  }
 
-  float s[8][4];   // S, then P, of this warpgroup's current tile
-  float o[DT][4];  // this warpgroup's half of O
-  float ref[2];    // the pass's reference of rows g and g + 8 (scaled: log2 units)
-  float mt[2];     // the rows' maxima over this warpgroup's tiles (raw scores, this thread's keys)
-  float l[2];      // this thread's share of the rows' sums over this warpgroup's tiles
+  // ---- the products and the softmax --------------------------------------------------------
 
   // S k-steps of `np` panels from panel c0 (four a panel); the descriptors: a base each and one
   // add a k-step, the address field being addr >> 4. Q's base made opaque, else its
   // loop-invariant descriptors are hoisted and spilled.
-  auto s_steps = [&](int it, int c0, auto np, bool first) {
+  template <class NP>
+  __device__ __forceinline__ void s_steps(int it, int c0, NP, bool first) {
     u64 dq = desc_kmajor(sQ + (u32)c0 * KVTile::PANEL);
     asm volatile("" : "+l"(dq));
     const u64 dk = desc_kmajor(stage(it) + (u32)c0 * KVTile::PANEL);
 #pragma unroll
-    for (int c = 0; c < decltype(np)::value; ++c) {
+    for (int c = 0; c < NP::value; ++c) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const u32 off = (u32)c * KVTile::PANEL + (u32)k * 32;  // QTile::PANEL == KVTile::PANEL
         Wgmma<T, 64>::ss(s, dq + (off >> 4), dk + (off >> 4), (first && c == 0 && k == 0) ? 0 : 1);
       }
     }
-  };
-  using Half = TwinPanels<VH>;
-  using One = TwinPanels<1>;
-  auto mask = [&](int it) {
+  }
+  __device__ __forceinline__ void mask(int it) {
     const KeyTile kt = range.tile(it);
     if (pb.tile_needs_mask(kt.k0)) {
 #pragma unroll
@@ -238,9 +269,9 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
         for (int e = 0; e < 4; ++e)
           if (!pb.visible(row0 + g + (e >> 1) * 8, kt.k0 + nt * 8 + 2 * t + (e & 1))) s[nt][e] = neg_inf();
     }
-  };
+  }
   // rows g and g + 8 of [2][BM] from each lane's share: over the quad, lane t == 0 writes
-  auto publish = [&](float* dst, float (&v)[2], bool is_max) {
+  __device__ __forceinline__ void publish(float* dst, float (&v)[2], bool is_max) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -250,37 +281,37 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       }
       if (t == 0) dst[w * 64 + row0 + g + 8 * h] = v[h];
     }
-  };
+  }
   // P = exp2(S * scale_log2 - ref) in place, the rows' maxima and sums taking the tile's
-  auto softmax = [&](int it) {
+  __device__ __forceinline__ void softmax(int it) {
     mask(it);
     Softmax::tile_max(mt, s, mt);
     Softmax::exp_tile(s, ref, scale_log2, l);
-  };
+  }
   // tile it's P: its stage's last panel (shared-memory and generic addresses)
-  auto p_smem = [&](int it) { return stage(it) + (u32)(QP - 1) * KVTile::PANEL; };
+  __device__ __forceinline__ u32 p_smem(int it) const { return stage(it) + (u32)(QP - 1) * KVTile::PANEL; }
   // this warpgroup's half of V in tile it's stage
-  auto v_half = [&](int it) { return stage(it) + (u32)(w * VH) * KVTile::PANEL; };
+  __device__ __forceinline__ u32 v_half(int it) const { return stage(it) + (u32)(w * VH) * KVTile::PANEL; }
   // O += P V with P from registers (this warpgroup's tile); the caller fences and commits
-  auto pv_own = [&](int it, const u32 (&pf)[4][4]) {
+  __device__ __forceinline__ void pv_own(int it, const u32 (&pf)[4][4]) {
     const u32 vb = v_half(it);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<T, Cfg::DVH>::rs_nmajor(o, pf[kk], desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL), 1);
-  };
+  }
   // O += P V with P from shared memory (the other warpgroup's tile)
-  auto pv_other = [&](int it) {
+  __device__ __forceinline__ void pv_other(int it) {
     const u32 vb = v_half(it), sp = p_smem(it);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<T, Cfg::DVH>::ss_nmajor(o, desc_kmajor(sp + kk * 32), desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL),
                                     1);
-  };
+  }
   // P (packed: pack_p_frags' A fragments, pf[kk][2 j + h] = n-tile 2 kk + j, row g + 8 h) into
   // tile it's P panel, visible to the other warpgroup's wgmma (PTile::offset(r, nt) + 4 t,
   // r = row0 + g + 8 h: r & 7 = g; the row's base opaque, else the 16 loop-invariant offsets
   // are hoisted and kept)
-  auto store_p = [&](int it, const u32 (&pf)[4][4]) {
+  __device__ __forceinline__ void store_p(int it, const u32 (&pf)[4][4]) const {
     u32 base = p_smem(it) - sQ + (u32)(row0 + g) * 128 + 4 * t;
     asm volatile("" : "+r"(base));
 #pragma unroll
@@ -289,16 +320,12 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       for (int h = 0; h < 2; ++h)
         *reinterpret_cast<u32*>(smem + base + h * 1024 + ((nt ^ g) << 4)) = pf[nt >> 1][2 * (nt & 1) + h];
     fence_proxy_async();
-  };
+  }
 
-  // this warpgroup's first tile, every panel, under Q's copy (again at the rerun's start)
-  if (issuer) fill(w, boxes(w), 0, QP - 1, true);
-  load_q_for_mma<QTile, THREADS>(sQ, pb);
-  bool redo = false;
-#pragma unroll 1
-  for (;; pass = 1) {
-    if (pass == 1 && issuer) fill(w, boxes(w), 0, QP - 1, true);
-    if (Cfg::PREFETCH && issuer) prefetch(w + 2, boxes(w + 2));
+  // ---- a pass -----------------------------------------------------------------------------
+
+  // O, the maxima and the sums cleared; S of this warpgroup's first tile, every panel
+  __device__ __forceinline__ void first_tile() {
 #pragma unroll
     for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     mt[0] = mt[1] = neg_inf();
@@ -314,104 +341,114 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
     }
     wgmma_wait<0>();
     fence_regs(s);
-    // the first tile (the range's last keys) cut by the request's end: its rows past the last key
-    // zeroed in V's panels by warpgroup 0, whose S has read them, before its P V (warpgroup 1
-    // reads them after P(0)'s barrier)
+  }
+  // the first tile (the range's last keys) cut by the request's end: its rows past the last key
+  // zeroed in V's panels by warpgroup 0, whose S has read them, before its P V (warpgroup 1
+  // reads them after P(0)'s barrier)
+  __device__ __forceinline__ void zero_tail() const {
     if (n_tiles > 0 && range.tile(0).rows < BN) {
       if (w == 0) {
         const int live = range.tile(0).rows;
         for (int i = threadIdx.x; i < (BN - live) * 8 * 2 * VH; i += THREADS / 2) {
           const int c = i / ((BN - live) * 8), r = live + (i / 8) % (BN - live), q = i % 8;
-          *reinterpret_cast<uint4*>(smem + (stage(0) - sQ) + c * KVTile::PANEL + r * 128 + q * 16) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(smem + (stage(0) - sQ) + c * KVTile::PANEL + r * 128 + q * 16) =
+              make_uint4(0, 0, 0, 0);
         }
         fence_proxy_async();
       }
       named_bar_sync(TWIN_WG + w, THREADS / 2);
     }
-    if (pass == 0) {  // the reference: each row's maximum over the two first tiles
-      float mx[2] = {neg_inf(), neg_inf()};
-      if (w < n_tiles) {
-        mask(w);
-        Softmax::tile_max(mx, s, mx);
-      }
-      publish(sF, mx, true);
-      named_bar_sync(1, THREADS);
+  }
+  // the first pass's reference: each row's maximum over the two first tiles
+  __device__ __forceinline__ void first_reference() {
+    float mx[2] = {neg_inf(), neg_inf()};
+    if (w < n_tiles) {
+      mask(w);
+      Softmax::tile_max(mx, s, mx);
+    }
+    publish(sF, mx, true);
+    named_bar_sync(1, THREADS);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) ref[h] = Softmax::reference(fmaxf(sF[row0 + g + 8 * h], sF[64 + row0 + g + 8 * h]), scale_log2);
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + g + 8 * h;
+      ref[h] = Softmax::reference(fmaxf(sF[r], sF[64 + r]), scale_log2);
     }
-
-    // ---- the pairs of tiles ---------------------------------------------------------------
-#pragma unroll 1
-    for (int i = 0; 2 * i < n_tiles; ++i) {
-      const int own = 2 * i + w, oth = 2 * i + 1 - w;
-      const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
-      const int bar_own = TWIN_P + 2 * (i & 1) + w, bar_oth = TWIN_P + 2 * (i & 1) + 1 - w;
-      // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
-      TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0}, bx_pf{0, 0, 0, 0};
-      if (issuer) {
-        bx_own = boxes(own + 2);
-        bx_oth = boxes(oth + 2);
-        if (Cfg::PREFETCH) bx_pf = boxes(own + 4);
-      }
-      // Each product's commit lies inside its branch, and the waits count the groups that
-      // were issued: a commit after the branch would make ptxas close the group on the taken
-      // path and issue an empty group after the join, doubling the count the waits see.
-      if (has_own) {
-        u32 pf[4][4];
-        softmax(own);
-        pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
-        store_p(own, pf);
-        named_bar_arrive(bar_own, THREADS);
-        fence_regs(pf);
-        fence_regs(o);
-        wgmma_fence();
-        pv_own(own, pf);
-        wgmma_commit();
-      }
-      if (has_oth) {
-        named_bar_sync(bar_oth, THREADS);  // P(oth), written and fenced by the other warpgroup
-        fence_regs(o);
-        wgmma_fence();
-        pv_other(oth);  // the same accumulators, after the group above
-        wgmma_commit();
-      } else {
-        named_bar_sync(TWIN_WG + w, THREADS / 2);  // the other warpgroup's P wait, matched
-      }
-      wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
+  }
+  // Pair i: this warpgroup's tile own = 2 i + w and the other's oth = 2 i + 1 - w. P(own) to
+  // the other, O_w += P(own) V(own)_w and P(oth) V(oth)_w; each V half refilled once its
+  // product landed; S(own + 2) half by half as its panels come back.
+  __device__ __forceinline__ void pair(int i) {
+    const int own = 2 * i + w, oth = 2 * i + 1 - w;
+    const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
+    const int bar_own = TWIN_P + 2 * (i & 1) + w, bar_oth = TWIN_P + 2 * (i & 1) + 1 - w;
+    // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
+    TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0}, bx_pf{0, 0, 0, 0};
+    if (issuer) {
+      bx_own = boxes(own + 2);
+      bx_oth = boxes(oth + 2);
+      if (Cfg::PREFETCH) bx_pf = boxes(own + 4);
+    }
+    // Each product's commit lies inside its branch, and the waits count the groups that
+    // were issued: a commit after the branch would make ptxas close the group on the taken
+    // path and issue an empty group after the join, doubling the count the waits see.
+    if (has_own) {
+      u32 pf[4][4];
+      softmax(own);
+      pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
+      store_p(own, pf);
+      named_bar_arrive(bar_own, THREADS);
+      fence_regs(pf);
       fence_regs(o);
-      if (issuer && has_own) {
-        fill(own + 2, bx_own, w * VH, VH, false);
-        if (Cfg::PREFETCH) prefetch(own + 4, bx_pf);
-      }
-      // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
-      if (more) {
-        fence_regs(s);
-        acquire(own + 2, w * VH, VH);
-        wgmma_fence();
-        s_steps(own + 2, w * VH, Half{}, true);
-        wgmma_commit();
-      }
-      wgmma_wait_dyn<1>(more ? 1 : 0);  // P(oth) V(oth)_w has landed: V(oth)_w and P(oth)'s panel refill
+      wgmma_fence();
+      pv_own(own, pf);
+      wgmma_commit();
+    }
+    if (has_oth) {
+      named_bar_sync(bar_oth, THREADS);  // P(oth), written and fenced by the other warpgroup
       fence_regs(o);
-      if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
-      if (more) {
-        acquire(own + 2, (1 - w) * VH, VH);
-        acquire(own + 2, QP - 1, 1);
-        wgmma_fence();
-        s_steps(own + 2, (1 - w) * VH, Half{}, false);
-        s_steps(own + 2, QP - 1, One{}, false);
-        wgmma_commit();
-      }
-      wgmma_wait<0>();
-      fence_regs(o);
+      wgmma_fence();
+      pv_other(oth);  // the same accumulators, after the group above
+      wgmma_commit();
+    } else {
+      named_bar_sync(TWIN_WG + w, THREADS / 2);  // the other warpgroup's P wait, matched
+    }
+    wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
+    fence_regs(o);
+    if (issuer && has_own) {
+      fill(own + 2, bx_own, w * VH, VH, false);
+      if (Cfg::PREFETCH) prefetch(own + 4, bx_pf);
+    }
+    // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
+    if (more) {
       fence_regs(s);
+      acquire(own + 2, w * VH, VH);
+      wgmma_fence();
+      s_steps(own + 2, w * VH, Half{}, true);
+      wgmma_commit();
     }
-
-    // ---- the rows' maxima and sums; a row whose maximum outran the reference reruns --------
+    wgmma_wait_dyn<1>(more ? 1 : 0);  // P(oth) V(oth)_w has landed: V(oth)_w and P(oth)'s panel refill
+    fence_regs(o);
+    if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+    if (more) {
+      acquire(own + 2, (1 - w) * VH, VH);
+      acquire(own + 2, QP - 1, 1);
+      wgmma_fence();
+      s_steps(own + 2, (1 - w) * VH, Half{}, false);
+      s_steps(own + 2, QP - 1, One{}, false);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_regs(s);
+  }
+  // The rows' maxima (mx) and sums over both warpgroups (l becomes each row's whole sum); true
+  // where some row's maximum outran the first pass's reference by more than SLACK (every thread
+  // agrees): then the pass runs again with the exact maxima as the reference.
+  __device__ __forceinline__ bool outran(float (&mx)[2]) {
+    bool redo = false;
     publish(sX, mt, true);
     publish(sL, l, false);
     named_bar_sync(1, THREADS);
-    float mx[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + g + 8 * h;
@@ -420,49 +457,72 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
       redo = redo || (pass == 0 && mx[h] != neg_inf() && fabsf(mx[h] * scale_log2 - ref[h]) > Cfg::SLACK);
     }
     // every thread's reads of sX and sL above come before this barrier, so a rerun may write them
-    redo = named_bar_any(1, THREADS, redo);
-    if (!redo) {
-      // every tile's copies landed and were waited for: the barriers retired (their memory the
-      // split merge's, or the next item's barriers under balanced split-KV)
-      if (threadIdx.x == 0) {
+    return named_bar_any(1, THREADS, redo);
+  }
+  // Every tile of the range in pairs; a second pass where a row's maximum outran the reference.
+  __device__ __forceinline__ void run() {
+    init_barriers();
+    // this warpgroup's first tile, every panel, under Q's copy (again at the rerun's start)
+    if (issuer) fill(w, boxes(w), 0, QP - 1, true);
+    load_q_for_mma<QTile, THREADS>(sQ, pb);
 #pragma unroll 1
-        for (int i = 0; i < 2 * QP; ++i) mbar_inval(bars + 8u * i);
+    for (;; pass = 1) {
+      if (pass == 1 && issuer) fill(w, boxes(w), 0, QP - 1, true);
+      if (Cfg::PREFETCH && issuer) prefetch(w + 2, boxes(w + 2));
+      first_tile();
+      zero_tail();
+      if (pass == 0) first_reference();
+#pragma unroll 1
+      for (int i = 0; 2 * i < n_tiles; ++i) pair(i);
+      float mx[2];
+      if (!outran(mx)) {
+        retire_barriers();
+        break;
       }
-      break;
-    }
-    redo = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) ref[h] = Softmax::reference(mx[h], scale_log2);
+      for (int h = 0; h < 2; ++h) ref[h] = Softmax::reference(mx[h], scale_log2);
+    }
   }
 
-  // ---- epilogue: O / sum, each warpgroup its half ---------------------------------------
-  float inv[2];
+  // ---- epilogue: O / sum, each warpgroup its half -------------------------------------------
+  __device__ __forceinline__ void epilogue(float out_scale) const {
+    float inv[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + g + 8 * h;
-    if constexpr (Problem::WANTS_LSE) {
-      if (w == 0 && t == 0 && r < pb.q_rows) pb.store_lse(r, l[h] > 0.f ? ref[h] + fast_log2(l[h]) : neg_inf());
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + g + 8 * h;
+      if constexpr (Problem::WANTS_LSE) {
+        if (w == 0 && t == 0 && r < pb.q_rows) pb.store_lse(r, l[h] > 0.f ? ref[h] + fast_log2(l[h]) : neg_inf());
+      }
+      inv[h] = OnlineSoftmax::inverse(l[h], out_scale);
     }
-    inv[h] = OnlineSoftmax::inverse(l[h], out_scale);
-  }
-  // The output rows (no partials) in 16 bits, 16-byte aligned: the rows through stage 0 (free: every
-  // tile was consumed before the last barrier) as whole 16-byte chunks; else store2.
-  const DecodeParams& p = *pb.p;
-  const int kind = pb.split < 0 && p.out_dtype != OUT_F32 &&
-                           ((reinterpret_cast<u64>(p.o) | (u64)(p.o_sb | p.o_st | p.o_sh) * 2) & 15) == 0
-                       ? p.out_dtype
-                       : -1;
-  if (kind == OUT_BF16) return twin_store_rows<Cfg, bf16>(pb, sKV, o, inv, w, row0);
-  if (kind == OUT_F16) return twin_store_rows<Cfg, f16>(pb, sKV, o, inv, w, row0);
+    // The output rows (no partials) in 16 bits, 16-byte aligned: the rows through stage 0 (free:
+    // every tile was consumed before the last barrier) as whole 16-byte chunks; else store2.
+    const DecodeParams& p = *pb.p;
+    const int kind = pb.split < 0 && p.out_dtype != OUT_F32 &&
+                             ((reinterpret_cast<u64>(p.o) | (u64)(p.o_sb | p.o_st | p.o_sh) * 2) & 15) == 0
+                         ? p.out_dtype
+                         : -1;
+    if (kind == OUT_BF16) return twin_store_rows<Cfg, bf16>(pb, sKV, o, inv, w, row0);
+    if (kind == OUT_F16) return twin_store_rows<Cfg, f16>(pb, sKV, o, inv, w, row0);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + g + 8 * h;
-    if (r < pb.q_rows) {
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + g + 8 * h;
+      if (r < pb.q_rows) {
 #pragma unroll
-      for (int n = 0; n < DT; ++n)
-        pb.store2(r, w * Cfg::DVH + n * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
+        for (int n = 0; n < DT; ++n)
+          pb.store2(r, w * Cfg::DVH + n * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
+      }
     }
   }
+};
+
+template <class Cfg, class Problem>
+__device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, float scale_log2, float out_scale,
+                                               const TmaMap* tmk) {
+  float s[8][4], o[Cfg::DVH / 8][4], ref[2], mt[2], l[2];
+  TwinTile<Cfg, Problem> tile(pb, smem, scale_log2, tmk, s, o, ref, mt, l);
+  tile.run();
+  tile.epilogue(out_scale);
 }
 
 }  // namespace pt
