@@ -39,13 +39,12 @@ def ring_variant(request):
     return RING_VARIANTS[request.param]
 
 
-@pytest.fixture(params=["cluster", "lanes", "staged", "balanced"])
+@pytest.fixture(params=["cluster", "ticket", "balanced"])
 def split_merge(request):
     """A Tuning of the decode-shaped kernels' split-KV merge: the default (on sm_90a the 2-8
     splits launched as one cluster, merging through distributed shared memory, where the
-    partials fit; the ticket merge over split lanes above), the ticket merge's register work units
-    over split lanes at every split count, or its partials staged through shared memory; or
-    balanced split-KV (Tuning.balanced_split) over 7 CTAs at every size, so that the grid's small
+    partials fit; the ticket merge above), the ticket merge at every split count; or balanced
+    split-KV (Tuning.balanced_split) over 7 CTAs at every size, so that the grid's small
     problems walk several items a CTA and merge units cut into many parts (MLA's 64-row split-O
     tile keeps the static split). Tests pass it to a wrapper (``tuning=``)."""
     from prims_ts import Tuning
@@ -54,4 +53,4 @@ def split_merge(request):
         return Tuning()
     if request.param == "balanced":
         return Tuning(balanced_split=True, balanced_ctas=7)
-    return Tuning(merge_staged=request.param == "staged", cluster_merge=False)
+    return Tuning(cluster_merge=False)

@@ -8,8 +8,8 @@ Two times a line: *back to back*, the median call of a graph of 20 calls (L2 war
 *one call*, the bench's figure (a graph of one call, ``prims_ts.bench.time_ms``: each replay
 after an L2 flush). SDPA's lines time its call the same two ways. The first line of each
 problem is the library's own policy. Merges: ``cluster`` (the default: on sm_90a 2-8 splits
-as one thread block cluster, merging through distributed shared memory), ``lanes`` and
-``staged`` (the ticket merge at every split count). With few CTAs the ticket
+as one thread block cluster, merging through distributed shared memory) and ``ticket`` (the
+ticket merge at every split count). With few CTAs the ticket
 merge (the last split CTA reads every split's partial rows) is on the critical path,
 so fewer, longer splits may win here where the bandwidth rows want many.
 """
@@ -119,12 +119,11 @@ def main() -> None:
 
     refs = {}
     for splits in [None] + counts:
-        for merge in ("cluster", "lanes", "staged"):
+        for merge in ("cluster", "ticket"):
             label = f"splits {'policy' if splits is None else splits:>6} merge {merge:7}"
             K.decode_policy = forced(default, splits)
             try:
-                rows = problems(Tuning() if merge == "cluster" else
-                                Tuning(merge_staged=merge == "staged", cluster_merge=False))
+                rows = problems(Tuning(cluster_merge=merge == "cluster"))
             except Exception as e:
                 print(f"{label}: {type(e).__name__}: {str(e)[:160]}")
                 continue

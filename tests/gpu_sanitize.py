@@ -11,11 +11,11 @@ Both tools slow kernels ~100x: keep every case small and the launches few.
 
 The default tuning runs through the one-shots and the standalone decode/MLA functions (they
 always take ``Tuning()``); every other kernel variant through a wrapper planned with its
-``prims_ts.Tuning`` (``tuning=``): the other split merge (``Tuning(merge_staged=True)``), the
+``prims_ts.Tuning`` (``tuning=``): the ticket merge at every split count (``Tuning(cluster_merge=False)``), the
 mma.sync tile of MLA rows of 16/32 (``Tuning(mla_swapped=False)``), the producer ring's
 variants of ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1, persistent CTAs
 with ``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``),
-MLA's split-O tile of rows of 64 (``mla_split_o``, each producer copy, both ticket merges) and
+MLA's split-O tile of rows of 64 (``mla_split_o``, each producer copy, the ticket merge) and
 the twin tile's own cases (``--mla-twin``: spiked keys, an odd tile count, balanced split-KV,
 the L2 prefetches), and paged decode's L2 prefetches (``decode_prefetch``). ``run_all(dev)`` takes any device: on the CPU every case runs the
 reference path (a dry run of the case builders; the CPU counts as the nominal H200).
@@ -165,7 +165,7 @@ def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, 
         launch = w._plan.launch
         if launch is not None:
             planned = _policy(dev, B, hkv, hq // hkv, max_sq, d, max_seq_len, tuning)
-            assert launch.policy == planned and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
+            assert launch.policy == planned, (name, launch.policy)
             clustered = "cluster" in name and _sm90(dev) and tuning.cluster_merge and not planned.balanced
             assert (launch.launch.cluster > 1) == clustered, name
         res = w.run(q, cache, out=out)
@@ -255,7 +255,7 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, 
         launch = w._plan.launch
         if launch is not None:
             planned = _policy(dev, B, 1, h, max_sq, MLA_DIM_QK, max_seq_len, tuning)
-            assert launch.policy == planned and launch.p.merge_staged == int(tuning.merge_staged), (name, launch.policy)
+            assert launch.policy == planned, (name, launch.policy)
             clustered = "cluster" in name and _sm90(dev) and tuning.cluster_merge and not planned.balanced
             assert (launch.launch.cluster > 1) == clustered, name
         res = w.run(q, cache, bmm1_scale=scale, out=out)
@@ -283,9 +283,8 @@ def mla_cases(dev, tuning=None) -> None:
         mla_case(dev, *case, tuning=tuning)
     if _sm90(dev):
         base = tuning or DEFAULT
-        mma = dataclasses.replace(DECODE_VARIANTS["mla_mma"], merge_staged=base.merge_staged,
-                                  cluster_merge=base.cluster_merge, balanced_split=base.balanced_split,
-                                  balanced_ctas=base.balanced_ctas)
+        mma = dataclasses.replace(DECODE_VARIANTS["mla_mma"], cluster_merge=base.cluster_merge,
+                                  balanced_split=base.balanced_split, balanced_ctas=base.balanced_ctas)
         assert not mma.mla_swapped
         for case in MLA_MMA_SYNC_CASES:
             mla_case(dev, *case, tuning=mma)
@@ -468,12 +467,9 @@ def run_all(dev) -> None:
     # MLA decode: fixed and packed, both cache ranks, with and without split-KV (sm_90a: the
     # mma.sync tile of rows of 16/32 through a wrapper too)
     mla_cases(dev)
-    # both again with each ticket merge (at 2-8 splits too): lanes, then staged in shared memory
-    staged = dataclasses.replace(DECODE_VARIANTS["merge_staged"], cluster_merge=False)
-    assert staged.merge_staged
-    for tuning in (Tuning(cluster_merge=False), staged):
-        decode_cases(dev, tuning)
-        mla_cases(dev, tuning)
+    # both again with the ticket merge (at 2-8 splits too)
+    decode_cases(dev, Tuning(cluster_merge=False))
+    mla_cases(dev, Tuning(cluster_merge=False))
     # paged decode's mma.sync tile with its L2 prefetches
     decode_cases(dev, DECODE_VARIANTS["decode_prefetch"])
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
@@ -487,14 +483,14 @@ def run_all(dev) -> None:
             prefill_cases(dev, tuning)
             block_sparse_cases(dev, tuning)
         # MLA's wgmma tiles with a producer (rows of 16/32 swapped; rows of 64 split-O, not the
-        # default twin tile) with each producer copy, and the split-O tile's staged merge
-        split_o_staged = dataclasses.replace(DECODE_VARIANTS["mla_split_o"], merge_staged=True, cluster_merge=False)
-        for tuning in (DECODE_VARIANTS["mla_split_o"], DECODE_VARIANTS["other_copy"], split_o_staged):
+        # default twin tile) with each producer copy, and the split-O tile's ticket merge
+        split_o_ticket = dataclasses.replace(DECODE_VARIANTS["mla_split_o"], cluster_merge=False)
+        for tuning in (DECODE_VARIANTS["mla_split_o"], DECODE_VARIANTS["other_copy"], split_o_ticket):
             print(f"decode variant ({tuning.encode()}):")
             for case in MLA_CASES:
                 mla_case(dev, *case, tuning=tuning)
         print("MLA twin tile:")
-        run_mla_twin(dev, merges=False)  # its default and staged merges ran above
+        run_mla_twin(dev, merges=False)  # its default and ticket merges ran above
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
 
@@ -511,7 +507,7 @@ def run_mla_twin(dev, merges: bool = True) -> None:
     assert twin.mla_twin
     tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), DECODE_VARIANTS["mla_prefetch"]]
     if merges:
-        tunings = [twin, dataclasses.replace(twin, merge_staged=True)] + tunings
+        tunings = [twin, dataclasses.replace(twin, cluster_merge=False)] + tunings
     for tuning in tunings:
         for case in MLA_CASES:
             mla_case(dev, *case, tuning=tuning)
@@ -537,8 +533,7 @@ def run_decode(dev) -> None:
     splits as a cluster on sm_90a), then wrappers with each ticket merge and with balanced
     split-KV over 7 CTAs (the walk, its CTA barriers, a unit's parts merged by the ticket); then
     paged decode with the mma.sync tile's L2 prefetches."""
-    for tuning in (None, Tuning(cluster_merge=False), Tuning(merge_staged=True, cluster_merge=False),
-                   Tuning(balanced_split=True, balanced_ctas=7)):
+    for tuning in (None, Tuning(cluster_merge=False), Tuning(balanced_split=True, balanced_ctas=7)):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
     decode_cases(dev, DECODE_VARIANTS["decode_prefetch"])

@@ -11,10 +11,10 @@ every value of every axis appears. K/V lengths include 1 and are not page multip
 tests: B from 1 to 512, one request of 131072 tokens, output dtypes and scales, the wrapper's
 bound page IDs and the one-shot.
 
-Every split merge: every compute test takes ``split_merge`` (conftest: the cluster, lanes and staged merges)
-and runs a ``BatchDecodePagedTSWrapper`` planned with it (the plan's policy, kernel key and
-merge flag must be the ones that tuning selects); under the default merge (register lanes,
-``Tuning()``) the standalone ``prims_ts_batch_decode_with_kv_cache`` (always the default
+Every split merge: every compute test takes ``split_merge`` (conftest: the cluster and ticket merges,
+balanced split-KV) and runs a ``BatchDecodePagedTSWrapper`` planned with it (the plan's policy and
+kernel key must be the ones that tuning selects); under the default tuning (``Tuning()``) the
+standalone ``prims_ts_batch_decode_with_kv_cache`` (always the default
 tuning) runs the same problem too, over a CSR whose entries past each request's live pages
 hold garbage page IDs (it only requires *live* IDs to index the cache; the wrapper's plan
 checks every entry, so it gets the live pages only).
@@ -188,7 +188,6 @@ def check_plan(pb: Problem, w, tuning, causal: bool) -> None:
     if plan.launch is not None:
         assert plan.launch.policy == pol, (plan.launch.policy, pol)
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
-        assert plan.launch.p.merge_staged == int(tuning.merge_staged)
         check_decode_cluster(plan, key, tuning)
 
 

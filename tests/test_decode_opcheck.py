@@ -140,14 +140,14 @@ def test_fake_tensor_shapes():
             fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
             res = torch.ops.prims_ts.batch_decode(fq, fk, fv, fws, *fmeta, *scalars, dtype_code(FP16))
             assert res.shape == q.shape and res.dtype == FP16
-            res = torch.ops.prims_ts.batch_decode(fq, fk, fv, fws, *fmeta, *scalars, dtype_code(BF16), STAGED)
+            res = torch.ops.prims_ts.batch_decode(fq, fk, fv, fws, *fmeta, *scalars, dtype_code(BF16), TICKET)
             assert res.shape == q.shape and res.dtype == BF16
             fout = torch.empty(q.shape, dtype=FP32)
             assert torch.ops.prims_ts.batch_decode_out(fq, fk, fv, fws, fout, *fmeta, *scalars) is None
-            assert torch.ops.prims_ts.batch_decode_out(fq, fk, fv, fws, fout, *fmeta, *scalars, STAGED) is None
+            assert torch.ops.prims_ts.batch_decode_out(fq, fk, fv, fws, fout, *fmeta, *scalars, TICKET) is None
 
 
-STAGED = Tuning(merge_staged=True).encode()  # a non-default tuning string: the ops carry it unchanged
+TICKET = Tuning(cluster_merge=False).encode()  # a non-default tuning string: the ops carry it unchanged
 
 
 @pytest.mark.parametrize("qmode,mask,window", [("single", "causal", 2), ("fixed", "dense", -1),
@@ -155,18 +155,18 @@ STAGED = Tuning(merge_staged=True).encode()  # a non-default tuning string: the 
 def test_opcheck_with_tuning_string(qmode, mask, window):
     """The trailing ``tuning`` argument (an encoded Tuning) passes opcheck on both ops and leaves the
     CPU result unchanged (on CPU every tuning runs the reference)."""
-    assert STAGED and Tuning.decode(STAGED) == Tuning(merge_staged=True)
+    assert TICKET and Tuning.decode(TICKET) == Tuning(cluster_merge=False)
     q, k, v, ws, meta, scalars = sample(qmode, mask, window, FP16, seed=40, combined=qmode == "fixed",
                                         max_seq_len=4096)
     want = _reference(q, k, v, meta, scalars)
-    args = (q, k, v, ws, *meta, *scalars, dtype_code(FP32), STAGED)
+    args = (q, k, v, ws, *meta, *scalars, dtype_code(FP32), TICKET)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_decode(*args)
     assert res.dtype == FP32 and rel_err(res, want) <= 5e-3
     default = torch.ops.prims_ts.batch_decode(*args[:-1])  # tuning left at its default ""
     torch.testing.assert_close(res, default, rtol=0, atol=0)
     out = torch.full(q.shape, float("nan"), dtype=BF16)
-    args = (q, k, v, ws, out, *meta, *scalars, STAGED)
+    args = (q, k, v, ws, out, *meta, *scalars, TICKET)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_decode_out.default, args, test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
     assert torch.ops.prims_ts.batch_decode_out(*args) is None

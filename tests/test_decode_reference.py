@@ -516,7 +516,7 @@ def test_wrapper_run_reads_no_host_values_and_passes_its_plan(qmode):
     g = gen(stable_seed("recorded", qmode))
     pb = Decode([20, 5, 40], 8, 2, 128, 16, BF16, g, qmode=qmode, sq=2, q_lens=[2, 1, 3], max_seq_len_q=4)
     pb.last = _last_page_len(pb)
-    tuning = Tuning(merge_staged=True)
+    tuning = Tuning(cluster_merge=False)
     w = _plan(pb, tuning, mask_type="causal", max_kv_len=100, o_data_type=FP32)
     out = torch.empty(pb.q.shape, dtype=FP32)
     with recording_no_host_reads("batch_decode", "batch_decode") as rec:

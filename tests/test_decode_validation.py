@@ -861,7 +861,7 @@ def test_wrapper_run_before_plan():
     with pytest.raises(RuntimeError, match=r"^plan\(\) must be called before run\(\)$"):
         BatchDecodePagedTSWrapper().run(_q, _kv)
     with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
-        BatchDecodePagedTSWrapper(tuning=prims_ts.Tuning(merge_staged=True)).run(_q, (_k, _v), out=_q.clone())
+        BatchDecodePagedTSWrapper(tuning=prims_ts.Tuning(cluster_merge=False)).run(_q, (_k, _v), out=_q.clone())
 
 
 def test_wrapper_base_run_is_valid():

@@ -15,10 +15,10 @@ mma.sync tile), rows of 64 on the split-O tile with each producer copy and on th
 131072-token request, output dtypes and scales, a strided query, the wrapper (both run modes,
 bound metadata changed in place) and the one-shot.
 
-Every split merge: every compute test takes ``split_merge`` (conftest: the cluster, lanes and staged merges)
-and runs a ``BatchMLADecodePagedTSWrapper`` planned with it (with the engine tests' tuning
-fields on top); the plan's policy, kernel key and merge flag must be the ones that tuning
-selects. Under the default tuning (register lanes, ``Tuning()``) the standalone
+Every split merge: every compute test takes ``split_merge`` (conftest: the cluster and ticket merges,
+balanced split-KV) and runs a ``BatchMLADecodePagedTSWrapper`` planned with it (with the engine
+tests' tuning fields on top); the plan's policy and kernel key must be the ones that tuning
+selects. Under the default tuning (``Tuning()``) the standalone
 ``prims_ts_batch_decode_with_kv_cache_mla`` (always the default tuning) runs the same problem too.
 
 Tolerance: ``||out - ref|| / ||ref||`` <= 2e-2 bf16, 5e-3 fp16 against
@@ -191,7 +191,6 @@ def check_plan(pb: Problem, w, tuning, causal: bool) -> DecodeKey:
     if plan.launch is not None:
         assert plan.launch.policy == pol, (plan.launch.policy, pol)
         assert plan.launch.key == key, (plan.launch.key.name, key.name)
-        assert plan.launch.p.merge_staged == int(tuning.merge_staged)
         check_decode_cluster(plan, key, tuning)
     return key
 
@@ -297,8 +296,8 @@ def row_tile(request):
 
 def with_merge(tuning: Tuning, split_merge: Tuning) -> Tuning:
     """`tuning` with split_merge's merge (balanced split-KV included)."""
-    return dataclasses.replace(tuning, merge_staged=split_merge.merge_staged, cluster_merge=split_merge.cluster_merge,
-                               balanced_split=split_merge.balanced_split, balanced_ctas=split_merge.balanced_ctas)
+    return dataclasses.replace(tuning, cluster_merge=split_merge.cluster_merge, balanced_split=split_merge.balanced_split,
+                               balanced_ctas=split_merge.balanced_ctas)
 
 
 @pytest.mark.parametrize("hsq", SWAP_CELLS, ids=[f"h{h}_sq{q}" for h, q in SWAP_CELLS])

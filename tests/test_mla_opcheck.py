@@ -137,31 +137,31 @@ def test_fake_tensor_shapes():
             fmeta = tuple(mode.from_tensor(t) if t is not None else None for t in meta)
             res = torch.ops.prims_ts.batch_mla_decode(fq, fc, fws, *fmeta, *scalars, dtype_code(FP16))
             assert res.shape == _out_shape(q) and res.dtype == FP16
-            res = torch.ops.prims_ts.batch_mla_decode(fq, fc, fws, *fmeta, *scalars, dtype_code(BF16), STAGED)
+            res = torch.ops.prims_ts.batch_mla_decode(fq, fc, fws, *fmeta, *scalars, dtype_code(BF16), TICKET)
             assert res.shape == _out_shape(q) and res.dtype == BF16
             fout = torch.empty(_out_shape(q), dtype=FP32)
             assert torch.ops.prims_ts.batch_mla_decode_out(fq, fc, fws, fout, *fmeta, *scalars) is None
-            assert torch.ops.prims_ts.batch_mla_decode_out(fq, fc, fws, fout, *fmeta, *scalars, STAGED) is None
+            assert torch.ops.prims_ts.batch_mla_decode_out(fq, fc, fws, fout, *fmeta, *scalars, TICKET) is None
 
 
-STAGED = Tuning(merge_staged=True, mla_swapped=not Tuning().mla_swapped).encode()  # a non-default tuning string
+TICKET = Tuning(cluster_merge=False, mla_swapped=not Tuning().mla_swapped).encode()  # a non-default tuning string
 
 
 @pytest.mark.parametrize("qmode,mask", [("single", "causal"), ("fixed", "dense"), ("packed", "causal")])
 def test_opcheck_with_tuning_string(qmode, mask):
     """The trailing ``tuning`` argument (an encoded Tuning) passes opcheck on both ops and leaves the
     CPU result unchanged (on CPU every tuning runs the reference)."""
-    assert STAGED and Tuning.decode(STAGED) != Tuning()
+    assert TICKET and Tuning.decode(TICKET) != Tuning()
     q, cache, ws, meta, scalars = sample(qmode, mask, FP16, seed=40, h=16, max_seq_len=4096)
     want = _reference(q, cache, meta, scalars)
-    args = (q, cache, ws, *meta, *scalars, dtype_code(FP32), STAGED)
+    args = (q, cache, ws, *meta, *scalars, dtype_code(FP32), TICKET)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_mla_decode.default, args, test_utils=OPCHECK_TESTS))
     res = torch.ops.prims_ts.batch_mla_decode(*args)
     assert res.dtype == FP32 and rel_err(res, want) <= 5e-3
     default = torch.ops.prims_ts.batch_mla_decode(*args[:-1])  # tuning left at its default ""
     torch.testing.assert_close(res, default, rtol=0, atol=0)
     out = torch.full(_out_shape(q), float("nan"), dtype=BF16)
-    args = (q, cache, ws, out, *meta, *scalars, STAGED)
+    args = (q, cache, ws, out, *meta, *scalars, TICKET)
     assert_opcheck_passed(opcheck(torch.ops.prims_ts.batch_mla_decode_out.default, args, test_utils=OPCHECK_TESTS))
     out.fill_(float("nan"))
     assert torch.ops.prims_ts.batch_mla_decode_out(*args) is None

@@ -557,7 +557,7 @@ def test_wrapper_run_unvalidated_trusts_metadata_values(mode):
     """run(validate=False), the default: the bound metadata, rewritten in place after plan with values
     that break every obligation, reach the op as the bound tensors themselves, unread on the host;
     the plan's tuning reaches the op."""
-    tuning = Tuning(merge_staged=True)
+    tuning = Tuning(cluster_merge=False)
     w = BatchMLADecodePagedTSWrapper(tuning=tuning)
     bt, lens = block_tables(), ip(LENS)
     qo = ip(QO) if mode == "packed" else None
@@ -1083,7 +1083,7 @@ def test_wrapper_run_before_plan():
     with pytest.raises(RuntimeError, match=r"^plan\(\) must be called before run\(\)$"):
         BatchMLADecodePagedTSWrapper().run(_q, _kv)
     with pytest.raises(RuntimeError, match=r"plan\(\) must be called before run\(\)"):
-        BatchMLADecodePagedTSWrapper(tuning=Tuning(merge_staged=True)).run(_q, _kv, validate=True)
+        BatchMLADecodePagedTSWrapper(tuning=Tuning(cluster_merge=False)).run(_q, _kv, validate=True)
 
 
 def test_wrapper_base_runs_are_valid():

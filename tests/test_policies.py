@@ -371,14 +371,14 @@ def test_tuning_encodes_and_decodes():
 def test_tuning_defaults_are_the_measured_choices():
     """The consumer loop (pingpong at every head dim) and the producer copy per
     row width (4 threads a row at D128, 8 at D256 and for MLA's 576-wide rows); flip_copy takes
-    the other copy; persistence, the staged merge and the probe are off."""
+    the other copy; persistence and the probe are off."""
     t = Tuning()
     assert (t.loop_for(128), t.loop_for(256)) == (2, 2)
     assert (t.copy_for(128), t.copy_for(256), t.copy_for(MLA_DIM_QK)) == (4, 8, 8)
     flip = Tuning(flip_copy=True)
     assert (flip.copy_for(128), flip.copy_for(256), flip.copy_for(MLA_DIM_QK)) == (8, 4, 4)
     assert Tuning(copy_tpr=8, flip_copy=True).copy_for(128) == 4
-    assert not (t.persistent or t.merge_staged or t.probe) and t.mla_swapped
+    assert not (t.persistent or t.probe) and t.mla_swapped
 
 
 @pytest.mark.parametrize("loop", [0, 1, 2])
@@ -482,8 +482,7 @@ def test_persistent_choice_and_grid(persistent):
 
 def test_catalogue_defaults_and_variants():
     """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
-    tuning of catalog.VARIANTS builds at least one key the default does not, except the staged
-    split merge, a runtime choice); the portable engine's only variants are paged decode's
+    tuning of catalog.VARIANTS builds at least one key the default does not); the portable engine's only variants are paged decode's
     balanced split-KV and L2 prefetch keys."""
     default = {ks.name for ks in catalog.all_keys("sm_90a")}
     every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
@@ -491,7 +490,7 @@ def test_catalogue_defaults_and_variants():
     for t in catalog.VARIANTS:
         own = {k.name for k in catalog.default_keys("sm_90a", t)}
         assert own <= every
-        assert bool(own - default) == (t != Tuning(merge_staged=True)), t
+        assert own - default, t
     sm80 = {ks.name for ks in catalog.all_keys("sm_80")}
     extra = {ks.name for ks in catalog.all_keys("sm_80", True)} - sm80
     assert extra and all(n.startswith("pt_decode_") and n.endswith(("_bal", "_pf")) for n in extra)
@@ -819,7 +818,7 @@ def test_plans_and_ops_agree_on_the_prepared_launch(monkeypatch):
     from prims_ts.ops import prefill as opre
     from prims_ts.ops import prefill_paged as opag
 
-    t = Tuning(loop=1, merge_staged=True)
+    t = Tuning(loop=1, cluster_merge=False)
     seen = {}
 
     def spy(module, name):

@@ -44,12 +44,11 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "portable": Tuning(portable=True),
     "paged_prefetch": Tuning(paged_prefetch=True),
 }
-# The decode-shaped kernels' variants: the staged split merge (a runtime choice, no new key),
-# MLA rows of 16/32 on the mma.sync tile, MLA rows of 64 on the split-O tile with each producer
-# copy (other_copy: the swapped tile's other copy too), MLA's tiles with L2 prefetches, the
-# mma.sync tile with L2 prefetches, and split-KV balanced over a persistent grid.
+# The decode-shaped kernels' variants: MLA rows of 16/32 on the mma.sync tile, MLA rows of 64 on
+# the split-O tile with each producer copy (other_copy: the swapped tile's other copy too), MLA's
+# tiles with L2 prefetches, the mma.sync tile with L2 prefetches, and split-KV balanced over a
+# persistent grid.
 DECODE_VARIANTS: Dict[str, Tuning] = {
-    "merge_staged": Tuning(merge_staged=True),
     "mla_mma": Tuning(mla_swapped=False),
     "other_copy": Tuning(flip_copy=True, mla_twin=False),
     "mla_split_o": Tuning(mla_twin=False),

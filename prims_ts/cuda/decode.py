@@ -315,7 +315,7 @@ class DecodeParams(ctypes.Structure):
             "bt_stride")] + [
         (n, ctypes.c_int32) for n in (
             "sq", "rows_max", "row_tiles", "splits", "chunk", "group", "hkv", "page_shift", "window_left",
-            "out_dtype", "merge_staged", "num_pages", "num_indices", "total_q", "balanced", "batch")] + [
+            "out_dtype", "num_pages", "num_indices", "total_q", "balanced", "batch")] + [
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
     ]
@@ -448,7 +448,6 @@ class PreparedDecode(Prepared):
         p.page_shift = static.page_size.bit_length() - 1
         p.window_left = static.window_left
         p.out_dtype = OUT_DTYPE_CODES[static.out_dtype]
-        p.merge_staged = int(static.tuning.merge_staged)
         p.balanced, p.batch = pol.balanced, static.batch
         self._ws_offsets = decode_partial_layout(static.batch, static.num_kv_heads, pol, key.dv) \
             if pol.splits > 1 or pol.balanced else None

@@ -50,49 +50,35 @@ struct MergeParts {
   }
 };
 
-template <class Cfg>
-__device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergeParts parts, int b, int hk, int rt,
-                                           int q_start, int row0, int q_rows) {
-  extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
-  constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, QUADS = DV / 4;
-  // units a thread (6: within every mma.sync decode kernel's own register count); kernels
-  // that re-divide registers among warpgroups (setmaxnreg, 384 threads) compile this
-  // out-of-line function at the smallest share: 2 (its spills grow with the units, 176 B)
-  constexpr int UNITS = Cfg::LAUNCH_THREADS >= 384 ? 2 : 6;
-  // the staged merge (static split-KV only) sizes its weights for the most splits; the lanes
-  // for this merge's parts (balanced split-KV: up to the grid's CTAs; the plan checks that
-  // BM rows of them fit)
-  constexpr int W_BYTES = (Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16;
-  constexpr int SLOTS = (Cfg::SMEM_BYTES - W_BYTES) / 16;  // float4 lane sums after the weights
-  static_assert(DV % 4 == 0, "4-column groups");
-  // the staged merge: groups a thread per pass, such that one split's pass fits the stage
-  constexpr int STAGED_QPT_MAX = Cfg::LAUNCH_THREADS >= 384 ? 2 : 8;  // as UNITS: the smallest register share
-  constexpr int STAGED_QPT = SLOTS / THREADS >= STAGED_QPT_MAX ? STAGED_QPT_MAX : SLOTS / THREADS;
-  static_assert(STAGED_QPT >= 1, "the staged merge: one split's pass of groups fits shared memory");
-  static_assert(W_BYTES <= Cfg::SMEM_BYTES, "split weights fit the tile's shared memory");
+// The ticket: true in the split CTA of the unit that arrives last, which resets the counter.
+// The MMA threads meet at named barrier 2.
+template <int THREADS>
+__device__ __forceinline__ bool merge_ticket(const DecodeParams& p, int parts, int b, int hk, int rt) {
   __shared__ int last;
   __threadfence();  // this thread's partial stores, before the ticket
   named_bar_sync(2, THREADS);
   if (threadIdx.x == 0) {
     int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
-    last = atomicAdd(count, 1) == parts.count - 1;
+    last = atomicAdd(count, 1) == parts - 1;
     if (last) *count = 0;
   }
   named_bar_sync(2, THREADS);
-  if (!last) return;
+  if (!last) return false;
   __threadfence();  // every other split's partials, after the ticket
+  return true;
+}
 
-  const int S = parts.count;  // >= 2
-  const int w_bytes = (q_rows * S * 4 + 15) / 16 * 16;
-  float* w = reinterpret_cast<float*>(smem);                  // [q_rows][S]
-  float4* sums = reinterpret_cast<float4*>(smem + w_bytes);   // [lane][group]
-  // every (row, split) log-sum-exp into shared memory, the loads all in flight together
+// The parts' weights w[q_rows][S] in shared memory: every (row, part) log-sum-exp loaded with
+// all the loads in flight, then a warp per row turns them into normalised weights in place
+// (out_scale folded in).
+template <int THREADS>
+__device__ __forceinline__ void merge_weights(const DecodeParams& p, const MergeParts& parts, float* w, int q_rows) {
+  const int S = parts.count;
   for (int i = threadIdx.x; i < q_rows * S; i += THREADS) {
     const int r = i / S;
     w[i] = p.ws_lse[parts.row(i - r * S) + r];
   }
   named_bar_sync(2, THREADS);
-  // a warp per row: the max and the sum over the splits, then the weights in place
   const int lane = threadIdx.x & 31;
   for (int r = threadIdx.x >> 5; r < q_rows; r += THREADS / 32) {
     float* wr = w + r * S;
@@ -114,63 +100,44 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergePar
     for (int s = lane; s < S; s += 32) wr[s] *= scale;
   }
   named_bar_sync(2, THREADS);
+}
 
-  // group g of the tile's rows: row g / QUADS, columns 4 (g % QUADS) .. + 3 (the float4
-  // at 4 g of a split's partial rows, DV = 4 QUADS; the workspace is 16-byte aligned)
+// Group g of a tile's merged rows (row g / QUADS, columns 4 (g % QUADS) .. + 3) to the output.
+template <int QUADS>
+__device__ __forceinline__ void merge_store(const DecodeParams& p, int b, int hk, int q_start, int row0, int g,
+                                            const float4& v) {
+  const int r = g / QUADS, c = 4 * (g % QUADS);
+  char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
+  store_pair(dst, p.out_dtype, v.x, v.y);
+  store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, v.z, v.w);
+}
+
+template <class Cfg>
+__device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergeParts parts, int b, int hk, int rt,
+                                           int q_start, int row0, int q_rows) {
+  extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
+  constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, QUADS = DV / 4;
+  // units a thread (6: within every mma.sync decode kernel's own register count); kernels
+  // that re-divide registers among warpgroups (setmaxnreg, 384 threads) compile this
+  // out-of-line function at the smallest share: 2 (its spills grow with the units, 176 B)
+  constexpr int UNITS = Cfg::LAUNCH_THREADS >= 384 ? 2 : 6;
+  static_assert(DV % 4 == 0, "4-column groups");
+  static_assert((Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16 <= Cfg::SMEM_BYTES,
+                "the static split's weights fit the tile's shared memory (balanced split-KV: the plan checks)");
+  if (!merge_ticket<THREADS>(p, parts.count, b, hk, rt)) return;
+
+  const int S = parts.count;  // >= 2
+  const int w_bytes = (q_rows * S * 4 + 15) / 16 * 16;
+  float* w = reinterpret_cast<float*>(smem);                  // [q_rows][S]
+  float4* sums = reinterpret_cast<float4*>(smem + w_bytes);   // [lane][group]
+  merge_weights<THREADS>(p, parts, w, q_rows);
+
+  // The weighted sums over (group, split lane) units (above). Group g is the float4 at 4 g of a
+  // part's rows (DV = 4 QUADS; the workspace is 16-byte aligned); lanes: as many as fill one
+  // pass and the shared memory after the weights (CTA-uniform).
   const int n = q_rows * QUADS;
   const float4* o4 = reinterpret_cast<const float4*>(p.ws_o);  // part s's group g: o4[row(s) QUADS + g]
-  if (p.merge_staged && S <= DECODE_MAX_SPLITS) {
-    // Staged: a pass covers STAGED_QPT groups a thread; its groups of as many splits as fit
-    // the shared memory after the weights are copied in with cp.async, every copy of the
-    // chunk in flight at once (one round trip a chunk instead of one per split pair), then
-    // summed from shared memory.
-    constexpr int QPT = STAGED_QPT;
-    float4* stage = reinterpret_cast<float4*>(smem + W_BYTES);
-    for (int q0 = 0; q0 < n; q0 += THREADS * QPT) {
-      const int nq = min_(THREADS * QPT, n - q0);  // groups of this pass
-      const int per = SLOTS / nq;                  // splits a chunk: >= 1, as nq <= THREADS * QPT <= SLOTS
-      float4 acc[QPT];
-#pragma unroll
-      for (int k = 0; k < QPT; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int s0 = 0; s0 < S; s0 += per) {
-        const int ns = min_(per, S - s0);
-        for (int i = 0; i < ns; ++i)
-          for (int j = threadIdx.x; j < nq; j += THREADS)
-            cp_async_16(smem_addr(stage + i * nq + j), o4 + parts.row(s0 + i) * QUADS + q0 + j, true);
-        cp_async_commit();
-        cp_async_wait<0>();  // each thread reads only the slots it copied (j = tid + k * THREADS)
-#pragma unroll
-        for (int k = 0; k < QPT; ++k) {
-          const int j = threadIdx.x + k * THREADS;
-          if (j < nq) {
-            const float* wr = w + ((q0 + j) / QUADS) * S + s0;
-            for (int i = 0; i < ns; ++i) {
-              const float4 x = stage[i * nq + j];
-              const float wt = wr[i];
-              acc[k].x += wt * x.x;
-              acc[k].y += wt * x.y;
-              acc[k].z += wt * x.z;
-              acc[k].w += wt * x.w;
-            }
-          }
-        }
-        named_bar_sync(2, THREADS);  // reads of the chunk done before the next chunk's copies land
-      }
-#pragma unroll
-      for (int k = 0; k < QPT; ++k) {
-        const int j = threadIdx.x + k * THREADS;
-        if (j < nq) {
-          const int g = q0 + j, r = g / QUADS, c = 4 * (g % QUADS);
-          char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
-          store_pair(dst, p.out_dtype, acc[k].x, acc[k].y);
-          store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, acc[k].z, acc[k].w);
-        }
-      }
-    }
-    return;
-  }
-  // lanes: as many as fill one pass and the shared memory after the weights (CTA-uniform)
-  const int slots = (Cfg::SMEM_BYTES - w_bytes) / 16;  // float4 lane sums after the weights
+  const int slots = (Cfg::SMEM_BYTES - w_bytes) / 16;
   const int lanes = max_(1, min_(S, min_(THREADS * UNITS, slots) / n));
   const int units = lanes * n;
 #pragma unroll 1
@@ -205,12 +172,9 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergePar
       const int u = u0 + threadIdx.x + k * THREADS;
       if (u >= units) continue;
       if (lanes > 1) {
-        sums[u] = acc[k];  // [lane][group]: u = lane * n + group
+        sums[u] = acc[k];  // u = lane * n + group
       } else {
-        const int r = u / QUADS, c = 4 * (u % QUADS);
-        char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
-        store_pair(dst, p.out_dtype, acc[k].x, acc[k].y);
-        store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, acc[k].z, acc[k].w);
+        merge_store<QUADS>(p, b, hk, q_start, row0, u, acc[k]);
       }
     }
   }
@@ -225,10 +189,7 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergePar
         t.z += x.z;
         t.w += x.w;
       }
-      const int r = g / QUADS, c = 4 * (g % QUADS);
-      char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
-      store_pair(dst, p.out_dtype, t.x, t.y);
-      store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, t.z, t.w);
+      merge_store<QUADS>(p, b, hk, q_start, row0, g, t);
     }
   }
 }

@@ -57,9 +57,6 @@ class Tuning:
     # Producer-ring CTAs walk several work items (at most one CTA per SM, or persistent_ctas).
     persistent: bool = False
     persistent_ctas: Optional[int] = None
-    # The decode kernels' split merge: register units over split lanes, or staged through
-    # shared memory.
-    merge_staged: bool = False
     # Paged and MLA decode on sm_90a with 2-8 splits: the splits of a row tile are launched as
     # one thread block cluster and merge through distributed shared memory (no workspace pass,
     # ticket or last CTA), where the partials fit the shared memory. False: the ticket merge at

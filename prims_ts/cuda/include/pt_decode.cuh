@@ -55,7 +55,6 @@ struct DecodeParams {
   int page_shift;
   int window_left;
   int out_dtype;
-  int merge_staged;  // split merge: 0 = register units (lanes), 1 = staged through shared memory
   int num_pages;     // pages in the pools: every page ID read must be in [0, num_pages)
   int num_indices;   // kv_indices' entries (CSR), or the block table's columns
   int total_q;       // packed queries: the query rows qo_indptr must stay inside
