@@ -272,6 +272,85 @@ __device__ __forceinline__ bool fmha_merge_band(const FmhaWarp<Cfg>& w, char* sm
   return true;
 }
 
+// The end of a work item: the rows' sums over the quad (and the key-split warps' or O-split
+// bands' merge), the log-sum-exp, O / sum to the output; whole rows through the warpgroup's Q
+// rows (pt_fmha_store.cuh) where the problem's output allows it.
+template <class Cfg, bool Q_BY_PRODUCER, class Problem>
+__device__ __forceinline__ void fmha_epilogue(const Problem& pb, const FmhaWarp<Cfg>& w, char* smem,
+                                              float (&o)[FmhaWarp<Cfg>::DT][4], float (&m_row)[2],
+                                              float (&l_row)[2], float scale_log2, float out_scale) {
+  using W = FmhaWarp<Cfg>;
+  using QTile = typename Cfg::QTile;
+  constexpr int DT = W::DT;
+  RowSoftmax<W::NT, Cfg::LEAN, Cfg::LAZY>::sum_quad(l_row);
+  if (!fmha_merge_band<Cfg>(w, smem, o, m_row, l_row, scale_log2)) return;
+  const int row0 = w.row0, g = w.g, t = w.t;
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    inv[h] = OnlineSoftmax::inverse(l_row[h], out_scale);
+    const int r = row0 + g + 8 * h;
+    if constexpr (Problem::WANTS_LSE) {
+      // log2-domain log-sum-exp of the scaled scores, for merging split-KV partials
+      if (r < pb.q_rows && t == 0 && (!Cfg::SPLIT_O || w.warp_n == 0))
+        pb.store_lse(r, OnlineSoftmax::lse(m_row[h], l_row[h], scale_log2));
+    }
+  }
+  // a persistent CTA's producer may already be copying the next item's Q into those rows
+  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1 && !Q_BY_PRODUCER &&
+                RowStore<Problem>::value) {
+    const int kind = pb.row_store();  // the same in every thread: the barrier inside is safe
+    if (kind == OUT_BF16) return store_o_rows<QTile, bf16, DT>(pb, w.sQ, o, inv, w.warp >> 2, row0);
+    if (kind == OUT_F16) return store_o_rows<QTile, f16, DT>(pb, w.sQ, o, inv, w.warp >> 2, row0);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + g + 8 * h;
+    if (r < pb.q_rows) {
+#pragma unroll
+      for (int n = 0; n < DT; ++n) pb.store2(r, (w.col0 + n) * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
+    }
+  }
+}
+
+// The start of a work item: its Q, from the producer (Q_BY_PRODUCER: waited for) or copied by
+// the MMA warps themselves; the portable pipeline's first STAGES tiles. False under PT_PROBE 2,
+// which times the ring's passes here instead of the item.
+template <class Cfg, bool Q_BY_PRODUCER, class Problem, class Ring, class ReleaseQ, class IssueKv>
+__device__ __forceinline__ bool fmha_item_start(const Problem& pb, const FmhaWarp<Cfg>& w, char* smem, const Ring& ring,
+                                                int n_tiles, RingPos& pos, const ReleaseQ& release_q,
+                                                const IssueKv& issue_kv) {
+  constexpr int THREADS = Cfg::THREADS, STAGES = Cfg::STAGES;
+  using QTile = typename Cfg::QTile;
+  if constexpr (Q_BY_PRODUCER) {
+    mbar_wait(fmha_q_full<Cfg>(smem), pos.q_phase);
+    fence_proxy_async();
+    pos.q_phase ^= 1u;
+    if (n_tiles == 0) release_q();
+  } else if constexpr (Cfg::PRODUCER) {
+    load_q_for_mma<QTile, THREADS>(w.sQ, pb);
+    if constexpr (PT_PROBE == 2) {  // the data path alone (see PT_PROBE)
+      int st = pos.stage;
+      u32 ph = pos.phase;
+      for (int it = 0; it < n_tiles; ++it) {
+        ring.acquire(st, ph);
+        ring.release(st);
+        ring.advance(st, ph);
+      }
+      return false;
+    }
+  } else {
+    // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
+    load_tile<QTile, THREADS>(w.sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      if (s < n_tiles) issue_kv(s, s);
+      cp_async_commit();
+    }
+  }
+  return true;
+}
+
 // One work item (a BM-row tile over its key range). Producer-ring configs: the MMA
 // threads only (the ring is set up and fed by fmha_items), from where `pos` stands.
 // Portable configs: the whole CTA, `pos` unused.
@@ -285,11 +364,9 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
                 "Q from the producer: whole-row warpgroups");
   static_assert(!Q_BY_PRODUCER || PT_PROBE != 2, "PT_PROBE 2 times one item per CTA (PERSISTENT off)");
   using W = FmhaWarp<Cfg>;
-  using QTile = typename Cfg::QTile;
   using KVTile = typename Cfg::KVTile;
   constexpr int THREADS = Cfg::THREADS, STAGES = Cfg::STAGES, DT = W::DT;
   const W w(smem);
-  const u32 sQ = w.sQ;
 
   const auto range = pb.range();
   const int n_tiles = range.n_tiles();
@@ -320,32 +397,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       if (w.lane == 0) mbar_arrive(fmha_q_empty<Cfg>(smem));
     }
   };
-  if constexpr (Q_BY_PRODUCER) {
-    mbar_wait(fmha_q_full<Cfg>(smem), pos.q_phase);
-    fence_proxy_async();
-    pos.q_phase ^= 1u;
-    if (n_tiles == 0) release_q();
-  } else if constexpr (Cfg::PRODUCER) {
-    load_q_for_mma<QTile, THREADS>(sQ, pb);
-    if constexpr (PT_PROBE == 2) {  // the data path alone (see PT_PROBE)
-      int st = pos.stage;
-      u32 ph = pos.phase;
-      for (int it = 0; it < n_tiles; ++it) {
-        ring.acquire(st, ph);
-        ring.release(st);
-        ring.advance(st, ph);
-      }
-      return;
-    }
-  } else {
-    // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
-    load_tile<QTile, THREADS>(sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      if (s < n_tiles) issue_kv(s, s);
-      cp_async_commit();
-    }
-  }
+  if (!fmha_item_start<Cfg, Q_BY_PRODUCER>(pb, w, smem, ring, n_tiles, pos, release_q, issue_kv)) return;
 
   float o[DT][4];
 #pragma unroll
@@ -364,38 +416,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   cp_async_wait<0>();
   pos.stage = stage;
   pos.phase = phase;
-
-  // ---- epilogue ---------------------------------------------------------------
-  RowSoftmax<W::NT, Cfg::LEAN, Cfg::LAZY>::sum_quad(l_row);
-  if (!fmha_merge_band<Cfg>(w, smem, o, m_row, l_row, scale_log2)) return;
-  const int row0 = w.row0, g = w.g, t = w.t;
-  float inv[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    inv[h] = OnlineSoftmax::inverse(l_row[h], out_scale);
-    const int r = row0 + g + 8 * h;
-    if constexpr (Problem::WANTS_LSE) {
-      // log2-domain log-sum-exp of the scaled scores, for merging split-KV partials
-      if (r < pb.q_rows && t == 0 && (!Cfg::SPLIT_O || w.warp_n == 0))
-        pb.store_lse(r, OnlineSoftmax::lse(m_row[h], l_row[h], scale_log2));
-    }
-  }
-  // Whole rows through the warpgroup's Q rows (pt_fmha_store.cuh), where the problem's output
-  // allows it; a persistent CTA's producer may already be copying the next item's Q there.
-  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1 && !Q_BY_PRODUCER &&
-                RowStore<Problem>::value) {
-    const int kind = pb.row_store();  // the same in every thread: the barrier inside is safe
-    if (kind == OUT_BF16) return store_o_rows<QTile, bf16, DT>(pb, sQ, o, inv, w.warp >> 2, row0);
-    if (kind == OUT_F16) return store_o_rows<QTile, f16, DT>(pb, sQ, o, inv, w.warp >> 2, row0);
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + g + 8 * h;
-    if (r < pb.q_rows) {
-#pragma unroll
-      for (int n = 0; n < DT; ++n) pb.store2(r, (w.col0 + n) * 8 + 2 * t, o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
-    }
-  }
+  fmha_epilogue<Cfg, Q_BY_PRODUCER>(pb, w, smem, o, m_row, l_row, scale_log2, out_scale);
 }
 
 // The work items of a CTA: items.get(w, pb) builds item w's problem (false: nothing to
