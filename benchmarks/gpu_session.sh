@@ -73,7 +73,7 @@ for s in "${stages[@]}"; do
     decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
     twin)  # the twin MLA tile (rows of 64, the default): its own tests (rerun, epilogues, prefetches), the split-O
-        # grid and the swapped tile's prefetch cells, then its sanitizer cases (both merges, balanced, prefetches,
+        # grid and the swapped tile's prefetch cells, then its sanitizer cases (the default, balanced, prefetches,
         # an odd tile count, the rerun's spiked keys) under memcheck and racecheck
         echo "== tests/test_mla_cuda.py -k 'twin or split_o or prefetch'"
         timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or split_o or prefetch" --maxfail=20 -p no:cacheprovider \

@@ -11,13 +11,14 @@ Both tools slow kernels ~100x: keep every case small and the launches few.
 
 The default tuning runs through the one-shots and the standalone decode/MLA functions (they
 always take ``Tuning()``); every other kernel variant through a wrapper planned with its
-``prims_ts.Tuning`` (``tuning=``): the ticket merge at every split count (``Tuning(cluster_merge=False)``), the
-mma.sync tile of MLA rows of 16/32 (``Tuning(mla_swapped=False)``), the producer ring's
-variants of ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1, persistent CTAs
-with ``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``),
-MLA's split-O tile of rows of 64 (``mla_split_o``, each producer copy, the ticket merge) and
-the twin tile's own cases (``--mla-twin``: spiked keys, an odd tile count, balanced split-KV,
-the L2 prefetches), and paged decode's L2 prefetches (``decode_prefetch``). ``run_all(dev)`` takes any device: on the CPU every case runs the
+``prims_ts.Tuning`` (``tuning=``): the ticket merge at every split count
+(``Tuning(cluster_merge=False)``), the mma.sync tile of MLA rows of 16/32
+(``Tuning(mla_swapped=False)``), the producer ring's variants of
+``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1, persistent CTAs with
+``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``), MLA's
+split-O tile of rows of 64 (``mla_split_o``, each producer copy) and the twin tile's own cases
+(``--mla-twin``: spiked keys, an odd tile count, balanced split-KV, the L2 prefetches), and
+paged decode's L2 prefetches (``decode_prefetch``). ``run_all(dev)`` takes any device: on the CPU every case runs the
 reference path (a dry run of the case builders; the CPU counts as the nominal H200).
 """
 import dataclasses
@@ -483,22 +484,22 @@ def run_all(dev) -> None:
             prefill_cases(dev, tuning)
             block_sparse_cases(dev, tuning)
         # MLA's wgmma tiles with a producer (rows of 16/32 swapped; rows of 64 split-O, not the
-        # default twin tile) with each producer copy, and the split-O tile's ticket merge
-        split_o_ticket = dataclasses.replace(DECODE_VARIANTS["mla_split_o"], cluster_merge=False)
-        for tuning in (DECODE_VARIANTS["mla_split_o"], DECODE_VARIANTS["other_copy"], split_o_ticket):
+        # default twin tile) with each producer copy (rows of 64 always merge by the ticket: the
+        # cluster's partials do not fit beside their tiles)
+        for tuning in (DECODE_VARIANTS["mla_split_o"], DECODE_VARIANTS["other_copy"]):
             print(f"decode variant ({tuning.encode()}):")
             for case in MLA_CASES:
                 mla_case(dev, *case, tuning=tuning)
         print("MLA twin tile:")
-        run_mla_twin(dev, merges=False)  # its default and ticket merges ran above
+        run_mla_twin(dev, default=False)  # its default pass ran above
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
 
 
-def run_mla_twin(dev, merges: bool = True) -> None:
+def run_mla_twin(dev, default: bool = True) -> None:
     """MLA_CASES through a wrapper planned with the twin tile (the default for rows of 64 and
-    more: the packed H64 and split H128 cases; the others keep the swapped tile), both split
-    merges (`merges`), balanced split-KV over 7 CTAs (its barriers retired and set up again item
+    more: the packed H64 and split H128 cases; the others keep the swapped tile): the default
+    tuning (`default`; rows of 64 always merge by the ticket), balanced split-KV over 7 CTAs (its barriers retired and set up again item
     after item) and the L2 prefetches (Tuning.mla_prefetch, the swapped tile's too); the two
     twin cases again with a spiked key (the rerun: the barrier phases it continues); and three
     whole tiles a request, dense (an odd tile count without the first tile's zeroing: warpgroup
@@ -506,8 +507,8 @@ def run_mla_twin(dev, merges: bool = True) -> None:
     twin = Tuning()
     assert twin.mla_twin
     tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), DECODE_VARIANTS["mla_prefetch"]]
-    if merges:
-        tunings = [twin, dataclasses.replace(twin, cluster_merge=False)] + tunings
+    if default:
+        tunings = [twin] + tunings
     for tuning in tunings:
         for case in MLA_CASES:
             mla_case(dev, *case, tuning=tuning)
@@ -530,7 +531,7 @@ def run_variant(dev, name: str) -> None:
 
 def run_decode(dev) -> None:
     """The paged- and MLA-decode cases alone: the standalone functions (the default tuning: 2-8
-    splits as a cluster on sm_90a), then wrappers with each ticket merge and with balanced
+    splits as a cluster on sm_90a), then wrappers with the ticket merge and with balanced
     split-KV over 7 CTAs (the walk, its CTA barriers, a unit's parts merged by the ticket); then
     paged decode with the mma.sync tile's L2 prefetches."""
     for tuning in (None, Tuning(cluster_merge=False), Tuning(balanced_split=True, balanced_ctas=7)):

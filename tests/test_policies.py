@@ -482,8 +482,8 @@ def test_persistent_choice_and_grid(persistent):
 
 def test_catalogue_defaults_and_variants():
     """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
-    tuning of catalog.VARIANTS builds at least one key the default does not); the portable engine's only variants are paged decode's
-    balanced split-KV and L2 prefetch keys."""
+    tuning of catalog.VARIANTS builds at least one key the default does not); the portable
+    engine's only variants are paged decode's balanced split-KV and L2 prefetch keys."""
     default = {ks.name for ks in catalog.all_keys("sm_90a")}
     every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     assert default < every

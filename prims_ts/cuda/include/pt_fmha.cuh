@@ -296,7 +296,7 @@ __device__ __forceinline__ void fmha_epilogue(const Problem& pb, const FmhaWarp<
         pb.store_lse(r, OnlineSoftmax::lse(m_row[h], l_row[h], scale_log2));
     }
   }
-  // a persistent CTA's producer may already be copying the next item's Q into those rows
+  // not under Q_BY_PRODUCER: a persistent CTA's producer may be copying the next item's Q there
   if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1 && !Q_BY_PRODUCER &&
                 RowStore<Problem>::value) {
     const int kind = pb.row_store();  // the same in every thread: the barrier inside is safe
