@@ -18,6 +18,14 @@ instructions between them, i.e. what the softmax runs under the P V. Zero exp2 t
 ptxas hoisted the P V wait above the softmax. Also printed: ptxas' wgmma notes (C75xx) and the
 count of empty wgmma groups (`HGMMA ... RZ, !UPT`: a commit ptxas could not attach to a wgmma,
 which every later wait counts).
+
+`--loops`: each key's loops (backward branches) that hold a tensor instruction (HMMA / HGMMA),
+their instruction count and the counts of a few opcodes, where a main loop's length is read.
+`--against DIR`: each key's SASS against the same key's in DIR (another run's --out, e.g. from
+the committed tree: `git archive HEAD prims_ts benchmarks | tar -x -C /tmp/base`, run there):
+identical, the same instructions on other registers, or the count of differing lines (and
+whether the instruction count moved). What `ptx_same.py` cannot settle (PTX that differs in
+order or naming) this does: ptxas' output is what runs.
 """
 import argparse
 import ctypes
@@ -86,12 +94,56 @@ def wait_order(sass: str):
     return out
 
 
+INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
+LOOP_OPS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDSM", "MUFU", "SYNCS", "BAR", "FFMA", "FMNMX", "IMAD", "R2UR")
+
+
+def instructions(sass: str):
+    """(address, text) of every instruction of a cuobjdump listing."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
+
+
+def opcode(text: str) -> str:
+    """The opcode without its predicate and modifiers (`@!P0 HGMMA.64x64x16.F32 ...` -> HGMMA)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def tensor_loops(ins):
+    """(start, end, body) of each backward branch whose body holds an HMMA or HGMMA (not the
+    branches back from the out-of-line barrier-retry stubs at a kernel's end, which span most of
+    it)."""
+    out = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if len(body) <= len(ins) // 2 and any(opcode(t) in ("HMMA", "HGMMA") for t in body):
+                out.append((int(m.group(1), 16), addr, body))
+    return out
+
+
+def compare(sass: str, other: str) -> str:
+    """One key's SASS against another build's: identical, other registers, or how much differs."""
+    a, b = [t for _, t in instructions(other)], [t for _, t in instructions(sass)]
+    if a == b:
+        return "identical"
+    names = lambda ts: [re.sub(r"\bU?R\d+\b", "R", re.sub(r"\bU?P\d\b", "P", t)) for t in ts]
+    if names(a) == names(b):
+        return "the same instructions on other registers"
+    import difflib
+    diff = sum(1 for ln in difflib.unified_diff(names(a), names(b), lineterm="", n=0)
+               if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
+    return f"{diff} lines differ ({len(a)} -> {len(b)} instructions)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tuning", default="", help="a Tuning.encode() string, e.g. 'loop=1'")
     ap.add_argument("--filter", action="append", default=[], help="a substring every key name must hold")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--out", default="sass_out")
+    ap.add_argument("--loops", action="store_true", help="each key's loops that hold tensor instructions")
+    ap.add_argument("--against", default="", help="another run's --out: compare each key's SASS with it")
     a = ap.parse_args()
     if not shutil.which("cuobjdump") or not shutil.which("nvdisasm"):
         raise SystemExit("cuobjdump and nvdisasm must be on PATH (see the setup above)")
@@ -123,6 +175,17 @@ def main() -> None:
             print(f"    {empty} empty wgmma groups (HGMMA RZ, !UPT)")
         print(key.name, "|", "; ".join(info), "|" if waits else "",
               " ".join(f"{e} exp2 / {n} ins under PV" for e, n in waits))
+        if a.loops:
+            for start, end, body in tensor_loops(instructions(sass)):
+                counts = {op: 0 for op in LOOP_OPS}
+                for t in body:
+                    if opcode(t) in counts:
+                        counts[opcode(t)] += 1
+                print(f"    loop {start:#x}-{end:#x}: {len(body)} instructions;",
+                      " ".join(f"{op} {n}" for op, n in counts.items() if n))
+        if a.against:
+            other = os.path.join(a.against, key.name + ".sass")
+            print("    against", other + ":", compare(sass, open(other).read()) if os.path.exists(other) else "missing")
 
 
 if __name__ == "__main__":
