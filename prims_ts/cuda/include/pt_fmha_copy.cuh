@@ -197,26 +197,13 @@ struct TmaKv {
       const int j = k0 + r;
       const int page = pb.kv_page(j), slot = j & (ps - 1);
       if constexpr (Tile::PAGE_MAJOR) {
-        if constexpr (PREFETCH) {
-          tma_prefetch_5d(tm, 0, slot, 0, hk, page);
-        } else {
-          tma_load_5d(dst + Tile::offset(r, 0), tm, 0, slot, 0, hk, page, bar);
-        }
+        tma_box_5d<PREFETCH>(dst + Tile::offset(r, 0), tm, 0, slot, 0, hk, page, bar);
       } else if constexpr (Tile::INTERLEAVED) {
-        if constexpr (PREFETCH) {
-          tma_prefetch_5d(tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh);
-        } else {
-          tma_load_5d(dst + Tile::row8(r), tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh, bar);
-        }
+        tma_box_5d<PREFETCH>(dst + Tile::row8(r), tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh, bar);
       } else {
 #pragma unroll
-        for (int c = 0; c < Tile::CHUNKS / 8; ++c) {
-          if constexpr (PREFETCH) {
-            tma_prefetch_4d(tm, c * 64, slot, hk, page);
-          } else {
-            tma_load_4d(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
-          }
-        }
+        for (int c = 0; c < Tile::CHUNKS / 8; ++c)
+          tma_box_4d<PREFETCH>(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
       }
     }
   }

@@ -215,6 +215,25 @@ __device__ __forceinline__ void tma_prefetch_5d(const TmaMap* map, int c0, int c
                "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
                : "memory");
 }
+// One box: into shared memory at dst, completing on bar, or (PREFETCH) into L2 only (dst and bar
+// unused), so that its copy later reads L2.
+template <bool PREFETCH>
+__device__ __forceinline__ void tma_box_4d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, u32 bar) {
+  if constexpr (PREFETCH) {
+    tma_prefetch_4d(map, c0, c1, c2, c3);
+  } else {
+    tma_load_4d(dst, map, c0, c1, c2, c3, bar);
+  }
+}
+template <bool PREFETCH>
+__device__ __forceinline__ void tma_box_5d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, int c4,
+                                           u32 bar) {
+  if constexpr (PREFETCH) {
+    tma_prefetch_5d(map, c0, c1, c2, c3, c4);
+  } else {
+    tma_load_5d(dst, map, c0, c1, c2, c3, c4, bar);
+  }
+}
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }
