@@ -29,6 +29,7 @@ order or naming) this does: ptxas' output is what runs.
 """
 import argparse
 import ctypes
+import difflib
 import os
 import re
 import shutil
@@ -130,7 +131,6 @@ def compare(sass: str, other: str) -> str:
     names = lambda ts: [re.sub(r"\bU?R\d+\b", "R", re.sub(r"\bU?P\d\b", "P", t)) for t in ts]
     if names(a) == names(b):
         return "the same instructions on other registers"
-    import difflib
     diff = sum(1 for ln in difflib.unified_diff(names(a), names(b), lineterm="", n=0)
                if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
     return f"{diff} lines differ ({len(a)} -> {len(b)} instructions)"

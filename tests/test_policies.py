@@ -640,18 +640,9 @@ def test_prefetch_variants_emit_their_prefetches():
     sm_80), the swapped MLA tile's too, the paged TMA producer's `cp.async.bulk.prefetch.tensor`."""
     from prims_ts.cuda import runtime
 
-    nvrtc, headers = runtime._nvrtc(), runtime.include_sources()
-
     def ptx(key, arch):
         src = key.source()
-        prog = nvrtc.createProgram(src.source, src.name + ".cu", [v.encode() for v in headers.values()],
-                                   [n.encode() for n in headers])
-        try:
-            nvrtc.compileProgram(prog, [o.replace(arch, "compute_" + arch[3:]) for o in runtime._options(arch)])
-            text = nvrtc.getPTX(prog)
-        finally:
-            nvrtc.destroyProgram(prog)
-        return text.decode() if isinstance(text, bytes) else text
+        return runtime.compile_ptx(src.source, src.name, arch)
 
     pol = decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132)
     mla = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)

@@ -157,15 +157,7 @@ def test_param_structs_match_their_ctypes_mirrors(mirror, source, cname):
     body += f"  out[{len(names)}] = (int)sizeof({cname});\n"
     src = (read_source(source) + f'\nextern "C" __global__ void pt_layout_probe(const __grid_constant__ {cname} p, '
            f"volatile int* out) {{\n{body}}}\n")
-    nv = runtime._nvrtc()
-    headers = runtime.include_sources()
-    prog = nv.createProgram(src, "probe.cu", [v.encode() for v in headers.values()], [h.encode() for h in headers])
-    try:
-        nv.compileProgram(prog, runtime._options("sm_80"))
-        ptx = nv.getPTX(prog)
-    finally:
-        nv.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    ptx = runtime.compile_ptx(src, "probe", "sm_80")
     consts = dict(re.findall(r"mov\.[ub]32\s+(%r\d+),\s*(\d+);", ptx))
     stored = {}
     for reg, off, val in re.findall(r"st\.volatile\.global\.[ub]32\s+\[(%rd\d+)(?:\+(\d+))?\],\s*(%r\d+|\d+);", ptx):

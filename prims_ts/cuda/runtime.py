@@ -164,6 +164,25 @@ def compile_cubin(ks: KernelSource, arch: str, use_cache: bool = True) -> bytes:
     return data
 
 
+def compile_ptx(source: str, name: str, arch: str) -> str:
+    """The PTX of one translation unit (the include/ headers available) for `arch`'s virtual
+    architecture (sm_90a: compute_90a): what tests and tools read of a kernel without a GPU.
+    No cache; a compile error raises ``KernelCompileError`` with NVRTC's log."""
+    nvrtc, headers = _nvrtc(), include_sources()
+    prog = nvrtc.createProgram(source, f"{name}.cu", [v.encode() for v in headers.values()],
+                               [n.encode() for n in headers])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [o.replace(arch, "compute_" + arch[3:]) for o in _options(arch)])
+        except Exception as e:
+            raise KernelCompileError(f"NVRTC failed to compile {name!r} for {arch}: {e}\n"
+                                     f"{nvrtc.getProgramLog(prog)}") from None
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
