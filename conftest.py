@@ -45,8 +45,8 @@ def split_merge(request):
     splits launched as one cluster, merging through distributed shared memory, where the
     partials fit; the ticket merge above), the ticket merge at every split count; or balanced
     split-KV (Tuning.balanced_split) over 7 CTAs at every size, so that the grid's small
-    problems walk several items a CTA and merge units cut into many parts (MLA's 64-row split-O
-    tile keeps the static split). Tests pass it to a wrapper (``tuning=``)."""
+    problems walk several items a CTA and merge units cut into many parts. Tests pass it to a
+    wrapper (``tuning=``)."""
     from prims_ts import Tuning
 
     if request.param == "cluster":

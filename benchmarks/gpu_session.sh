@@ -72,11 +72,11 @@ for s in "${stages[@]}"; do
     bsr) run_tests tests/test_block_sparse_cuda.py tests/test_block_sparse_contiguous.py ;;
     decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
-    twin)  # the twin MLA tile (rows of 64, the default): its own tests (rerun, epilogues, prefetches), the split-O
-        # grid and the swapped tile's prefetch cells, then its sanitizer cases (the default, balanced, prefetches,
-        # an odd tile count, the rerun's spiked keys) under memcheck and racecheck
-        echo "== tests/test_mla_cuda.py -k 'twin or split_o or prefetch'"
-        timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or split_o or prefetch" --maxfail=20 -p no:cacheprovider \
+    twin)  # the twin MLA tile (rows of 64 on sm_90a): its own tests (rerun, epilogues, prefetches) and the swapped
+        # tile's prefetch cells, then its sanitizer cases (the default, balanced, prefetches, an odd tile count, the
+        # rerun's spiked keys) under memcheck and racecheck
+        echo "== tests/test_mla_cuda.py -k 'twin or prefetch'"
+        timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or prefetch" --maxfail=20 -p no:cacheprovider \
             "${XDIST[@]}" >"$OUT/twin.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/twin.log")"
         for tool in memcheck racecheck; do
@@ -150,20 +150,19 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); so: MLA rows of 64 on the split-O tile (the default: twin; AB_FAMILIES=mla);
-        # tp: MLA's tiles with L2 prefetches (AB_FAMILIES=mla); dp: paged decode's mma.sync tile with L2 prefetches
-        # (AB_FAMILIES=decode); pp: both (AB_FAMILIES="decode mla": each family's rows run only its own tiles); pgf: the
-        # paged TMA producers' L2 prefetch of the next tile's pages (AB_FAMILIES="paged_prefill block_sparse");
-        # bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); tp: MLA's tiles with L2 prefetches (AB_FAMILIES=mla); dp: paged decode's
+        # mma.sync tile with L2 prefetches (AB_FAMILIES=decode); pp: both (AB_FAMILIES="decode mla": each family's rows
+        # run only its own tiles); pgf: the paged TMA producers' L2 prefetch of the next tile's pages
+        # (AB_FAMILIES="paged_prefill block_sparse"); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
-        # come again ("d so so d": base / new / new / base, the last d the drift): the files are numbered in order.
+        # come again ("d tp tp d": base / new / new / base, the last d the drift): the files are numbered in order.
         if [ "$s" = ab ]; then variants="${AB_VARIANTS:-d c pd p}"; else variants="d 0 1 2"; fi
         n=0; files=""
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c | so | tp) fams="$fams --family mla" ;; bs | dp | pp) fams="--family decode --family mla" ;; esac
+            case "$v" in d | c | tp) fams="$fams --family mla" ;; bs | dp | pp) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -171,7 +170,7 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                so) spec="mla_twin=False" ;; tp) spec="mla_prefetch=True" ;; dp) spec="decode_prefetch=True" ;;
+                tp) spec="mla_prefetch=True" ;; dp) spec="decode_prefetch=True" ;;
                 pp) spec="mla_prefetch=True;decode_prefetch=True" ;; pgf) spec="paged_prefetch=True" ;;
                 bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;

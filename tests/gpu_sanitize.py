@@ -15,11 +15,11 @@ always take ``Tuning()``); every other kernel variant through a wrapper planned 
 (``Tuning(cluster_merge=False)``), the mma.sync tile of MLA rows of 16/32
 (``Tuning(mla_swapped=False)``), the producer ring's variants of
 ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1, persistent CTAs with
-``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``), MLA's
-split-O tile of rows of 64 (``mla_split_o``, each producer copy) and the twin tile's own cases
-(``--mla-twin``: spiked keys, an odd tile count, balanced split-KV, the L2 prefetches), and
-paged decode's L2 prefetches (``decode_prefetch``). ``run_all(dev)`` takes any device: on the CPU every case runs the
-reference path (a dry run of the case builders; the CPU counts as the nominal H200).
+``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``, MLA's
+swapped tile of rows of 16/32 included), the twin tile's own cases (``--mla-twin``: spiked
+keys, an odd tile count, balanced split-KV, the L2 prefetches), and paged decode's L2
+prefetches (``decode_prefetch``). ``run_all(dev)`` takes any device: on the CPU every case
+runs the reference path (a dry run of the case builders; the CPU counts as the nominal H200).
 """
 import dataclasses
 import sys
@@ -77,8 +77,8 @@ def _sm90(dev) -> bool:
 def _policy(dev, batch, hkv, group, max_sq, d, max_seq_len, tuning=None):
     """The decode policy on `dev` (the CPU: the nominal H200's SMs and shared memory): the static
     one, or the one a plan with `tuning` takes (balanced split-KV)."""
-    arch, sms, limit = device_limits(dev)
-    balance = balances(tuning, arch, d, group * max_sq) if tuning is not None else 0
+    _, sms, limit = device_limits(dev)
+    balance = balances(tuning) if tuning is not None else 0
     return decode_policy(batch, hkv, group, max_sq, d, max_seq_len, sms, limit, balance)
 
 
@@ -483,12 +483,14 @@ def run_all(dev) -> None:
             print(f"ring variant {name} ({tuning.encode()}):")
             prefill_cases(dev, tuning)
             block_sparse_cases(dev, tuning)
-        # MLA's wgmma tiles with a producer (rows of 16/32 swapped; rows of 64 split-O, not the
-        # default twin tile) with each producer copy (rows of 64 always merge by the ticket: the
-        # cluster's partials do not fit beside their tiles)
-        for tuning in (DECODE_VARIANTS["mla_split_o"], DECODE_VARIANTS["other_copy"]):
-            print(f"decode variant ({tuning.encode()}):")
-            for case in MLA_CASES:
+        # MLA's swapped tile (rows of 16/32) with the producer copy the default does not take
+        # (the twin's rows of 64 have no producer: their cases would repeat the default)
+        tuning = RING_VARIANTS["other_copy"]
+        assert tuning.flip_copy
+        print(f"decode variant ({tuning.encode()}):")
+        for case in MLA_CASES:
+            h, sq = case[4], case[2]
+            if h * (max(sq) if isinstance(sq, list) else sq) <= 32:
                 mla_case(dev, *case, tuning=tuning)
         print("MLA twin tile:")
         run_mla_twin(dev, default=False)  # its default pass ran above
@@ -505,7 +507,6 @@ def run_mla_twin(dev, default: bool = True) -> None:
     whole tiles a request, dense (an odd tile count without the first tile's zeroing: warpgroup
     1 waits for one P more than warpgroup 0)."""
     twin = Tuning()
-    assert twin.mla_twin
     tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), DECODE_VARIANTS["mla_prefetch"]]
     if default:
         tunings = [twin] + tunings

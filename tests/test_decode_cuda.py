@@ -145,8 +145,8 @@ class Problem:
 
     def policy(self, tuning=None):
         """The static policy of the problem, or (`tuning`) the one its plans take."""
-        arch, sms, limit = device_limits(DEVICE)
-        balance = balances(tuning, arch, self.d, self.hq // self.hkv * self.max_seq_len_q) if tuning else 0
+        _, sms, limit = device_limits(DEVICE)
+        balance = balances(tuning) if tuning else 0
         return decode_policy(self.B, self.hkv, self.hq // self.hkv, self.max_seq_len_q, self.d, self.max_seq_len,
                              sms, limit, balance)
 

@@ -755,11 +755,11 @@ def test_standalone_mla_rerun_is_the_full_runs_struct(monkeypatch):
 
 
 def test_twin_key_launches_its_tma_struct(monkeypatch):
-    """A TMA decode key (the twin MLA tile: Tuning.mla_twin) launches the whole DecodeTmaParams
-    (the latent pool's map, then the DecodeParams), not its DecodeParams alone: the plan's copy
-    and the launch carry the struct the kernel's signature names; the map is of the pool
-    [P, ps, 576] as (576, ps, 1, P) in (64, min(ps, 64), 1, 1) boxes, encoded at the pool's
-    address."""
+    """A TMA decode key (the twin MLA tile, MLA rows of 64 on sm_90a) launches the whole
+    DecodeTmaParams (the latent pool's map, then the DecodeParams), not its DecodeParams alone:
+    the plan's copy and the launch carry the struct the kernel's signature names; the map is of
+    the pool [P, ps, 576] as (576, ps, 1, P) in (64, min(ps, 64), 1, 1) boxes, encoded at the
+    pool's address."""
     import ctypes
 
     from prims_ts import Tuning
@@ -778,7 +778,7 @@ def test_twin_key_launches_its_tma_struct(monkeypatch):
 
     monkeypatch.setattr(KK.runtime, "TileMapEncoder", FakeEncoder)
     ps, b = 32, 2
-    static = KD.DecodeStatic(BF16, 576, 128, 1, ps, False, -1, BF16, b, 1, 1, 4096, False, Tuning(mla_twin=True))
+    static = KD.DecodeStatic(BF16, 576, 128, 1, ps, False, -1, BF16, b, 1, 1, 4096, False, Tuning())
     prepared = KD.PreparedDecode(static, 0)
     assert prepared.key.twin and prepared.key.PARAMS == "DecodeTmaParams"
     plan = prepared.for_plan(None)

@@ -10,8 +10,8 @@ with ``prims_ts.cuda.decode.decode_policy``) rotate so that every value of every
 separate test runs every page size with both cache ranks and both Q modes. K/V lengths include
 1 (or the query count) and are not page multiples. Further tests: the sm_90a engines of rows of
 16/32 (the swapped-operand tile with each producer copy and with L2 prefetches, and the
-mma.sync tile), rows of 64 on the split-O tile with each producer copy and on the twin tile
-(the default) with L2 prefetches, the twin's rerun and epilogues, split-KV and one-split policies, batch sizes 1..512, a
+mma.sync tile), rows of 64 on the twin tile (sm_90a's only 64-row tile) with L2 prefetches,
+the twin's rerun and epilogues, split-KV and one-split policies, batch sizes 1..512, a
 131072-token request, output dtypes and scales, a strided query, the wrapper (both run modes,
 bound metadata changed in place) and the one-shot.
 
@@ -48,7 +48,7 @@ from prims_ts import (
 )
 from prims_ts import reference as R
 from prims_ts.cuda.decode import MLA_DIM_QK, DecodeKey, PreparedDecode, balances, decode_policy
-from prims_ts.cuda.keys import DTYPE_CODES, KV_COPY_TPRS, device_limits
+from prims_ts.cuda.keys import DTYPE_CODES, device_limits
 from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
                               on_sm90_gpu, reference_must_not_run, rel_err, stable_seed)
 
@@ -144,8 +144,8 @@ class Problem:
 
     def policy(self, tuning=None):
         """The static policy of the problem, or (`tuning`) the one its plans take."""
-        arch, sms, limit = device_limits(DEVICE)
-        balance = balances(tuning, arch, MLA_DIM_QK, self.h * self.max_seq_len_q) if tuning else 0
+        _, sms, limit = device_limits(DEVICE)
+        balance = balances(tuning) if tuning else 0
         return decode_policy(self.B, 1, self.h, self.max_seq_len_q, MLA_DIM_QK, self.max_seq_len, sms, limit, balance)
 
     def call(self, q=None, **kw):
@@ -329,7 +329,7 @@ def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
     check(pb, tuning, mask)
 
 
-WIDE_CELLS = [(64, 1), (128, 1), (16, 4), (32, 3)]  # H x SQ >= 64: the 64-row wgmma tile
+WIDE_CELLS = [(64, 1), (128, 1), (16, 4), (32, 3)]  # H x SQ >= 64: the 64-row tile (sm_90a: the twin)
 
 
 def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
@@ -346,24 +346,6 @@ def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
     return Problem(lens, h, PAGE_SIZES[i % 4], (BF16, FP16)[(i // 2) % 2], stable_seed(salt, qmode, mask, h, sq),
                    qmode=qmode, sq=sq, q_lens=q_lens, max_seq_len_q=sq, rank=RANKS[(i // 4) % 2],
                    kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
-
-
-@pytest.mark.parametrize("copy", KV_COPY_TPRS)
-@pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
-@pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("qmode", QMODES)
-def test_wide_rows_split_o(split_merge, qmode, mask, hsq, copy):
-    """Rows of 64 on sm_90a on the split-O tile (Tuning(mla_twin=False): the wgmma tile with
-    the producer warpgroup) with each producer copy (Tuning.copy_tpr), the wide-row grid's
-    rotation turned by one for the default copy; the main grid runs the default twin tile."""
-    skip_off_sm90("the producer ring")
-    tuning = with_merge(Tuning(mla_twin=False, copy_tpr=copy), split_merge)
-    pb = wide_problem(qmode, mask, hsq, f"split-o{copy}", shift=int(copy == DEFAULT.copy_for(DQK)))
-    key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.arch == 90 and not key.swap and not key.twin and key.bm == 64 and key.copy_tpr == copy, key.name
-    if on_sm90():
-        assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
-    check(pb, tuning, mask)
 
 
 @pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
@@ -396,7 +378,7 @@ def test_twin_rerun(split_merge, dtype, mask, lengths, prefetch):
     keys, so that the spike lies past the first two tiles there too). With and without the L2
     prefetches (Tuning.mla_prefetch)."""
     skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_twin=True, mla_prefetch=prefetch), split_merge)
+    tuning = with_merge(Tuning(mla_prefetch=prefetch), split_merge)
     lens = [2500, 1033, 300] if lengths == "long" else [400, 330, 257] + [150 + 4 * b for b in range(61)]
     pb = Problem(lens, 128, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths), sq=1,
                  max_seq_len=2600 if lengths == "long" else 400)
@@ -417,7 +399,7 @@ def test_twin_epilogue_out_dtypes(split_merge, out_dtype):
     output its rows go through shared memory as 16-byte chunks, fp32 output and split-KV
     partials (2 requests) by store2; bmm scales on top."""
     skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_twin=True), split_merge)
+    tuning = with_merge(Tuning(), split_merge)
     for lens in ([150 + 4 * b for b in range(64)], [3000, 77]):
         pb = Problem(lens, 128, 32, FP16, stable_seed("twin-out", str(out_dtype), len(lens)), sq=2,
                      max_seq_len=max(lens))

@@ -140,10 +140,10 @@ def test_mla_swapped_tile_key(heads, sq):
 
 @pytest.mark.parametrize("heads,sq", [(64, 1), (128, 1), (16, 4), (32, 2)])
 def test_mla_twin_tile_key(heads, sq):
-    """Rows of 64 on sm_90a by default: the twin key (two MMA warpgroups that issue their own
-    TMA copies, the policy's 64-key tiles, two 72 KB stages beside Q within the shared memory,
-    the pool's map in its parameters), the split-O tile under Tuning(mla_twin=False); rows of
-    16/32 keep the swapped tile; never on other archs."""
+    """Rows of 64 on sm_90a: the twin key under every tuning (two MMA warpgroups that issue their
+    own TMA copies, the policy's 64-key tiles, two 72 KB stages beside Q within the shared
+    memory, the pool's map in its parameters); rows of 16/32 keep the swapped tile; never on
+    other archs."""
     t = Tuning()
     pol = decode_policy(64, 1, heads, sq, MLA_DIM_QK, 8192, sm_count=132)
     assert pol.bm == 64 and pol.bn == decode.TWIN_BN
@@ -155,9 +155,8 @@ def test_mla_twin_tile_key(heads, sq):
     pf = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True))  # L2 prefetches
     assert pf.twin and pf.prefetch and pf.name == key.name + "_pf" and pf.smem == key.smem
     assert "TwinConfig<pt::bf16, 576, 512, true>" in pf.source().source
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True, mla_twin=False)).prefetch
-    split_o = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_twin=False))
-    assert not split_o.twin and split_o.producer and split_o.split_o
+    for other in (Tuning(flip_copy=True), Tuning(copy_tpr=8), Tuning(mla_swapped=False), Tuning(cluster_merge=False)):
+        assert DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", other) == key, other
     assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).twin
     small = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)
     swap = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t)
@@ -317,14 +316,14 @@ def test_balanced_unit_span_holds_every_visible_key():
 def test_balanced_policy():
     """Tuning(balanced_split=True): decode and MLA launches of at least BALANCED_MIN_TILES_PER_SLOT
     key tiles a resident slot take a persistent grid of the slots (splits 1, the capacity in
-    keys), the latency rows the static split; balanced_ctas forces it at any size; MLA's 64-row
-    split-O wgmma tile never (the twin tile does); the workspace holds two slots a CTA."""
+    keys), the latency rows the static split; balanced_ctas forces it at any size (every tile:
+    MLA's rows of 64 on the twin tile too); the workspace holds two slots a CTA."""
     on = Tuning(balanced_split=True)
-    b = decode.balances(on, "sm_90a", 128, 4)
-    assert b == -1 and decode.balances(Tuning(), "sm_90a", 128, 4) == 0
-    assert decode.balances(on, "sm_90a", MLA_DIM_QK, 128) == -1  # the twin tile
-    assert decode.balances(Tuning(balanced_split=True, mla_twin=False), "sm_90a", MLA_DIM_QK, 128) == 0
-    assert decode.balances(on, "sm_80", MLA_DIM_QK, 128) == -1
+    b = decode.balances(on)
+    assert b == -1 and decode.balances(Tuning()) == 0
+    assert decode.balances(Tuning(balanced_split=True, balanced_ctas=7)) == 7
+    wide = decode_policy(128, 1, 128, 1, MLA_DIM_QK, 4096, 132, balance=b)
+    assert wide.balanced and DecodeKey.of("bf16", MLA_DIM_QK, False, wide, "sm_90a", on).twin
     big = decode_policy(128, 8, 4, 1, 128, 4096, 132, balance=b)
     slots = 132 * 2
     assert (big.balanced, big.splits, big.chunk) == (slots, 1, 4096)
@@ -355,7 +354,9 @@ def test_balanced_policy():
 
 def test_tuning_encodes_and_decodes():
     """Ops carry a Tuning as a string: the default is "", every other value round-trips;
-    unknown fields and bad values are errors naming tuning."""
+    unknown fields and bad values are errors naming tuning. A removed field is unknown: the
+    staged split merge's (merge_staged) and the split-O MLA tile's (mla_twin, whose False chose
+    it) no longer decode."""
     assert Tuning().encode() == "" and Tuning.decode("") == Tuning()
     for t in list(catalog.VARIANTS) + [Tuning(copy_tpr=8, probe=1), Tuning(loop=0, flip_copy=True)]:
         assert Tuning.decode(t.encode()) == t, t
@@ -363,6 +364,9 @@ def test_tuning_encodes_and_decodes():
         Tuning.decode("looop=1")
     with pytest.raises(ValueError, match="tuning"):
         Tuning.decode("loop=fast")
+    for removed in ("merge_staged=True", "mla_twin=False", "mla_twin=True", "flip_copy=True;mla_twin=False"):
+        with pytest.raises(ValueError, match=r"tuning: unknown field '(merge_staged|mla_twin)'"):
+            Tuning.decode(removed)
     for bad in (dict(loop=3), dict(copy_tpr=6), dict(probe=5), dict(persistent_ctas=0)):
         with pytest.raises(ValueError, match="tuning"):
             Tuning(**bad)
@@ -434,15 +438,14 @@ def test_consumer_loop_default_and_persistent():
 @pytest.mark.parametrize("tpr", [4, 8])
 def test_producer_copy_choice(tpr):
     """Tuning.copy_tpr picks the producer's threads per K/V row in every producer-ring key
-    (prefill, paged prefill, block-sparse, both MLA wgmma tiles) and names it; the portable
+    (prefill, paged prefill, block-sparse, the swapped MLA tile) and names it; the portable
     keys and paged decode keep 4; the variants' catalogue holds both."""
     t = Tuning(copy_tpr=tpr)
     chosen = [PrefillKey.choose(torch.bfloat16, 128, "causal", "sm_90a", tuning=t),
               PrefillKey.choose(torch.bfloat16, 256, "dense", "sm_90a", paged=True, tuning=t),
               BlockSparseKey.choose("bf16", 128, False, 128, 512, "sm_90a", t)]
-    for h, mla in ((16, t), (64, dataclasses.replace(t, mla_twin=False))):  # the twin tile has no producer
-        pol = decode_policy(8, 1, h, 1, MLA_DIM_QK, 8192, sm_count=132)
-        chosen.append(DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", mla))
+    pol = decode_policy(8, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)  # the swapped tile (the twin has no producer)
+    chosen.append(DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a", t))
     names = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     for key in chosen:
         assert key.copy_tpr == tpr and (f"_cp{tpr}" in key.name) == (tpr != 4), key

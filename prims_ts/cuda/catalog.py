@@ -20,15 +20,15 @@ from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
 # The producer-ring variants of the prefill-family kernels on sm_90a (each selects some keys
 # the default does not): the plain (0) and overlapped (1) consumer loops (the default: pingpong),
 # persistent CTAs with the plain loop and with pingpong (a few CTAs walk many items), the
-# producer copy the default does not take, every producer by cp.async (the default: TMA boxes),
-# the MMA warps' leaner instructions everywhere and nowhere (Tuning.lean_mma; the default: at
-# D128), the online softmax rescaling on every new running maximum (the default keeps a
-# maximum within 2^8: Tuning.lazy_rescale), the overlapped loops' softmax under the previous
-# PV everywhere and nowhere (Tuning.softmax_under_pv; the default: the prefill keys). The
-# default paged keys lay V out page-major and interleave K's row groups where a page is shorter
-# than the key tile (Tuning.page_major_v, Tuning.page_major_k: a key per such page size); page
-# 128 checks the panel-major layouts. The paged TMA producers' L2 prefetch of the next tile's
-# pages (Tuning.paged_prefetch).
+# producer copy the default does not take (the swapped MLA tile's too), every producer by
+# cp.async (the default: TMA boxes), the MMA warps' leaner instructions everywhere and nowhere
+# (Tuning.lean_mma; the default: at D128), the online softmax rescaling on every new running
+# maximum (the default keeps a maximum within 2^8: Tuning.lazy_rescale), the overlapped loops'
+# softmax under the previous PV everywhere and nowhere (Tuning.softmax_under_pv; the default:
+# the prefill keys). The default paged keys lay V out page-major and interleave K's row groups
+# where a page is shorter than the key tile (Tuning.page_major_v, Tuning.page_major_k: a key
+# per such page size); page 128 checks the panel-major layouts. The paged TMA producers' L2
+# prefetch of the next tile's pages (Tuning.paged_prefetch).
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -44,14 +44,11 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "portable": Tuning(portable=True),
     "paged_prefetch": Tuning(paged_prefetch=True),
 }
-# The decode-shaped kernels' variants: MLA rows of 16/32 on the mma.sync tile, MLA rows of 64 on
-# the split-O tile with each producer copy (other_copy: the swapped tile's other copy too), MLA's
-# tiles with L2 prefetches, the mma.sync tile with L2 prefetches, and split-KV balanced over a
-# persistent grid.
+# The decode-shaped kernels' variants: MLA rows of 16/32 on the mma.sync tile, MLA's tiles with
+# L2 prefetches, the mma.sync tile with L2 prefetches, and split-KV balanced over a persistent
+# grid. (The swapped MLA tile's other producer copy: RING_VARIANTS' other_copy.)
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_mma": Tuning(mla_swapped=False),
-    "other_copy": Tuning(flip_copy=True, mla_twin=False),
-    "mla_split_o": Tuning(mla_twin=False),
     "mla_prefetch": Tuning(mla_prefetch=True),
     "decode_prefetch": Tuning(decode_prefetch=True),
     "balanced_split": Tuning(balanced_split=True),
@@ -74,7 +71,7 @@ def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelK
         # the balanced key (large launches) besides the static one (the latency rows)
         pol = decode_policy(1, 1, group, 1, d, 1, NOMINAL_SMS, smem_limit(arch))
         pols = [pol] + ([dataclasses.replace(pol, splits=1, balanced=NOMINAL_SMS)]
-                        if balances(tuning, arch, d, group) != 0 else [])
+                        if balances(tuning) != 0 else [])
         for p in pols:
             for causal in (False, True):
                 yield DecodeKey.of(dt, d, causal, p, arch, tuning)

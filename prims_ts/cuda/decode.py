@@ -16,8 +16,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import runtime
-from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, NOMINAL_SMEM_LIMIT, OUT_DTYPE_CODES, PRODUCER_THREADS,
-                   SM_SMEM_BYTES, WGMMA_ALIGN_SLACK, KernelKey, Prepared, Tuning, check_rows, check_starts, cpp_bool,
+from .keys import (DEFAULT_TUNING, DTYPE_CODES, LOG2E, NOMINAL_SMEM_LIMIT, OUT_DTYPE_CODES, SM_SMEM_BYTES,
+                   WGMMA_ALIGN_SLACK, KernelKey, Prepared, Tuning, check_rows, check_starts, cpp_bool,
                    device_info, fmha_config, fmha_smem_bytes, load, tag)
 
 HEAD_DIMS = (64, 128, 256)
@@ -33,7 +33,7 @@ CLUSTER_MAX_SPLITS = 8
 # whether the warps split O's columns (D256: o[] would not fit in registers otherwise)
 DECODE_TILE = {64: (128, 3, False), 128: (64, 3, False), 256: (32, 3, True)}
 # MLA, per row-tile height BM: (keys per tile, stages, warps splitting the keys and O)
-MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (64, 2, 2)}  # BM 64: the wgmma engine on sm_90a
+MLA_TILE = {16: (64, 2, 4), 32: (64, 2, 4), 64: (64, 2, 2)}  # BM 64: the twin tile on sm_90a
 SWAP_BN = 64  # the swapped-operand MLA tile: keys per tile = wgmma's M
 SWAP_THREADS = 256  # one MMA warpgroup + the producer warpgroup
 
@@ -94,16 +94,14 @@ def _decode_tiles(head_dim: int, bm: int):
         yield b, bn, 2, warps_n, split_o
 
 
-def _decode_wgmma(head_dim: int, bm: int) -> bool:
-    """Decode tiles the wgmma engine takes on sm_90a: MLA row tiles of 64."""
-    return head_dim == MLA_DIM_QK and bm == 64
-
-
 def decode_tile_smem(head_dim: int, bm: int, bn: int, stages: int, warps_n: int, split_o: bool) -> int:
-    """Shared memory of a decode tile, with the wgmma engine's alignment slack where it may apply."""
-    wgmma = _decode_wgmma(head_dim, bm)  # then also the producer's barriers
+    """Shared memory of a decode tile as the policy counts it. MLA row tiles of 64 are counted as
+    the wgmma split-O tile with a producer warpgroup that sm_90a ran before the twin tile (its
+    mbarriers and the alignment slack), so that every policy (tile, resident CTAs, splits) stays
+    as it was; the keys' own bytes: DecodeKey.smem."""
+    wide = head_dim == MLA_DIM_QK and bm == 64
     return fmha_smem_bytes(bm, bn, head_dim, stages, warps_n, split_o, value_dim(head_dim),
-                           head_dim == MLA_DIM_QK, wgmma) + (WGMMA_ALIGN_SLACK if wgmma else 0)
+                           head_dim == MLA_DIM_QK, wide) + (WGMMA_ALIGN_SLACK if wide else 0)
 
 
 def _ctas_per_sm(smem: int, threads: int) -> int:
@@ -116,13 +114,11 @@ def _ctas_per_sm(smem: int, threads: int) -> int:
 BALANCED_MIN_TILES_PER_SLOT = 4
 
 
-def balances(tuning: Tuning, arch: str, head_dim: int, rows_max: int) -> int:
+def balances(tuning: Tuning) -> int:
     """decode_policy's `balance` under `tuning`: 0 (static split-KV) unless the tuning asks for
-    balanced split-KV and the key's tile can take it (every tile but MLA's 64-row split-O wgmma
-    tile on sm_90a, Tuning(mla_twin=False), whose warpgroups' register shares are set once a
-    CTA); then Tuning.balanced_ctas, or -1 (the resident slots)."""
-    wide_wgmma = arch == "sm_90a" and head_dim == MLA_DIM_QK and rows_max > 32 and not tuning.mla_twin
-    if not tuning.balanced_split or wide_wgmma:
+    balanced split-KV (every decode tile can take it); then Tuning.balanced_ctas, or -1 (the
+    resident slots)."""
+    if not tuning.balanced_split:
         return 0
     return tuning.balanced_ctas or -1
 
@@ -201,10 +197,10 @@ class DecodeKey(KernelKey):
     warps_n: int = tag("wn", 1, always=True)
     stages: int = tag("s", 2, always=True)
     split_o: bool = tag("so", False)
-    arch: int = tag("sm", 80)  # tile engine: 80 = mma.sync; 90 = wgmma (MLA row tiles of 64 on sm_90a)
+    arch: int = tag("sm", 80)  # tile engine: 80 = mma.sync; 90 = wgmma (MLA's swapped and twin tiles on sm_90a)
     swap: bool = tag("swap", False)  # the swapped-operand wgmma tile (MLA rows of 16/32 on sm_90a)
-    copy_tpr: int = tag("cp", 4)  # the tile ring producer's threads per K/V row (Tuning.copy_tpr)
-    twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a unless Tuning(mla_twin=False))
+    copy_tpr: int = tag("cp", 4)  # the swapped tile's producer threads per K/V row (Tuning.copy_tpr)
+    twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a)
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
     # L2 prefetches ahead of the copies: MLA's wgmma tiles' (Tuning.mla_prefetch), the mma.sync
     # tile's (Tuning.decode_prefetch)
@@ -214,21 +210,18 @@ class DecodeKey(KernelKey):
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
     def of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str = "sm_80",
            tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
-        """The tile of each engine for a policy: on sm_90a, MLA rows of 64 take wgmma with a
-        producer warpgroup (Tuning(mla_twin=False)) or the twin tile (the default) and rows of 16/32 the
-        swapped-operand tile (Tuning.mla_swapped); everything else the mma.sync tile."""
+        """The tile of each engine for a policy: on sm_90a, MLA rows of 64 take the twin tile and
+        rows of 16/32 the swapped-operand tile (Tuning.mla_swapped); everything else the mma.sync
+        tile."""
         bal = pol.balanced > 0
-        if arch == "sm_90a" and tuning.mla_twin and head_dim == MLA_DIM_QK and pol.bm == 64:
+        if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
                              balanced=bal, prefetch=tuning.mla_prefetch)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
-        engine = 90 if arch == "sm_90a" and _decode_wgmma(head_dim, pol.bm) else 80
-        assert not (bal and engine == 90), pol  # decode.balances keeps the split-O wgmma tile static
-        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, engine,
-                         copy_tpr=tuning.copy_for(head_dim) if engine == 90 else 4, balanced=bal,
-                         prefetch=engine == 80 and tuning.decode_prefetch and head_dim != MLA_DIM_QK)
+        return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
+                         balanced=bal, prefetch=tuning.decode_prefetch and head_dim != MLA_DIM_QK)
 
     @staticmethod
     def swapped(dtype: str, causal: bool, pol: DecodePolicy, tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
@@ -239,8 +232,8 @@ class DecodeKey(KernelKey):
                          tuning.copy_for(MLA_DIM_QK), balanced=pol.balanced > 0, prefetch=tuning.mla_prefetch)
 
     @property
-    def producer(self) -> bool:  # the wgmma engines take a producer warpgroup (the twin tile none)
-        return self.arch == 90 and not self.twin
+    def producer(self) -> bool:  # the swapped tile's producer warpgroup (the twin tile has none)
+        return self.swap
 
     @property
     def tma(self) -> bool:  # the tiles are TMA boxes of the pool (DecodeTmaParams)
@@ -252,7 +245,7 @@ class DecodeKey(KernelKey):
             return TWIN_THREADS
         if self.swap:
             return SWAP_THREADS
-        return self.bm // 16 * self.warps_n * 32 + (PRODUCER_THREADS if self.producer else 0)
+        return self.bm // 16 * self.warps_n * 32
 
     @property
     def dv(self) -> int:
@@ -269,7 +262,7 @@ class DecodeKey(KernelKey):
         if self.swap:
             return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
-                               self.shared_kv, self.producer) + (WGMMA_ALIGN_SLACK if self.arch == 90 else 0)
+                               self.shared_kv)
 
     def call(self) -> str:
         if self.twin:
@@ -277,11 +270,10 @@ class DecodeKey(KernelKey):
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}{', true' if self.prefetch else ''}>")
-        else:
-            q_regs = self.head_dim <= 128 and self.arch != 90
-            cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, q_regs, self.arch, self.warps_n,
-                              self.stages, self.split_o, self.dv, self.shared_kv, self.producer,
-                              copy_tpr=self.copy_tpr, l2_ahead=self.prefetch)
+        else:  # the mma.sync tile (FmhaConfig on sm_90a: the prefill family's keys only)
+            assert self.arch == 80 and self.copy_tpr == 4, self
+            cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.head_dim <= 128, 80, self.warps_n,
+                              self.stages, self.split_o, self.dv, self.shared_kv, l2_ahead=self.prefetch)
         return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}{', true' if self.balanced else ''}>"
 
 
@@ -435,7 +427,7 @@ class PreparedDecode(Prepared):
     def __init__(self, static: DecodeStatic, dev: int):
         arch, sms, limit = device_info(dev)
         group = static.num_qo_heads // static.num_kv_heads
-        balance = balances(static.tuning, arch, static.head_dim, group * static.max_seq_len_q)
+        balance = balances(static.tuning)
         pol = decode_policy(static.batch, static.num_kv_heads, group, static.max_seq_len_q, static.head_dim,
                             static.max_seq_len, sms, limit, balance)
         key = DecodeKey.of(DTYPE_CODES[static.dtype], static.head_dim, static.causal, pol, arch, static.tuning)
@@ -611,5 +603,5 @@ def decode_key(dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_
     """The policy and kernel of a decode-shaped launch on CUDA device `dev`."""
     arch, sms, limit = device_info(dev)
     pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit,
-                        balances(tuning, arch, head_dim, group * max_seq_len_q))
+                        balances(tuning))
     return pol, DecodeKey.of(DTYPE_CODES[dtype], head_dim, causal, pol, arch, tuning)

@@ -8,12 +8,11 @@
 // Balanced keys (Tuning.balanced_split) instead share the launch's key tiles evenly over
 // a persistent grid, whatever the requests' lengths (DecodeWalk below).
 // MLA decode is this kernel with one latent K/V head (Hkv = 1, group = H) whose V row
-// is the first DV values of the K row: the core then keeps one tile per stage. Row
-// tiles of 64 (H x SQ >= 64) take the wgmma engine on sm_90a: two warpgroups split each
-// tile's keys for S and O's columns for PV, P exchanged through shared memory. Row
-// tiles of 16/32 may take the swapped-operand tile (pt_fmha_swap.cuh: the keys as
-// wgmma's M) on sm_90a, and MLA rows of 64 the twin tile (pt_fmha_twin.cuh,
-// unless Tuning(mla_twin=False); its tiles are TMA boxes of the latent pool, DecodeTmaParams).
+// is the first DV values of the K row: the core then keeps one tile per stage. On sm_90a
+// row tiles of 64 (H x SQ >= 64) take the twin tile (pt_fmha_twin.cuh; its tiles are TMA
+// boxes of the latent pool, DecodeTmaParams) and row tiles of 16/32 the swapped-operand tile
+// (pt_fmha_swap.cuh: the keys as wgmma's M; Tuning.mla_swapped); the core's FmhaConfig tiles
+// here are the portable engine's (mma.sync), on every arch.
 //
 // The host appends the `extern "C"` entries (prims_ts/cuda/decode.py).
 #include "pt_decode.cuh"
@@ -117,10 +116,10 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergePar
                                            int q_start, int row0, int q_rows) {
   extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
   constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, QUADS = DV / 4;
-  // units a thread (6: within every mma.sync decode kernel's own register count); kernels
-  // that re-divide registers among warpgroups (setmaxnreg, 384 threads) compile this
-  // out-of-line function at the smallest share: 2 (its spills grow with the units, 176 B)
-  constexpr int UNITS = Cfg::LAUNCH_THREADS >= 384 ? 2 : 6;
+  // units a thread: 6, within every decode kernel's own register count (none re-divides its
+  // registers among warpgroups with setmaxnreg, which would compile this out-of-line function
+  // at the smallest share: fewer units there, its spills growing with them)
+  constexpr int UNITS = 6;
   static_assert(DV % 4 == 0, "4-column groups");
   static_assert((Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16 <= Cfg::SMEM_BYTES,
                 "the static split's weights fit the tile's shared memory (balanced split-KV: the plan checks)");
@@ -486,12 +485,12 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
 // + row tile, request).
 template <class Cfg, bool CAUSAL, bool BALANCED = false>
 __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
+  // sm_90a's decode tiles are SwapConfig and TwinConfig; FmhaConfig's wgmma engine (a producer
+  // ring of whole-row warpgroups) is the prefill family's
+  static_assert(Cfg::SWAP || Cfg::TWIN || Cfg::ARCH == 80, "decode: FmhaConfig tiles on the portable engine");
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
   if constexpr (BALANCED) {
-    // the tiles a CTA may run item after item (the wgmma split-O tile sets its warpgroups'
-    // register shares once: it has no balanced key)
-    static_assert(Cfg::SWAP || Cfg::TWIN || Cfg::ARCH != 90, "balanced split-KV: re-entrant tiles");
     __shared__ DecodeWalk walk;
     __shared__ DecodeItem items[2];
     if (!walk_start<Cfg, CAUSAL>(p, smem, walk, items[0])) return;

@@ -63,12 +63,8 @@ class Tuning:
     # every split count.
     cluster_merge: bool = True
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
+    # (MLA rows of 64 on sm_90a always take the twin tile, pt_fmha_twin.cuh.)
     mla_swapped: bool = True
-    # MLA rows of 64 on sm_90a: the twin tile (pt_fmha_twin.cuh: two warpgroups take the key
-    # tiles in turn for S and each owns half of O, P exponentiated against a reference fixed
-    # per pass, tiles by TMA; MLA B128 L4096 H128 x 1.33 over the split-O tile: benchmarks/NOTES.md).
-    # False: the core's split-O tile with a producer warpgroup.
-    mla_twin: bool = True
     # MLA's sm_90a tiles prefetch key tiles into L2 ahead of their copies, so that the copies
     # the MMA warps wait for read L2 rather than DRAM: the twin tile a warpgroup's tile two
     # pairs ahead (TMA), the swapped tile's producer the next tile's rows. A variant until
@@ -86,8 +82,8 @@ class Tuning:
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at
-    # least 4 key tiles a slot (MLA rows of 64 on sm_90a only on the twin tile). A variant until
-    # measured (benchmarks/NOTES.md, "Split-KV by the lengths").
+    # least 4 key tiles a slot. A variant until measured (benchmarks/NOTES.md, "Split-KV by the
+    # lengths").
     balanced_split: bool = False
     # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
     # the size floor: how the grids run the walk and the merge of many parts on small problems.

@@ -198,9 +198,9 @@ def query_mode(batch: int, qo_indptr, seq_len_q, max_seq_len_q, query_shape=None
 
 def _workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, max_seq_len, max_seq_len_q, device,
                      tuning: Tuning = DEFAULT_TUNING) -> int:
-    arch, sms, limit = device_limits(device)
+    _, sms, limit = device_limits(device)
     group = num_qo_heads // num_kv_heads
-    balance = K.balances(tuning, arch, head_dim, group * max_seq_len_q)
+    balance = K.balances(tuning)
     pol = K.decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit, balance)
     V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
     return max(256, K.decode_workspace_bytes(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms,

@@ -156,8 +156,8 @@ def _fixed_sq(seq_len_q, max_seq_len_q, default: int = 1) -> int:
 
 
 def _workspace_bytes(batch, num_heads, max_seq_len, max_seq_len_q, device, tuning: Tuning = DEFAULT_TUNING) -> int:
-    arch, sms, limit = device_limits(device)
-    balance = K.balances(tuning, arch, K.MLA_DIM_QK, num_heads * max_seq_len_q)
+    _, sms, limit = device_limits(device)
+    balance = K.balances(tuning)
     return _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit, balance)
 
 

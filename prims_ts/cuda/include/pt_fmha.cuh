@@ -297,8 +297,7 @@ __device__ __forceinline__ void fmha_epilogue(const Problem& pb, const FmhaWarp<
     }
   }
   // not under Q_BY_PRODUCER: a persistent CTA's producer may be copying the next item's Q there
-  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1 && !Q_BY_PRODUCER &&
-                RowStore<Problem>::value) {
+  if constexpr (Cfg::ARCH == 90 && Cfg::PRODUCER && !Q_BY_PRODUCER && RowStore<Problem>::value) {
     const int kind = pb.row_store();  // the same in every thread: the barrier inside is safe
     if (kind == OUT_BF16) return store_o_rows<QTile, bf16, DT>(pb, w.sQ, o, inv, w.warp >> 2, row0);
     if (kind == OUT_F16) return store_o_rows<QTile, f16, DT>(pb, w.sQ, o, inv, w.warp >> 2, row0);
@@ -360,8 +359,7 @@ __device__ __forceinline__ bool fmha_item_start(const Problem& pb, const FmhaWar
 template <class Cfg, bool Q_BY_PRODUCER = false, class Problem>
 __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, float scale_log2, float out_scale,
                                                RingPos& pos) {
-  static_assert(!Q_BY_PRODUCER || (Cfg::PRODUCER && !Cfg::SPLIT_O && Cfg::WARPS_N == 1),
-                "Q from the producer: whole-row warpgroups");
+  static_assert(!Q_BY_PRODUCER || Cfg::PRODUCER, "Q from the producer: the producer ring (whole-row warpgroups)");
   static_assert(!Q_BY_PRODUCER || PT_PROBE != 2, "PT_PROBE 2 times one item per CTA (PERSISTENT off)");
   using W = FmhaWarp<Cfg>;
   using KVTile = typename Cfg::KVTile;

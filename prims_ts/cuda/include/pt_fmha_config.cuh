@@ -49,7 +49,8 @@ struct FmhaConfig {
   // own (m, l, O) over all D columns, merged once at the end. With SPLIT_O the warps of
   // a row band share one running max per tile and exchange P through shared memory;
   // each then multiplies all BN keys of P into its D / WARPS_N columns of O (wide heads:
-  // O's registers are divided, not repeated).
+  // O's registers are divided, not repeated). Both on the portable engine only: the wgmma
+  // engine's warpgroups own whole rows (MLA's sm_90a tiles are SwapConfig and TwinConfig).
   static constexpr int WARPS_M = BM / 16;
   static constexpr int WARPS_N = WARPS_N_;
   static constexpr bool SPLIT_O = SPLIT_O_;
@@ -126,11 +127,11 @@ struct FmhaConfig {
   // the O fragments of the WARPS_N - 1 warps that hand theirs over
   static constexpr int SMEM_MERGE = WARPS_N > 1 && !SPLIT_O ? WARPS * 16 * 2 * 4 + (WARPS_N - 1) * BM * DV * 4 : 0;
   static constexpr int SMEM_BYTES = SMEM_PIPE > SMEM_MERGE ? SMEM_PIPE : SMEM_MERGE;
-  static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_ && (WARPS_N_ == 1 || SPLIT_O_)),
-                "wgmma engine: warpgroups of 64 rows, Q in smem, keys split only with O split");
+  static_assert(ARCH_ == 80 || (BM % 64 == 0 && !Q_IN_REGS_ && WARPS_N_ == 1 && !SPLIT_O_ && !SHARED_KV_),
+                "wgmma engine: warpgroups of 64 whole rows, Q in smem, K and V tiles of their own "
+                "(no key or O split, no shared tile: MLA's sm_90a tiles are SwapConfig / TwinConfig)");
   static_assert(BN % (16 * WARPS_N) == 0 && D % 64 == 0 && STAGES >= 2, "tile shape");
-  static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0 && (ARCH_ == 80 || (DTW * 8) % 64 == 0)),
-                "SPLIT_O: column pairs per warp (whole 64-column panels per warpgroup on wgmma)");
+  static_assert(!SPLIT_O || (WARPS_N > 1 && DTW % 2 == 0), "SPLIT_O: column pairs per warp");
   static_assert(!PRODUCER || (ARCH_ == 90 && BM % 64 == 0), "producer warpgroup: the wgmma engine");
   static_assert(PRODUCER || COPY_TPR_ == 4, "COPY_TPR: the producer's copy (4 elsewhere)");
   static_assert(LOOP_ == 0 || (PRODUCER && WARPS_N_ == 1 && !SPLIT_O_ && LOOP_ <= 2),

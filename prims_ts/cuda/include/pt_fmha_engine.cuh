@@ -1,7 +1,7 @@
 // One warp's place in an FMHA tile (FmhaWarp) and the tile's two products on each engine
 // (FmhaEngine<Cfg, ARCH>): S = Q K^T and O += P V, with the key split (WARPS_N) and the
-// split-O exchange (SPLIT_O) written once here, so the loops in pt_fmha.cuh read the same on
-// every architecture.
+// split-O exchange (SPLIT_O, the portable engine's: wgmma tiles are whole-row warpgroups)
+// written once here, so the loops in pt_fmha.cuh read the same on every architecture.
 //
 // Fragments: each warp owns 16 query rows; S [NT][4] holds its BNW keys of a tile in the
 // mma.sync C layout (which wgmma's accumulators share), O [DT][4] its DTW * 8 columns.
@@ -109,8 +109,8 @@ template <class Cfg, int ARCH = Cfg::ARCH>
 struct FmhaEngine;
 
 // sm_90a: wgmma reading Q and K/V straight from 128-byte-swizzled shared memory, P from
-// registers. Each product is issued and committed here; the caller waits (the overlapped
-// loops keep one in flight).
+// registers, whole-row warpgroups (no key or O split: FmhaConfig). Each product is issued and
+// committed here; the caller waits (the overlapped loops keep one in flight).
 template <class Cfg>
 struct FmhaEngine<Cfg, 90> {
   using W = FmhaWarp<Cfg>;
@@ -140,7 +140,7 @@ struct FmhaEngine<Cfg, 90> {
     wgmma_commit();
   }
   // O += P V: A = P from registers, B = V N-major; V's k-step kk at VTile::kstep(kk), its
-  // panels VTile::LBO apart (whole-row warpgroups: no SPLIT_O)
+  // panels VTile::LBO apart
   __device__ __forceinline__ static void issue_pv(const W& w, float (&o)[DT][4], const u32 (&pf)[BNW / 16][4],
                                                   int stage) {
     using VTile = typename W::VTile;
@@ -164,31 +164,9 @@ struct FmhaEngine<Cfg, 90> {
     fence_regs(s);
   }
   __device__ __forceinline__ static void pv_tile(const W& w, float (&o)[DT][4], const float (&s)[NT][4], int stage) {
-    if constexpr (Cfg::SPLIT_O) {
-      // hand this warpgroup's P over as A fragments (the RS operand's register layout is
-      // the mma.sync one), then multiply all BN keys into its DV / WARPS_N columns
-      w.put_p(s);
-      u32 pf[BN / 16][4];
-#pragma unroll
-      for (int kb = 0; kb < BN / 16; ++kb) {
-        const uint4 pa = w.band_p(kb);
-        pf[kb][0] = pa.x;
-        pf[kb][1] = pa.y;
-        pf[kb][2] = pa.z;
-        pf[kb][3] = pa.w;
-      }
-      const u32 v_wg = w.sV(stage) + (u32)(w.col0 * 8 / 64) * W::KVTile::PANEL;  // this warpgroup's first column panel
-      fence_regs(o);
-      wgmma_fence();
-#pragma unroll
-      for (int kb = 0; kb < BN / 16; ++kb)
-        Wgmma<T, DT * 8>::rs_nmajor(o, pf[kb], desc_nmajor(v_wg + kb * 16 * 128, W::KVTile::PANEL), 1);
-      wgmma_commit();
-    } else {
-      u32 pf[BNW / 16][4];
-      W::pack_p(s, pf);
-      issue_pv(w, o, pf, stage);
-    }
+    u32 pf[BNW / 16][4];
+    W::pack_p(s, pf);
+    issue_pv(w, o, pf, stage);
     wgmma_wait<0>();
     fence_regs(o);
   }

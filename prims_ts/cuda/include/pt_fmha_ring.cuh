@@ -24,7 +24,7 @@ struct RingPos {
 // arrive on the tile's full barrier when they land (a TMA problem: thread 0's boxes, see
 // UsesTma). The MMA warps hand K back once their S^T has landed and V once their P V has,
 // so that the next tile's K loads while this one's V is still read. One tile a stage
-// (KV_TILES 1, FmhaConfig SHARED_KV: V a prefix of the K row) has one pair: the _k barriers,
+// (KV_TILES 1, the swapped MLA tile's: V a prefix of the K row) has one pair: the _k barriers,
 // released with V.
 // V_LAG (the overlapped consumer loops, which multiply P V of tile it - 1 beside S^T of tile
 // it): the producer copies V a tile behind K (K0, K1, V0, K2, V1, ...), so that the K the

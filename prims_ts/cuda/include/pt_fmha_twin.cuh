@@ -1,8 +1,8 @@
-// The twin MLA tile (sm_90a, MLA rows of 64 unless Tuning(mla_twin=False)): 64 query rows
-// (heads x query tokens) over 64-key tiles of 576-wide latent rows, V the first 512 columns of
-// each row. Two warpgroups run the same code on alternate key tiles: warpgroup w computes S of
-// tiles w, w + 2, ... (m64n64 over all 576 columns, so its shared-memory operands stream at
-// the rate the tensor pipe takes them) and owns half w of O (256 columns, m64n256 for P V).
+// The twin MLA tile (sm_90a, MLA rows of 64): 64 query rows (heads x query tokens) over
+// 64-key tiles of 576-wide latent rows, V the first 512 columns of each row. Two warpgroups
+// run the same code on alternate key tiles: warpgroup w computes S of tiles w, w + 2, ...
+// (m64n64 over all 576 columns, so its shared-memory operands stream at the rate the tensor
+// pipe takes them) and owns half w of O (256 columns, m64n256 for P V).
 // For a pair of tiles, each warpgroup with its own tile `own` and the other's `oth`:
 //
 //   P(own) = exp2(S(own) * scale_log2 - ref), to shared memory for the other warpgroup
