@@ -348,37 +348,45 @@ def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
                    kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
 
 
+# the twin tile's variants: (tuning, the grid's rotation)
+TWIN_VARIANTS = {"prefetch": (Tuning(mla_prefetch=True), 2), "panel_wait": (Tuning(mla_panel_wait=True), 3)}
+
+
+@pytest.mark.parametrize("variant", list(TWIN_VARIANTS))
 @pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("qmode", QMODES)
-def test_wide_rows_twin_prefetch(split_merge, qmode, mask, hsq):
-    """Rows of 64 on the twin tile with its L2 prefetches (Tuning.mla_prefetch): the wide-row
-    grid's rotation turned by two (every page size, split or one split; the prefetches' boxes
-    are the copies' own)."""
+def test_wide_rows_twin_variants(split_merge, qmode, mask, hsq, variant):
+    """Rows of 64 on the twin tile's variants: its L2 prefetches (Tuning.mla_prefetch; the
+    prefetches' boxes are the copies' own) and S a panel at a time (Tuning.mla_panel_wait); the
+    wide-row grid's rotation turned by two and three (every page size, split or one split)."""
     skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_prefetch=True), split_merge)
-    pb = wide_problem(qmode, mask, hsq, "twin-prefetch", shift=2)
+    base, shift = TWIN_VARIANTS[variant]
+    tuning = with_merge(base, split_merge)
+    pb = wide_problem(qmode, mask, hsq, f"twin-{variant}", shift=shift)
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and key.prefetch and key.bm == 64, key.name
+    assert key.twin and (key.prefetch, key.panel_wait) == (base.mla_prefetch, base.mla_panel_wait), key.name
+    assert key.bm == 64, key.name
     if on_sm90():
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+@pytest.mark.parametrize("variant", ["", *TWIN_VARIANTS])
 @pytest.mark.parametrize("lengths", ["long", "short"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_twin_rerun(split_merge, dtype, mask, lengths, prefetch):
+def test_twin_rerun(split_merge, dtype, mask, lengths, variant):
     """The twin tile's rerun (H 128, SQ 1): in each request one head's query meets a key early in
     the request (the last tile a CTA takes) whose latent row is 4x that query, a score ~138 (log2)
     above the first tiles' maxima: P against the first pass's reference overflows fp32 (and f16
     long before), so only the rerun with the exact maxima gives a finite result. Split-KV (long:
     a spike in the first and in a middle split) and one split (short: 64 requests of 150-400
-    keys, so that the spike lies past the first two tiles there too). With and without the L2
-    prefetches (Tuning.mla_prefetch)."""
+    keys, so that the spike lies past the first two tiles there too). The default and each
+    variant (TWIN_VARIANTS: the rerun's barrier phases under the variant's waits)."""
     skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_prefetch=prefetch), split_merge)
+    base = TWIN_VARIANTS[variant][0] if variant else Tuning()
+    tuning = with_merge(base, split_merge)
     lens = [2500, 1033, 300] if lengths == "long" else [400, 330, 257] + [150 + 4 * b for b in range(61)]
     pb = Problem(lens, 128, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths), sq=1,
                  max_seq_len=2600 if lengths == "long" else 400)
@@ -389,7 +397,7 @@ def test_twin_rerun(split_merge, dtype, mask, lengths, prefetch):
             page = pb.live[b][j // pb.ps]
             pb.pool[page, j % pb.ps] = (4 * pb.q[b, 0, head].float()).to(dtype)
     key = DecodeKey.of(DTYPE_CODES[dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and key.prefetch == prefetch, key.name
+    assert key.twin and (key.prefetch, key.panel_wait) == (base.mla_prefetch, base.mla_panel_wait), key.name
     check(pb, tuning, mask)
 
 

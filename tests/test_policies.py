@@ -155,6 +155,11 @@ def test_mla_twin_tile_key(heads, sq):
     pf = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True))  # L2 prefetches
     assert pf.twin and pf.prefetch and pf.name == key.name + "_pf" and pf.smem == key.smem
     assert "TwinConfig<pt::bf16, 576, 512, true>" in pf.source().source
+    pw = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_panel_wait=True))  # S a panel at a time
+    assert pw.twin and pw.panel_wait and pw.name == key.name + "_pw" and pw.smem == key.smem
+    assert "TwinConfig<pt::bf16, 576, 512, false, true>" in pw.source().source
+    both = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True, mla_panel_wait=True))
+    assert both.name == key.name + "_pf_pw" and "TwinConfig<pt::bf16, 576, 512, true, true>" in both.source().source
     for other in (Tuning(flip_copy=True), Tuning(copy_tpr=8), Tuning(mla_swapped=False), Tuning(cluster_merge=False)):
         assert DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", other) == key, other
     assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).twin
@@ -162,6 +167,7 @@ def test_mla_twin_tile_key(heads, sq):
     swap = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t)
     swap_pf = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", Tuning(mla_prefetch=True))
     assert swap.swap and swap_pf.swap and swap_pf.prefetch and swap_pf.name == swap.name + "_pf"
+    assert DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", Tuning(mla_panel_wait=True)) == swap  # twin only
     assert f"{swap.copy_tpr}, true>" in swap_pf.source().source
 
 
@@ -664,6 +670,24 @@ def test_prefetch_variants_emit_their_prefetches():
     for base, pf, arch, instr in cases:
         assert instr in ptx(pf, arch), pf.name
         assert instr not in ptx(base, arch), base.name
+
+def test_twin_panel_wait_commits_a_group_a_panel():
+    """Tuning.mla_panel_wait changes no result either: the twin key's PTX under it waits for S's
+    panels one by one (nine mbarrier waits in the pair instead of three loops) and commits
+    a wgmma group a panel, so that the pair's waits for P V count S's groups: its first half's
+    four and its second half's five instead of one each (one copy of the pair in the code)."""
+    from prims_ts.cuda import runtime
+
+    pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
+    ptx = {}
+    for t in (Tuning(), Tuning(mla_panel_wait=True)):
+        src = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", t).source()
+        ptx[t.mla_panel_wait] = runtime.compile_ptx(src.source, src.name, "sm_90a")
+    commits = {pw: text.count("wgmma.commit_group") for pw, text in ptx.items()}
+    waits = {pw: text.count("mbarrier.try_wait") for pw, text in ptx.items()}
+    assert commits[True] - commits[False] == (4 - 1) + (5 - 1), commits
+    assert waits[True] - waits[False] == 9 - 3, waits  # the pair's three acquire loops become nine waits
+
 
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""

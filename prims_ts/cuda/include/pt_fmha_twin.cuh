@@ -45,7 +45,7 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, bool PREFETCH_ = false>
+template <class T_, int D_, int DV_, bool PREFETCH_ = false, bool PANEL_WAIT_ = false>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
@@ -53,6 +53,9 @@ struct TwinConfig {
   // each warpgroup's copies of tile own + 2 go with an L2 prefetch of tile own + 4 (its next
   // own tile but one): Tuning.mla_prefetch
   static constexpr bool PREFETCH = PREFETCH_;
+  // S of a tile waits for each panel's copy just before that panel's k-steps, instead of for
+  // every panel of a half before the half's first: Tuning.mla_panel_wait
+  static constexpr bool PANEL_WAIT = PANEL_WAIT_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -127,6 +130,7 @@ struct TwinTile {
   static_assert(!Problem::SHORT_TILES, "whole 64-key tiles (the decode problem's)");
   static constexpr int BN = Cfg::BN, THREADS = Cfg::THREADS, QP = Cfg::QP, VH = Cfg::VH;
   static constexpr int DT = Cfg::DVH / 8;  // O n-tiles a thread
+  static constexpr int S_GROUPS = Cfg::PANEL_WAIT ? Cfg::VH : 1;  // wgmma groups of S's first half
 
   const Problem& pb;
   char* const smem;
@@ -247,16 +251,25 @@ struct TwinTile {
   // add a k-step, the address field being addr >> 4. Q's base made opaque, else its
   // loop-invariant descriptors are hoisted and spilled.
   template <class NP>
-  __device__ __forceinline__ void s_steps(int it, int c0, NP, bool first) {
+  __device__ __forceinline__ void s_steps(int it, int c0, NP, bool first, bool wait = false) {
     u64 dq = desc_kmajor(sQ + (u32)c0 * KVTile::PANEL);
     asm volatile("" : "+l"(dq));
     const u64 dk = desc_kmajor(stage(it) + (u32)c0 * KVTile::PANEL);
 #pragma unroll
     for (int c = 0; c < NP::value; ++c) {
+      if constexpr (Cfg::PANEL_WAIT) {
+        if (wait) {  // the panel's copy, then the fence ptxas would otherwise inject (C7519)
+          mbar_wait(full(it, c0 + c), parity(it));
+          wgmma_fence();
+        }
+      }
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const u32 off = (u32)c * KVTile::PANEL + (u32)k * 32;  // QTile::PANEL == KVTile::PANEL
         Wgmma<T, 64>::ss(s, dq + (off >> 4), dk + (off >> 4), (first && c == 0 && k == 0) ? 0 : 1);
+      }
+      if constexpr (Cfg::PANEL_WAIT) {
+        if (wait) wgmma_commit();  // a group a panel: the pair's waits count them
       }
     }
   }
@@ -421,21 +434,23 @@ struct TwinTile {
     // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
     if (more) {
       fence_regs(s);
-      acquire(own + 2, w * VH, VH);
+      if constexpr (!Cfg::PANEL_WAIT) acquire(own + 2, w * VH, VH);
       wgmma_fence();
-      s_steps(own + 2, w * VH, Half{}, true);
-      wgmma_commit();
+      s_steps(own + 2, w * VH, Half{}, true, true);
+      if constexpr (!Cfg::PANEL_WAIT) wgmma_commit();
     }
-    wgmma_wait_dyn<1>(more ? 1 : 0);  // P(oth) V(oth)_w has landed: V(oth)_w and P(oth)'s panel refill
+    wgmma_wait_dyn<S_GROUPS>(more ? S_GROUPS : 0);  // P(oth) V(oth)_w has landed: V(oth)_w and P(oth)'s panel refill
     fence_regs(o);
     if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
     if (more) {
-      acquire(own + 2, (1 - w) * VH, VH);
-      acquire(own + 2, QP - 1, 1);
+      if constexpr (!Cfg::PANEL_WAIT) {
+        acquire(own + 2, (1 - w) * VH, VH);
+        acquire(own + 2, QP - 1, 1);
+      }
       wgmma_fence();
-      s_steps(own + 2, (1 - w) * VH, Half{}, false);
-      s_steps(own + 2, QP - 1, One{}, false);
-      wgmma_commit();
+      s_steps(own + 2, (1 - w) * VH, Half{}, false, true);
+      s_steps(own + 2, QP - 1, One{}, false, true);
+      if constexpr (!Cfg::PANEL_WAIT) wgmma_commit();
     }
     wgmma_wait<0>();
     fence_regs(o);
