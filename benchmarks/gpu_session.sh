@@ -10,7 +10,8 @@
 # limited to 10 minutes: `tests` takes ~3 minutes with pytest-xdist (without, most of the
 # 10); `sanitize` runs the small cases under memcheck and then racecheck (up to 240 s each,
 # sanitize_memcheck.log and sanitize_racecheck.log); run `sanitize check` and `quick` (or
-# `bench`) in further calls if needed. Each test file gets its own summary line.
+# `bench`) in further calls if needed. Each test file gets its own summary line, each stage a
+# line with the seconds into the call at its start; GPU_BUDGET_S (below) caps the whole call.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -21,6 +22,20 @@ mkdir -p "$OUT"
 OUT="$(cd -- "$OUT" >/dev/null && pwd -P)"  # absolute (a relative one is the repo root's): abtree cds
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
+
+# GPU_BUDGET_S (optional): the seconds this whole script may take. Every step's own limit is cut
+# to what is left of it, so that one device call ends in time to pack its logs (a machine goes
+# back when the call outruns its limit, and with it what $OUT held).
+START_S=$(date +%s)
+tl() {  # the limit for a step: its own ($1), or what is left of GPU_BUDGET_S if less (at least 1)
+    local n=$1 left
+    if [ -n "${GPU_BUDGET_S:-}" ]; then
+        left=$((GPU_BUDGET_S - ($(date +%s) - START_S)))
+        [ "$left" -lt "$n" ] && n=$left
+        [ "$n" -lt 1 ] && n=1
+    fi
+    echo "$n"
+}
 
 # `par "STAGES A" "STAGES B"`: two stage lists at once, one per GPU (an nvidia-h200-x2
 # machine), each with its own $OUT/gpu0 or gpu1; then the lists' summaries.
@@ -52,13 +67,14 @@ run_tests() {  # the cuda-marked tests of each file that exists, one summary lin
     for f in "$@"; do
         [ -f "$f" ] || { echo "== $f: no such file"; continue; }
         echo "== $f"
-        timeout 280 "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider "${XDIST[@]}" \
+        timeout "$(tl 280)" "$PY" -m pytest "$f" -q -m cuda -rs --maxfail=20 -p no:cacheprovider "${XDIST[@]}" \
             >"$OUT/$(basename "$f" .py).log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
     done
 }
 
 for s in "${stages[@]}"; do
+    echo "[$(date +%T), ${s}: $(($(date +%s) - START_S)) s into the call]"
     case "$s" in
     tests) run_tests "${KERNEL_TESTS[@]}" ;;
     # the same in two device calls when one would pass 10 minutes (three consumer loops of the
@@ -76,12 +92,12 @@ for s in "${stages[@]}"; do
         # tile's prefetch cells, then its sanitizer cases (the default, balanced, prefetches, an odd tile count, the
         # rerun's spiked keys) under memcheck and racecheck
         echo "== tests/test_mla_cuda.py -k 'twin or prefetch'"
-        timeout 280 "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or prefetch" --maxfail=20 -p no:cacheprovider \
+        timeout "$(tl 280)" "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or prefetch" --maxfail=20 -p no:cacheprovider \
             "${XDIST[@]}" >"$OUT/twin.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/twin.log")"
         for tool in memcheck racecheck; do
             echo "== compute-sanitizer $tool --mla-twin"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 200)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py --mla-twin >"$OUT/twin_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/twin_$tool.log" | tail -1)"
         done ;;
@@ -89,7 +105,7 @@ for s in "${stages[@]}"; do
         # (decode's long rows included), then the paged ring variant's sanitizer cases and the decode cases (the
         # prefetch pass last) under memcheck
         echo "== decode / MLA / paged / block-sparse tests -k prefetch"
-        timeout 300 "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py tests/test_paged_cuda.py \
+        timeout "$(tl 300)" "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py tests/test_paged_cuda.py \
             tests/test_block_sparse_cuda.py -q -m cuda -rs -k prefetch --maxfail=20 -p no:cacheprovider \
             "${XDIST[@]}" >"$OUT/prefetch.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/prefetch.log")"
@@ -97,7 +113,7 @@ for s in "${stages[@]}"; do
             args="--decode"; [ "$part" = paged ] && args="--variant paged_prefetch"
             echo "== compute-sanitizer memcheck $args"
             # shellcheck disable=SC2086
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 \
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 120)" compute-sanitizer --tool memcheck --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py $args >"$OUT/prefetch_memcheck_$part.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/prefetch_memcheck_$part.log" | tail -1)"
         done ;;
@@ -105,18 +121,18 @@ for s in "${stages[@]}"; do
         # under it (split_merge "balanced": 7 CTAs at every size), then the sanitizer's decode cases
         # (its balanced pass among them) under memcheck and racecheck
         echo "== tests/test_decode_cuda.py tests/test_mla_cuda.py -k balanced"
-        timeout 280 "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py -q -m cuda -rs -k balanced \
+        timeout "$(tl 280)" "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py -q -m cuda -rs -k balanced \
             --maxfail=20 -p no:cacheprovider "${XDIST[@]}" >"$OUT/balanced.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/balanced.log")"
         for tool in memcheck racecheck; do
             echo "== compute-sanitizer $tool --decode"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 150)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py --decode >"$OUT/balanced_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/balanced_$tool.log" | tail -1)"
         done ;;
     second)  # the tests that need two GPUs (tensors on cuda:1), every kernel file
         echo "== tests on cuda:1"
-        timeout 280 "$PY" -m pytest "${KERNEL_TESTS[@]}" -q -m cuda -rs -k second_device -p no:cacheprovider \
+        timeout "$(tl 280)" "$PY" -m pytest "${KERNEL_TESTS[@]}" -q -m cuda -rs -k second_device -p no:cacheprovider \
             >"$OUT/second_device.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/second_device.log")" ;;
     graphs) run_tests compile_tests/test_decode_compile.py compile_tests/test_mla_compile.py compile_tests/test_paged_compile.py \
@@ -129,17 +145,17 @@ for s in "${stages[@]}"; do
         tools="$s"; [ "$s" = sanitize ] && tools="memcheck racecheck"
         for tool in $tools; do
             echo "== compute-sanitizer $tool (small cases)"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 400 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 400)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py >"$OUT/sanitize_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
         done ;;
     check)
         echo "== check"
-        timeout 120 "$PY" -m prims_ts check >"$OUT/check.log" 2>&1
+        timeout "$(tl 120)" "$PY" -m prims_ts check >"$OUT/check.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/check.log")" ;;
     bench | quick)
         echo "== bench $([ "$s" = quick ] && echo --quick)"
-        timeout 420 "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
+        timeout "$(tl 420)" "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40 ;;
     ab | abloops)
         # tunings in one call, for before/after figures in benchmarks/NOTES.md, each against d
@@ -179,7 +195,7 @@ for s in "${stages[@]}"; do
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"
             # shellcheck disable=SC2086
-            timeout 140 "$PY" -m prims_ts bench $fams --runners prims_ts,prims_ts_contiguous --tuning "$spec" \
+            timeout "$(tl 140)" "$PY" -m prims_ts bench $fams --runners prims_ts,prims_ts_contiguous --tuning "$spec" \
                 --json "$json" 2>&1 | tee "${json%.json}.log" | grep -v '^\[' | tail -44
         done
         echo "== speedups over the first variant"
@@ -193,7 +209,7 @@ for s in "${stages[@]}"; do
         for v in base new; do
             root=.; [ "$v" = base ] && root=ab_base
             echo "== bench --paths, $v tree"
-            (cd "$root" && PYTHONPATH=. timeout 200 "$PY" -c "import os, sys; import prims_ts; \
+            (cd "$root" && PYTHONPATH=. timeout "$(tl 200)" "$PY" -c "import os, sys; import prims_ts; \
 print('prims_ts from', os.path.dirname(os.path.realpath(prims_ts.__file__))); \
 from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench --paths --json "$OUT/paths_$v.json") \
                 >"$OUT/paths_$v.log" 2>&1
@@ -217,7 +233,7 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench --paths --jso
             n=$((n + 1)); root=.; [ "$v" = base ] && root=ab_base
             echo "== bench, $v tree (run $n)"
             # shellcheck disable=SC2086
-            (cd "$root" && PYTHONPATH=. timeout 140 "$PY" -c "import os, sys; import prims_ts; \
+            (cd "$root" && PYTHONPATH=. timeout "$(tl 140)" "$PY" -c "import os, sys; import prims_ts; \
 got = os.path.dirname(os.path.realpath(prims_ts.__file__)); want = os.path.realpath('prims_ts'); \
 print('prims_ts from', got); assert got == want, ('imported', got, 'not', want); \
 from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runners prims_ts,prims_ts_contiguous \
@@ -236,18 +252,18 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
         for p in 0 1 2; do
             echo "== bench prefill, PT_PROBE $p"
             spec=""; [ "$p" != 0 ] && spec="probe=$p"
-            timeout 170 "$PY" -m prims_ts bench --family prefill --family paged_prefill --runners prims_ts \
+            timeout "$(tl 170)" "$PY" -m prims_ts bench --family prefill --family paged_prefill --runners prims_ts \
                 --tuning "$spec" --json "$OUT/probe$p.json" 2>&1 | tee "$OUT/probe$p.log" | grep -v '^\[' | tail -30
         done
         echo "== time as built over time with the probe (x > 1: the probed side alone is faster)"
         "$PY" benchmarks/ab_table.py "$OUT/probe0.json" "$OUT/probe1.json" "$OUT/probe2.json" | tee "$OUT/probe_table.txt" ;;
     paths)
         echo "== bench --paths (host us per call and one-call latency of every path, beside the peers)"
-        timeout 400 "$PY" -m prims_ts bench --paths --json "$OUT/paths.json" 2>&1 | tee "$OUT/paths.log" | tail -60 ;;
+        timeout "$(tl 400)" "$PY" -m prims_ts bench --paths --json "$OUT/paths.json" 2>&1 | tee "$OUT/paths.log" | tail -60 ;;
     sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and copies
-        echo "== latency_sweep"; timeout 120 "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
+        echo "== latency_sweep"; timeout "$(tl 120)" "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
-            echo "== mla_sweep $a"; timeout 60 "$PY" benchmarks/mla_sweep.py $a swap swap8 mma 2>&1 | tee -a "$OUT/mla_sweep.log"
+            echo "== mla_sweep $a"; timeout "$(tl 60)" "$PY" benchmarks/mla_sweep.py $a swap swap8 mma 2>&1 | tee -a "$OUT/mla_sweep.log"
         done ;;
     profile)
         # ncu (full set, source counters) of one launch per row: the MLA memory-bound row and
@@ -263,7 +279,7 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
             # PROFILE_ROWS (e.g. "prefill_b2c bsr_128_10") picks some of the rows
             [ -n "${PROFILE_ROWS:-}" ] && [[ " $PROFILE_ROWS " != *" $name "* ]] && continue
             echo "== ncu $name"
-            timeout 240 ncu --clock-control none -k "regex:$kern" -s 1 -c 1 --set full -f -o "$OUT/ncu_$name" \
+            timeout "$(tl 240)" ncu --clock-control none -k "regex:$kern" -s 1 -c 1 --set full -f -o "$OUT/ncu_$name" \
                 "$PY" benchmarks/run_one.py "$fam" "$prob" prims_ts 2 >"$OUT/ncu_$name.log" 2>&1
             echo "   rc=$? $(tail -1 "$OUT/ncu_$name.log")"
             ncu --import "$OUT/ncu_$name.ncu-rep" --page details >"$OUT/ncu_$name.txt" 2>&1
