@@ -270,7 +270,8 @@ class DecodeKey(KernelKey):
             flags = [self.prefetch, self.panel_wait]  # the defaults (false) left off at the end
             while flags and not flags[-1]:
                 flags.pop()
-            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{''.join(', ' + cpp_bool(f) for f in flags)}>"
+            args = "".join(", " + cpp_bool(f) for f in flags)
+            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{args}>"
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}{', true' if self.prefetch else ''}>")
