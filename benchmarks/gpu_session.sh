@@ -168,8 +168,7 @@ for s in "${stages[@]}"; do
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
         # page; AB_FAMILIES=paged_prefill); tp: MLA's tiles with L2 prefetches (AB_FAMILIES=mla); dp: paged decode's
         # mma.sync tile with L2 prefetches (AB_FAMILIES=decode); pp: both (AB_FAMILIES="decode mla": each family's rows
-        # run only its own tiles); tw: the twin MLA tile's S a panel at a time; tpw: tw with MLA's L2 prefetches
-        # (AB_FAMILIES=mla); pgf: the paged TMA producers' L2 prefetch of the next tile's pages
+        # run only its own tiles); pgf: the paged TMA producers' L2 prefetch of the next tile's pages
         # (AB_FAMILIES="paged_prefill block_sparse"); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
@@ -179,7 +178,7 @@ for s in "${stages[@]}"; do
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c | tp | tw | tpw) fams="$fams --family mla" ;; bs | dp | pp) fams="--family decode --family mla" ;; esac
+            case "$v" in d | c | tp) fams="$fams --family mla" ;; bs | dp | pp) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -189,7 +188,6 @@ for s in "${stages[@]}"; do
                 pk) spec="page_major_k=False" ;;
                 tp) spec="mla_prefetch=True" ;; dp) spec="decode_prefetch=True" ;;
                 pp) spec="mla_prefetch=True;decode_prefetch=True" ;; pgf) spec="paged_prefetch=True" ;;
-                tw) spec="mla_panel_wait=True" ;; tpw) spec="mla_prefetch=True;mla_panel_wait=True" ;;
                 bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac

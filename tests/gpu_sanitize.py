@@ -502,14 +502,12 @@ def run_mla_twin(dev, default: bool = True) -> None:
     """MLA_CASES through a wrapper planned with the twin tile (the default for rows of 64 and
     more: the packed H64 and split H128 cases; the others keep the swapped tile): the default
     tuning (`default`; rows of 64 always merge by the ticket), balanced split-KV over 7 CTAs (its
-    barriers retired and set up again item after item), the L2 prefetches (Tuning.mla_prefetch,
-    the swapped tile's too) and S a panel at a time (Tuning.mla_panel_wait); the two twin cases
-    again with a spiked key (the rerun: the barrier phases it continues); and three whole tiles
-    a request, dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for
-    one P more than warpgroup 0)."""
+    barriers retired and set up again item after item) and the L2 prefetches (Tuning.mla_prefetch,
+    the swapped tile's too); the two twin cases again with a spiked key (the rerun: the barrier
+    phases it continues); and three whole tiles a request, dense (an odd tile count without the
+    first tile's zeroing: warpgroup 1 waits for one P more than warpgroup 0)."""
     twin = Tuning()
-    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), DECODE_VARIANTS["mla_prefetch"],
-               DECODE_VARIANTS["mla_panel_wait"]]
+    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), DECODE_VARIANTS["mla_prefetch"]]
     if default:
         tunings = [twin] + tunings
     for tuning in tunings:

@@ -349,7 +349,7 @@ def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
 
 
 # the twin tile's variants: (tuning, the grid's rotation)
-TWIN_VARIANTS = {"prefetch": (Tuning(mla_prefetch=True), 2), "panel_wait": (Tuning(mla_panel_wait=True), 3)}
+TWIN_VARIANTS = {"prefetch": (Tuning(mla_prefetch=True), 2)}
 
 
 @pytest.mark.parametrize("variant", list(TWIN_VARIANTS))
@@ -358,14 +358,14 @@ TWIN_VARIANTS = {"prefetch": (Tuning(mla_prefetch=True), 2), "panel_wait": (Tuni
 @pytest.mark.parametrize("qmode", QMODES)
 def test_wide_rows_twin_variants(split_merge, qmode, mask, hsq, variant):
     """Rows of 64 on the twin tile's variants: its L2 prefetches (Tuning.mla_prefetch; the
-    prefetches' boxes are the copies' own) and S a panel at a time (Tuning.mla_panel_wait); the
-    wide-row grid's rotation turned by two and three (every page size, split or one split)."""
+    prefetches' boxes are the copies' own); the wide-row grid's rotation turned by two (every
+    page size, split or one split)."""
     skip_off_sm90("the twin tile")
     base, shift = TWIN_VARIANTS[variant]
     tuning = with_merge(base, split_merge)
     pb = wide_problem(qmode, mask, hsq, f"twin-{variant}", shift=shift)
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and (key.prefetch, key.panel_wait) == (base.mla_prefetch, base.mla_panel_wait), key.name
+    assert key.twin and key.prefetch == base.mla_prefetch, key.name
     assert key.bm == 64, key.name
     if on_sm90():
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
@@ -397,7 +397,7 @@ def test_twin_rerun(split_merge, dtype, mask, lengths, variant):
             page = pb.live[b][j // pb.ps]
             pb.pool[page, j % pb.ps] = (4 * pb.q[b, 0, head].float()).to(dtype)
     key = DecodeKey.of(DTYPE_CODES[dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and (key.prefetch, key.panel_wait) == (base.mla_prefetch, base.mla_panel_wait), key.name
+    assert key.twin and key.prefetch == base.mla_prefetch, key.name
     check(pb, tuning, mask)
 
 

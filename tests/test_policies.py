@@ -155,11 +155,6 @@ def test_mla_twin_tile_key(heads, sq):
     pf = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True))  # L2 prefetches
     assert pf.twin and pf.prefetch and pf.name == key.name + "_pf" and pf.smem == key.smem
     assert "TwinConfig<pt::bf16, 576, 512, true>" in pf.source().source
-    pw = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_panel_wait=True))  # S a panel at a time
-    assert pw.twin and pw.panel_wait and pw.name == key.name + "_pw" and pw.smem == key.smem
-    assert "TwinConfig<pt::bf16, 576, 512, false, true>" in pw.source().source
-    both = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True, mla_panel_wait=True))
-    assert both.name == key.name + "_pf_pw" and "TwinConfig<pt::bf16, 576, 512, true, true>" in both.source().source
     for other in (Tuning(flip_copy=True), Tuning(copy_tpr=8), Tuning(mla_swapped=False), Tuning(cluster_merge=False)):
         assert DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", other) == key, other
     assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).twin
@@ -167,7 +162,6 @@ def test_mla_twin_tile_key(heads, sq):
     swap = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t)
     swap_pf = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", Tuning(mla_prefetch=True))
     assert swap.swap and swap_pf.swap and swap_pf.prefetch and swap_pf.name == swap.name + "_pf"
-    assert DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", Tuning(mla_panel_wait=True)) == swap  # twin only
     assert f"{swap.copy_tpr}, true>" in swap_pf.source().source
 
 
@@ -361,8 +355,9 @@ def test_balanced_policy():
 def test_tuning_encodes_and_decodes():
     """Ops carry a Tuning as a string: the default is "", every other value round-trips;
     unknown fields and bad values are errors naming tuning. A removed field is unknown: the
-    staged split merge's (merge_staged) and the split-O MLA tile's (mla_twin, whose False chose
-    it) no longer decode."""
+    staged split merge's (merge_staged), the split-O MLA tile's (mla_twin, whose False chose it)
+    and the twin tile's panel waits (mla_panel_wait, now the tile's only form) no longer
+    decode."""
     assert Tuning().encode() == "" and Tuning.decode("") == Tuning()
     for t in list(catalog.VARIANTS) + [Tuning(copy_tpr=8, probe=1), Tuning(loop=0, flip_copy=True)]:
         assert Tuning.decode(t.encode()) == t, t
@@ -370,8 +365,9 @@ def test_tuning_encodes_and_decodes():
         Tuning.decode("looop=1")
     with pytest.raises(ValueError, match="tuning"):
         Tuning.decode("loop=fast")
-    for removed in ("merge_staged=True", "mla_twin=False", "mla_twin=True", "flip_copy=True;mla_twin=False"):
-        with pytest.raises(ValueError, match=r"tuning: unknown field '(merge_staged|mla_twin)'"):
+    for removed in ("merge_staged=True", "mla_twin=False", "mla_twin=True", "flip_copy=True;mla_twin=False",
+                    "mla_panel_wait=True", "mla_panel_wait=False"):
+        with pytest.raises(ValueError, match=r"tuning: unknown field '(merge_staged|mla_twin|mla_panel_wait)'"):
             Tuning.decode(removed)
     for bad in (dict(loop=3), dict(copy_tpr=6), dict(probe=5), dict(persistent_ctas=0)):
         with pytest.raises(ValueError, match="tuning"):
@@ -671,22 +667,23 @@ def test_prefetch_variants_emit_their_prefetches():
         assert instr in ptx(pf, arch), pf.name
         assert instr not in ptx(base, arch), base.name
 
-def test_twin_panel_wait_commits_a_group_a_panel():
-    """Tuning.mla_panel_wait changes no result either: the twin key's PTX under it waits for S's
-    panels one by one (nine mbarrier waits in the pair instead of three loops) and commits
-    a wgmma group a panel, so that the pair's waits for P V count S's groups: its first half's
-    four and its second half's five instead of one each (one copy of the pair in the code)."""
+def test_twin_commits_a_group_a_panel():
+    """No result tells how the twin tile waits for its copies: its key's PTX (one copy of the
+    pair in the code) waits for S's panels in the pair one by one, just before each panel's
+    k-steps (nine mbarrier waits, beside the first tile's one loop over every panel), and
+    commits a wgmma group a panel, so that the pair's wait for P(oth) V(oth) lets S's first
+    half's four groups run on (wait_group 4)."""
     from prims_ts.cuda import runtime
 
     pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
-    ptx = {}
-    for t in (Tuning(), Tuning(mla_panel_wait=True)):
-        src = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", t).source()
-        ptx[t.mla_panel_wait] = runtime.compile_ptx(src.source, src.name, "sm_90a")
-    commits = {pw: text.count("wgmma.commit_group") for pw, text in ptx.items()}
-    waits = {pw: text.count("mbarrier.try_wait") for pw, text in ptx.items()}
-    assert commits[True] - commits[False] == (4 - 1) + (5 - 1), commits
-    assert waits[True] - waits[False] == 9 - 3, waits  # the pair's three acquire loops become nine waits
+    key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a")
+    assert key.twin, key.name
+    src = key.source()
+    ptx = runtime.compile_ptx(src.source, src.name, "sm_90a")
+    # the first tile's group, P(own) V(own)'s and P(oth) V(oth)'s, then S's 4 + 4 + 1 panels
+    assert ptx.count("wgmma.commit_group") == 1 + 2 + 9, ptx.count("wgmma.commit_group")
+    assert ptx.count("mbarrier.try_wait") == 1 + 9, ptx.count("mbarrier.try_wait")
+    assert "wgmma.wait_group.sync.aligned 4;" in ptx
 
 
 def test_device_split_bound_matches_the_host():

@@ -45,12 +45,11 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "paged_prefetch": Tuning(paged_prefetch=True),
 }
 # The decode-shaped kernels' variants: MLA rows of 16/32 on the mma.sync tile, MLA's tiles with
-# L2 prefetches, the twin tile's S a panel at a time, the mma.sync tile with L2 prefetches, and
-# split-KV balanced over a persistent grid. (The swapped MLA tile's other producer copy: RING_VARIANTS' other_copy.)
+# L2 prefetches, the mma.sync tile with L2 prefetches, and split-KV balanced over a persistent
+# grid. (The swapped MLA tile's other producer copy: RING_VARIANTS' other_copy.)
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_mma": Tuning(mla_swapped=False),
     "mla_prefetch": Tuning(mla_prefetch=True),
-    "mla_panel_wait": Tuning(mla_panel_wait=True),
     "decode_prefetch": Tuning(decode_prefetch=True),
     "balanced_split": Tuning(balanced_split=True),
 }

@@ -205,7 +205,6 @@ class DecodeKey(KernelKey):
     # L2 prefetches ahead of the copies: MLA's wgmma tiles' (Tuning.mla_prefetch), the mma.sync
     # tile's (Tuning.decode_prefetch)
     prefetch: bool = tag("pf", False)
-    panel_wait: bool = tag("pw", False)  # the twin tile's S a panel at a time (Tuning.mla_panel_wait)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -218,7 +217,7 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, prefetch=tuning.mla_prefetch, panel_wait=tuning.mla_panel_wait)
+                             balanced=bal, prefetch=tuning.mla_prefetch)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
@@ -267,11 +266,7 @@ class DecodeKey(KernelKey):
 
     def call(self) -> str:
         if self.twin:
-            flags = [self.prefetch, self.panel_wait]  # the defaults (false) left off at the end
-            while flags and not flags[-1]:
-                flags.pop()
-            args = "".join(", " + cpp_bool(f) for f in flags)
-            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{args}>"
+            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{', true' if self.prefetch else ''}>"
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}{', true' if self.prefetch else ''}>")

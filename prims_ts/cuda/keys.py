@@ -70,11 +70,6 @@ class Tuning:
     # pairs ahead (TMA), the swapped tile's producer the next tile's rows. A variant until
     # measured (benchmarks/NOTES.md, MLA).
     mla_prefetch: bool = False
-    # The twin MLA tile's S waits for each 64-column panel of a key tile as its copy lands (a
-    # wgmma group a panel) instead of for the whole half of the tile before the half's first
-    # k-step, so that the first panels' products run under the later panels' copies. A variant
-    # until measured (benchmarks/NOTES.md, MLA decode, "The twin tile").
-    mla_panel_wait: bool = False
     # Paged decode's mma.sync tile prefetches the rows of the tile after each one it copies into
     # L2, a tile more in flight than its stages hold, so that the next copy reads L2 rather
     # than DRAM (MLA's latents off sm_90a: not, its rows of 16/32 would spill). A variant until

@@ -25,12 +25,14 @@
 // of a stage has a full barrier of its own. Each warpgroup refills the panels it was the last
 // to read as soon as its product over them has landed: its V half of its own tile, and its V
 // half and the rope panel (that tile's P) of the other's tile. S then starts on the half that
-// came back first. No producer warpgroup: one lane a box of the warpgroup's first warp issues
-// the copies, each box's page ID loaded a pair ahead. Keys past the request's end are never
-// copied from a page the request does not list; the rows after the last key in the first
-// (partial) tile are zeroed before any P V reads them (a page's slots past the length hold
-// anything, P is 0 there and 0 x NaN is not). The problem policies are the decode problem's
-// (pt_decode.cuh); one split's 16-bit output rows leave through shared memory.
+// came back first and waits for each panel's copy just before that panel's k-steps, a wgmma
+// group a panel, so that the first panels' products run under the later panels' copies. No
+// producer warpgroup: one lane a box of the warpgroup's first warp issues the copies, each
+// box's page ID loaded a pair ahead. Keys past the request's end are never copied from a page
+// the request does not list; the rows after the last key in the first (partial) tile are
+// zeroed before any P V reads them (a page's slots past the length hold anything, P is 0 there
+// and 0 x NaN is not). The problem policies are the decode problem's (pt_decode.cuh); one
+// split's 16-bit output rows leave through shared memory.
 #pragma once
 #include "pt_decode.cuh"
 
@@ -45,7 +47,7 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, bool PREFETCH_ = false, bool PANEL_WAIT_ = false>
+template <class T_, int D_, int DV_, bool PREFETCH_ = false>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
@@ -53,9 +55,6 @@ struct TwinConfig {
   // each warpgroup's copies of tile own + 2 go with an L2 prefetch of tile own + 4 (its next
   // own tile but one): Tuning.mla_prefetch
   static constexpr bool PREFETCH = PREFETCH_;
-  // S of a tile waits for each panel's copy just before that panel's k-steps, instead of for
-  // every panel of a half before the half's first: Tuning.mla_panel_wait
-  static constexpr bool PANEL_WAIT = PANEL_WAIT_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -130,7 +129,6 @@ struct TwinTile {
   static_assert(!Problem::SHORT_TILES, "whole 64-key tiles (the decode problem's)");
   static constexpr int BN = Cfg::BN, THREADS = Cfg::THREADS, QP = Cfg::QP, VH = Cfg::VH;
   static constexpr int DT = Cfg::DVH / 8;  // O n-tiles a thread
-  static constexpr int S_GROUPS = Cfg::PANEL_WAIT ? Cfg::VH : 1;  // wgmma groups of S's first half
 
   const Problem& pb;
   char* const smem;
@@ -249,7 +247,9 @@ struct TwinTile {
 
   // S k-steps of `np` panels from panel c0 (four a panel); the descriptors: a base each and one
   // add a k-step, the address field being addr >> 4. Q's base made opaque, else its
-  // loop-invariant descriptors are hoisted and spilled.
+  // loop-invariant descriptors are hoisted and spilled. `wait`: each panel's copy is waited for
+  // just before its k-steps, which are then a wgmma group of their own (the caller fences and
+  // commits otherwise).
   template <class NP>
   __device__ __forceinline__ void s_steps(int it, int c0, NP, bool first, bool wait = false) {
     u64 dq = desc_kmajor(sQ + (u32)c0 * KVTile::PANEL);
@@ -257,20 +257,16 @@ struct TwinTile {
     const u64 dk = desc_kmajor(stage(it) + (u32)c0 * KVTile::PANEL);
 #pragma unroll
     for (int c = 0; c < NP::value; ++c) {
-      if constexpr (Cfg::PANEL_WAIT) {
-        if (wait) {  // the panel's copy, then the fence ptxas would otherwise inject (C7519)
-          mbar_wait(full(it, c0 + c), parity(it));
-          wgmma_fence();
-        }
+      if (wait) {  // the panel's copy, then the fence ptxas would otherwise inject (C7519)
+        mbar_wait(full(it, c0 + c), parity(it));
+        wgmma_fence();
       }
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const u32 off = (u32)c * KVTile::PANEL + (u32)k * 32;  // QTile::PANEL == KVTile::PANEL
         Wgmma<T, 64>::ss(s, dq + (off >> 4), dk + (off >> 4), (first && c == 0 && k == 0) ? 0 : 1);
       }
-      if constexpr (Cfg::PANEL_WAIT) {
-        if (wait) wgmma_commit();  // a group a panel: the pair's waits count them
-      }
+      if (wait) wgmma_commit();  // a group a panel: the pair's waits count them
     }
   }
   __device__ __forceinline__ void mask(int it) {
@@ -389,7 +385,7 @@ struct TwinTile {
   }
   // Pair i: this warpgroup's tile own = 2 i + w and the other's oth = 2 i + 1 - w. P(own) to
   // the other, O_w += P(own) V(own)_w and P(oth) V(oth)_w; each V half refilled once its
-  // product landed; S(own + 2) half by half as its panels come back.
+  // product landed; S(own + 2) panel by panel as its panels come back (half w first).
   __device__ __forceinline__ void pair(int i) {
     const int own = 2 * i + w, oth = 2 * i + 1 - w;
     const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
@@ -434,23 +430,18 @@ struct TwinTile {
     // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
     if (more) {
       fence_regs(s);
-      if constexpr (!Cfg::PANEL_WAIT) acquire(own + 2, w * VH, VH);
       wgmma_fence();
       s_steps(own + 2, w * VH, Half{}, true, true);
-      if constexpr (!Cfg::PANEL_WAIT) wgmma_commit();
     }
-    wgmma_wait_dyn<S_GROUPS>(more ? S_GROUPS : 0);  // P(oth) V(oth)_w has landed: V(oth)_w and P(oth)'s panel refill
+    // P(oth) V(oth)_w has landed (S's VH panel groups after it may still run): V(oth)_w and
+    // P(oth)'s panel refill
+    wgmma_wait_dyn<VH>(more ? VH : 0);
     fence_regs(o);
     if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
     if (more) {
-      if constexpr (!Cfg::PANEL_WAIT) {
-        acquire(own + 2, (1 - w) * VH, VH);
-        acquire(own + 2, QP - 1, 1);
-      }
       wgmma_fence();
       s_steps(own + 2, (1 - w) * VH, Half{}, false, true);
       s_steps(own + 2, QP - 1, One{}, false, true);
-      if constexpr (!Cfg::PANEL_WAIT) wgmma_commit();
     }
     wgmma_wait<0>();
     fence_regs(o);
