@@ -29,10 +29,10 @@ def ring_variant(request):
     leaner instructions (fmax row maxima, descriptors advanced by adds) at every head dim and at
     none (the default: D128), O rescaled whenever a running maximum moves (the default keeps a
     maximum while within 2^8), the softmax under the previous PV everywhere and nowhere (the
-    default: the prefill keys, not block-sparse), the portable engine (sm_80's mma.sync tiles, no ring), which
-    the grids check on a Hopper GPU this way, and the paged TMA producers' L2 prefetch of the next
-    tile's pages. Tests pass it to a wrapper (``tuning=``). Other
-    devices have no ring (the portable engine is theirs): they run the first variant only."""
+    default: the prefill keys, not block-sparse) and the portable engine (sm_80's mma.sync tiles, no
+    ring), which the grids check on a Hopper GPU this way. Tests pass it to a wrapper
+    (``tuning=``). Other devices have no ring (the portable engine is theirs): they run the first
+    variant only."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         if request.param != "loop0":
             pytest.skip("the producer ring's variants are sm_90a kernels")

@@ -5,15 +5,15 @@ SDPA on the contiguous copy, in one process. In order is not SDPA's layout: the 
 [page, K/V, Hkv, slot, D], so one head's rows come in page-sized runs a pool page apart; what
 the two orders differ in is the pages' order alone.
 
-    python benchmarks/decode_pages.py [--rows "B128 L4096" ...] [--tunings "" "decode_prefetch=True" ...]
+    python benchmarks/decode_pages.py [--rows "B128 L4096" ...] [--tunings "" "balanced_split=True" ...]
         [--pages 16 32 64 128]
 
 Each line: the median of the bench's timer (``prims_ts.bench.time_ms``) as TB/s of K/V bytes,
 and the ratio to SDPA's. Reading: in-order pages faster than shuffled ones say the pages' order
 (DRAM rows, address translations) costs part of the gap; the rest is the page layout or the
 kernel's stream (the page sizes tell those apart: larger pages, longer runs).
-The tunings run in the order given (e.g. "" "decode_prefetch=True" "decode_prefetch=True" ""
-for base / new / new / base).
+The tunings (``Tuning.encode()`` strings, "" the default) run in the order given (e.g. ""
+"balanced_split=True" "balanced_split=True" "" for base / new / new / base).
 """
 import argparse
 import dataclasses
@@ -41,7 +41,8 @@ def ordered(x: "bench.DecodeInputs") -> "bench.DecodeInputs":
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", default=["B128 L4096", "B16 L32768"])
-    ap.add_argument("--tunings", nargs="+", default=["", "decode_prefetch=True"])
+    ap.add_argument("--tunings", nargs="+", default=[""],
+                    help='Tuning.encode() strings, run in the order given ("": the default)')
     ap.add_argument("--pages", nargs="+", type=int, default=[16, 32, 64, 128])
     args = ap.parse_args()
     dev = torch.device("cuda")

@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|prefetch|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -88,11 +88,10 @@ for s in "${stages[@]}"; do
     bsr) run_tests tests/test_block_sparse_cuda.py tests/test_block_sparse_contiguous.py ;;
     decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
-    twin)  # the twin MLA tile (rows of 64 on sm_90a): its own tests (rerun, epilogues, prefetches) and the swapped
-        # tile's prefetch cells, then its sanitizer cases (the default, balanced, prefetches, an odd tile count, the
-        # rerun's spiked keys) under memcheck and racecheck
-        echo "== tests/test_mla_cuda.py -k 'twin or prefetch'"
-        timeout "$(tl 280)" "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k "twin or prefetch" --maxfail=20 -p no:cacheprovider \
+    twin)  # the twin MLA tile (rows of 64 on sm_90a): its own tests (the wide-row grid, rerun, epilogues), then its
+        # sanitizer cases (the default, balanced, an odd tile count, the rerun's spiked keys) under memcheck and racecheck
+        echo "== tests/test_mla_cuda.py -k twin"
+        timeout "$(tl 280)" "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k twin --maxfail=20 -p no:cacheprovider \
             "${XDIST[@]}" >"$OUT/twin.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/twin.log")"
         for tool in memcheck racecheck; do
@@ -100,22 +99,6 @@ for s in "${stages[@]}"; do
             PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 200)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py --mla-twin >"$OUT/twin_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/twin_$tool.log" | tail -1)"
-        done ;;
-    prefetch)  # the L2 prefetch variants (Tuning.decode_prefetch, mla_prefetch, paged_prefetch): their grid cells
-        # (decode's long rows included), then the paged ring variant's sanitizer cases and the decode cases (the
-        # prefetch pass last) under memcheck
-        echo "== decode / MLA / paged / block-sparse tests -k prefetch"
-        timeout "$(tl 300)" "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py tests/test_paged_cuda.py \
-            tests/test_block_sparse_cuda.py -q -m cuda -rs -k prefetch --maxfail=20 -p no:cacheprovider \
-            "${XDIST[@]}" >"$OUT/prefetch.log" 2>&1
-        echo "   rc=$? $(tail -1 "$OUT/prefetch.log")"
-        for part in paged decode; do
-            args="--decode"; [ "$part" = paged ] && args="--variant paged_prefetch"
-            echo "== compute-sanitizer memcheck $args"
-            # shellcheck disable=SC2086
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 120)" compute-sanitizer --tool memcheck --error-exitcode 3 \
-                "$PY" tests/gpu_sanitize.py $args >"$OUT/prefetch_memcheck_$part.log" 2>&1
-            echo "   rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/prefetch_memcheck_$part.log" | tail -1)"
         done ;;
     balanced)  # balanced split-KV (Tuning.balanced_split, a variant): the decode and MLA grids' cells
         # under it (split_merge "balanced": 7 CTAs at every size), then the sanitizer's decode cases
@@ -166,19 +149,16 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); tp: MLA's tiles with L2 prefetches (AB_FAMILIES=mla); dp: paged decode's
-        # mma.sync tile with L2 prefetches (AB_FAMILIES=decode); pp: both (AB_FAMILIES="decode mla": each family's rows
-        # run only its own tiles); pgf: the paged TMA producers' L2 prefetch of the next tile's pages
-        # (AB_FAMILIES="paged_prefill block_sparse"); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
-        # come again ("d tp tp d": base / new / new / base, the last d the drift): the files are numbered in order.
+        # come again ("d pd pd d": base / new / new / base, the last d the drift): the files are numbered in order.
         if [ "$s" = ab ]; then variants="${AB_VARIANTS:-d c pd p}"; else variants="d 0 1 2"; fi
         n=0; files=""
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c | tp) fams="$fams --family mla" ;; bs | dp | pp) fams="--family decode --family mla" ;; esac
+            case "$v" in d | c) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -186,8 +166,6 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                tp) spec="mla_prefetch=True" ;; dp) spec="decode_prefetch=True" ;;
-                pp) spec="mla_prefetch=True;decode_prefetch=True" ;; pgf) spec="paged_prefetch=True" ;;
                 bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac

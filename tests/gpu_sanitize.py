@@ -16,10 +16,9 @@ always take ``Tuning()``); every other kernel variant through a wrapper planned 
 (``Tuning(mla_swapped=False)``), the producer ring's variants of
 ``prims_ts.cuda.catalog.RING_VARIANTS`` (consumer loops 0/1, persistent CTAs with
 ``persistent_ctas=3``, the producer copy the default does not take: ``flip_copy=True``, MLA's
-swapped tile of rows of 16/32 included), the twin tile's own cases (``--mla-twin``: spiked
-keys, an odd tile count, balanced split-KV, the L2 prefetches), and paged decode's L2
-prefetches (``decode_prefetch``). ``run_all(dev)`` takes any device: on the CPU every case
-runs the reference path (a dry run of the case builders; the CPU counts as the nominal H200).
+swapped tile of rows of 16/32 included) and the twin tile's own cases (``--mla-twin``: spiked
+keys, an odd tile count, balanced split-KV). ``run_all(dev)`` takes any device: on the CPU every
+case runs the reference path (a dry run of the case builders; the CPU counts as the nominal H200).
 """
 import dataclasses
 import sys
@@ -471,8 +470,6 @@ def run_all(dev) -> None:
     # both again with the ticket merge (at 2-8 splits too)
     decode_cases(dev, Tuning(cluster_merge=False))
     mla_cases(dev, Tuning(cluster_merge=False))
-    # paged decode's mma.sync tile with its L2 prefetches
-    decode_cases(dev, DECODE_VARIANTS["decode_prefetch"])
     # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
     block_sparse_cases(dev)
     # the producer ring's variants (sm_90a), each through wrappers planned with its tuning: consumer
@@ -501,13 +498,13 @@ def run_all(dev) -> None:
 def run_mla_twin(dev, default: bool = True) -> None:
     """MLA_CASES through a wrapper planned with the twin tile (the default for rows of 64 and
     more: the packed H64 and split H128 cases; the others keep the swapped tile): the default
-    tuning (`default`; rows of 64 always merge by the ticket), balanced split-KV over 7 CTAs (its
-    barriers retired and set up again item after item) and the L2 prefetches (Tuning.mla_prefetch,
-    the swapped tile's too); the two twin cases again with a spiked key (the rerun: the barrier
-    phases it continues); and three whole tiles a request, dense (an odd tile count without the
-    first tile's zeroing: warpgroup 1 waits for one P more than warpgroup 0)."""
+    tuning (`default`; rows of 64 always merge by the ticket) and balanced split-KV over 7 CTAs
+    (its barriers retired and set up again item after item); the two twin cases again with a
+    spiked key (the rerun: the barrier phases it continues); and three whole tiles a request,
+    dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for one P more
+    than warpgroup 0)."""
     twin = Tuning()
-    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), DECODE_VARIANTS["mla_prefetch"]]
+    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)]
     if default:
         tunings = [twin] + tunings
     for tuning in tunings:
@@ -533,12 +530,10 @@ def run_variant(dev, name: str) -> None:
 def run_decode(dev) -> None:
     """The paged- and MLA-decode cases alone: the standalone functions (the default tuning: 2-8
     splits as a cluster on sm_90a), then wrappers with the ticket merge and with balanced
-    split-KV over 7 CTAs (the walk, its CTA barriers, a unit's parts merged by the ticket); then
-    paged decode with the mma.sync tile's L2 prefetches."""
+    split-KV over 7 CTAs (the walk, its CTA barriers, a unit's parts merged by the ticket)."""
     for tuning in (None, Tuning(cluster_merge=False), Tuning(balanced_split=True, balanced_ctas=7)):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
-    decode_cases(dev, DECODE_VARIANTS["decode_prefetch"])
     torch.cuda.synchronize()
 
 

@@ -29,7 +29,6 @@ may set them to "cpu" (and "meta") and call the test functions with a Tuning dir
 """
 from __future__ import annotations
 
-import dataclasses
 from unittest import mock
 
 import pytest
@@ -267,45 +266,6 @@ def test_decode_grid(split_merge, qmode, mask, window, d, group):
     pol = pb.policy()
     assert (pol.splits > 1) == (c["lengths"] == "long"), pol
     check(pb, split_merge, mask, window)
-
-
-@pytest.mark.parametrize("mask,window", MASKS, ids=MASK_IDS)
-@pytest.mark.parametrize("qmode", QMODES)
-def test_decode_prefetch(split_merge, qmode, mask, window):
-    """Tuning.decode_prefetch (the mma.sync tile's L2 prefetch of the tile after each one it
-    copies) on the grid's cells, a (D, GQA) pair a cell so that every D and group appears, the
-    page size, form, dtype, page IDs and lengths rotated as in the grid: results unchanged."""
-    cell = QMODES.index(qmode) * 4 + MASKS.index((mask, window))
-    d, group = DIMS[cell % 3], GROUPS[(cell + cell // 3) % 4]
-    c = grid_cell(qmode, mask, window, d, group)
-    hkv = 1 if group == 32 else 2
-    lens = list(LONG if c["lengths"] == "long" else SHORT)
-    if qmode == "fixed" and mask == "causal":
-        lens[0] = c["sq"]
-    q_lens = Q_LENS[c["lengths"]]
-    pb = Problem(lens, group * hkv, hkv, d, c["ps"], c["dtype"], stable_seed("prefetch", qmode, mask, window),
-                 qmode=qmode, sq=c["sq"], q_lens=q_lens, max_seq_len_q=max(q_lens),
-                 form=c["form"], kind=c["kind"], max_seq_len=2600 if c["lengths"] == "long" else 127)
-    tuning = dataclasses.replace(split_merge, decode_prefetch=True)
-    assert DecodeKey.of(DTYPE_CODES[pb.dtype], d, mask == "causal", pb.policy(tuning), "sm_90a", tuning).prefetch
-    check(pb, tuning, mask, window)
-
-
-@pytest.mark.parametrize("d", DIMS)
-@pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", 100)], ids=["dense", "causal100"])
-def test_decode_prefetch_long_rows(split_merge, mask, window, d):
-    """The prefetches where they run: one split of up to 600 keys a CTA (B 32 x Hkv 8 fill the
-    slots), so a CTA walks 0 to 19 tiles (D64: BN 128, D128: 64, D256: 32) and prefetches every
-    tile past its first STAGES; lengths of 1, 17, 192, 256, 257, 600 keys (D128: 1, 1, 3, 4, 5, 10
-    tiles)."""
-    lens = [(1, 17, 192, 256, 257, 600)[b % 6] for b in range(32)]
-    pb = Problem(lens, 32, 8, d, 32, BF16, stable_seed("prefetch-long", mask, window, d), kind="perm",
-                 max_seq_len=600)
-    tuning = dataclasses.replace(split_merge, decode_prefetch=True)
-    pol = pb.policy(tuning)
-    key = DecodeKey.of("bf16", d, mask == "causal", pol, "sm_90a", tuning)
-    assert key.prefetch and (pol.balanced or (pol.splits == 1 and pol.chunk // pol.bn > pol.stages + 1)), pol
-    check(pb, tuning, mask, window)
 
 
 @pytest.mark.parametrize("form", FORMS)

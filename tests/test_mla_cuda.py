@@ -9,11 +9,10 @@ across and within requests) and the length set (long: split-KV; short: one split
 with ``prims_ts.cuda.decode.decode_policy``) rotate so that every value of every axis appears; a
 separate test runs every page size with both cache ranks and both Q modes. K/V lengths include
 1 (or the query count) and are not page multiples. Further tests: the sm_90a engines of rows of
-16/32 (the swapped-operand tile with each producer copy and with L2 prefetches, and the
-mma.sync tile), rows of 64 on the twin tile (sm_90a's only 64-row tile) with L2 prefetches,
-the twin's rerun and epilogues, split-KV and one-split policies, batch sizes 1..512, a
-131072-token request, output dtypes and scales, a strided query, the wrapper (both run modes,
-bound metadata changed in place) and the one-shot.
+16/32 (the swapped-operand tile with each producer copy, and the mma.sync tile), rows of 64 on
+the twin tile (sm_90a's only 64-row tile), the twin's rerun and epilogues, split-KV and
+one-split policies, batch sizes 1..512, a 131072-token request, output dtypes and scales, a
+strided query, the wrapper (both run modes, bound metadata changed in place) and the one-shot.
 
 Every split merge: every compute test takes ``split_merge`` (conftest: the cluster and ticket merges,
 balanced split-KV) and runs a ``BatchMLADecodePagedTSWrapper`` planned with it (with the engine
@@ -282,7 +281,6 @@ def test_mla_grid(split_merge, qmode, mask, h, sq):
 SWAP_CELLS = [(8, 1), (8, 2), (8, 4), (16, 1), (16, 2), (32, 1)]  # (H, SQ): H x SQ <= 32
 # name -> (tuning, swapped tile expected, its producer copy)
 ROW_ENGINES = {"swapped_copy4": (Tuning(copy_tpr=4), True, 4), "swapped_copy8": (Tuning(copy_tpr=8), True, 8),
-               "swapped_prefetch": (Tuning(mla_prefetch=True), True, Tuning().copy_for(DQK)),
                "mma_sync": (Tuning(mla_swapped=False), False, 4)}
 
 
@@ -332,12 +330,11 @@ def test_row_tile_engines_grid(row_tile, split_merge, qmode, mask, hsq):
 WIDE_CELLS = [(64, 1), (128, 1), (16, 4), (32, 3)]  # H x SQ >= 64: the 64-row tile (sm_90a: the twin)
 
 
-def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
+def wide_problem(qmode, mask, hsq, salt: str) -> "Problem":
     """A cell of the wide-row grid (H x SQ >= 64): the rotation over page size, rank, dtype,
-    page IDs, long (split) or short lengths, such that every cell meets every axis; `shift`
-    turns the rotation for another tile's grid."""
+    page IDs, long (split) or short lengths, such that every cell meets every axis."""
     h, sq = hsq
-    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask)) + shift
+    i = WIDE_CELLS.index(hsq) + 5 * (QMODES.index(qmode) * 2 + MASKS.index(mask))
     lengths = ("long", "short")[i % 2]
     lens = list(LONG if lengths == "long" else SHORT)
     q_lens = [1 + (b + sq) % sq for b in range(len(lens))]
@@ -348,45 +345,34 @@ def wide_problem(qmode, mask, hsq, salt: str, shift: int = 0) -> "Problem":
                    kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
 
 
-# the twin tile's variants: (tuning, the grid's rotation)
-TWIN_VARIANTS = {"prefetch": (Tuning(mla_prefetch=True), 2)}
-
-
-@pytest.mark.parametrize("variant", list(TWIN_VARIANTS))
 @pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("qmode", QMODES)
-def test_wide_rows_twin_variants(split_merge, qmode, mask, hsq, variant):
-    """Rows of 64 on the twin tile's variants: its L2 prefetches (Tuning.mla_prefetch; the
-    prefetches' boxes are the copies' own); the wide-row grid's rotation turned by two (every
-    page size, split or one split)."""
+def test_wide_rows_twin(split_merge, qmode, mask, hsq):
+    """Rows of 64 on the twin tile over the wide-row grid's rotation (every page size, split or
+    one split)."""
     skip_off_sm90("the twin tile")
-    base, shift = TWIN_VARIANTS[variant]
-    tuning = with_merge(base, split_merge)
-    pb = wide_problem(qmode, mask, hsq, f"twin-{variant}", shift=shift)
+    tuning = with_merge(Tuning(), split_merge)
+    pb = wide_problem(qmode, mask, hsq, "twin")
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and key.prefetch == base.mla_prefetch, key.name
-    assert key.bm == 64, key.name
+    assert key.twin and key.bm == 64, key.name
     if on_sm90():
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)
 
 
-@pytest.mark.parametrize("variant", ["", *TWIN_VARIANTS])
 @pytest.mark.parametrize("lengths", ["long", "short"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_twin_rerun(split_merge, dtype, mask, lengths, variant):
+def test_twin_rerun(split_merge, dtype, mask, lengths):
     """The twin tile's rerun (H 128, SQ 1): in each request one head's query meets a key early in
     the request (the last tile a CTA takes) whose latent row is 4x that query, a score ~138 (log2)
     above the first tiles' maxima: P against the first pass's reference overflows fp32 (and f16
     long before), so only the rerun with the exact maxima gives a finite result. Split-KV (long:
     a spike in the first and in a middle split) and one split (short: 64 requests of 150-400
-    keys, so that the spike lies past the first two tiles there too). The default and each
-    variant (TWIN_VARIANTS: the rerun's barrier phases under the variant's waits)."""
+    keys, so that the spike lies past the first two tiles there too)."""
     skip_off_sm90("the twin tile")
-    base = TWIN_VARIANTS[variant][0] if variant else Tuning()
-    tuning = with_merge(base, split_merge)
+    tuning = with_merge(Tuning(), split_merge)
     lens = [2500, 1033, 300] if lengths == "long" else [400, 330, 257] + [150 + 4 * b for b in range(61)]
     pb = Problem(lens, 128, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths), sq=1,
                  max_seq_len=2600 if lengths == "long" else 400)
@@ -397,7 +383,7 @@ def test_twin_rerun(split_merge, dtype, mask, lengths, variant):
             page = pb.live[b][j // pb.ps]
             pb.pool[page, j % pb.ps] = (4 * pb.q[b, 0, head].float()).to(dtype)
     key = DecodeKey.of(DTYPE_CODES[dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and key.prefetch == base.mla_prefetch, key.name
+    assert key.twin, key.name
     check(pb, tuning, mask)
 
 

@@ -152,37 +152,13 @@ def test_mla_twin_tile_key(heads, sq):
     assert key.tma and key.PARAMS == "DecodeTmaParams" and not key.producer
     assert key.smem == decode.twin_smem_bytes(MLA_DIM_QK) + keys.WGMMA_ALIGN_SLACK <= keys.smem_limit("sm_90a")
     assert "TwinConfig<pt::bf16, 576, 512>" in key.source().source
-    pf = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_prefetch=True))  # L2 prefetches
-    assert pf.twin and pf.prefetch and pf.name == key.name + "_pf" and pf.smem == key.smem
-    assert "TwinConfig<pt::bf16, 576, 512, true>" in pf.source().source
     for other in (Tuning(flip_copy=True), Tuning(copy_tpr=8), Tuning(mla_swapped=False), Tuning(cluster_merge=False)):
         assert DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", other) == key, other
     assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_80", t).twin
     small = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)
     swap = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", t)
-    swap_pf = DecodeKey.of("bf16", MLA_DIM_QK, True, small, "sm_90a", Tuning(mla_prefetch=True))
-    assert swap.swap and swap_pf.swap and swap_pf.prefetch and swap_pf.name == swap.name + "_pf"
-    assert f"{swap.copy_tpr}, true>" in swap_pf.source().source
+    assert swap.swap and not swap.twin, swap.name
 
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_decode_prefetch_key(arch):
-    """Tuning.decode_prefetch: paged decode's mma.sync keys take L2_AHEAD (the FmhaConfig's last
-    parameter, the key's `_pf`) at every head dim, with the same launch shape; MLA's keys do not
-    (their tiles have Tuning.mla_prefetch), nor does the default."""
-    t = Tuning(decode_prefetch=True)
-    for d in (64, 128, 256):
-        pol = decode_policy(128, 8, 4, 1, d, 4096, sm_count=132)
-        base, pf = DecodeKey.of("bf16", d, False, pol, arch), DecodeKey.of("bf16", d, False, pol, arch, t)
-        assert not base.prefetch and pf.prefetch and pf.name == base.name + "_pf", (base.name, pf.name)
-        assert (pf.smem, pf.threads, pf.stages, pf.bn) == (base.smem, base.threads, base.stages, base.bn)
-        src = pf.source().source
-        assert "FmhaConfig<" in src and ", true>, false>" in src, src[-300:]
-        assert ", true>, false>" not in base.source().source
-    for heads in (16, 64):
-        pol = decode_policy(64, 1, heads, 1, MLA_DIM_QK, 8192, sm_count=132)
-        assert not DecodeKey.of("bf16", MLA_DIM_QK, True, pol, arch, t).prefetch
 
 # ----------------------------------------------------------------------------
 # Balanced split-KV: a mirror of fmha_decode.cu's walk (walk_start, walk_next, the merge's parts),
@@ -355,9 +331,9 @@ def test_balanced_policy():
 def test_tuning_encodes_and_decodes():
     """Ops carry a Tuning as a string: the default is "", every other value round-trips;
     unknown fields and bad values are errors naming tuning. A removed field is unknown: the
-    staged split merge's (merge_staged), the split-O MLA tile's (mla_twin, whose False chose it)
-    and the twin tile's panel waits (mla_panel_wait, now the tile's only form) no longer
-    decode."""
+    staged split merge's (merge_staged), the split-O MLA tile's (mla_twin, whose False chose it),
+    the twin tile's panel waits (mla_panel_wait, now the tile's only form) and the L2 prefetches
+    (mla_prefetch, decode_prefetch, paged_prefetch) no longer decode."""
     assert Tuning().encode() == "" and Tuning.decode("") == Tuning()
     for t in list(catalog.VARIANTS) + [Tuning(copy_tpr=8, probe=1), Tuning(loop=0, flip_copy=True)]:
         assert Tuning.decode(t.encode()) == t, t
@@ -365,9 +341,11 @@ def test_tuning_encodes_and_decodes():
         Tuning.decode("looop=1")
     with pytest.raises(ValueError, match="tuning"):
         Tuning.decode("loop=fast")
+    removed_fields = ("merge_staged", "mla_twin", "mla_panel_wait", "mla_prefetch", "decode_prefetch", "paged_prefetch")
     for removed in ("merge_staged=True", "mla_twin=False", "mla_twin=True", "flip_copy=True;mla_twin=False",
-                    "mla_panel_wait=True", "mla_panel_wait=False"):
-        with pytest.raises(ValueError, match=r"tuning: unknown field '(merge_staged|mla_twin|mla_panel_wait)'"):
+                    "mla_panel_wait=True", "mla_panel_wait=False", "mla_prefetch=True", "decode_prefetch=True",
+                    "paged_prefetch=True", "loop=1;paged_prefetch=False"):
+        with pytest.raises(ValueError, match=rf"tuning: unknown field '({'|'.join(removed_fields)})'"):
             Tuning.decode(removed)
     for bad in (dict(loop=3), dict(copy_tpr=6), dict(probe=5), dict(persistent_ctas=0)):
         with pytest.raises(ValueError, match="tuning"):
@@ -488,7 +466,7 @@ def test_persistent_choice_and_grid(persistent):
 def test_catalogue_defaults_and_variants():
     """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
     tuning of catalog.VARIANTS builds at least one key the default does not); the portable
-    engine's only variants are paged decode's balanced split-KV and L2 prefetch keys."""
+    engine's only variants are paged decode's balanced split-KV keys."""
     default = {ks.name for ks in catalog.all_keys("sm_90a")}
     every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     assert default < every
@@ -498,7 +476,7 @@ def test_catalogue_defaults_and_variants():
         assert own - default, t
     sm80 = {ks.name for ks in catalog.all_keys("sm_80")}
     extra = {ks.name for ks in catalog.all_keys("sm_80", True)} - sm80
-    assert extra and all(n.startswith("pt_decode_") and n.endswith(("_bal", "_pf")) for n in extra)
+    assert extra and all(n.startswith("pt_decode_") and n.endswith("_bal") for n in extra)
     assert {n.rsplit("_", 1)[0] for n in extra} <= sm80  # the static keys' tiles
 
 
@@ -616,56 +594,6 @@ def test_page_major_k_keys():
             assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", paged=True, page_size=ps).kil
         assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", page_size=16).kil
 
-
-def test_paged_prefetch_keys():
-    """Tuning.paged_prefetch: the sm_90a paged TMA keys (paged prefill at every page size,
-    block-sparse over pages) take L2_AHEAD (the FmhaConfig's last parameter, the key's `_pf`)
-    with the same launch shape; never contiguous K/V, cp.async pages, sm_80, or the default."""
-    t = Tuning(paged_prefetch=True)
-    for d in (128, 256):
-        for ps in prefill.PAGE_SIZES:
-            base = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, page_size=ps)
-            key = PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=t, page_size=ps)
-            assert key.prefetch and not base.prefetch and key.name == base.name + "_pf", (key.name, base.name)
-            assert (key.smem, key.threads, key.stages) == (base.smem, base.threads, base.stages)
-            assert key.call().endswith(", true>, 1, true, false, true>"), key.call()
-            cp = Tuning(paged_prefetch=True, paged_tma=False)
-            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", paged=True, tuning=cp, page_size=ps).prefetch
-            assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_80", paged=True, tuning=t, page_size=ps).prefetch
-        assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", tuning=t).prefetch
-        bsr = BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t)
-        assert bsr.prefetch and bsr.name.endswith("_pf") and ", true>, true, false, false, true>" in bsr.call(), bsr.call()
-        assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a", t, contiguous=True).prefetch
-        assert not BlockSparseKey.choose("bf16", d, True, 128, 128, "sm_90a").prefetch
-
-def test_prefetch_variants_emit_their_prefetches():
-    """An L2 prefetch changes no result, so the grids cannot tell a variant that lost its
-    prefetches: the PTX (NVRTC, compute_90a / compute_80) of each prefetch key holds its
-    instruction and the default key's does not: paged decode's `prefetch.global.L2` (sm_90a and
-    sm_80), the swapped MLA tile's too, the paged TMA producer's `cp.async.bulk.prefetch.tensor`."""
-    from prims_ts.cuda import runtime
-
-    def ptx(key, arch):
-        src = key.source()
-        return runtime.compile_ptx(src.source, src.name, arch)
-
-    pol = decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132)
-    mla = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132)
-    cases = [  # (default key, prefetch key, arch, the prefetch's instruction)
-        (DecodeKey.of("bf16", 128, False, pol, "sm_90a"),
-         DecodeKey.of("bf16", 128, False, pol, "sm_90a", Tuning(decode_prefetch=True)), "sm_90a", "prefetch.global.L2 "),
-        (DecodeKey.of("bf16", 128, False, pol, "sm_80"),
-         DecodeKey.of("bf16", 128, False, pol, "sm_80", Tuning(decode_prefetch=True)), "sm_80", "prefetch.global.L2 "),
-        (DecodeKey.of("bf16", MLA_DIM_QK, False, mla, "sm_90a"),
-         DecodeKey.of("bf16", MLA_DIM_QK, False, mla, "sm_90a", Tuning(mla_prefetch=True)), "sm_90a",
-         "prefetch.global.L2 "),
-        (PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a", paged=True, page_size=16),
-         PrefillKey.choose(torch.bfloat16, 128, "dense", "sm_90a", paged=True, page_size=16,
-                           tuning=Tuning(paged_prefetch=True)), "sm_90a", "cp.async.bulk.prefetch.tensor"),
-    ]
-    for base, pf, arch, instr in cases:
-        assert instr in ptx(pf, arch), pf.name
-        assert instr not in ptx(base, arch), base.name
 
 def test_twin_commits_a_group_a_panel():
     """No result tells how the twin tile waits for its copies: its key's PTX (one copy of the

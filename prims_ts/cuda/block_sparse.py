@@ -48,7 +48,6 @@ class BlockSparseKey(KernelKey):
     lean: bool = tag("ln", False)  # the MMA warps' fewer instructions (Tuning.lean_mma)
     lazy: bool = tag("lz", False)  # the running maxima kept within 2^8 (Tuning.lazy_rescale)
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
-    prefetch: bool = tag("pf", False)  # paged TMA keys: the next tile's pages into L2 (Tuning.paged_prefetch)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -64,8 +63,7 @@ class BlockSparseKey(KernelKey):
                                   loop if bm == 128 else min(loop, 1),  # pingpong: two MMA warpgroups
                                   tuning.persistent, tuning.copy_for(head_dim), contiguous, tma,
                                   tuning.lean_for(head_dim), tuning.lazy_rescale,
-                                  loop >= 1 and tuning.under_pv_for(False),
-                                  not contiguous and tma and tuning.paged_prefetch)
+                                  loop >= 1 and tuning.under_pv_for(False))
         if head_dim == 256:
             return BlockSparseKey(dtype, head_dim, causal, 64, 32 if kv_block_size >= 32 else 16, 80,
                                   contiguous=contiguous)
@@ -88,8 +86,7 @@ class BlockSparseKey(KernelKey):
     def call(self) -> str:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.arch == 80 and self.head_dim <= 128,
                           self.arch, stages=self.stages, producer=self.producer, loop=self.loop,
-                          copy_tpr=self.copy_tpr, lean=self.lean, lazy=self.lazy, under_pv=self.under_pv,
-                          l2_ahead=self.prefetch)
+                          copy_tpr=self.copy_tpr, lean=self.lean, lazy=self.lazy, under_pv=self.under_pv)
         return (f"pt::block_sparse_kernel<{cfg}, {cpp_bool(self.causal)}, {cpp_bool(self.persistent)}, "
                 f"{cpp_bool(self.contiguous)}, {cpp_bool(self.tma)}>")
 

@@ -27,8 +27,7 @@ from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
 # softmax under the previous PV everywhere and nowhere (Tuning.softmax_under_pv; the default:
 # the prefill keys). The default paged keys lay V out page-major and interleave K's row groups
 # where a page is shorter than the key tile (Tuning.page_major_v, Tuning.page_major_k: a key
-# per such page size); page 128 checks the panel-major layouts. The paged TMA producers' L2
-# prefetch of the next tile's pages (Tuning.paged_prefetch).
+# per such page size); page 128 checks the panel-major layouts.
 RING_VARIANTS: Dict[str, Tuning] = {
     "loop0": Tuning(loop=0),
     "loop1": Tuning(loop=1),
@@ -42,15 +41,12 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "under_pv": Tuning(softmax_under_pv=True),
     "pv_first": Tuning(softmax_under_pv=False),
     "portable": Tuning(portable=True),
-    "paged_prefetch": Tuning(paged_prefetch=True),
 }
-# The decode-shaped kernels' variants: MLA rows of 16/32 on the mma.sync tile, MLA's tiles with
-# L2 prefetches, the mma.sync tile with L2 prefetches, and split-KV balanced over a persistent
-# grid. (The swapped MLA tile's other producer copy: RING_VARIANTS' other_copy.)
+# The decode-shaped kernels' variants: MLA rows of 16/32 on the mma.sync tile and split-KV
+# balanced over a persistent grid. (The swapped MLA tile's other producer copy: RING_VARIANTS'
+# other_copy.)
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_mma": Tuning(mla_swapped=False),
-    "mla_prefetch": Tuning(mla_prefetch=True),
-    "decode_prefetch": Tuning(decode_prefetch=True),
     "balanced_split": Tuning(balanced_split=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())

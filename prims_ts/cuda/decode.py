@@ -202,9 +202,6 @@ class DecodeKey(KernelKey):
     copy_tpr: int = tag("cp", 4)  # the swapped tile's producer threads per K/V row (Tuning.copy_tpr)
     twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a)
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
-    # L2 prefetches ahead of the copies: MLA's wgmma tiles' (Tuning.mla_prefetch), the mma.sync
-    # tile's (Tuning.decode_prefetch)
-    prefetch: bool = tag("pf", False)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -217,11 +214,11 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, prefetch=tuning.mla_prefetch)
+                             balanced=bal)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
-                         balanced=bal, prefetch=tuning.decode_prefetch and head_dim != MLA_DIM_QK)
+                         balanced=bal)
 
     @staticmethod
     def swapped(dtype: str, causal: bool, pol: DecodePolicy, tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
@@ -229,7 +226,7 @@ class DecodeKey(KernelKey):
         policy's split chunks stay whole tiles): two stages of 72 KB tiles."""
         assert pol.bm in (16, 32) and pol.bn == SWAP_BN, pol
         return DecodeKey(dtype, MLA_DIM_QK, causal, pol.bm, SWAP_BN, 1, 2, False, 90, True,
-                         tuning.copy_for(MLA_DIM_QK), balanced=pol.balanced > 0, prefetch=tuning.mla_prefetch)
+                         tuning.copy_for(MLA_DIM_QK), balanced=pol.balanced > 0)
 
     @property
     def producer(self) -> bool:  # the swapped tile's producer warpgroup (the twin tile has none)
@@ -266,14 +263,14 @@ class DecodeKey(KernelKey):
 
     def call(self) -> str:
         if self.twin:
-            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{', true' if self.prefetch else ''}>"
+            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}>"
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
-                   f"{self.copy_tpr}{', true' if self.prefetch else ''}>")
+                   f"{self.copy_tpr}>")
         else:  # the mma.sync tile (FmhaConfig on sm_90a: the prefill family's keys only)
             assert self.arch == 80 and self.copy_tpr == 4, self
             cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.head_dim <= 128, 80, self.warps_n,
-                              self.stages, self.split_o, self.dv, self.shared_kv, l2_ahead=self.prefetch)
+                              self.stages, self.split_o, self.dv, self.shared_kv)
         return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}{', true' if self.balanced else ''}>"
 
 

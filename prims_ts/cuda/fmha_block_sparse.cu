@@ -108,9 +108,9 @@ struct BlockSparseProblem : DecodeProblem<T, DV, BM, BN, CAUSAL> {
   __device__ __forceinline__ int tma_rows(int k0) const {
     return TmaKv::whole_page_rows<BN>(k0, this->sk, this->p->page_shift);
   }
-  template <class Tile, bool PREFETCH = false>
+  template <class Tile>
   __device__ __forceinline__ void tma_pages(int part, u32 dst, int k0, int rows, u32 bar, int lane, int lanes) const {
-    tma.template pages<Tile, BN, PREFETCH>(*this, part, dst, k0, rows, this->p->page_shift, bar, lane, lanes);
+    tma.template pages<Tile, BN>(*this, part, dst, k0, rows, this->p->page_shift, bar, lane, lanes);
   }
 
   __device__ __forceinline__ BsrRange<BN> range() const { return routes; }

@@ -107,9 +107,9 @@ struct PrefillProblem {
     tma.template rows<Tile>(part, dst, k0, bar);
   }
   __device__ __forceinline__ int tma_rows(int k0) const { return TmaKv::whole_page_rows<BN>(k0, sk, page_shift); }
-  template <class Tile, bool PREFETCH = false>
+  template <class Tile>
   __device__ __forceinline__ void tma_pages(int part, u32 dst, int k0, int rows, u32 bar, int lane, int lanes) const {
-    tma.template pages<Tile, BN, PREFETCH>(*this, part, dst, k0, rows, page_shift, bar, lane, lanes);
+    tma.template pages<Tile, BN>(*this, part, dst, k0, rows, page_shift, bar, lane, lanes);
   }
   __device__ __forceinline__ int kv_page(int j) const { return PAGED ? bt[j >> page_shift] : 0; }
   __device__ __forceinline__ const T* k_row(int page, int j) const {

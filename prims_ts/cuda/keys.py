@@ -65,20 +65,6 @@ class Tuning:
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     # (MLA rows of 64 on sm_90a always take the twin tile, pt_fmha_twin.cuh.)
     mla_swapped: bool = True
-    # MLA's sm_90a tiles prefetch key tiles into L2 ahead of their copies, so that the copies
-    # the MMA warps wait for read L2 rather than DRAM: the twin tile a warpgroup's tile two
-    # pairs ahead (TMA), the swapped tile's producer the next tile's rows. A variant until
-    # measured (benchmarks/NOTES.md, MLA).
-    mla_prefetch: bool = False
-    # Paged decode's mma.sync tile prefetches the rows of the tile after each one it copies into
-    # L2, a tile more in flight than its stages hold, so that the next copy reads L2 rather
-    # than DRAM (MLA's latents off sm_90a: not, its rows of 16/32 would spill). A variant until
-    # measured (benchmarks/NOTES.md, Paged decode).
-    decode_prefetch: bool = False
-    # The sm_90a paged TMA producers (paged prefill, block-sparse over pages) prefetch the next
-    # key tile's page boxes into L2 behind each tile's boxes, so that its copy reads L2 rather
-    # than DRAM. A variant until measured (benchmarks/NOTES.md, Paged prefill).
-    paged_prefetch: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at
@@ -316,12 +302,11 @@ def producer_stages(bm: int, bn: int, head_dim: int, extra: int = 0) -> int:
 def fmha_config(dtype: str, head_dim: int, bm: int, bn: int, q_in_regs: bool, arch: int, warps_n: int = 1,
                 stages: int = 2, split_o: bool = False, dv: Optional[int] = None, shared_kv: bool = False,
                 producer: bool = False, loop: int = 0, copy_tpr: int = 4, lean: bool = False,
-                lazy: bool = False, under_pv: bool = False, v_page: int = 0, k_il: bool = False,
-                l2_ahead: bool = False) -> str:
+                lazy: bool = False, under_pv: bool = False, v_page: int = 0, k_il: bool = False) -> str:
     """The pt::FmhaConfig<...> type of a kernel key, every parameter spelled out up to the last
-    one set (LEAN, LAZY, UNDER_PV, V_PAGE, K_IL, L2_AHEAD: only when set)."""
+    one set (LEAN, LAZY, UNDER_PV, V_PAGE, K_IL: only when set)."""
     b = cpp_bool
-    flags = [b(lean), b(lazy), b(under_pv), str(v_page), b(k_il), b(l2_ahead)]
+    flags = [b(lean), b(lazy), b(under_pv), str(v_page), b(k_il)]
     while flags and flags[-1] in ("false", "0"):
         flags.pop()
     tail = "".join(f", {f}" for f in flags)

@@ -52,7 +52,6 @@ class PrefillKey(KernelKey):
     under_pv: bool = tag("up", False)  # the softmax under the previous PV (Tuning.softmax_under_pv)
     vpage: int = tag("vp", 0)  # paged TMA keys: V page-major, a page (this many rows) a group (Tuning.page_major_v)
     kil: bool = tag("ki", False)  # paged TMA keys: the K tile row-group interleaved, a box a page (Tuning.page_major_k)
-    prefetch: bool = tag("pf", False)  # paged TMA keys: the next tile's pages into L2 (Tuning.paged_prefetch)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -79,8 +78,7 @@ class PrefillKey(KernelKey):
                               tma=tma, lean=tuning.lean_for(head_dim), lazy=tuning.lazy_rescale,
                               under_pv=tuning.loop_for(head_dim) >= 1 and tuning.under_pv_for(True),
                               vpage=page_size if paged and tma and tuning.page_major_v and 0 < page_size < bn else 0,
-                              kil=paged and tma and tuning.page_major_k and 0 < page_size < bn,
-                              prefetch=paged and tma and tuning.paged_prefetch)
+                              kil=paged and tma and tuning.page_major_k and 0 < page_size < bn)
         if head_dim == 128:
             return PrefillKey(dt, 128, mask, bm=128, bn=64, q_in_regs=True, paged=paged)
         return PrefillKey(dt, head_dim, mask, bm=64, bn=32, q_in_regs=False, paged=paged)
@@ -102,8 +100,7 @@ class PrefillKey(KernelKey):
     def call(self) -> str:
         cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.q_in_regs, self.arch, stages=self.stages,
                           producer=self.producer, loop=self.loop, copy_tpr=self.copy_tpr, lean=self.lean,
-                          lazy=self.lazy, under_pv=self.under_pv, v_page=self.vpage, k_il=self.kil,
-                          l2_ahead=self.prefetch)
+                          lazy=self.lazy, under_pv=self.under_pv, v_page=self.vpage, k_il=self.kil)
         return (f"pt::prefill_kernel<{cfg}, {MASK_CODES[self.mask]}, {cpp_bool(self.paged)}, "
                 f"{cpp_bool(self.persistent)}, {cpp_bool(self.tma)}>")
 

@@ -363,13 +363,12 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   static_assert(!Q_BY_PRODUCER || PT_PROBE != 2, "PT_PROBE 2 times one item per CTA (PERSISTENT off)");
   using W = FmhaWarp<Cfg>;
   using KVTile = typename Cfg::KVTile;
-  constexpr int THREADS = Cfg::THREADS, STAGES = Cfg::STAGES, DT = W::DT;
+  constexpr int THREADS = Cfg::THREADS, DT = W::DT;
   const W w(smem);
 
   const auto range = pb.range();
   const int n_tiles = range.n_tiles();
-  // the portable pipeline's copy of tile `it` into `stage`; under L2_AHEAD, with the rows of
-  // the tile after it into L2 (from tile STAGES on: the first STAGES are copied at once)
+  // the portable pipeline's copy of tile `it` into `stage`
   auto issue_kv = [&](int it, int stage) {
     const KeyTile kt = range.tile(it);
     const int k0 = kt.k0, rows = kt.rows;
@@ -378,12 +377,6 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
                                  threadIdx.x);
     } else {
       load_kv_tiles<KVTile, THREADS, false>(w.sK(stage), w.sV(stage), pb, k0, rows, threadIdx.x);
-    }
-    if constexpr (Cfg::L2_AHEAD) {
-      if (it + 1 >= STAGES && it + 1 < n_tiles) {
-        const KeyTile next = range.tile(it + 1);
-        prefetch_kv_rows<THREADS, Cfg::D, Cfg::DV, Cfg::SHARED_KV>(pb, next.k0, next.rows, threadIdx.x);
-      }
     }
   };
   // the producer pipeline's ring and mbarriers (after the exchange area)

@@ -30,7 +30,7 @@ __device__ __forceinline__ char* align_smem_1024(char* p) {
 template <class T_, int D_, int BM_, int BN_, bool Q_IN_REGS_, int ARCH_ = 80, int WARPS_N_ = 1,
           int STAGES_ = 2, bool SPLIT_O_ = false, int DV_ = D_, bool SHARED_KV_ = false, bool PRODUCER_ = false,
           int LOOP_ = 0, int COPY_TPR_ = 4, bool LEAN_ = false, bool LAZY_ = false, bool UNDER_PV_ = false,
-          int V_PAGE_ = 0, bool K_IL_ = false, bool L2_AHEAD_ = false>
+          int V_PAGE_ = 0, bool K_IL_ = false>
 struct FmhaConfig {
   using T = T_;
   static constexpr bool SWAP = false;    // the swapped-operand tile is SwapConfig (pt_fmha_swap.cuh)
@@ -106,11 +106,6 @@ struct FmhaConfig {
   using KTile = typename Select<K_IL_, SmemTileI<BN, D_>, KVTile>::type;
   static_assert(!K_IL_ || (ARCH_ == 90 && PRODUCER_ && !SHARED_KV_),
                 "an interleaved K tile: the sm_90a producer ring (its copies and S read KTile), K its own tile");
-  // L2_AHEAD: each tile's copies go with an L2 prefetch of the tile after it, so that its copy
-  // reads L2 (a tile more in flight than the stages hold): the CTA's own cp.async pipeline
-  // (Tuning.decode_prefetch) its rows, the producer ring (Tuning.paged_prefetch: KvRing
-  // L2_NEXT) the paged TMA problems' page boxes
-  static constexpr bool L2_AHEAD = L2_AHEAD_;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_KV = KVTile::BYTES;
   static constexpr int KV_TILES = SHARED_KV ? 1 : 2;  // tiles per stage

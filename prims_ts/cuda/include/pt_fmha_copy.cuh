@@ -112,32 +112,6 @@ __device__ __forceinline__ void load_kv_tiles(u32 sk, u32 sv, const Problem& pb,
   }
 }
 
-// Rows 0 .. rows - 1 of the key tile at k0 into L2, K's and (unless SHARED_KV: V is K's row)
-// V's, a row a thread: what load_kv_tiles of the same tile reads next (Tuning.decode_prefetch).
-// A `prefetch.global.L2` a 128-byte line: it takes each thread's own address (a bulk
-// prefetch's operands are uniform registers, so ptxas would loop over the warp's lanes).
-template <int THREADS, int D, int DV, bool SHARED_KV, class Problem>
-__device__ __forceinline__ void prefetch_kv_rows(const Problem& pb, int k0, int rows, int tid) {
-  static_assert(D % 64 == 0 && DV % 64 == 0, "whole 128-byte lines of 16-bit rows");
-  constexpr int PARTS = SHARED_KV ? 1 : 2;
-  auto lines = [](const void* row, int n) {
-    const u64 a = reinterpret_cast<u64>(row);
-#pragma unroll
-    for (int c = 0; c < n; ++c) asm volatile("prefetch.global.L2 [%0];" ::"l"(a + 128u * c));
-  };
-#pragma unroll 1
-  for (int i = tid; i < PARTS * rows; i += THREADS) {
-    const bool is_v = i >= rows;
-    const int j = k0 + (is_v ? i - rows : i);
-    const int page = pb.kv_page(j);
-    if (is_v) {
-      lines(pb.v_row(page, j), DV / 64);
-    } else {
-      lines(pb.k_row(page, j), D / 64);
-    }
-  }
-}
-
 // Problems whose K/V tiles TMA boxes fill (Problem::TMA): one producer thread issues a
 // tile's boxes (Problem::tma_kv, K's and V's apart) and each tile's full barrier counts that
 // thread's one arrival plus the boxes' bytes; the other problems' tiles are cp.async copies
@@ -185,9 +159,8 @@ struct TmaKv {
   // Hkv, P)) takes one box (64, GROUP, D / 64) a page, all its panels; a row-group interleaved
   // one (SmemTileI, K under Tuning.page_major_k: the map (64, 8, D / 64, page_size / 8, pages
   // x kxp + heads x kxh), its last dimension striding the pages' and heads' common divisor)
-  // one box (64, 8, D / 64, rows / 8) a page. PREFETCH: the same boxes into L2 only (`dst` and
-  // `bar` unused), so that their copy a tile later reads L2.
-  template <class Tile, int BN, bool PREFETCH = false, class Problem>
+  // one box (64, 8, D / 64, rows / 8) a page.
+  template <class Tile, int BN, class Problem>
   __device__ __forceinline__ void pages(const Problem& pb, int part, u32 dst, int k0, int rows, int page_shift,
                                         u32 bar, int lane, int lanes) const {
     const TmaMap* tm = map(part);
@@ -197,13 +170,13 @@ struct TmaKv {
       const int j = k0 + r;
       const int page = pb.kv_page(j), slot = j & (ps - 1);
       if constexpr (Tile::PAGE_MAJOR) {
-        tma_box_5d<PREFETCH>(dst + Tile::offset(r, 0), tm, 0, slot, 0, hk, page, bar);
+        tma_load_5d(dst + Tile::offset(r, 0), tm, 0, slot, 0, hk, page, bar);
       } else if constexpr (Tile::INTERLEAVED) {
-        tma_box_5d<PREFETCH>(dst + Tile::row8(r), tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh, bar);
+        tma_load_5d(dst + Tile::row8(r), tm, 0, 0, 0, slot >> 3, page * kxp + hk * kxh, bar);
       } else {
 #pragma unroll
         for (int c = 0; c < Tile::CHUNKS / 8; ++c)
-          tma_box_4d<PREFETCH>(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
+          tma_load_4d(dst + (u32)(c * Tile::PANEL + r * 128), tm, c * 64, slot, hk, page, bar);
       }
     }
   }

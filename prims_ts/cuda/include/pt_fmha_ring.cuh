@@ -31,12 +31,7 @@ struct RingPos {
 // MMA warps wait for first is not queued behind a V whose stage is still being read.
 // VTile: V's layout when it is its own tile (FmhaConfig::VTile: page-major under V_PAGE; the
 // same bytes as a KVTile).
-// L2_NEXT (Tuning.mla_prefetch: the swapped MLA tile; Tuning.paged_prefetch: the paged TMA
-// problems): behind each tile's copies the producer prefetches the next tile into L2 (its rows,
-// prefetch_kv_rows; its whole pages' TMA boxes, TmaKv::pages), so that those copies, issued
-// once a stage is free, read L2 rather than DRAM.
-template <class KVTile, int STAGES, int KV_TILES, int COPY_TPR = 4, bool V_LAG = false, class VTile = KVTile,
-          bool L2_NEXT = false>
+template <class KVTile, int STAGES, int KV_TILES, int COPY_TPR = 4, bool V_LAG = false, class VTile = KVTile>
 struct KvRing {
   static_assert(VTile::BYTES == KVTile::BYTES, "V's tile: K's bytes");
   static_assert(KV_TILES == 1 || KV_TILES == 2, "a K/V tile pair a stage, or one shared tile");
@@ -167,23 +162,6 @@ struct KvRing {
     RingPos vpos = pos;  // V's, LAG tiles behind
     for (int it = 0; it < n_tiles + LAG; ++it) {
       if (it < n_tiles) fill<KV_K, NTHREADS>(pb, range.tile(it), tid, pos);
-      if constexpr (L2_NEXT) {
-        static_assert(PagedTma<Problem>::value || (KV_TILES == 1 && !UsesTma<Problem>::value),
-                      "L2_NEXT: pages by TMA, or a shared tile by cp.async");
-        if (it + 1 < n_tiles) {
-          const KeyTile kt = range.tile(it + 1);
-          if constexpr (PagedTma<Problem>::value) {  // the whole pages' boxes (the tail: cp.async, not fetched)
-            if (tid < 32) {
-              const int whole = pb.tma_rows(kt.k0);
-              pb.template tma_pages<KVTile, true>(KV_K, 0u, kt.k0, whole, 0u, tid, 32);
-              pb.template tma_pages<VTile, true>(KV_V, 0u, kt.k0, whole, 0u, tid, 32);
-            }
-          } else {
-            constexpr int D = KVTile::CHUNKS * 8;
-            prefetch_kv_rows<NTHREADS, D, D, true>(pb, kt.k0, kt.rows, tid);
-          }
-        }
-      }
       if constexpr (KV_TILES == 2) {
         if (it >= LAG) {
           fill<KV_V, NTHREADS>(pb, range.tile(it - LAG), tid, vpos);
@@ -204,7 +182,7 @@ struct KvRing {
 // The ring of a producer-ring FmhaConfig: stages after Q, mbarriers after the exchange area.
 template <class Cfg>
 __device__ __forceinline__ KvRing<typename Cfg::KTile, Cfg::STAGES, Cfg::KV_TILES, Cfg::COPY_TPR, Cfg::UNDER_PV,
-                                  typename Cfg::VTile, Cfg::PRODUCER && Cfg::L2_AHEAD>
+                                  typename Cfg::VTile>
 fmha_ring(char* smem) {
   const u32 sQ = smem_addr(smem);
   return {sQ + Cfg::SMEM_Q, sQ + Cfg::SMEM_Q + Cfg::SMEM_RING + Cfg::SMEM_XCHG};

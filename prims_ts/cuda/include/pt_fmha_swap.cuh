@@ -28,9 +28,9 @@ struct RingCursor {
 };
 
 // The tile ring as the swapped tile sees it: panel p of a tile lives in the tile's stage.
-template <class KVTile, int STAGES, int COPY_TPR, bool L2_NEXT = false>
+template <class KVTile, int STAGES, int COPY_TPR>
 struct SwapTileRing {
-  using Ring = KvRing<KVTile, STAGES, 1, COPY_TPR, false, KVTile, L2_NEXT>;
+  using Ring = KvRing<KVTile, STAGES, 1, COPY_TPR>;
   Ring ring;
   static constexpr int BYTES = STAGES * KVTile::BYTES;
   static constexpr int BAR_BYTES = Ring::BAR_BYTES;
@@ -51,9 +51,8 @@ struct SwapTileRing {
 };
 
 // STAGES: whole tiles in the ring. COPY_TPR: the ring producer's threads per key row
-// (FmhaConfig's). PREFETCH: the producer prefetches the next tile's rows into L2 behind each
-// tile's copies (Tuning.mla_prefetch).
-template <class T_, int D_, int DV_, int BM_, int STAGES_, int COPY_TPR_ = 4, bool PREFETCH_ = false>
+// (FmhaConfig's).
+template <class T_, int D_, int DV_, int BM_, int STAGES_, int COPY_TPR_ = 4>
 struct SwapConfig {
   using T = T_;
   static constexpr bool SWAP = true;
@@ -68,8 +67,7 @@ struct SwapConfig {
   using KVTile = SmemTileW<BN, D>;
   using PTile = SmemTileW<BM, BN>;  // P^T: [query row][key]
   static constexpr int COPY_TPR = COPY_TPR_;
-  static constexpr bool PREFETCH = PREFETCH_;
-  using Ring = SwapTileRing<KVTile, STAGES, COPY_TPR, PREFETCH>;
+  using Ring = SwapTileRing<KVTile, STAGES, COPY_TPR>;
   static constexpr int SMEM_Q = QTile::BYTES;
   static constexpr int SMEM_RING = Ring::BYTES;
   static constexpr int SMEM_P = PTile::BYTES;

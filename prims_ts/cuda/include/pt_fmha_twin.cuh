@@ -47,14 +47,11 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, bool PREFETCH_ = false>
+template <class T_, int D_, int DV_>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
-  // each warpgroup's copies of tile own + 2 go with an L2 prefetch of tile own + 4 (its next
-  // own tile but one): Tuning.mla_prefetch
-  static constexpr bool PREFETCH = PREFETCH_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -215,12 +212,6 @@ struct TwinTile {
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) panel(c);
     if (rope) panel(QP - 1);
-  }
-  // every panel of tile it into L2 (Cfg::PREFETCH): the boxes that its fill will copy
-  __device__ __forceinline__ void prefetch(int it, const TwinBoxes& bx) const {
-    if (it >= n_tiles || lane >= bx.live) return;
-#pragma unroll 1
-    for (int c = 0; c < QP; ++c) tma_prefetch_4d(tmk, c * 64, bx.slot, 0, bx.page);
   }
   __device__ __forceinline__ void acquire(int it, int c0, int n) const {
 #pragma unroll 1
@@ -391,11 +382,10 @@ struct TwinTile {
     const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
     const int bar_own = TWIN_P + 2 * (i & 1) + w, bar_oth = TWIN_P + 2 * (i & 1) + 1 - w;
     // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
-    TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0}, bx_pf{0, 0, 0, 0};
+    TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0};
     if (issuer) {
       bx_own = boxes(own + 2);
       bx_oth = boxes(oth + 2);
-      if (Cfg::PREFETCH) bx_pf = boxes(own + 4);
     }
     // Each product's commit lies inside its branch, and the waits count the groups that
     // were issued: a commit after the branch would make ptxas close the group on the taken
@@ -423,10 +413,7 @@ struct TwinTile {
     }
     wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
     fence_regs(o);
-    if (issuer && has_own) {
-      fill(own + 2, bx_own, w * VH, VH, false);
-      if (Cfg::PREFETCH) prefetch(own + 4, bx_pf);
-    }
+    if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
     // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
     if (more) {
       fence_regs(s);
@@ -474,7 +461,6 @@ struct TwinTile {
 #pragma unroll 1
     for (;; pass = 1) {
       if (pass == 1 && issuer) fill(w, boxes(w), 0, QP - 1, true);
-      if (Cfg::PREFETCH && issuer) prefetch(w + 2, boxes(w + 2));
       first_tile();
       zero_tail();
       if (pass == 0) first_reference();

@@ -194,13 +194,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int c0, 
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
-// TMA: the box at (c0, .., c3) of `map` fetched from memory into L2 only (no shared memory,
-// no barrier): a later tma_load_4d of it then reads L2.
-__device__ __forceinline__ void tma_prefetch_4d(const TmaMap* map, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];" ::"l"(reinterpret_cast<u64>(map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-}
 __device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, int c4,
                                             u32 bar) {
   asm volatile(
@@ -208,31 +201,6 @@ __device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap* map, int c0, 
       " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];" ::"r"(dst),
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
       : "memory");
-}
-__device__ __forceinline__ void tma_prefetch_5d(const TmaMap* map, int c0, int c1, int c2, int c3, int c4) {
-  asm volatile("cp.async.bulk.prefetch.tensor.5d.L2.global.tile [%0, {%1, %2, %3, %4, %5}];" ::"l"(
-                   reinterpret_cast<u64>(map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-               : "memory");
-}
-// One box: into shared memory at dst, completing on bar, or (PREFETCH) into L2 only (dst and bar
-// unused), so that its copy later reads L2.
-template <bool PREFETCH>
-__device__ __forceinline__ void tma_box_4d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, u32 bar) {
-  if constexpr (PREFETCH) {
-    tma_prefetch_4d(map, c0, c1, c2, c3);
-  } else {
-    tma_load_4d(dst, map, c0, c1, c2, c3, bar);
-  }
-}
-template <bool PREFETCH>
-__device__ __forceinline__ void tma_box_5d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, int c4,
-                                           u32 bar) {
-  if constexpr (PREFETCH) {
-    tma_prefetch_5d(map, c0, c1, c2, c3, c4);
-  } else {
-    tma_load_5d(dst, map, c0, c1, c2, c3, c4, bar);
-  }
 }
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
