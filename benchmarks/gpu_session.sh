@@ -158,7 +158,7 @@ for s in "${stages[@]}"; do
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; esac
+            case "$v" in d | c) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; te) fams="--family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -166,7 +166,7 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                bs) spec="balanced_split=True" ;;
+                bs) spec="balanced_split=True" ;; te) spec="mla_early_fill=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"

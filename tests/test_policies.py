@@ -614,6 +614,25 @@ def test_twin_commits_a_group_a_panel():
     assert "wgmma.wait_group.sync.aligned 4;" in ptx
 
 
+@pytest.mark.parametrize("early_fill", [False, True])
+def test_twin_early_fill_issues_both_copies_before_s(early_fill):
+    """Tuning.mla_early_fill changes no result, only the order of the pair's copies and waits,
+    so the PTX tells it: with it both copies of the next tile (the pair's last
+    cp.async.bulk.tensor) come before all nine of S's panel waits and no wait lets S's groups run
+    on; without it the second copy follows S's first half (its four panel waits) and the wait
+    for P(oth) V(oth) lets those four groups run (wait_group 4)."""
+    from prims_ts.cuda import runtime
+
+    pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
+    key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_early_fill=early_fill))
+    assert key.twin and key.early_fill == early_fill, key.name
+    src = key.source()
+    ptx = runtime.compile_ptx(src.source, src.name, "sm_90a")
+    after = ptx[ptx.rindex("cp.async.bulk.tensor"):]
+    assert after.count("mbarrier.try_wait") == (9 if early_fill else 5), after.count("mbarrier.try_wait")
+    assert ("wgmma.wait_group.sync.aligned 4;" in ptx) == (not early_fill)
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()

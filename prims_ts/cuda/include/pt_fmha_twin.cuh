@@ -47,11 +47,15 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_>
+template <class T_, int D_, int DV_, bool EARLY_FILL_ = false>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
+  // a pair waits for both its P V products before S of the next tile, so that both copies of
+  // that tile go out before S waits for either (Tuning.mla_early_fill); else the second copy
+  // goes out after S's first half, once the first copy has landed
+  static constexpr bool EARLY_FILL = EARLY_FILL_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -414,17 +418,26 @@ struct TwinTile {
     wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
     fence_regs(o);
     if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
+    if constexpr (Cfg::EARLY_FILL) {
+      // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for
+      // the first copy, so that the two copies' latencies overlap
+      wgmma_wait<0>();
+      fence_regs(o);
+      if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+    }
     // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
     if (more) {
       fence_regs(s);
       wgmma_fence();
       s_steps(own + 2, w * VH, Half{}, true, true);
     }
-    // P(oth) V(oth)_w has landed (S's VH panel groups after it may still run): V(oth)_w and
-    // P(oth)'s panel refill
-    wgmma_wait_dyn<VH>(more ? VH : 0);
-    fence_regs(o);
-    if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+    if constexpr (!Cfg::EARLY_FILL) {
+      // P(oth) V(oth)_w has landed (S's VH panel groups after it may still run): V(oth)_w and
+      // P(oth)'s panel refill
+      wgmma_wait_dyn<VH>(more ? VH : 0);
+      fence_regs(o);
+      if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+    }
     if (more) {
       wgmma_fence();
       s_steps(own + 2, (1 - w) * VH, Half{}, false, true);
