@@ -96,7 +96,7 @@ for s in "${stages[@]}"; do
         echo "   rc=$? $(tail -1 "$OUT/twin.log")"
         for tool in memcheck racecheck; do
             echo "== compute-sanitizer $tool --mla-twin"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 200)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 300)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 "$PY" tests/gpu_sanitize.py --mla-twin >"$OUT/twin_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/twin_$tool.log" | tail -1)"
         done ;;
@@ -149,7 +149,8 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"); te: the twin MLA tile's
+        # two copies both out before S (mla_early_fill; MLA alone). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
         # come again ("d pd pd d": base / new / new / base, the last d the drift): the files are numbered in order.

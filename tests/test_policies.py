@@ -618,8 +618,9 @@ def test_twin_commits_a_group_a_panel():
 def test_twin_early_fill_issues_both_copies_before_s(early_fill):
     """Tuning.mla_early_fill changes no result, only the order of the pair's copies and waits,
     so the PTX tells it: with it both copies of the next tile (the pair's last
-    cp.async.bulk.tensor) come before all nine of S's panel waits and no wait lets S's groups run
-    on; without it the second copy follows S's first half (its four panel waits) and the wait
+    cp.async.bulk.tensor) come before all nine of S's panel waits, the second after a wait for
+    every wgmma group (it overwrites what P(oth) V read), and no wait lets S's groups run on;
+    without it the second copy follows S's first half (its four panel waits) and the wait
     for P(oth) V(oth) lets those four groups run (wait_group 4)."""
     from prims_ts.cuda import runtime
 
@@ -628,9 +629,13 @@ def test_twin_early_fill_issues_both_copies_before_s(early_fill):
     assert key.twin and key.early_fill == early_fill, key.name
     src = key.source()
     ptx = runtime.compile_ptx(src.source, src.name, "sm_90a")
-    after = ptx[ptx.rindex("cp.async.bulk.tensor"):]
+    last = ptx.rindex("cp.async.bulk.tensor")
+    after = ptx[last:]
     assert after.count("mbarrier.try_wait") == (9 if early_fill else 5), after.count("mbarrier.try_wait")
     assert ("wgmma.wait_group.sync.aligned 4;" in ptx) == (not early_fill)
+    if early_fill:  # the second copy overwrites what P(oth) V read: it waits for every group first
+        first = ptx.index("cp.async.bulk.tensor", ptx.rindex("wgmma.wait_group.sync.aligned 1;"))
+        assert "wgmma.wait_group.sync.aligned 0;" in ptx[first:last]
 
 
 def test_device_split_bound_matches_the_host():
