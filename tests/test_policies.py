@@ -332,8 +332,9 @@ def test_tuning_encodes_and_decodes():
     """Ops carry a Tuning as a string: the default is "", every other value round-trips;
     unknown fields and bad values are errors naming tuning. A removed field is unknown: the
     staged split merge's (merge_staged), the split-O MLA tile's (mla_twin, whose False chose it),
-    the twin tile's panel waits (mla_panel_wait, now the tile's only form) and the L2 prefetches
-    (mla_prefetch, decode_prefetch, paged_prefetch) no longer decode."""
+    the twin tile's panel waits and early copies (mla_panel_wait, mla_early_fill: now the tile's
+    only form) and the L2 prefetches (mla_prefetch, decode_prefetch, paged_prefetch) no longer
+    decode."""
     assert Tuning().encode() == "" and Tuning.decode("") == Tuning()
     for t in list(catalog.VARIANTS) + [Tuning(copy_tpr=8, probe=1), Tuning(loop=0, flip_copy=True)]:
         assert Tuning.decode(t.encode()) == t, t
@@ -341,10 +342,12 @@ def test_tuning_encodes_and_decodes():
         Tuning.decode("looop=1")
     with pytest.raises(ValueError, match="tuning"):
         Tuning.decode("loop=fast")
-    removed_fields = ("merge_staged", "mla_twin", "mla_panel_wait", "mla_prefetch", "decode_prefetch", "paged_prefetch")
+    removed_fields = ("merge_staged", "mla_twin", "mla_panel_wait", "mla_early_fill", "mla_prefetch", "decode_prefetch",
+                      "paged_prefetch")
     for removed in ("merge_staged=True", "mla_twin=False", "mla_twin=True", "flip_copy=True;mla_twin=False",
                     "mla_panel_wait=True", "mla_panel_wait=False", "mla_prefetch=True", "decode_prefetch=True",
-                    "paged_prefetch=True", "loop=1;paged_prefetch=False"):
+                    "paged_prefetch=True", "loop=1;paged_prefetch=False", "mla_early_fill=True",
+                    "mla_early_fill=False"):
         with pytest.raises(ValueError, match=rf"tuning: unknown field '({'|'.join(removed_fields)})'"):
             Tuning.decode(removed)
     for bad in (dict(loop=3), dict(copy_tpr=6), dict(probe=5), dict(persistent_ctas=0)):
@@ -595,12 +598,14 @@ def test_page_major_k_keys():
         assert not PrefillKey.choose(torch.bfloat16, d, "causal", "sm_90a", page_size=16).kil
 
 
-def test_twin_commits_a_group_a_panel():
-    """No result tells how the twin tile waits for its copies: its key's PTX (one copy of the
-    pair in the code) waits for S's panels in the pair one by one, just before each panel's
-    k-steps (nine mbarrier waits, beside the first tile's one loop over every panel), and
-    commits a wgmma group a panel, so that the pair's wait for P(oth) V(oth) lets S's first
-    half's four groups run on (wait_group 4)."""
+def test_twin_copies_both_out_before_s():
+    """No result tells how the twin tile orders its copies and waits, so its key's PTX (one copy
+    of the pair in the code) does: S's panels are waited for one by one, each just before its
+    k-steps (nine mbarrier waits after the pair's last copy, beside the first tile's one loop
+    over every panel), and each is a wgmma group of its own (the first tile's group, P(own)
+    V(own)'s and P(oth) V(oth)'s, then S's 4 + 4 + 1); both copies of the next tile go out before
+    the first of those waits, the second after a wait for every wgmma group (it overwrites what
+    P(oth) V read), and no wait lets S's groups run on past a copy (no wait_group 4)."""
     from prims_ts.cuda import runtime
 
     pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
@@ -608,34 +613,13 @@ def test_twin_commits_a_group_a_panel():
     assert key.twin, key.name
     src = key.source()
     ptx = runtime.compile_ptx(src.source, src.name, "sm_90a")
-    # the first tile's group, P(own) V(own)'s and P(oth) V(oth)'s, then S's 4 + 4 + 1 panels
     assert ptx.count("wgmma.commit_group") == 1 + 2 + 9, ptx.count("wgmma.commit_group")
     assert ptx.count("mbarrier.try_wait") == 1 + 9, ptx.count("mbarrier.try_wait")
-    assert "wgmma.wait_group.sync.aligned 4;" in ptx
-
-
-@pytest.mark.parametrize("early_fill", [False, True])
-def test_twin_early_fill_issues_both_copies_before_s(early_fill):
-    """Tuning.mla_early_fill changes no result, only the order of the pair's copies and waits,
-    so the PTX tells it: with it both copies of the next tile (the pair's last
-    cp.async.bulk.tensor) come before all nine of S's panel waits, the second after a wait for
-    every wgmma group (it overwrites what P(oth) V read), and no wait lets S's groups run on;
-    without it the second copy follows S's first half (its four panel waits) and the wait
-    for P(oth) V(oth) lets those four groups run (wait_group 4)."""
-    from prims_ts.cuda import runtime
-
-    pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
-    key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_early_fill=early_fill))
-    assert key.twin and key.early_fill == early_fill, key.name
-    src = key.source()
-    ptx = runtime.compile_ptx(src.source, src.name, "sm_90a")
     last = ptx.rindex("cp.async.bulk.tensor")
-    after = ptx[last:]
-    assert after.count("mbarrier.try_wait") == (9 if early_fill else 5), after.count("mbarrier.try_wait")
-    assert ("wgmma.wait_group.sync.aligned 4;" in ptx) == (not early_fill)
-    if early_fill:  # the second copy overwrites what P(oth) V read: it waits for every group first
-        first = ptx.index("cp.async.bulk.tensor", ptx.rindex("wgmma.wait_group.sync.aligned 1;"))
-        assert "wgmma.wait_group.sync.aligned 0;" in ptx[first:last]
+    assert ptx[last:].count("mbarrier.try_wait") == 9, ptx[last:].count("mbarrier.try_wait")
+    assert "wgmma.wait_group.sync.aligned 4;" not in ptx
+    first = ptx.index("cp.async.bulk.tensor", ptx.rindex("wgmma.wait_group.sync.aligned 1;"))
+    assert "wgmma.wait_group.sync.aligned 0;" in ptx[first:last]
 
 
 def test_device_split_bound_matches_the_host():

@@ -65,11 +65,6 @@ class Tuning:
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     # (MLA rows of 64 on sm_90a always take the twin tile, pt_fmha_twin.cuh.)
     mla_swapped: bool = True
-    # The twin MLA tile waits for both of a pair's P V products before S of the next tile, so
-    # that both copies of that tile are in flight before S waits for the first; else the second
-    # copy goes out only once the first has landed. A variant until measured
-    # (benchmarks/NOTES.md, MLA decode, "The twin tile").
-    mla_early_fill: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at

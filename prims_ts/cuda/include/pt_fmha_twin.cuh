@@ -23,10 +23,11 @@
 // holds Q and two 72 KB stages (a tile each), so the copies run panel by panel: the latent
 // pool is one TMA map (pages of 64-column boxes, a box per page and panel) and every panel
 // of a stage has a full barrier of its own. Each warpgroup refills the panels it was the last
-// to read as soon as its product over them has landed: its V half of its own tile, and its V
-// half and the rope panel (that tile's P) of the other's tile. S then starts on the half that
-// came back first and waits for each panel's copy just before that panel's k-steps, a wgmma
-// group a panel, so that the first panels' products run under the later panels' copies. No
+// to read once both its P V products have landed: its V half of its own tile, and its V half
+// and the rope panel (that tile's P) of the other's tile, so that both copies are in flight
+// together. S then starts on the half that went out first and waits for each panel's copy
+// just before that panel's k-steps, a wgmma group a panel, so that the first panels' products
+// run under the later panels' copies. No
 // producer warpgroup: one lane a box of the warpgroup's first warp issues the copies, each
 // box's page ID loaded a pair ahead. Keys past the request's end are never copied from a page
 // the request does not list; the rows after the last key in the first (partial) tile are
@@ -47,15 +48,11 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, bool EARLY_FILL_ = false>
+template <class T_, int D_, int DV_>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
-  // a pair waits for both its P V products before S of the next tile, so that both copies of
-  // that tile go out before S waits for either (Tuning.mla_early_fill); else the second copy
-  // goes out after S's first half, once the first copy has landed
-  static constexpr bool EARLY_FILL = EARLY_FILL_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -379,8 +376,8 @@ struct TwinTile {
     }
   }
   // Pair i: this warpgroup's tile own = 2 i + w and the other's oth = 2 i + 1 - w. P(own) to
-  // the other, O_w += P(own) V(own)_w and P(oth) V(oth)_w; each V half refilled once its
-  // product landed; S(own + 2) panel by panel as its panels come back (half w first).
+  // the other, O_w += P(own) V(own)_w and P(oth) V(oth)_w; once both have landed, the V halves
+  // and P(oth)'s panel refilled; S(own + 2) panel by panel as its panels come back (half w first).
   __device__ __forceinline__ void pair(int i) {
     const int own = 2 * i + w, oth = 2 * i + 1 - w;
     const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
@@ -418,28 +415,16 @@ struct TwinTile {
     wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
     fence_regs(o);
     if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
-    if constexpr (Cfg::EARLY_FILL) {
-      // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for
-      // the first copy, so that the two copies' latencies overlap
-      wgmma_wait<0>();
-      fence_regs(o);
-      if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
-    }
-    // S(own + 2) over its half w, which came back first, behind P(oth) V(oth)_w
+    // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for
+    // the first copy, so that the two copies' latencies overlap
+    wgmma_wait<0>();
+    fence_regs(o);
+    if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+    // S(own + 2), half w (the first copy) first
     if (more) {
       fence_regs(s);
       wgmma_fence();
       s_steps(own + 2, w * VH, Half{}, true, true);
-    }
-    if constexpr (!Cfg::EARLY_FILL) {
-      // P(oth) V(oth)_w has landed (S's VH panel groups after it may still run): V(oth)_w and
-      // P(oth)'s panel refill
-      wgmma_wait_dyn<VH>(more ? VH : 0);
-      fence_regs(o);
-      if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
-    }
-    if (more) {
-      wgmma_fence();
       s_steps(own + 2, (1 - w) * VH, Half{}, false, true);
       s_steps(own + 2, QP - 1, One{}, false, true);
     }
