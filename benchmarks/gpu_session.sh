@@ -8,8 +8,8 @@
 #
 # Each stage writes its log under $OUT (bench also bench.json). One device call is
 # limited to 10 minutes: `tests` takes ~3 minutes with pytest-xdist (without, most of the
-# 10); `sanitize` runs the small cases under memcheck and then racecheck (up to 240 s each,
-# sanitize_memcheck.log and sanitize_racecheck.log); run `sanitize check` and `quick` (or
+# 10); `sanitize` runs the small cases under memcheck and racecheck, each tool as
+# SANITIZE_PARTS processes at once (sanitize_TOOL_K.log); run `sanitize check` and `quick` (or
 # `bench`) in further calls if needed. Each test file gets its own summary line, each stage a
 # line with the seconds into the call at its start; GPU_BUDGET_S (below) caps the whole call.
 set -u
@@ -123,14 +123,25 @@ for s in "${stages[@]}"; do
     compile) run_tests "${COMPILE_TESTS[@]}" ;;  # torch.compile / export / graphs: ~2 min a file
     sanitize | memcheck | racecheck)
         # No caching allocator: every tensor is its own allocation, so memcheck sees
-        # accesses past a tensor's end instead of landing inside a pooled block. Each tool
-        # takes 3-5 minutes over every variant's cases: in a `par`, give them one list each.
+        # accesses past a tensor's end instead of landing inside a pooled block. A tool's pass
+        # over every section (tests/gpu_sanitize.py) takes ~11 (memcheck) and ~15 (racecheck)
+        # minutes in one process, so it runs as SANITIZE_PARTS processes at once (default 6,
+        # `--part K/N`: every N-th section), both tools together for `sanitize` (16 host cores;
+        # the cases are small). One log a tool and part.
         tools="$s"; [ "$s" = sanitize ] && tools="memcheck racecheck"
+        nparts="${SANITIZE_PARTS:-6}"; pids=(); names=()
         for tool in $tools; do
-            echo "== compute-sanitizer $tool (small cases)"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 400)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-                "$PY" tests/gpu_sanitize.py >"$OUT/sanitize_$tool.log" 2>&1
-            echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+            for ((k = 0; k < nparts; k++)); do
+                PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 540)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                    "$PY" tests/gpu_sanitize.py --part "$k/$nparts" >"$OUT/sanitize_${tool}_$k.log" 2>&1 &
+                pids+=($!); names+=("${tool}_$k")
+            done
+        done
+        for i in "${!pids[@]}"; do
+            wait "${pids[$i]}"; rc=$?
+            log="$OUT/sanitize_${names[$i]}.log"
+            echo "== compute-sanitizer ${names[$i]/_/ part }/$nparts: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)" \
+                "$(grep -c 'rel err' "$log") cases$(grep -q 'sanitize cases done' "$log" && echo ', done')"
         done ;;
     check)
         echo "== check"
@@ -149,8 +160,7 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"); te: the twin MLA tile's
-        # two copies both out before S (mla_early_fill; MLA alone). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
         # come again ("d pd pd d": base / new / new / base, the last d the drift): the files are numbered in order.
@@ -159,7 +169,7 @@ for s in "${stages[@]}"; do
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; te) fams="--family mla" ;; esac
+            case "$v" in d | c) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -167,7 +177,7 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                bs) spec="balanced_split=True" ;; te) spec="mla_early_fill=True" ;;
+                bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"

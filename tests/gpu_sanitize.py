@@ -6,6 +6,7 @@ compute-sanitizer (not collected by pytest).
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --variant tma   (one ring variant's cases)
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --block-sparse   (the block-sparse cases)
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --decode   (the paged and MLA decode cases)
+    compute-sanitizer --tool memcheck python tests/gpu_sanitize.py --part 2/6   (every 6th section from the 3rd)
 
 Both tools slow kernels ~100x: keep every case small and the launches few.
 
@@ -459,38 +460,57 @@ def prefill_cases(dev, tuning=None) -> None:
         assert err < 2e-2
 
 
-def run_all(dev) -> None:
-    # the default tuning: the one-shots and the standalone functions
-    prefill_cases(dev)
-    # paged decode: [B,Hq,D], [B,SQ,Hq,D] causal + window, packed; with and without split-KV
-    decode_cases(dev)
-    # MLA decode: fixed and packed, both cache ranks, with and without split-KV (sm_90a: the
-    # mma.sync tile of rows of 16/32 through a wrapper too)
-    mla_cases(dev)
-    # both again with the ticket merge (at 2-8 splits too)
-    decode_cases(dev, Tuning(cluster_merge=False))
-    mla_cases(dev, Tuning(cluster_merge=False))
-    # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
-    block_sparse_cases(dev)
-    # the producer ring's variants (sm_90a), each through wrappers planned with its tuning: consumer
-    # loops 0/1/2, persistent CTAs (three: each walks many items), and the producer copy the
-    # default does not take
+def sections(dev) -> list:
+    """Every case of the sanitizer pass as (label, callable) sections, in order: the default
+    tuning (the one-shots and the standalone functions), the ticket merge, and on sm_90a each
+    ring variant's prefill and block-sparse cases, the swapped MLA tile's other copy and the
+    twin tile's own pass."""
+    out = [
+        # the default tuning: the one-shots and the standalone functions
+        ("prefill", lambda: prefill_cases(dev)),
+        # paged decode: [B,Hq,D], [B,SQ,Hq,D] causal + window, packed; with and without split-KV
+        ("decode", lambda: decode_cases(dev)),
+        # MLA decode: fixed and packed, both cache ranks, with and without split-KV (sm_90a: the
+        # mma.sync tile of rows of 16/32 through a wrapper too)
+        ("mla", lambda: mla_cases(dev)),
+        # both again with the ticket merge (at 2-8 splits too)
+        ("decode, ticket merge", lambda: decode_cases(dev, Tuning(cluster_merge=False))),
+        ("mla, ticket merge", lambda: mla_cases(dev, Tuning(cluster_merge=False))),
+        # block-sparse: kv blocks 8/32/64/128, valid bits, causal, empty rows, both cache forms
+        ("block-sparse", lambda: block_sparse_cases(dev)),
+    ]
     if _sm90(dev):
+        # the producer ring's variants, each through wrappers planned with its tuning: consumer
+        # loops 0/1/2, persistent CTAs (three: each walks many items), and the producer copy the
+        # default does not take
         for name, tuning in RING_VARIANTS.items():
-            print(f"ring variant {name} ({tuning.encode()}):")
-            prefill_cases(dev, tuning)
-            block_sparse_cases(dev, tuning)
-        # MLA's swapped tile (rows of 16/32) with the producer copy the default does not take
-        # (the twin's rows of 64 have no producer: their cases would repeat the default)
-        tuning = RING_VARIANTS["other_copy"]
-        assert tuning.flip_copy
-        print(f"decode variant ({tuning.encode()}):")
-        for case in MLA_CASES:
-            h, sq = case[4], case[2]
-            if h * (max(sq) if isinstance(sq, list) else sq) <= 32:
-                mla_case(dev, *case, tuning=tuning)
-        print("MLA twin tile:")
-        run_mla_twin(dev, default=False)  # its default pass ran above
+            out.append((f"ring variant {name} ({tuning.encode()}), prefill", lambda t=tuning: prefill_cases(dev, t)))
+            out.append((f"ring variant {name} ({tuning.encode()}), block-sparse",
+                        lambda t=tuning: block_sparse_cases(dev, t)))
+        out.append(("MLA's swapped tile, the other producer copy", lambda: other_copy_mla(dev)))
+        out.append(("MLA twin tile", lambda: run_mla_twin(dev, default=False)))  # its default pass ran above
+    return out
+
+
+def other_copy_mla(dev) -> None:
+    """MLA's swapped tile (rows of 16/32) with the producer copy the default does not take (the
+    twin's rows of 64 have no producer: their cases would repeat the default)."""
+    tuning = RING_VARIANTS["other_copy"]
+    assert tuning.flip_copy
+    for case in MLA_CASES:
+        h, sq = case[4], case[2]
+        if h * (max(sq) if isinstance(sq, list) else sq) <= 32:
+            mla_case(dev, *case, tuning=tuning)
+
+
+def run_all(dev, part: int = 0, parts: int = 1) -> None:
+    """Every section (``sections``), or with ``parts`` > 1 every parts-th from the part-th: the
+    parts together run each section once, so that a tool's pass can run as several processes
+    at once or over several device calls."""
+    for i, (label, run) in enumerate(sections(dev)):
+        if i % parts == part:
+            print(f"[{label}]")
+            run()
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
 
@@ -502,11 +522,9 @@ def run_mla_twin(dev, default: bool = True) -> None:
     (its barriers retired and set up again item after item); the two twin cases again with a
     spiked key (the rerun: the barrier phases it continues); and three whole tiles a request,
     dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for one P more
-    than warpgroup 0); every pass again under Tuning.mla_early_fill (the copies' order)."""
+    than warpgroup 0)."""
     twin = Tuning()
-    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7),
-               dataclasses.replace(twin, mla_early_fill=True),
-               dataclasses.replace(twin, mla_early_fill=True, balanced_split=True, balanced_ctas=7)]
+    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)]
     if default:
         tunings = [twin] + tunings
     for tuning in tunings:
@@ -557,8 +575,15 @@ def main() -> None:
         run_block_sparse("cuda")
     elif len(sys.argv) == 2 and sys.argv[1] == "--mla-twin":
         run_mla_twin("cuda")
-    else:
+    elif len(sys.argv) == 3 and sys.argv[1] == "--part":
+        part, _, parts = sys.argv[2].partition("/")
+        if not (part.isdigit() and parts.isdigit() and int(part) < int(parts)):
+            sys.exit(f"--part: K/N with 0 <= K < N, not {sys.argv[2]!r}")
+        run_all("cuda", int(part), int(parts))
+    elif len(sys.argv) == 1:
         run_all("cuda")
+    else:
+        sys.exit(__doc__)
     print("sanitize cases done")
 
 
