@@ -622,6 +622,29 @@ def test_twin_copies_both_out_before_s():
     assert "wgmma.wait_group.sync.aligned 0;" in ptx[first:last]
 
 
+def test_twin_stagger_moves_warpgroup_1s_p_wait_before_its_softmax():
+    """Tuning.mla_stagger changes no result, only where warpgroup 1 waits for warpgroup 0's P:
+    its key's PTX has one named-barrier wait more in the code (the early one, taken where
+    warpgroup 1 has a tile of its own; the late one where it has not), before the pair's P is
+    published (the one bar.arrive), and every product, commit and copy wait as the default's."""
+    from prims_ts.cuda import runtime
+
+    pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
+    ptx = {}
+    for sg in (False, True):
+        key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_stagger=sg))
+        assert key.twin and key.stagger == sg and key.name.endswith("_sg") == sg, key.name
+        assert ("TwinConfig<pt::bf16, 576, 512, true>" in key.source().source) == sg
+        src = key.source()
+        ptx[sg] = runtime.compile_ptx(src.source, src.name, "sm_90a")
+    for op in ("wgmma.commit_group", "wgmma.mma_async", "mbarrier.try_wait", "cp.async.bulk.tensor", "bar.arrive",
+               "ex2.approx"):
+        assert ptx[True].count(op) == ptx[False].count(op), op
+    assert ptx[True].count("bar.sync") == ptx[False].count("bar.sync") + 1
+    before = {sg: text[:text.index("bar.arrive")].count("bar.sync") for sg, text in ptx.items()}
+    assert before[True] == before[False] + 1, before
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()
