@@ -643,6 +643,34 @@ def test_twin_stagger_moves_warpgroup_1s_p_wait_before_its_softmax():
     assert ptx[True].count("bar.sync") == ptx[False].count("bar.sync") + 1
     before = {sg: text[:text.index("bar.arrive")].count("bar.sync") for sg, text in ptx.items()}
     assert before[True] == before[False] + 1, before
+    # Exactly one of the two P waits runs: the early one (the last bar.sync before the P's
+    # publication) and the late one (the first after it) are each jumped over on the same
+    # predicate in opposite senses. A double wait (the late one unguarded) would hang, as
+    # would a warpgroup that skips the late wait where it took no early one: both fail here.
+    text = ptx[True]
+    arrive = text.index("bar.arrive")
+    syncs = [m.start() for m in re.finditer(r"bar\.sync ", text)]
+    early = _skip_guard(text, max(x for x in syncs if x < arrive))
+    late = _skip_guard(text, min(x for x in syncs if x > arrive))
+    assert early is not None and late is not None, (early, late)
+    assert early[0] == late[0] and early[1] != late[1], (early, late)
+
+
+def _skip_guard(ptx: str, pos: int):
+    """The branch that jumps over the instruction at `pos` from within its basic block: (the
+    branch's predicate, whether the instruction runs when that predicate is true; a `not.pred`
+    that made the branch's predicate followed back to its source), or None."""
+    label = re.compile(r"^(\$L__BB\d+_\d+):", re.M).search(ptx, pos).group(1)
+    block = ptx.rfind("\n$L__", 0, pos)
+    branches = [m for m in re.finditer(r"@(!?)(%p\d+) bra\s+" + re.escape(label) + ";", ptx[:pos])
+                if m.start() > block]
+    if not branches:
+        return None
+    negated, pred = branches[-1].group(1) == "!", branches[-1].group(2)
+    inverse = list(re.finditer(r"not\.pred\s+" + re.escape(pred) + r", (%p\d+);", ptx[:branches[-1].start()]))
+    if inverse:
+        pred, negated = inverse[-1].group(1), not negated
+    return pred, negated
 
 
 def test_device_split_bound_matches_the_host():
