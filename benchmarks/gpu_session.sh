@@ -89,7 +89,8 @@ for s in "${stages[@]}"; do
     decode) run_tests tests/test_decode_cuda.py ;;
     mla) run_tests tests/test_mla_cuda.py ;;
     twin)  # the twin MLA tile (rows of 64 on sm_90a): its own tests (the wide-row grid, rerun, epilogues), then its
-        # sanitizer cases (the default, balanced, an odd tile count, the rerun's spiked keys) under memcheck and racecheck
+        # sanitizer cases (the default, balanced, an odd tile count, the rerun's spiked keys; each again under mla_stagger)
+        # under memcheck and racecheck
         echo "== tests/test_mla_cuda.py -k twin"
         timeout "$(tl 280)" "$PY" -m pytest tests/test_mla_cuda.py -q -m cuda -rs -k twin --maxfail=20 -p no:cacheprovider \
             "${XDIST[@]}" >"$OUT/twin.log" 2>&1
