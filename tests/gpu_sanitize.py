@@ -525,9 +525,9 @@ def run_mla_twin(dev, default: bool = True) -> None:
     than warpgroup 0); every pass again under Tuning.mla_stagger (warpgroup 1's P wait before
     its softmax)."""
     twin = Tuning()
-    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7),
-               dataclasses.replace(twin, mla_stagger=True),
-               dataclasses.replace(twin, mla_stagger=True, balanced_split=True, balanced_ctas=7)]
+    stagger = DECODE_VARIANTS["mla_stagger"]
+    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), stagger,
+               dataclasses.replace(stagger, balanced_split=True, balanced_ctas=7)]
     if default:
         tunings = [twin] + tunings
     for tuning in tunings:

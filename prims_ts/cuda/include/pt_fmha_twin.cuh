@@ -27,13 +27,13 @@
 // and the rope panel (that tile's P) of the other's tile, so that both copies are in flight
 // together. S then starts on the half that went out first and waits for each panel's copy
 // just before that panel's k-steps, a wgmma group a panel, so that the first panels' products
-// run under the later panels' copies. No
-// producer warpgroup: one lane a box of the warpgroup's first warp issues the copies, each
-// box's page ID loaded a pair ahead. Keys past the request's end are never copied from a page
-// the request does not list; the rows after the last key in the first (partial) tile are
-// zeroed before any P V reads them (a page's slots past the length hold anything, P is 0 there
-// and 0 x NaN is not). The problem policies are the decode problem's (pt_decode.cuh); one
-// split's 16-bit output rows leave through shared memory.
+// run under the later panels' copies. No producer warpgroup: one lane a box of the
+// warpgroup's first warp issues the copies, each box's page ID loaded a pair ahead. Keys past
+// the request's end are never copied from a page the request does not list; the rows after
+// the last key in the first (partial) tile are zeroed before any P V reads them (a page's
+// slots past the length hold anything, P is 0 there and 0 x NaN is not). The problem policies
+// are the decode problem's (pt_decode.cuh); one split's 16-bit output rows leave through
+// shared memory.
 #pragma once
 #include "pt_decode.cuh"
 
