@@ -522,12 +522,9 @@ def run_mla_twin(dev, default: bool = True) -> None:
     (its barriers retired and set up again item after item); the two twin cases again with a
     spiked key (the rerun: the barrier phases it continues); and three whole tiles a request,
     dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for one P more
-    than warpgroup 0); every pass again under Tuning.mla_stagger (warpgroup 1's P wait before
-    its softmax)."""
+    than warpgroup 0)."""
     twin = Tuning()
-    stagger = DECODE_VARIANTS["mla_stagger"]
-    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7), stagger,
-               dataclasses.replace(stagger, balanced_split=True, balanced_ctas=7)]
+    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)]
     if default:
         tunings = [twin] + tunings
     for tuning in tunings:

@@ -622,57 +622,6 @@ def test_twin_copies_both_out_before_s():
     assert "wgmma.wait_group.sync.aligned 0;" in ptx[first:last]
 
 
-def test_twin_stagger_moves_warpgroup_1s_p_wait_before_its_softmax():
-    """Tuning.mla_stagger changes no result, only where warpgroup 1 waits for warpgroup 0's P:
-    its key's PTX has one named-barrier wait more in the code (the early one, taken where
-    warpgroup 1 has a tile of its own; the late one where it has not), before the pair's P is
-    published (the one bar.arrive), and every product, commit and copy wait as the default's."""
-    from prims_ts.cuda import runtime
-
-    pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
-    ptx = {}
-    for sg in (False, True):
-        key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(mla_stagger=sg))
-        assert key.twin and key.stagger == sg and key.name.endswith("_sg") == sg, key.name
-        assert ("TwinConfig<pt::bf16, 576, 512, true>" in key.source().source) == sg
-        src = key.source()
-        ptx[sg] = runtime.compile_ptx(src.source, src.name, "sm_90a")
-    for op in ("wgmma.commit_group", "wgmma.mma_async", "mbarrier.try_wait", "cp.async.bulk.tensor", "bar.arrive",
-               "ex2.approx"):
-        assert ptx[True].count(op) == ptx[False].count(op), op
-    assert ptx[True].count("bar.sync") == ptx[False].count("bar.sync") + 1
-    before = {sg: text[:text.index("bar.arrive")].count("bar.sync") for sg, text in ptx.items()}
-    assert before[True] == before[False] + 1, before
-    # Exactly one of the two P waits runs: the early one (the last bar.sync before the P's
-    # publication) and the late one (the first after it) are each jumped over on the same
-    # predicate in opposite senses. A double wait (the late one unguarded) would hang, as
-    # would a warpgroup that skips the late wait where it took no early one: both fail here.
-    text = ptx[True]
-    arrive = text.index("bar.arrive")
-    syncs = [m.start() for m in re.finditer(r"bar\.sync ", text)]
-    early = _skip_guard(text, max(x for x in syncs if x < arrive))
-    late = _skip_guard(text, min(x for x in syncs if x > arrive))
-    assert early is not None and late is not None, (early, late)
-    assert early[0] == late[0] and early[1] != late[1], (early, late)
-
-
-def _skip_guard(ptx: str, pos: int):
-    """The branch that jumps over the instruction at `pos` from within its basic block: (the
-    branch's predicate, whether the instruction runs when that predicate is true; a `not.pred`
-    that made the branch's predicate followed back to its source), or None."""
-    label = re.compile(r"^(\$L__BB\d+_\d+):", re.M).search(ptx, pos).group(1)
-    block = ptx.rfind("\n$L__", 0, pos)
-    branches = [m for m in re.finditer(r"@(!?)(%p\d+) bra\s+" + re.escape(label) + ";", ptx[:pos])
-                if m.start() > block]
-    if not branches:
-        return None
-    negated, pred = branches[-1].group(1) == "!", branches[-1].group(2)
-    inverse = list(re.finditer(r"not\.pred\s+" + re.escape(pred) + r", (%p\d+);", ptx[:branches[-1].start()]))
-    if inverse:
-        pred, negated = inverse[-1].group(1), not negated
-    return pred, negated
-
-
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()

@@ -48,7 +48,6 @@ RING_VARIANTS: Dict[str, Tuning] = {
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_mma": Tuning(mla_swapped=False),
     "balanced_split": Tuning(balanced_split=True),
-    "mla_stagger": Tuning(mla_stagger=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 

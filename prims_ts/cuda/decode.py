@@ -202,7 +202,6 @@ class DecodeKey(KernelKey):
     copy_tpr: int = tag("cp", 4)  # the swapped tile's producer threads per K/V row (Tuning.copy_tpr)
     twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a)
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
-    stagger: bool = tag("sg", False)  # the twin's warpgroup 1 a softmax behind (Tuning.mla_stagger)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -215,7 +214,7 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, stagger=tuning.mla_stagger)
+                             balanced=bal)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
@@ -264,7 +263,7 @@ class DecodeKey(KernelKey):
 
     def call(self) -> str:
         if self.twin:
-            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{', true' if self.stagger else ''}>"
+            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}>"
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}>")

@@ -65,12 +65,6 @@ class Tuning:
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     # (MLA rows of 64 on sm_90a always take the twin tile, pt_fmha_twin.cuh.)
     mla_swapped: bool = True
-    # The twin MLA tile's warpgroup 1 starts each pair's softmax only once warpgroup 0 has
-    # published its P (the wait its P V over that P makes anyway, moved ahead of its softmax),
-    # so that one warpgroup's softmax runs under the other's P V instead of both softmaxes at
-    # once with the tensor pipe idle. A variant until measured (benchmarks/NOTES.md, Open leads,
-    # "MLA: the two warpgroups in lockstep").
-    mla_stagger: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at

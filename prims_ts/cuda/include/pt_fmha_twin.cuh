@@ -48,14 +48,11 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, bool STAGGER_ = false>
+template <class T_, int D_, int DV_>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
-  // warpgroup 1 waits for warpgroup 0's P before its softmax, not before its P V over that P,
-  // so that the two softmaxes run one under the other's P V (Tuning.mla_stagger)
-  static constexpr bool STAGGER = STAGGER_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -391,11 +388,6 @@ struct TwinTile {
       bx_own = boxes(own + 2);
       bx_oth = boxes(oth + 2);
     }
-    // STAGGER: warpgroup 1 takes its wait for P(oth) (warpgroup 0's P of this pair) before its
-    // softmax, while warpgroup 0's P V runs (warpgroup 1's own tile is the later one: it has an
-    // own tile only where the other has one too). Each warpgroup still passes the same waits.
-    const bool early = Cfg::STAGGER && w == 1 && has_own;
-    if (early) named_bar_sync(bar_oth, THREADS);
     // Each product's commit lies inside its branch, and the waits count the groups that
     // were issued: a commit after the branch would make ptxas close the group on the taken
     // path and issue an empty group after the join, doubling the count the waits see.
@@ -412,7 +404,7 @@ struct TwinTile {
       wgmma_commit();
     }
     if (has_oth) {
-      if (!early) named_bar_sync(bar_oth, THREADS);  // P(oth), written and fenced by the other warpgroup
+      named_bar_sync(bar_oth, THREADS);  // P(oth), written and fenced by the other warpgroup
       fence_regs(o);
       wgmma_fence();
       pv_other(oth);  // the same accumulators, after the group above
