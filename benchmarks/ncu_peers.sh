@@ -5,7 +5,7 @@
 # Per runner: the first 2 kernels of two calls whose names match KERNELS (default: ours, cuDNN's and
 # FLASH's attention kernels, not the inputs' set-up), --set full; its raw metrics (CSV) and its SASS
 # with per-line stall samples (CSV), and a line a kernel on stdout: grid, block, registers, shared
-# memory, duration, tensor pipe, issue slots. NCU_ARGS adds ncu options (e.g. "--cache-control
+# memory, duration, tensor pipe, issue slots (and a line of the shared-memory port's use). NCU_ARGS adds ncu options (e.g. "--cache-control
 # none --warp-sampling-interval 0": warm caches, a sample every 32 cycles for short kernels).
 fam=$1; prob=$2; shift 2
 PY="${PYTHON:-python3}"
@@ -35,5 +35,11 @@ for vals in rows[2:]:
           f"| tensor {g(m, 'sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active')}% "
           f"xu {g(m, 'sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active')}% "
           f"issue {g(m, 'smsp__issue_active.avg.pct_of_peak_sustained_active')}%")
+    # the shared-memory port (its banks: LSU traffic, TMA writes and wgmma operand reads, where
+    # the counters see them), as fractions of peak, whichever of these the report holds
+    port = [(k, v) for k, v in m.items() if "pct_of_peak" in k and v not in ("", "n/a")
+            and ("data_bank" in k or "mem_shared" in k or "shared_op" in k)]
+    if port:
+        print("     shared memory: " + ", ".join(f"{k} {v}%" for k, v in sorted(port)[:8]))
 PYEOF
 done
