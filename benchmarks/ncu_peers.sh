@@ -35,11 +35,10 @@ for vals in rows[2:]:
           f"| tensor {g(m, 'sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active')}% "
           f"xu {g(m, 'sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active')}% "
           f"issue {g(m, 'smsp__issue_active.avg.pct_of_peak_sustained_active')}%")
-    # the shared-memory port (its banks: LSU traffic, TMA writes and wgmma operand reads, where
-    # the counters see them), as fractions of peak, whichever of these the report holds
-    port = [(k, v) for k, v in m.items() if "pct_of_peak" in k and v not in ("", "n/a")
-            and ("data_bank" in k or "mem_shared" in k or "shared_op" in k)]
-    if port:
-        print("     shared memory: " + ", ".join(f"{k} {v}%" for k, v in sorted(port)[:8]))
+    # the shared-memory port: its banks (wgmma operand reads and TMA writes count there) and the
+    # LSU's shared wavefronts (loads, stores, mbarrier polls)
+    print(f"     shared memory: bank reads {g(m, 'l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed')}% "
+          f"writes {g(m, 'l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed')}% "
+          f"lsu wavefronts {g(m, 'l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed')}%")
 PYEOF
 done
