@@ -522,9 +522,13 @@ def run_mla_twin(dev, default: bool = True) -> None:
     (its barriers retired and set up again item after item); the two twin cases again with a
     spiked key (the rerun: the barrier phases it continues); and three whole tiles a request,
     dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for one P more
-    than warpgroup 0)."""
+    than warpgroup 0); every pass again under each Tuning.mla_even_first (warpgroup 1's first
+    P V over warpgroup 0's tile) and under Tuning.mla_s_early."""
     twin = Tuning()
     tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)]
+    for name in ("mla_even_first", "mla_even_first_under", "mla_s_early"):
+        even = DECODE_VARIANTS[name]
+        tunings += [even, dataclasses.replace(even, balanced_split=True, balanced_ctas=7)]
     if default:
         tunings = [twin] + tunings
     for tuning in tunings:

@@ -622,6 +622,43 @@ def test_twin_copies_both_out_before_s():
     assert "wgmma.wait_group.sync.aligned 0;" in ptx[first:last]
 
 
+def test_twin_schedules_keep_the_wgmma_pipeline(tmp_path, monkeypatch):
+    """The twin tile's schedules (Tuning.mla_even_first 1 / 2, Tuning.mla_s_early) change no
+    result, only the order of its products, so their keys' code is checked here: each compiles
+    for sm_90a without a serialised wgmma pipeline (a first build of mla_even_first=2 ran the
+    softmax in S's registers under a product in flight: ptxas C7515 serialised every wgmma);
+    the even-first keys hold a second P(own) V site (warpgroup 1's, after its P wait), the
+    under key a second softmax (on a copy of S), and mla_s_early waits for the second P V with
+    S's four first groups still in flight (one wait_group 4), every copy and panel wait as the
+    default's."""
+    from prims_ts.cuda import runtime
+
+    monkeypatch.setenv("PRIMS_TS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "perf_notes", {})
+    pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
+    counted = ("wgmma.mma_async", "ex2.approx", "bar.arrive", "mbarrier.try_wait", "wgmma.wait_group.sync.aligned 4;")
+    counts = {}
+    for name, tuning in (("default", Tuning()), ("ef1", Tuning(mla_even_first=1)), ("ef2", Tuning(mla_even_first=2)),
+                         ("se", Tuning(mla_s_early=True))):
+        key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", tuning)
+        assert key.twin and (name == "default") == (key.name.endswith("_twin")), key.name
+        src = key.source()
+        ptx = runtime.compile_ptx(src.source, src.name, "sm_90a")
+        counts[name] = {op: ptx.count(op) for op in counted}
+        runtime.compile_cubin(src, "sm_90a")
+    assert not runtime.perf_notes, runtime.perf_notes
+    base = counts["default"]
+    assert base["wgmma.wait_group.sync.aligned 4;"] == 0 and counts["se"]["wgmma.wait_group.sync.aligned 4;"] == 1
+    assert counts["se"]["wgmma.mma_async"] == base["wgmma.mma_async"], counts
+    for name in ("ef1", "ef2"):
+        c = counts[name]
+        assert c["wgmma.mma_async"] == base["wgmma.mma_async"] + 4, counts  # P(own) V's four k-steps, again
+        assert c["bar.arrive"] == base["bar.arrive"] + 1, counts
+        assert c["wgmma.wait_group.sync.aligned 4;"] == 0, counts
+    assert counts["ef1"]["ex2.approx"] == base["ex2.approx"] < counts["ef2"]["ex2.approx"], counts
+    assert all(c["mbarrier.try_wait"] == base["mbarrier.try_wait"] for c in counts.values()), counts
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()

@@ -48,6 +48,9 @@ RING_VARIANTS: Dict[str, Tuning] = {
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_mma": Tuning(mla_swapped=False),
     "balanced_split": Tuning(balanced_split=True),
+    "mla_even_first": Tuning(mla_even_first=1),
+    "mla_even_first_under": Tuning(mla_even_first=2),
+    "mla_s_early": Tuning(mla_s_early=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 

@@ -65,6 +65,16 @@ class Tuning:
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     # (MLA rows of 64 on sm_90a always take the twin tile, pt_fmha_twin.cuh.)
     mla_swapped: bool = True
+    # The twin MLA tile's warpgroup 1 multiplies warpgroup 0's P (the pair's even tile) before
+    # its own P, so that both warpgroups' first P V is over the even tile and its stage refills a
+    # P V phase earlier; warpgroup 1's softmax before its wait for warpgroup 0's P (1) or under
+    # that product (2). 0: each warpgroup its own tile first. A variant until measured
+    # (benchmarks/NOTES.md, Open leads, MLA).
+    mla_even_first: int = 0
+    # The twin MLA tile's S of a warpgroup's next tile starts on the half it refilled after its
+    # first P V before that warpgroup waits for its second P V (where the first was over its own
+    # tile). A variant until measured (benchmarks/NOTES.md, Open leads, MLA).
+    mla_s_early: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at

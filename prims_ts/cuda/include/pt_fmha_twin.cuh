@@ -48,11 +48,20 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_>
+template <class T_, int D_, int DV_, int EVEN_FIRST_ = 0, bool S_EARLY_ = false>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
+  // 1, 2: both warpgroups take their first P V over the pair's even tile (warpgroup 1 multiplies
+  // warpgroup 0's P before its own), so that the even tile's stage refills after the first P V
+  // phase instead of the second; warpgroup 1's softmax runs before its wait for that P (1) or
+  // under that product (2) (Tuning.mla_even_first)
+  static constexpr int EVEN_FIRST = EVEN_FIRST_;
+  // Where a warpgroup's first P V is over its own tile: S(own + 2)'s half w (refilled after that
+  // P V) issued before the wait for the second P V, whose refill then follows S's first groups
+  // (Tuning.mla_s_early)
+  static constexpr bool S_EARLY = S_EARLY_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -261,14 +270,15 @@ struct TwinTile {
       if (wait) wgmma_commit();  // a group a panel: the pair's waits count them
     }
   }
-  __device__ __forceinline__ void mask(int it) {
+  // tile it's scores in x (S, or a copy of it) masked to -inf where a row does not see the key
+  __device__ __forceinline__ void mask(int it, float (&x)[8][4]) const {
     const KeyTile kt = range.tile(it);
     if (pb.tile_needs_mask(kt.k0)) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (!pb.visible(row0 + g + (e >> 1) * 8, kt.k0 + nt * 8 + 2 * t + (e & 1))) s[nt][e] = neg_inf();
+          if (!pb.visible(row0 + g + (e >> 1) * 8, kt.k0 + nt * 8 + 2 * t + (e & 1))) x[nt][e] = neg_inf();
     }
   }
   // rows g and g + 8 of [2][BM] from each lane's share: over the quad, lane t == 0 writes
@@ -283,11 +293,12 @@ struct TwinTile {
       if (t == 0) dst[w * 64 + row0 + g + 8 * h] = v[h];
     }
   }
-  // P = exp2(S * scale_log2 - ref) in place, the rows' maxima and sums taking the tile's
-  __device__ __forceinline__ void softmax(int it) {
-    mask(it);
-    Softmax::tile_max(mt, s, mt);
-    Softmax::exp_tile(s, ref, scale_log2, l);
+  // P = exp2(x * scale_log2 - ref) in place (x: S, or a copy of it), the rows' maxima and sums
+  // taking the tile's
+  __device__ __forceinline__ void softmax(int it, float (&x)[8][4]) {
+    mask(it, x);
+    Softmax::tile_max(mt, x, mt);
+    Softmax::exp_tile(x, ref, scale_log2, l);
   }
   // tile it's P: its stage's last panel (shared-memory and generic addresses)
   __device__ __forceinline__ u32 p_smem(int it) const { return stage(it) + (u32)(QP - 1) * KVTile::PANEL; }
@@ -364,7 +375,7 @@ struct TwinTile {
   __device__ __forceinline__ void first_reference() {
     float mx[2] = {neg_inf(), neg_inf()};
     if (w < n_tiles) {
-      mask(w);
+      mask(w, s);
       Softmax::tile_max(mx, s, mx);
     }
     publish(sF, mx, true);
@@ -375,56 +386,95 @@ struct TwinTile {
       ref[h] = Softmax::reference(fmaxf(sF[r], sF[64 + r]), scale_log2);
     }
   }
+  // P(own) in registers (packed: the A fragments of its P V)
+  __device__ __forceinline__ void p_own(int own, u32 (&pf)[4][4]) {
+    softmax(own, s);
+    pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
+  }
+  // the same under a product in flight: S read, never written (a non-wgmma write of a wgmma's
+  // accumulator registers inside a wgmma stage serializes every wgmma: ptxas C7515)
+  __device__ __forceinline__ void p_own_under(int own, u32 (&pf)[4][4]) {
+    float c[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[nt][e] = s[nt][e];
+    softmax(own, c);
+    pack_p_frags<T>(c, pf);
+  }
+  // P(own) to the other warpgroup (on its pair's barrier bar + w), then O_w += P(own) V(own)_w
+  // from registers, a wgmma group
+  __device__ __forceinline__ void pv_own_step(int bar, int own, u32 (&pf)[4][4]) {
+    store_p(own, pf);
+    named_bar_arrive(bar + w, THREADS);
+    fence_regs(pf);
+    fence_regs(o);
+    wgmma_fence();
+    pv_own(own, pf);
+    wgmma_commit();
+  }
+  // O_w += P(oth) V(oth)_w once the other warpgroup has published P(oth), a wgmma group; without
+  // a tile, the other's P wait matched
+  __device__ __forceinline__ void pv_oth_step(int bar, int oth, bool has_oth) {
+    if (has_oth) {
+      named_bar_sync(bar + 1 - w, THREADS);  // P(oth), written and fenced by the other
+      fence_regs(o);
+      wgmma_fence();
+      pv_other(oth);  // the same accumulators, after any group before
+      wgmma_commit();
+    } else {
+      named_bar_sync(TWIN_WG + w, THREADS / 2);  // the other warpgroup's P wait, matched
+    }
+  }
   // Pair i: this warpgroup's tile own = 2 i + w and the other's oth = 2 i + 1 - w. P(own) to
   // the other, O_w += P(own) V(own)_w and P(oth) V(oth)_w; once both have landed, the V halves
   // and P(oth)'s panel refilled; S(own + 2) panel by panel as its panels come back (half w first).
   __device__ __forceinline__ void pair(int i) {
     const int own = 2 * i + w, oth = 2 * i + 1 - w;
     const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
-    const int bar_own = TWIN_P + 2 * (i & 1) + w, bar_oth = TWIN_P + 2 * (i & 1) + 1 - w;
     // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
-    TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0};
+    // (EVEN_FIRST: warpgroup 1 takes the other's, the even, tile first)
+    const bool swap = Cfg::EVEN_FIRST && w == 1, under = Cfg::EVEN_FIRST == 2;
+    const int t1 = swap ? oth : own, t2 = swap ? own : oth;  // the tiles of the first and second P V
+    TwinBoxes bx1{0, 0, 0, 0}, bx2{0, 0, 0, 0};
     if (issuer) {
-      bx_own = boxes(own + 2);
-      bx_oth = boxes(oth + 2);
+      bx1 = boxes(t1 + 2);
+      bx2 = boxes(t2 + 2);
     }
+    const int bar = TWIN_P + 2 * (i & 1);  // P(own) on bar + w, P(oth) on bar + 1 - w
     // Each product's commit lies inside its branch, and the waits count the groups that
     // were issued: a commit after the branch would make ptxas close the group on the taken
     // path and issue an empty group after the join, doubling the count the waits see.
-    if (has_own) {
-      u32 pf[4][4];
-      softmax(own);
-      pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
-      store_p(own, pf);
-      named_bar_arrive(bar_own, THREADS);
-      fence_regs(pf);
-      fence_regs(o);
-      wgmma_fence();
-      pv_own(own, pf);
-      wgmma_commit();
-    }
-    if (has_oth) {
-      named_bar_sync(bar_oth, THREADS);  // P(oth), written and fenced by the other warpgroup
-      fence_regs(o);
-      wgmma_fence();
-      pv_other(oth);  // the same accumulators, after the group above
-      wgmma_commit();
-    } else {
-      named_bar_sync(TWIN_WG + w, THREADS / 2);  // the other warpgroup's P wait, matched
-    }
-    wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
+    u32 pf[4][4];
+    if (has_own && !(swap && under)) p_own(own, pf);
+    if (has_own && !swap) pv_own_step(bar, own, pf);
+    pv_oth_step(bar, oth, has_oth);
+    if (has_own && swap && under) p_own_under(own, pf);
+    if (has_own && swap) pv_own_step(bar, own, pf);
+    // the first product has landed: its tile's V half w refills (and its P's panel where that
+    // P was the other's)
+    wgmma_wait_dyn<1>((swap ? has_own : has_oth) ? 1 : 0);
     fence_regs(o);
-    if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
-    // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for
-    // the first copy, so that the two copies' latencies overlap
-    wgmma_wait<0>();
-    fence_regs(o);
-    if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
-    // S(own + 2), half w (the first copy) first
-    if (more) {
+    if (issuer && (swap ? has_oth : has_own)) fill(t1 + 2, bx1, w * VH, VH, swap);
+    // S_EARLY: S(own + 2)'s half w (just refilled) under the second P V, a wgmma group a panel
+    const bool early = Cfg::S_EARLY && !swap && more;
+    if (early) {
       fence_regs(s);
       wgmma_fence();
       s_steps(own + 2, w * VH, Half{}, true, true);
+    }
+    // the second has landed too: the same for its tile, before S waits for the first copy, so
+    // that the two copies' latencies overlap
+    wgmma_wait_dyn<VH>(early ? VH : 0);
+    fence_regs(o);
+    if (issuer && (swap ? has_own : has_oth)) fill(t2 + 2, bx2, w * VH, VH, !swap);
+    // S(own + 2), half w (the first copy) first
+    if (more) {
+      if (!early) {
+        fence_regs(s);
+        wgmma_fence();
+        s_steps(own + 2, w * VH, Half{}, true, true);
+      }
       s_steps(own + 2, (1 - w) * VH, Half{}, false, true);
       s_steps(own + 2, QP - 1, One{}, false, true);
     }
