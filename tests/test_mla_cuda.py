@@ -393,6 +393,8 @@ def test_twin_rerun(split_merge, dtype, mask, lengths, variant):
             pb.pool[page, j % pb.ps] = (4 * pb.q[b, 0, head].float()).to(dtype)
     key = DecodeKey.of(DTYPE_CODES[dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
     assert key.twin and (key.even_first, key.s_early) == (tuning.mla_even_first, tuning.mla_s_early), key.name
+    if on_sm90():
+        assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)
 
 

@@ -71,9 +71,9 @@ class Tuning:
     # that product (2). 0: each warpgroup its own tile first. A variant until measured
     # (benchmarks/NOTES.md, Open leads, MLA).
     mla_even_first: int = 0
-    # The twin MLA tile's S of a warpgroup's next tile starts on the half it refilled after its
-    # first P V before that warpgroup waits for its second P V (where the first was over its own
-    # tile). A variant until measured (benchmarks/NOTES.md, Open leads, MLA).
+    # The twin MLA tile's warpgroup 0 starts S of its next tile on the half it refilled after its
+    # first P V before it waits for its second P V (the default pair order only). A variant until
+    # measured (benchmarks/NOTES.md, Open leads, MLA).
     mla_s_early: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
@@ -142,6 +142,12 @@ class Tuning:
             raise ValueError(f"tuning: prefill_bn must be None or one of {PREFILL_BNS}, got {self.prefill_bn!r}")
         if self.probe not in (0, 1, 2):
             raise ValueError(f"tuning: probe must be 0, 1 or 2, got {self.probe!r}")
+        if type(self.mla_even_first) is not int or self.mla_even_first not in (0, 1, 2):
+            raise ValueError(f"tuning: mla_even_first must be the int 0, 1 or 2, got {self.mla_even_first!r}")
+        if type(self.mla_s_early) is not bool:
+            raise ValueError(f"tuning: mla_s_early must be a bool, got {self.mla_s_early!r}")
+        if self.mla_s_early and self.mla_even_first:
+            raise ValueError("tuning: mla_s_early takes the default pair order (mla_even_first=0)")
 
     def loop_for(self, head_dim: int) -> int:
         return self.loop if self.loop is not None else 2

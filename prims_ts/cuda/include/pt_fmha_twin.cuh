@@ -58,10 +58,11 @@ struct TwinConfig {
   // phase instead of the second; warpgroup 1's softmax runs before its wait for that P (1) or
   // under that product (2) (Tuning.mla_even_first)
   static constexpr int EVEN_FIRST = EVEN_FIRST_;
-  // Where a warpgroup's first P V is over its own tile: S(own + 2)'s half w (refilled after that
-  // P V) issued before the wait for the second P V, whose refill then follows S's first groups
-  // (Tuning.mla_s_early)
+  // Warpgroup 0 issues S(own + 2)'s half 0 (refilled after its first P V, over its own tile)
+  // before its wait for the second P V, whose refill then follows S's first groups; warpgroup 1,
+  // whose S takes that refill last, keeps the default order (Tuning.mla_s_early)
   static constexpr bool S_EARLY = S_EARLY_;
+  static_assert(!(S_EARLY && EVEN_FIRST), "S_EARLY takes the default pair order");
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -456,8 +457,9 @@ struct TwinTile {
     wgmma_wait_dyn<1>((swap ? has_own : has_oth) ? 1 : 0);
     fence_regs(o);
     if (issuer && (swap ? has_oth : has_own)) fill(t1 + 2, bx1, w * VH, VH, swap);
-    // S_EARLY: S(own + 2)'s half w (just refilled) under the second P V, a wgmma group a panel
-    const bool early = Cfg::S_EARLY && !swap && more;
+    // S_EARLY: warpgroup 0's S(own + 2) half 0 (just refilled) under the second P V, a wgmma
+    // group a panel
+    const bool early = Cfg::S_EARLY && w == 0 && more;
     if (early) {
       fence_regs(s);
       wgmma_fence();
