@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -190,6 +190,11 @@ for s in "${stages[@]}"; do
         echo "== speedups over the first variant"
         # shellcheck disable=SC2086
         "$PY" benchmarks/ab_table.py $files | tee "$OUT/${s}_table.txt" ;;
+    twintrace)  # the twin MLA tile's pair timeline (benchmarks/twin_trace.py) under each TRACE_TUNINGS spec
+        echo "== twin_trace.py"
+        specs=(); for t in ${TRACE_TUNINGS:-default mla_even_first=1 mla_even_first=2 mla_s_early=True}; do specs+=(--tuning "$t"); done
+        timeout "$(tl 200)" "$PY" benchmarks/twin_trace.py "${specs[@]}" >"$OUT/twin_trace.log" 2>&1
+        echo "   rc=$? (twin_trace.log)"; grep -E "tuning|warpgroup|item|kernel" "$OUT/twin_trace.log" | head -40 ;;
     pathstree)
         # host paths before/after in one call: `bench --paths` of the package at ab_base/ (see
         # abtree), then of this tree's, each from its own tree's directory (paths_base.log,

@@ -664,6 +664,29 @@ def test_twin_schedules_keep_the_wgmma_pipeline(tmp_path, monkeypatch):
     assert counts["ef1"]["mbarrier.try_wait"] == counts["ef2"]["mbarrier.try_wait"] == base["mbarrier.try_wait"], counts
 
 
+def test_twin_trace_is_a_key_of_its_own():
+    """Tuning.twin_trace (benchmarks/twin_trace.py) builds the twin's keys again with
+    PT_TWIN_TRACE: a key name of its own (a traced kernel never stands in for the default), the
+    module's pt_twin_trace sized as the script reads it, no C75xx note; the default key holds no
+    trace at all."""
+    import importlib.util
+
+    from prims_ts.cuda import runtime
+
+    spec = importlib.util.spec_from_file_location("twin_trace", Path(__file__).parent.parent / "benchmarks" / "twin_trace.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ctas, pairs, events = script.layout()
+    pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
+    plain = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a")
+    key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(twin_trace=True))
+    assert key.trace and key.name == plain.name + "_trace", key.name
+    assert key.source().source.startswith("#define PT_TWIN_TRACE\n")
+    ptx = runtime.compile_ptx(key.source().source, key.name, "sm_90a")
+    assert f".b8 pt_twin_trace[{ctas * 2 * (pairs + 1) * events * 8}];" in ptx
+    assert "pt_twin_trace" not in runtime.compile_ptx(plain.source().source, plain.name, "sm_90a")
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()

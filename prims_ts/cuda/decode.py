@@ -204,6 +204,7 @@ class DecodeKey(KernelKey):
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
     even_first: int = tag("ef", 0)  # the twin's first P V over the even tile (Tuning.mla_even_first)
     s_early: bool = tag("se", False)  # the twin's next S begun under the second P V (Tuning.mla_s_early)
+    trace: bool = tag("trace", False)  # PT_TWIN_TRACE (Tuning.twin_trace): a measurement aid
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -216,7 +217,8 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, even_first=tuning.mla_even_first, s_early=tuning.mla_s_early)
+                             balanced=bal, even_first=tuning.mla_even_first, s_early=tuning.mla_s_early,
+                             trace=tuning.twin_trace)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
@@ -262,6 +264,9 @@ class DecodeKey(KernelKey):
             return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
                                self.shared_kv)
+
+    def defines(self) -> str:
+        return "#define PT_TWIN_TRACE\n" if self.trace else ""
 
     def call(self) -> str:
         if self.twin:

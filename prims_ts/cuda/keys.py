@@ -87,6 +87,10 @@ class Tuning:
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong
     # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
     probe: int = 0
+    # PT_TWIN_TRACE in the twin MLA keys, a measurement aid with exact results: the grid's first
+    # and last 8 CTAs record the clock at each step of their pairs into the module's
+    # pt_twin_trace (pt_fmha_twin.cuh), which benchmarks/twin_trace.py reads.
+    twin_trace: bool = False
     # K/V tiles as TMA boxes (one producer thread) in the sm_90a keys of contiguous K/V:
     # fixed-storage prefill and block-sparse (persistent CTAs too); packed problems keep the
     # cp.async producer. False: cp.async there too.

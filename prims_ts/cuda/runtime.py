@@ -206,6 +206,7 @@ class LoadedKernel:
     threads: int
     ctx: int = 0  # the CUcontext the module was loaded into (the device's primary context)
     smem_max: int = 0  # the function's dynamic shared memory limit as set (reserve_smem)
+    module: int = 0  # the CUmodule (its globals: a measurement aid's, e.g. PT_TWIN_TRACE's)
 
 
 _loaded: Dict[Tuple[int, str], LoadedKernel] = {}
@@ -266,7 +267,7 @@ def get_kernel(device_index: int, ks: KernelSource, smem: int, threads: int) -> 
                     f"kernel {ks.key!r} needs {smem} bytes of shared memory, more than cuda:{device_index} allows: {e}"
                 ) from e
             ctx = _libcuda().current_context()
-        k = LoadedKernel(func=func, smem=smem, threads=threads, ctx=ctx, smem_max=smem)
+        k = LoadedKernel(func=func, smem=smem, threads=threads, ctx=ctx, smem_max=smem, module=mod)
         _loaded[(device_index, ks.key)] = k
         return k
 

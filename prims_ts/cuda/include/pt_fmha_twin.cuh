@@ -37,6 +37,20 @@
 #pragma once
 #include "pt_decode.cuh"
 
+#ifdef PT_TWIN_TRACE
+// PT_TWIN_TRACE (Tuning.twin_trace, a measurement aid; results unchanged): the grid's first and
+// last TWIN_TRACE_CTAS / 2 CTAs (in linear block order) record clock64 at each step of their
+// first TWIN_TRACE_PAIRS pairs of the first pass, a warpgroup's first thread each, as
+// [slot][warpgroup][pair][event] (TwinEvent), and the item's own steps in row TWIN_TRACE_PAIRS
+// (TwinItemEvent). benchmarks/twin_trace.py reads it from the module.
+#define TWIN_TRACE_CTAS 16
+#define TWIN_TRACE_PAIRS 64
+#define TWIN_TRACE_EVENTS 8
+extern "C" {
+__device__ long long pt_twin_trace[TWIN_TRACE_CTAS][2][TWIN_TRACE_PAIRS + 1][TWIN_TRACE_EVENTS];
+}
+#endif
+
 namespace pt {
 
 // How far (log2) a row's maximum may lie above the reference before the rerun: P <= 2^SLACK.
@@ -122,6 +136,51 @@ __device__ __forceinline__ void twin_store_rows(const Problem& pb, u32 base, con
   }
 }
 
+// A pair's steps as PT_TWIN_TRACE records them: its start, P(own) published, P(oth) received, the
+// first and the second P V landed, S(own + 2) issued (every panel waited for), S landed
+enum TwinEvent : int { TE_START, TE_P_OWN, TE_P_OTH, TE_PV1, TE_PV2, TE_S_ISSUED, TE_S_DONE };
+// the item's: its start (barriers set up), S of the first tile landed, the reference taken, the
+// first pass's last pair done, the epilogue done; then the SM, the tile count, %globaltimer at
+// the start (ns)
+enum TwinItemEvent : int { TI_START, TI_FIRST_S, TI_REF, TI_PASS, TI_END, TI_SMID, TI_TILES, TI_GLOBAL_NS };
+
+// The recorder of PT_TWIN_TRACE (nothing without it)
+struct TwinTrace {
+#ifdef PT_TWIN_TRACE
+  long long* rows = nullptr;  // this warpgroup's rows, or null: not traced, or not its first thread
+  int pair = 0;
+  __device__ __forceinline__ void start(int w, int n_tiles) {
+    const int lin = (int)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    const int n = (int)(gridDim.x * gridDim.y * gridDim.z), half = TWIN_TRACE_CTAS / 2;
+    const int slot = n <= TWIN_TRACE_CTAS ? lin : lin < half ? lin : lin >= n - half ? half + lin - (n - half) : -1;
+    if ((threadIdx.x & 127) == 0 && slot >= 0) {
+      rows = &pt_twin_trace[slot][w][0][0];
+      u32 smid;
+      u64 ns;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+      item(TI_SMID, smid);
+      item(TI_TILES, n_tiles);
+      item(TI_GLOBAL_NS, (long long)ns);
+      item(TI_START, clock64());
+    }
+  }
+  __device__ __forceinline__ void stop() { rows = nullptr; }
+  __device__ __forceinline__ void at(int e) const {
+    if (rows && pair < TWIN_TRACE_PAIRS) rows[pair * TWIN_TRACE_EVENTS + e] = clock64();
+  }
+  __device__ __forceinline__ void item(int e, long long v) const {
+    if (rows) rows[TWIN_TRACE_PAIRS * TWIN_TRACE_EVENTS + e] = v;
+  }
+  __device__ __forceinline__ void item_now(int e) const { item(e, clock64()); }
+#else
+  __device__ __forceinline__ void start(int, int) {}
+  __device__ __forceinline__ void stop() {}
+  __device__ __forceinline__ void at(int) const {}
+  __device__ __forceinline__ void item_now(int) const {}
+#endif
+};
+
 // The twin tile of one work item: the state both warpgroups keep (the ring's addresses, this
 // thread's role and rows, its registers) and the steps of a pass, each one idea. fmha_tile_twin
 // runs it.
@@ -157,6 +216,7 @@ struct TwinTile {
   const int row0;     // this warp's rows (the same in both warpgroups)
   const int g, t;
   int pass = 0;  // 1: the rerun with the exact maxima as the reference
+  TwinTrace trace;
 
   // What a thread keeps in registers through the item, held by the caller (fmha_tile_twin): as
   // the tile's own members, NVVM laid out the set-up differently and the pair loop came out 1%
@@ -408,6 +468,7 @@ struct TwinTile {
   __device__ __forceinline__ void pv_own_step(int bar, int own, u32 (&pf)[4][4]) {
     store_p(own, pf);
     named_bar_arrive(bar + w, THREADS);
+    trace.at(TE_P_OWN);
     fence_regs(pf);
     fence_regs(o);
     wgmma_fence();
@@ -419,6 +480,7 @@ struct TwinTile {
   __device__ __forceinline__ void pv_oth_step(int bar, int oth, bool has_oth) {
     if (has_oth) {
       named_bar_sync(bar + 1 - w, THREADS);  // P(oth), written and fenced by the other
+      trace.at(TE_P_OTH);
       fence_regs(o);
       wgmma_fence();
       pv_other(oth);  // the same accumulators, after any group before
@@ -431,6 +493,10 @@ struct TwinTile {
   // the other, O_w += P(own) V(own)_w and P(oth) V(oth)_w; once both have landed, the V halves
   // and P(oth)'s panel refilled; S(own + 2) panel by panel as its panels come back (half w first).
   __device__ __forceinline__ void pair(int i) {
+#ifdef PT_TWIN_TRACE
+    trace.pair = i;
+#endif
+    trace.at(TE_START);
     const int own = 2 * i + w, oth = 2 * i + 1 - w;
     const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
     // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
@@ -456,6 +522,7 @@ struct TwinTile {
     // P was the other's)
     wgmma_wait_dyn<1>((swap ? has_own : has_oth) ? 1 : 0);
     fence_regs(o);
+    trace.at(TE_PV1);
     if (issuer && (swap ? has_oth : has_own)) fill(t1 + 2, bx1, w * VH, VH, swap);
     // S_EARLY: warpgroup 0's S(own + 2) half 0 (just refilled) under the second P V, a wgmma
     // group a panel
@@ -469,6 +536,7 @@ struct TwinTile {
     // that the two copies' latencies overlap
     wgmma_wait_dyn<VH>(early ? VH : 0);
     fence_regs(o);
+    trace.at(TE_PV2);
     if (issuer && (swap ? has_own : has_oth)) fill(t2 + 2, bx2, w * VH, VH, !swap);
     // S(own + 2), half w (the first copy) first
     if (more) {
@@ -480,9 +548,11 @@ struct TwinTile {
       s_steps(own + 2, (1 - w) * VH, Half{}, false, true);
       s_steps(own + 2, QP - 1, One{}, false, true);
     }
+    trace.at(TE_S_ISSUED);
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(s);
+    trace.at(TE_S_DONE);
   }
   // The rows' maxima (mx) and sums over both warpgroups (l becomes each row's whole sum); true
   // where some row's maximum outran the first pass's reference by more than SLACK (every thread
@@ -505,6 +575,7 @@ struct TwinTile {
   // Every tile of the range in pairs; a second pass where a row's maximum outran the reference.
   __device__ __forceinline__ void run() {
     init_barriers();
+    trace.start(w, n_tiles);
     // this warpgroup's first tile, every panel, under Q's copy (again at the rerun's start)
     if (issuer) fill(w, boxes(w), 0, QP - 1, true);
     load_q_for_mma<QTile, THREADS>(sQ, pb);
@@ -512,15 +583,19 @@ struct TwinTile {
     for (;; pass = 1) {
       if (pass == 1 && issuer) fill(w, boxes(w), 0, QP - 1, true);
       first_tile();
+      if (pass == 0) trace.item_now(TI_FIRST_S);
       zero_tail();
       if (pass == 0) first_reference();
+      if (pass == 0) trace.item_now(TI_REF);
 #pragma unroll 1
       for (int i = 0; 2 * i < n_tiles; ++i) pair(i);
+      if (pass == 0) trace.item_now(TI_PASS);
       float mx[2];
       if (!outran(mx)) {
         retire_barriers();
         break;
       }
+      trace.stop();  // the rerun's steps are not recorded: TI_END stays 0
 #pragma unroll
       for (int h = 0; h < 2; ++h) ref[h] = Softmax::reference(mx[h], scale_log2);
     }
@@ -565,6 +640,7 @@ __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, fl
   TwinTile<Cfg, Problem> tile(pb, smem, scale_log2, tmk, s, o, ref, mt, l);
   tile.run();
   tile.epilogue(out_scale);
+  tile.trace.item_now(TI_END);
 }
 
 }  // namespace pt
