@@ -194,7 +194,7 @@ for s in "${stages[@]}"; do
         echo "== twin_trace.py"
         specs=(); for t in ${TRACE_TUNINGS:-default mla_even_first=1 mla_even_first=2 mla_s_early=True}; do specs+=(--tuning "$t"); done
         timeout "$(tl 200)" "$PY" benchmarks/twin_trace.py "${specs[@]}" >"$OUT/twin_trace.log" 2>&1
-        echo "   rc=$? (twin_trace.log)"; grep -E "tuning|warpgroup|item|kernel" "$OUT/twin_trace.log" | head -40 ;;
+        echo "   rc=$? (twin_trace.log)"; grep -v '^\[' "$OUT/twin_trace.log" | head -80 ;;
     pathstree)
         # host paths before/after in one call: `bench --paths` of the package at ab_base/ (see
         # abtree), then of this tree's, each from its own tree's directory (paths_base.log,

@@ -8,10 +8,10 @@ Tuning.twin_trace: the `_trace` keys, compiled with PT_TWIN_TRACE, in which the 
 and last 8 CTAs record clock64 at each step of their pairs (pt_fmha_twin.cuh: TwinEvent,
 TwinItemEvent). Clocks are an SM's: both warpgroups of a CTA run on one SM, so their stamps
 compare. Prints, per tuning and warpgroup, the median clocks from a pair's start to each of its
-steps and the pair's length (the middle pairs of every traced CTA), warpgroup 1's lag behind
-warpgroup 0, the item's prologue and epilogue; then `--timeline` pairs of the first traced CTA,
-each step's clock from the item's start. The kernel's time (CUDA events, the trace included)
-closes each tuning's block.
+steps and the pair's length (the middle pairs; the grid's first and last CTAs apart), warpgroup
+1's lag behind warpgroup 0, the item's prologue and epilogue; then `--timeline` pairs of the
+first traced CTA, each step's clock from the item's start; then the kernel's time a call with
+and without the trace.
 """
 import argparse
 import ctypes
@@ -52,23 +52,46 @@ def clear_trace(module: int, nbytes: int) -> None:
 
 
 def summarize(tr: np.ndarray, pairs_cap: int, timeline: int) -> None:
-    """tr: [slot][warpgroup][pair + 1][event] clocks (the last row the item's steps)."""
+    """tr: [slot][warpgroup][pair + 1][event] clocks (the last row the item's steps); the slots'
+    first half the grid's first CTAs, the second half its last (a partial last wave runs with
+    less contention: the halves are reported apart)."""
     item = tr[:, :, pairs_cap]
-    slots = [c for c in range(tr.shape[0]) if item[c, 0, 6] > 0 and item[c, 1, 6] > 0]
-    if not slots:
-        print("  no traced CTA ran the twin tile (rows of 64?)")
-        return
+    half = tr.shape[0] // 2
+    for name, group in (("first CTAs", range(half)), ("last CTAs", range(half, tr.shape[0]))):
+        slots = [c for c in group if item[c, 0, 6] > 0 and item[c, 1, 6] > 0]
+        if slots:
+            print(f"  {name}:")
+            summarize_slots(tr, item, slots, pairs_cap)
+    traced = [c for c in range(tr.shape[0]) if item[c, 0, 6] > 0]
+    if not traced:
+        print("  no traced CTA ran the twin tile (rows of 64 on sm_90a only)")
+    elif timeline:
+        c = traced[0]
+        base = item[c, 0, 0]
+        print(f"  CTA slot {c} (SM {item[c, 0, 5]}, {item[c, 0, 6]} tiles), clocks from the item's start:")
+        print("  " + " " * 15 + "".join(f"{s:>13}" for s in PAIR_STEPS))
+        for i in range(min(timeline, pairs_cap)):
+            for w in (0, 1):
+                cells = "".join(f"{(v - base) if v > 0 else '-':>13}" for v in tr[c, w, i, :len(PAIR_STEPS)])
+                print(f"    pair {i:>2} wg {w}:{cells}")
+
+
+def summarize_slots(tr: np.ndarray, item: np.ndarray, slots, pairs_cap: int) -> None:
     steps = {w: {e: [] for e in range(1, len(PAIR_STEPS))} for w in (0, 1)}
     period, lag, prologue, epilogue, items, reruns = {0: [], 1: []}, [], [], [], [], 0
     for c in slots:
-        n_pairs = min((int(item[c, 0, 6]) + 1) // 2, pairs_cap)
+        tiles = int(item[c, 0, 6])
         if item[c, 0, 4] == 0:
             reruns += 1  # a rerun (or an unfinished item): its end is not recorded
             continue
         items.append(item[c, 0, 4] - item[c, 0, 0])
         prologue.append(tr[c, 0, 0, 0] - item[c, 0, 0])
-        epilogue.append(item[c, 0, 4] - max(tr[c, w, n_pairs - 1, 6] for w in (0, 1)))
-        for i in range(1, n_pairs - 1):  # the middle pairs: no first tile, no tail
+        epilogue.append(item[c, 0, 4] - item[c, 0, 3])
+        # the middle pairs: not the first (the first tile's S before it), both warpgroups with a
+        # next S (2 i + 3 < tiles), and the next pair's start recorded (its length)
+        for i in range(1, pairs_cap - 1):
+            if 2 * i + 3 >= tiles:
+                break
             lag.append(tr[c, 1, i, 0] - tr[c, 0, i, 0])
             for w in (0, 1):
                 start = tr[c, w, i, 0]
@@ -77,22 +100,18 @@ def summarize(tr: np.ndarray, pairs_cap: int, timeline: int) -> None:
                     if tr[c, w, i, e] > 0:
                         steps[w][e].append(tr[c, w, i, e] - start)
     med = lambda xs: f"{int(np.median(xs)):>7d}" if len(xs) else "      -"
-    print(f"  {len(slots)} traced CTAs ({reruns} with a rerun or unfinished); median clocks from a pair's start:")
-    print("  " + " " * 14 + "".join(f"{s:>13}" for s in PAIR_STEPS[1:]) + f"{'pair':>9}")
-    for w in (0, 1):
-        print(f"  warpgroup {w}:  " + "".join(f"{med(steps[w][e]):>13}" for e in steps[w]) + f"{med(period[w]):>9}")
-    print(f"  warpgroup 1's pair start behind warpgroup 0's: {med(lag).strip()} clocks")
-    print(f"  item: {med(items).strip()} clocks; start to the first pair {med(prologue).strip()}, "
-          f"last pair's S to the end {med(epilogue).strip()}")
-    if timeline:
-        c = slots[0]
-        base = item[c, 0, 0]
-        print(f"  CTA slot {c} (SM {item[c, 0, 5]}, {item[c, 0, 6]} tiles), clocks from the item's start:")
-        for i in range(min(timeline, pairs_cap)):
-            for w in (0, 1):
-                row = tr[c, w, i]
-                cells = "".join(f"{(v - base) if v > 0 else '-':>13}" for v in row[:len(PAIR_STEPS)])
-                print(f"    pair {i:>2} wg {w}:{cells}")
+    print(f"    {len(slots)} traced CTAs ({reruns} with a rerun or unfinished: left out)")
+    if not lag:
+        print("    no middle pair (items of fewer than 6 tiles): the item's steps alone")
+    else:
+        print("    median clocks from a pair's start (its middle pairs):")
+        print("    " + " " * 14 + "".join(f"{s:>13}" for s in PAIR_STEPS[1:]) + f"{'pair':>9}")
+        for w in (0, 1):
+            print(f"    warpgroup {w}:  " + "".join(f"{med(steps[w][e]):>13}" for e in steps[w]) +
+                  f"{med(period[w]):>9}")
+        print(f"    warpgroup 1's pair start behind warpgroup 0's: {med(lag).strip()} clocks")
+    print(f"    item: {med(items).strip()} clocks; start to the first pair {med(prologue).strip()}, "
+          f"the first pass's end to the epilogue's {med(epilogue).strip()}")
 
 
 def main() -> None:
@@ -131,20 +150,33 @@ def main() -> None:
         if not launch.key.trace:
             print("  not a traced twin key (rows of 64 on sm_90a only)")
             continue
-        times = []
-        for _ in range(5):
-            clear_trace(loaded.module, int(np.prod(shape)) * 8)
-            torch.cuda.synchronize()
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            run()
-            t1.record()
-            torch.cuda.synchronize()
-            times.append(t0.elapsed_time(t1))
-        summarize(read_trace(loaded.module, shape), pairs_cap, args.timeline)  # the last run's stamps
-        ms = float(np.median(times))
-        print(f"  kernel {ms:.4f} ms (median of {len(times)}, one call each, the trace included): "
-              f"{flops / ms / 1e9:.0f} TFLOP/s")
+        clear_trace(loaded.module, int(np.prod(shape)) * 8)
+        run()
+        torch.cuda.synchronize()
+        summarize(read_trace(loaded.module, shape), pairs_cap, args.timeline)
+        plain = K.PreparedDecode(dataclasses.replace(static, tuning=dataclasses.replace(tuning, twin_trace=False)), 0)
+        for label, prepared in (("traced", launch), ("untraced", plain)):
+            ms = time_calls(lambda: prepared.run(q, cache, None, ws, out, None, bt, lens, None, MLA_DQK ** -0.5, 1.0,
+                                                 bt_stride=bt.stride(0)))
+            print(f"  kernel {label}: {ms:.4f} ms a call (10 back to back, median of 10 rounds), "
+                  f"{flops / ms / 1e9:.0f} TFLOP/s")
+
+
+def time_calls(fn, calls: int = 10, rounds: int = 10) -> float:
+    """ms a call: `calls` calls back to back between two events (the host's launch time under the
+    GPU's), the median of `rounds`."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(calls):
+            fn()
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1) / calls)
+    return float(np.median(times))
 
 
 if __name__ == "__main__":

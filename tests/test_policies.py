@@ -664,7 +664,7 @@ def test_twin_schedules_keep_the_wgmma_pipeline(tmp_path, monkeypatch):
     assert counts["ef1"]["mbarrier.try_wait"] == counts["ef2"]["mbarrier.try_wait"] == base["mbarrier.try_wait"], counts
 
 
-def test_twin_trace_is_a_key_of_its_own():
+def test_twin_trace_is_a_key_of_its_own(tmp_path, monkeypatch):
     """Tuning.twin_trace (benchmarks/twin_trace.py) builds the twin's keys again with
     PT_TWIN_TRACE: a key name of its own (a traced kernel never stands in for the default), the
     module's pt_twin_trace sized as the script reads it, no C75xx note; the default key holds no
@@ -677,6 +677,8 @@ def test_twin_trace_is_a_key_of_its_own():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     ctas, pairs, events = script.layout()
+    monkeypatch.setenv("PRIMS_TS_CACHE_DIR", str(tmp_path))  # compiled here: ptxas's notes reported
+    monkeypatch.setattr(runtime, "perf_notes", {})
     pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
     plain = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a")
     key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", Tuning(twin_trace=True))
@@ -685,6 +687,8 @@ def test_twin_trace_is_a_key_of_its_own():
     ptx = runtime.compile_ptx(key.source().source, key.name, "sm_90a")
     assert f".b8 pt_twin_trace[{ctas * 2 * (pairs + 1) * events * 8}];" in ptx
     assert "pt_twin_trace" not in runtime.compile_ptx(plain.source().source, plain.name, "sm_90a")
+    runtime.compile_cubin(key.source(), "sm_90a")
+    assert not runtime.perf_notes, runtime.perf_notes
 
 
 def test_device_split_bound_matches_the_host():

@@ -162,6 +162,7 @@ struct TwinTrace {
       item(TI_SMID, smid);
       item(TI_TILES, n_tiles);
       item(TI_GLOBAL_NS, (long long)ns);
+      item(TI_END, 0);  // an earlier item's (balanced split-KV), should this one rerun
       item(TI_START, clock64());
     }
   }
