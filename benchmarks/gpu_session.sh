@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -195,6 +195,10 @@ for s in "${stages[@]}"; do
         specs=(); for t in ${TRACE_TUNINGS:-default mla_even_first=1 mla_even_first=2 mla_s_early=True}; do specs+=(--tuning "$t"); done
         timeout "$(tl 200)" "$PY" benchmarks/twin_trace.py "${specs[@]}" >"$OUT/twin_trace.log" 2>&1
         echo "   rc=$? (twin_trace.log)"; grep -v '^\[' "$OUT/twin_trace.log" | head -80 ;;
+    ctatrace)  # each decode / MLA bench problem's CTAs, start to end by SM (benchmarks/cta_trace.py): the launch's edges
+        echo "== cta_trace.py"
+        timeout "$(tl 240)" "$PY" benchmarks/cta_trace.py >"$OUT/cta_trace.log" 2>&1
+        echo "   rc=$? (cta_trace.log)"; grep -v '^\[' "$OUT/cta_trace.log" | head -150 ;;
     pathstree)
         # host paths before/after in one call: `bench --paths` of the package at ab_base/ (see
         # abtree), then of this tree's, each from its own tree's directory (paths_base.log,

@@ -691,6 +691,33 @@ def test_twin_trace_is_a_key_of_its_own(tmp_path, monkeypatch):
     assert not runtime.perf_notes, runtime.perf_notes
 
 
+def test_cta_trace_is_a_key_of_its_own(tmp_path, monkeypatch):
+    """Tuning.cta_trace (benchmarks/cta_trace.py) builds every decode-shaped key again with
+    PT_CTA_TRACE (the mma.sync, swapped and twin tiles alike): a name of its own, the module's
+    pt_cta_trace sized as the script reads it, no C75xx note on sm_90a; the default keys hold no
+    trace."""
+    import importlib.util
+
+    from prims_ts.cuda import runtime
+
+    spec = importlib.util.spec_from_file_location("cta_trace", Path(__file__).parent.parent / "benchmarks" / "cta_trace.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setenv("PRIMS_TS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "perf_notes", {})
+    for heads, d, hkv in ((32, 128, 8), (16, MLA_DIM_QK, 1), (128, MLA_DIM_QK, 1)):
+        pol = decode_policy(128, hkv, heads, 1, d, 4096, sm_count=132)
+        plain = DecodeKey.of("bf16", d, False, pol, "sm_90a")
+        key = DecodeKey.of("bf16", d, False, pol, "sm_90a", Tuning(cta_trace=True))
+        assert key.cta_trace and key.name == plain.name + "_ctatrace", key.name
+        ptx = runtime.compile_ptx(key.source().source, key.name, "sm_90a")
+        assert f".b8 pt_cta_trace[{script.trace_rows() * 4 * 8}];" in ptx, key.name
+        assert "pt_cta_trace" not in runtime.compile_ptx(plain.source().source, plain.name, "sm_90a")
+        if plain.arch == 90:
+            runtime.compile_cubin(key.source(), "sm_90a")
+    assert not runtime.perf_notes, runtime.perf_notes
+
+
 def test_device_split_bound_matches_the_host():
     """The in-kernel merge sizes its shared weights by pt::DECODE_MAX_SPLITS (pt_decode.cuh)."""
     header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()

@@ -8,6 +8,7 @@ static arguments alone, so a plan, the workspace size and a captured graph agree
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import struct
 from dataclasses import dataclass
@@ -205,6 +206,7 @@ class DecodeKey(KernelKey):
     even_first: int = tag("ef", 0)  # the twin's first P V over the even tile (Tuning.mla_even_first)
     s_early: bool = tag("se", False)  # the twin's next S begun under the second P V (Tuning.mla_s_early)
     trace: bool = tag("trace", False)  # PT_TWIN_TRACE (Tuning.twin_trace): a measurement aid
+    cta_trace: bool = tag("ctatrace", False)  # PT_CTA_TRACE (Tuning.cta_trace): a measurement aid
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -213,6 +215,11 @@ class DecodeKey(KernelKey):
         """The tile of each engine for a policy: on sm_90a, MLA rows of 64 take the twin tile and
         rows of 16/32 the swapped-operand tile (Tuning.mla_swapped); everything else the mma.sync
         tile."""
+        key = DecodeKey._of(dtype, head_dim, causal, pol, arch, tuning)
+        return dataclasses.replace(key, cta_trace=True) if tuning.cta_trace else key
+
+    @staticmethod
+    def _of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str, tuning: Tuning) -> "DecodeKey":
         bal = pol.balanced > 0
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
@@ -266,7 +273,7 @@ class DecodeKey(KernelKey):
                                self.shared_kv)
 
     def defines(self) -> str:
-        return "#define PT_TWIN_TRACE\n" if self.trace else ""
+        return ("#define PT_TWIN_TRACE\n" if self.trace else "") + ("#define PT_CTA_TRACE\n" if self.cta_trace else "")
 
     def call(self) -> str:
         if self.twin:

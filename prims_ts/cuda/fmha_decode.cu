@@ -19,6 +19,18 @@
 #include "pt_fmha_swap.cuh"
 #include "pt_fmha_twin.cuh"
 
+#ifdef PT_CTA_TRACE
+// PT_CTA_TRACE (Tuning.cta_trace, a measurement aid; results unchanged): each CTA of the first
+// CTA_TRACE_MAX in linear block order records %globaltimer at its start (thread 0) and at its
+// last warp's end (the latest of its warps'), and its SM: [CTA][start ns, end ns, SM, 1] (the
+// buffer cleared before the launch). benchmarks/cta_trace.py reads it
+// (the launch's edges: how long the SMs wait for their first CTA and idle after their last).
+#define CTA_TRACE_MAX 8192
+extern "C" {
+__device__ unsigned long long pt_cta_trace[CTA_TRACE_MAX][4];
+}
+#endif
+
 namespace pt {
 
 // Split-KV without a second kernel: every split CTA of a (request, K/V head, row tile)
@@ -484,7 +496,7 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
 // items of its key tiles; the others one item a CTA, blockIdx = (split, K/V head * row_tiles
 // + row tile, request).
 template <class Cfg, bool CAUSAL, bool BALANCED = false>
-__device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
+__device__ __forceinline__ void decode_grid(const DecodeParams& p, const TmaMap* tmk) {
   // sm_90a's decode tiles are SwapConfig and TwinConfig; FmhaConfig's wgmma engine (a producer
   // ring of whole-row warpgroups) is the prefill family's
   static_assert(Cfg::SWAP || Cfg::TWIN || Cfg::ARCH == 80, "decode: FmhaConfig tiles on the portable engine");
@@ -511,6 +523,31 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
                         split * p.chunk, split * p.chunk + p.chunk, p.splits > 1 ? split : -1, 0, 0, 0};
     decode_item<Cfg, CAUSAL>(p, smem, it, tmk);
   }
+}
+
+template <class Cfg, bool CAUSAL, bool BALANCED = false>
+__device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
+#ifdef PT_CTA_TRACE
+  u64 t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  decode_grid<Cfg, CAUSAL, BALANCED>(p, tmk);
+  // no CTA barrier (a producer warpgroup may have left early): each warp's end, the latest kept
+  const u64 lin = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
+  if ((threadIdx.x & 31) == 0 && lin < CTA_TRACE_MAX) {
+    u64 t1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    atomicMax(&pt_cta_trace[lin][1], (unsigned long long)t1);
+    if (threadIdx.x == 0) {
+      u32 smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      pt_cta_trace[lin][0] = t0;
+      pt_cta_trace[lin][2] = smid;
+      pt_cta_trace[lin][3] = 1;
+    }
+  }
+#else
+  decode_grid<Cfg, CAUSAL, BALANCED>(p, tmk);
+#endif
 }
 
 // A TMA key's entry: the map lives in the kernel's __grid_constant__ parameters.

@@ -91,6 +91,10 @@ class Tuning:
     # and last 8 CTAs record the clock at each step of their pairs into the module's
     # pt_twin_trace (pt_fmha_twin.cuh), which benchmarks/twin_trace.py reads.
     twin_trace: bool = False
+    # PT_CTA_TRACE in the decode and MLA keys, a measurement aid with exact results: each CTA
+    # records when it started and ended and on which SM into the module's pt_cta_trace
+    # (fmha_decode.cu), which benchmarks/cta_trace.py reads (a launch's edges).
+    cta_trace: bool = False
     # K/V tiles as TMA boxes (one producer thread) in the sm_90a keys of contiguous K/V:
     # fixed-storage prefill and block-sparse (persistent CTAs too); packed problems keep the
     # cp.async producer. False: cp.async there too.

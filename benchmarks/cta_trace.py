@@ -1,0 +1,164 @@
+"""A decode launch's edges from its CTAs' clocks (a measurement aid, not part of the bench):
+
+    python benchmarks/cta_trace.py [--family decode] [--family mla] [--match TEXT] [--tuning SPEC]
+
+For each bench problem of the decode and MLA families (or those whose name holds TEXT), plans our
+wrapper as the bench does, with Tuning.cta_trace (the `_ctatrace` keys, PT_CTA_TRACE in
+fmha_decode.cu: each CTA stores %globaltimer at its start and at its last warp's end, and its
+SM), and runs it once after a 256 MB write that evicts L2, as the bench times one call. Prints
+the launch's span (the first CTA's start to the last one's end), its CTAs' durations by wave of
+starts, and each SM's share of the span: busy (a CTA resident), before its first CTA (the head),
+after its last (the tail), and between CTAs. Then the key's time a call, eager, with the trace and
+without (10 calls back to back).
+"""
+import argparse
+import ctypes
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).resolve().parent.parent / "prims_ts" / "cuda" / "fmha_decode.cu"
+
+
+def trace_rows() -> int:
+    return int(re.search(r"#define CTA_TRACE_MAX (\d+)", SOURCE.read_text()).group(1))
+
+
+def traced_modules() -> list:
+    """The modules of every `_ctatrace` key loaded so far (a problem's key may have been loaded
+    by an earlier problem: the buffer that fills tells which one ran)."""
+    from prims_ts.cuda import runtime
+
+    return [k.module for (dev, name), k in runtime._loaded.items() if name.endswith("_ctatrace")]
+
+
+def global_ptr(module: int) -> int:
+    from cupy_backends.cuda.api import driver
+
+    return driver.moduleGetGlobal(module, "pt_cta_trace")
+
+
+def read(module: int, rows: int) -> np.ndarray:
+    import cupy
+
+    host = np.zeros((rows, 4), dtype=np.uint64)
+    cupy.cuda.runtime.memcpy(host.ctypes.data_as(ctypes.c_void_p).value, global_ptr(module), host.nbytes, 2)
+    return host[host[:, 3] == 1].astype(np.int64)
+
+
+def summarize(tr: np.ndarray) -> None:
+    """tr: [CTA][start ns, end ns, SM, 1], the CTAs that recorded."""
+    if len(tr) == 0:
+        print("    no CTA recorded")
+        return
+    t0, t1 = tr[:, 0].min(), tr[:, 1].max()
+    span = t1 - t0
+    dur = tr[:, 1] - tr[:, 0]
+    print(f"    {len(tr)} CTAs recorded on {len(set(tr[:, 2]))} SMs; span {span / 1e3:.1f} us")
+    # waves of starts: a CTA starts in wave k if k CTAs of its SM started before it and ended
+    # before it started (the SM's slots refilled k times)
+    starts = np.sort(tr[:, 0])
+    resident = int(np.max([np.sum((tr[:, 0] <= s) & (tr[:, 1] > s)) for s in starts]))
+    order = np.argsort(tr[:, 0], kind="stable")
+    wave = np.zeros(len(tr), dtype=int)
+    wave[order] = np.arange(len(tr)) // max(resident, 1)
+    print(f"    at most {resident} CTAs resident at once; CTA time by wave of starts (us: median / min / max):")
+    for k in range(wave.max() + 1):
+        d = dur[wave == k]
+        s = tr[wave == k, 0] - t0
+        print(f"      wave {k}: {len(d):>5} CTAs, {np.median(d) / 1e3:8.1f} / {d.min() / 1e3:8.1f} / "
+              f"{d.max() / 1e3:8.1f}; starts {s.min() / 1e3:.1f}-{s.max() / 1e3:.1f} us into the span")
+    head, tail, gaps, busy = [], [], [], []
+    for sm in sorted(set(tr[:, 2])):
+        rows = tr[tr[:, 2] == sm]
+        iv = sorted(zip(rows[:, 0], rows[:, 1]))
+        head.append(iv[0][0] - t0)
+        covered, end = 0, iv[0][0]
+        gap = 0
+        cur_s, cur_e = iv[0]
+        for s, e in iv[1:]:  # the union of the SM's CTA intervals
+            if s > cur_e:
+                covered += cur_e - cur_s
+                gap += s - cur_e
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        covered += cur_e - cur_s
+        tail.append(t1 - cur_e)
+        gaps.append(gap)
+        busy.append(covered)
+    n = len(busy)
+    pct = lambda xs: 100.0 * float(np.sum(xs)) / (n * span)
+    print(f"    the SMs' time over the span: busy {pct(busy):.1f}%, head {pct(head):.1f}% (median "
+          f"{np.median(head) / 1e3:.1f} us), tail {pct(tail):.1f}% (median {np.median(tail) / 1e3:.1f} us), "
+          f"between CTAs {pct(gaps):.1f}%")
+    print(f"    slot occupancy: the CTAs' time over {resident} slots x the span: "
+          f"{100.0 * float(dur.sum()) / (resident * span):.1f}%")
+
+
+def time_calls(fn, calls: int = 10, rounds: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return float(np.median(times))
+
+
+def main() -> None:
+    import cupy
+
+    from prims_ts import Tuning
+    from prims_ts import bench as B
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", action="append", choices=["decode", "mla"], default=None)
+    ap.add_argument("--match", default=None, help="only the problems whose name holds this text")
+    ap.add_argument("--tuning", default="", help="a Tuning.encode() string, cta_trace added")
+    args = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = trace_rows()
+    base = Tuning.decode(args.tuning)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    for fname in args.family or ["decode", "mla"]:
+        fam = B.FAMILIES[fname]
+        for prob in fam.problems():
+            if args.match and args.match not in prob.name:
+                continue
+            x = fam.make_inputs(prob, dev)
+            runner = next(r for r in fam.runners if r.name == fam.ours)
+            print(f"{fname} {prob.name}:")
+            fns = {}
+            for label, tuning in (("traced", dataclasses.replace(base, cta_trace=True)),
+                                  ("untraced", dataclasses.replace(base, cta_trace=False))):
+                x.tuning = tuning
+                fns[label] = runner.setup(prob, x)
+                fns[label]()
+                torch.cuda.synchronize()
+            modules = traced_modules()
+            for m in modules:
+                cupy.cuda.runtime.memset(global_ptr(m), 0, rows * 4 * 8)
+            flush.zero_()
+            torch.cuda.synchronize()
+            fns["traced"]()
+            torch.cuda.synchronize()
+            traces = [t for t in (read(m, rows) for m in modules) if len(t)]
+            if len(traces) != 1:
+                print(f"    {len(traces)} traced keys recorded (expected one): skipped")
+            else:
+                summarize(traces[0])
+            for label, fn in fns.items():
+                print(f"    {label}: {time_calls(fn) * 1e3:.1f} us a call (10 back to back)")
+
+
+if __name__ == "__main__":
+    main()
