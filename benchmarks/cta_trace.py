@@ -8,8 +8,8 @@ fmha_decode.cu: each CTA stores %globaltimer at its start and at its last warp's
 SM), and runs it once after a 256 MB write that evicts L2, as the bench times one call. Prints
 the launch's span (the first CTA's start to the last one's end), its CTAs' durations by wave of
 starts, and each SM's share of the span: busy (a CTA resident), before its first CTA (the head),
-after its last (the tail), and between CTAs. Then the key's time a call, eager, with the trace and
-without (10 calls back to back).
+after its last (the tail), and between CTAs. Then the key's time a call with the trace and without, by the
+bench's timer (`bench.time_ms`).
 """
 import argparse
 import ctypes
@@ -99,21 +99,6 @@ def summarize(tr: np.ndarray) -> None:
           f"{100.0 * float(dur.sum()) / (resident * span):.1f}%")
 
 
-def time_calls(fn, calls: int = 10, rounds: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return float(np.median(times))
-
-
 def main() -> None:
     import cupy
 
@@ -157,7 +142,7 @@ def main() -> None:
             else:
                 summarize(traces[0])
             for label, fn in fns.items():
-                print(f"    {label}: {time_calls(fn) * 1e3:.1f} us a call (10 back to back)")
+                print(f"    {label}: {B.time_ms(fn) * 1e3:.1f} us a call ({B.timer_name()})")
 
 
 if __name__ == "__main__":

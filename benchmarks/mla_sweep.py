@@ -17,6 +17,20 @@ import torch
 MLA_DQK, MLA_DV = 576, 512
 
 
+def mla_inputs(b: int, n: int, h: int, ps: int = 64):
+    """B requests of n keys, H heads, one query token (bf16): q, the latent pool of shuffled pages,
+    its block table, the lengths, a workspace and the output."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    per = (n + ps - 1) // ps
+    q = torch.randn(b, 1, h, MLA_DQK, device=dev, dtype=dt)
+    cache = torch.randn(b * per, ps, MLA_DQK, device=dev, dtype=dt)
+    bt = torch.randperm(b * per, device=dev).to(torch.int32).view(b, per)
+    lens = torch.full((b,), n, device=dev, dtype=torch.int32)
+    ws = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)
+    out = torch.empty(b, 1, h, MLA_DV, device=dev, dtype=dt)
+    return q, cache, bt, lens, ws, out
+
+
 def main() -> None:
     from prims_ts import Tuning
     from prims_ts.cuda import decode as K
@@ -31,14 +45,8 @@ def main() -> None:
         kind = next((k for k in ("swap8", "swap") if arg.startswith(k)), "")
         shape = arg[len(kind):].lstrip(":")
         specs.append((kind, tuple(int(v) for v in shape.split(",")) if shape else None))
-    ps, dev, dt = 64, torch.device("cuda"), torch.bfloat16
-    per = (n + ps - 1) // ps
-    q = torch.randn(b, 1, h, MLA_DQK, device=dev, dtype=dt)
-    cache = torch.randn(b * per, ps, MLA_DQK, device=dev, dtype=dt)
-    bt = torch.randperm(b * per, device=dev).to(torch.int32).view(b, per)
-    lens = torch.full((b,), n, device=dev, dtype=torch.int32)
-    ws = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)
-    out = torch.empty(b, 1, h, MLA_DV, device=dev, dtype=dt)
+    ps, dt = 64, torch.bfloat16
+    q, cache, bt, lens, ws, out = mla_inputs(b, n, h, ps)
     scale = MLA_DQK ** -0.5
     default = K.decode_policy
 

@@ -11,7 +11,7 @@ compare. Prints, per tuning and warpgroup, the median clocks from a pair's start
 steps and the pair's length (the middle pairs; the grid's first and last CTAs apart), warpgroup
 1's lag behind warpgroup 0, the item's prologue and epilogue; then `--timeline` pairs of the
 first traced CTA, each step's clock from the item's start; then the kernel's time a call with
-and without the trace.
+and without the trace (the bench's timer, `bench.time_ms`).
 """
 import argparse
 import ctypes
@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MLA_DQK, MLA_DV = 576, 512
 HEADER = Path(__file__).resolve().parent.parent / "prims_ts" / "cuda" / "include" / "pt_fmha_twin.cuh"
 PAIR_STEPS = ["start", "P(own) out", "P(oth) in", "1st PV done", "2nd PV done", "S issued", "S done"]
 ITEM_STEPS = ["start", "first S", "reference", "pass done", "end", "smid", "tiles", "globaltimer"]
@@ -115,7 +114,10 @@ def summarize_slots(tr: np.ndarray, item: np.ndarray, slots, pairs_cap: int) -> 
 
 
 def main() -> None:
+    from mla_sweep import MLA_DQK, MLA_DV, mla_inputs  # this directory's
+
     from prims_ts import Tuning
+    from prims_ts.bench import time_ms, timer_name
     from prims_ts.cuda import decode as K
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,14 +128,8 @@ def main() -> None:
     b, n, h = args.shape
     ctas, pairs_cap, events = layout()
     shape = (ctas, 2, pairs_cap + 1, events)
-    ps, dev, dt = 64, torch.device("cuda"), torch.bfloat16
-    per = (n + ps - 1) // ps
-    q = torch.randn(b, 1, h, MLA_DQK, device=dev, dtype=dt)
-    cache = torch.randn(b * per, ps, MLA_DQK, device=dev, dtype=dt)
-    bt = torch.randperm(b * per, device=dev).to(torch.int32).view(b, per)
-    lens = torch.full((b,), n, device=dev, dtype=torch.int32)
-    ws = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)
-    out = torch.empty(b, 1, h, MLA_DV, device=dev, dtype=dt)
+    ps, dt = 64, torch.bfloat16
+    q, cache, bt, lens, ws, out = mla_inputs(b, n, h, ps)
     flops = 2.0 * b * h * n * (MLA_DQK + MLA_DV)
     for spec in args.tuning or ["default"]:
         tuning = dataclasses.replace(Tuning.decode("" if spec == "default" else spec), twin_trace=True)
@@ -156,27 +152,9 @@ def main() -> None:
         summarize(read_trace(loaded.module, shape), pairs_cap, args.timeline)
         plain = K.PreparedDecode(dataclasses.replace(static, tuning=dataclasses.replace(tuning, twin_trace=False)), 0)
         for label, prepared in (("traced", launch), ("untraced", plain)):
-            ms = time_calls(lambda: prepared.run(q, cache, None, ws, out, None, bt, lens, None, MLA_DQK ** -0.5, 1.0,
-                                                 bt_stride=bt.stride(0)))
-            print(f"  kernel {label}: {ms:.4f} ms a call (10 back to back, median of 10 rounds), "
-                  f"{flops / ms / 1e9:.0f} TFLOP/s")
-
-
-def time_calls(fn, calls: int = 10, rounds: int = 10) -> float:
-    """ms a call: `calls` calls back to back between two events (the host's launch time under the
-    GPU's), the median of `rounds`."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(calls):
-            fn()
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1) / calls)
-    return float(np.median(times))
+            ms = time_ms(lambda: prepared.run(q, cache, None, ws, out, None, bt, lens, None, MLA_DQK ** -0.5, 1.0,
+                                              bt_stride=bt.stride(0)))
+            print(f"  kernel {label}: {ms:.4f} ms a call ({timer_name()}), {flops / ms / 1e9:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":
