@@ -345,9 +345,18 @@ def wide_problem(qmode, mask, hsq, salt: str) -> "Problem":
                    kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
 
 
-# the twin's schedules: the default, Tuning.mla_even_first 1 / 2, Tuning.mla_s_early
+# the twin's schedules: the default, Tuning.mla_even_first 1 / 2, Tuning.mla_s_early; and its L2
+# prefetch, Tuning.mla_l2_ahead
 TWIN_VARIANTS = {"own_first": {}, "even_first": {"mla_even_first": 1}, "even_under": {"mla_even_first": 2},
-                 "s_early": {"mla_s_early": True}}
+                 "s_early": {"mla_s_early": True}, "l2_ahead": {"mla_l2_ahead": True}}
+
+
+def twin_schedule(key: DecodeKey) -> tuple:
+    return key.even_first, key.s_early, key.l2_ahead
+
+
+def tuning_schedule(tuning: Tuning) -> tuple:
+    return tuning.mla_even_first, tuning.mla_s_early, tuning.mla_l2_ahead
 
 
 @pytest.mark.parametrize("variant", list(TWIN_VARIANTS))
@@ -361,8 +370,7 @@ def test_wide_rows_twin(split_merge, qmode, mask, hsq, variant):
     tuning = with_merge(Tuning(**TWIN_VARIANTS[variant]), split_merge)
     pb = wide_problem(qmode, mask, hsq, "twin")
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and key.bm == 64 and (key.even_first, key.s_early) == (tuning.mla_even_first, tuning.mla_s_early), \
-        key.name
+    assert key.twin and key.bm == 64 and twin_schedule(key) == tuning_schedule(tuning), key.name
     if on_sm90():
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)
@@ -392,7 +400,7 @@ def test_twin_rerun(split_merge, dtype, mask, lengths, variant):
             page = pb.live[b][j // pb.ps]
             pb.pool[page, j % pb.ps] = (4 * pb.q[b, 0, head].float()).to(dtype)
     key = DecodeKey.of(DTYPE_CODES[dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
-    assert key.twin and (key.even_first, key.s_early) == (tuning.mla_even_first, tuning.mla_s_early), key.name
+    assert key.twin and twin_schedule(key) == tuning_schedule(tuning), key.name
     if on_sm90():
         assert check_plan(pb, pb.plan(tuning, mask), tuning, mask == "causal") == key
     check(pb, tuning, mask)

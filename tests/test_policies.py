@@ -352,7 +352,7 @@ def test_tuning_encodes_and_decodes():
             Tuning.decode(removed)
     for bad in (dict(loop=3), dict(copy_tpr=6), dict(probe=5), dict(persistent_ctas=0),
                 # a bool would name another key (_ef) for ef1's kernel and break its template argument
-                dict(mla_even_first=True), dict(mla_even_first=3), dict(mla_s_early=1),
+                dict(mla_even_first=True), dict(mla_even_first=3), dict(mla_s_early=1), dict(mla_l2_ahead=1),
                 dict(mla_s_early=True, mla_even_first=1)):
         with pytest.raises(ValueError, match="tuning"):
             Tuning(**bad)
@@ -633,16 +633,20 @@ def test_twin_schedules_keep_the_wgmma_pipeline(tmp_path, monkeypatch):
     the even-first keys hold a second P(own) V site (warpgroup 1's, after its P wait), the
     under key a second softmax (on a copy of S), and mla_s_early (warpgroup 0's S half 0 issued
     again before its wait for the second P V) waits for that P V with S's four first groups
-    still in flight (one wait_group 4)."""
+    still in flight (one wait_group 4); mla_l2_ahead (beside either order) adds the L2 prefetches
+    of the tile after next (a row's nine 128-byte lines over two threads: five prefetch sites)
+    and nothing else."""
     from prims_ts.cuda import runtime
 
     monkeypatch.setenv("PRIMS_TS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runtime, "perf_notes", {})
     pol = decode_policy(64, 1, 128, 1, MLA_DIM_QK, 8192, sm_count=132)
-    counted = ("wgmma.mma_async", "ex2.approx", "bar.arrive", "mbarrier.try_wait", "wgmma.wait_group.sync.aligned 4;")
+    counted = ("wgmma.mma_async", "ex2.approx", "bar.arrive", "mbarrier.try_wait", "wgmma.wait_group.sync.aligned 4;",
+               "prefetch.global.L2", "cp.async.bulk.tensor")
     counts = {}
     for name, tuning in (("default", Tuning()), ("ef1", Tuning(mla_even_first=1)), ("ef2", Tuning(mla_even_first=2)),
-                         ("se", Tuning(mla_s_early=True))):
+                         ("se", Tuning(mla_s_early=True)), ("l2", Tuning(mla_l2_ahead=True)),
+                         ("ef1_l2", Tuning(mla_even_first=1, mla_l2_ahead=True))):
         key = DecodeKey.of("bf16", MLA_DIM_QK, True, pol, "sm_90a", tuning)
         assert key.twin and (name == "default") == (key.name.endswith("_twin")), key.name
         src = key.source()
@@ -662,6 +666,12 @@ def test_twin_schedules_keep_the_wgmma_pipeline(tmp_path, monkeypatch):
         assert c["wgmma.wait_group.sync.aligned 4;"] == 0, counts
     assert counts["ef1"]["ex2.approx"] == base["ex2.approx"] < counts["ef2"]["ex2.approx"], counts
     assert counts["ef1"]["mbarrier.try_wait"] == counts["ef2"]["mbarrier.try_wait"] == base["mbarrier.try_wait"], counts
+    # the L2 prefetches: five sites a call (the start's tile and each pair's), nothing else moved
+    assert all(c["prefetch.global.L2"] == 0 for n, c in counts.items() if not n.endswith("l2")), counts
+    for name, order in (("l2", "default"), ("ef1_l2", "ef1")):
+        c = dict(counts[name])
+        assert c.pop("prefetch.global.L2") == 10, counts
+        assert c == {op: n for op, n in counts[order].items() if op != "prefetch.global.L2"}, counts
 
 
 def test_twin_trace_is_a_key_of_its_own(tmp_path, monkeypatch):

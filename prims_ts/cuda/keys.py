@@ -75,6 +75,11 @@ class Tuning:
     # first P V before it waits for its second P V (the default pair order only). A variant until
     # measured (benchmarks/NOTES.md, Open leads, MLA).
     mla_s_early: bool = False
+    # The twin MLA tile's warpgroups prefetch the rows of their tile after next into L2
+    # (`prefetch.global.L2` from every thread, not the TMA unit), so that the copies S waits for
+    # read L2. Combines with either schedule above. A variant until measured (benchmarks/NOTES.md,
+    # Open leads, MLA).
+    mla_l2_ahead: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at
@@ -154,6 +159,8 @@ class Tuning:
             raise ValueError(f"tuning: mla_even_first must be the int 0, 1 or 2, got {self.mla_even_first!r}")
         if type(self.mla_s_early) is not bool:
             raise ValueError(f"tuning: mla_s_early must be a bool, got {self.mla_s_early!r}")
+        if type(self.mla_l2_ahead) is not bool:
+            raise ValueError(f"tuning: mla_l2_ahead must be a bool, got {self.mla_l2_ahead!r}")
         if self.mla_s_early and self.mla_even_first:
             raise ValueError("tuning: mla_s_early takes the default pair order (mla_even_first=0)")
 

@@ -62,7 +62,7 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, int EVEN_FIRST_ = 0, bool S_EARLY_ = false>
+template <class T_, int D_, int DV_, int EVEN_FIRST_ = 0, bool S_EARLY_ = false, bool L2_AHEAD_ = false>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
@@ -77,6 +77,12 @@ struct TwinConfig {
   // whose S takes that refill last, keeps the default order (Tuning.mla_s_early)
   static constexpr bool S_EARLY = S_EARLY_;
   static_assert(!(S_EARLY && EVEN_FIRST), "S_EARLY takes the default pair order");
+  // Behind its pair's copies, each warpgroup brings the rows of its own tile after next (own + 4,
+  // which both warpgroups copy in the next pair) into L2 by `prefetch.global.L2`, a 128-byte
+  // line a prefetch over its 128 threads, so that those copies read L2 instead of DRAM. The
+  // prefetches go through the load path, not the TMA unit, so they do not queue ahead of the
+  // copies that S waits for (Tuning.mla_l2_ahead)
+  static constexpr bool L2_AHEAD = L2_AHEAD_;
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -284,6 +290,23 @@ struct TwinTile {
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) panel(c);
     if (rope) panel(QP - 1);
+  }
+  // L2_AHEAD: two threads a key row of tile it (the row's 128-byte lines 0-4 and 5-8). The row's
+  // page ID, loaded ahead of the prefetches (-1: no row, no tile or no L2_AHEAD)
+  __device__ __forceinline__ int l2_page(int it) const {
+    const int r = (threadIdx.x & 127) >> 1;
+    if (!Cfg::L2_AHEAD || it >= n_tiles) return -1;
+    const KeyTile kt = range.tile(it);
+    return r < kt.rows ? pb.kv_page(kt.k0 + r) : -1;
+  }
+  // ... and its lines into L2 (a page ID outside the pool prefetches nothing)
+  __device__ __forceinline__ void l2_ahead(int it, int page) const {
+    if (!Cfg::L2_AHEAD || (unsigned)page >= (unsigned)pb.p->num_pages) return;
+    const int u = threadIdx.x & 127, r = u >> 1, c0 = (u & 1) * 5, c1 = (u & 1) ? Cfg::D / 64 : 5;
+    const char* row = reinterpret_cast<const char*>(pb.k_row(page, range.tile(it).k0 + r));
+#pragma unroll
+    for (int c = 0; c < 5; ++c)
+      if (c0 + c < c1) prefetch_l2(row + (c0 + c) * 128);
   }
   __device__ __forceinline__ void acquire(int it, int c0, int n) const {
 #pragma unroll 1
@@ -509,6 +532,7 @@ struct TwinTile {
       bx1 = boxes(t1 + 2);
       bx2 = boxes(t2 + 2);
     }
+    const int l2pg = l2_page(own + 4);  // L2_AHEAD: the rows prefetched behind this pair's copies
     const int bar = TWIN_P + 2 * (i & 1);  // P(own) on bar + w, P(oth) on bar + 1 - w
     // Each product's commit lies inside its branch, and the waits count the groups that
     // were issued: a commit after the branch would make ptxas close the group on the taken
@@ -539,6 +563,7 @@ struct TwinTile {
     fence_regs(o);
     trace.at(TE_PV2);
     if (issuer && (swap ? has_own : has_oth)) fill(t2 + 2, bx2, w * VH, VH, !swap);
+    l2_ahead(own + 4, l2pg);
     // S(own + 2), half w (the first copy) first
     if (more) {
       if (!early) {
@@ -579,6 +604,7 @@ struct TwinTile {
     trace.start(w, n_tiles);
     // this warpgroup's first tile, every panel, under Q's copy (again at the rerun's start)
     if (issuer) fill(w, boxes(w), 0, QP - 1, true);
+    l2_ahead(w + 2, l2_page(w + 2));  // L2_AHEAD: the tile copied in the first pair
     load_q_for_mma<QTile, THREADS>(sQ, pb);
 #pragma unroll 1
     for (;; pass = 1) {
