@@ -345,18 +345,19 @@ def wide_problem(qmode, mask, hsq, salt: str) -> "Problem":
                    kind=("perm", "repeated")[(i // 3) % 2], max_seq_len=2600 if lengths == "long" else 127)
 
 
-# the twin's schedules: the default, Tuning.mla_even_first 1 / 2, Tuning.mla_s_early; and its L2
-# prefetch, Tuning.mla_l2_ahead
+# the twin's schedules: the default, Tuning.mla_even_first 1 / 2, Tuning.mla_s_early,
+# Tuning.mla_stream_p; and its L2 prefetch, Tuning.mla_l2_ahead
 TWIN_VARIANTS = {"own_first": {}, "even_first": {"mla_even_first": 1}, "even_under": {"mla_even_first": 2},
-                 "s_early": {"mla_s_early": True}, "l2_ahead": {"mla_l2_ahead": True}}
+                 "s_early": {"mla_s_early": True}, "l2_ahead": {"mla_l2_ahead": True},
+                 "stream_p": {"mla_stream_p": True}}
 
 
 def twin_schedule(key: DecodeKey) -> tuple:
-    return key.even_first, key.s_early, key.l2_ahead
+    return key.even_first, key.s_early, key.l2_ahead, key.stream_p
 
 
 def tuning_schedule(tuning: Tuning) -> tuple:
-    return tuning.mla_even_first, tuning.mla_s_early, tuning.mla_l2_ahead
+    return tuning.mla_even_first, tuning.mla_s_early, tuning.mla_l2_ahead, tuning.mla_stream_p
 
 
 @pytest.mark.parametrize("variant", list(TWIN_VARIANTS))

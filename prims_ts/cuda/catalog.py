@@ -52,6 +52,7 @@ DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_even_first_under": Tuning(mla_even_first=2),
     "mla_s_early": Tuning(mla_s_early=True),
     "mla_l2_ahead": Tuning(mla_l2_ahead=True),
+    "mla_stream_p": Tuning(mla_stream_p=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 

@@ -80,6 +80,10 @@ class Tuning:
     # read L2. Combines with either schedule above. A variant until measured (benchmarks/NOTES.md,
     # Open leads, MLA).
     mla_l2_ahead: bool = False
+    # The twin MLA tile's P(own) V issued k-step by k-step, each behind its keys' exponentials,
+    # so that the product runs under the rest of the softmax (the default pair order only). A
+    # variant until measured (benchmarks/NOTES.md, Open leads, MLA).
+    mla_stream_p: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at
@@ -161,6 +165,10 @@ class Tuning:
             raise ValueError(f"tuning: mla_s_early must be a bool, got {self.mla_s_early!r}")
         if type(self.mla_l2_ahead) is not bool:
             raise ValueError(f"tuning: mla_l2_ahead must be a bool, got {self.mla_l2_ahead!r}")
+        if type(self.mla_stream_p) is not bool:
+            raise ValueError(f"tuning: mla_stream_p must be a bool, got {self.mla_stream_p!r}")
+        if self.mla_stream_p and (self.mla_even_first or self.mla_s_early):
+            raise ValueError("tuning: mla_stream_p takes the default pair order (mla_even_first=0, mla_s_early=False)")
         if self.mla_s_early and self.mla_even_first:
             raise ValueError("tuning: mla_s_early takes the default pair order (mla_even_first=0)")
 

@@ -62,7 +62,8 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, int EVEN_FIRST_ = 0, bool S_EARLY_ = false, bool L2_AHEAD_ = false>
+template <class T_, int D_, int DV_, int EVEN_FIRST_ = 0, bool S_EARLY_ = false, bool L2_AHEAD_ = false,
+          bool STREAM_P_ = false>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
@@ -83,6 +84,12 @@ struct TwinConfig {
   // prefetches go through the load path, not the TMA unit, so they do not queue ahead of the
   // copies that S waits for (Tuning.mla_l2_ahead)
   static constexpr bool L2_AHEAD = L2_AHEAD_;
+  // P(own) V issued k-step by k-step, each behind its 16 keys' exponentials (and their store for
+  // the other warpgroup), so that the product starts after a quarter of the softmax and the rest
+  // runs under it; the reference is fixed, so no row maximum is needed first (the tile's maxima,
+  // for the rerun's check, follow the products). The default pair order only (Tuning.mla_stream_p)
+  static constexpr bool STREAM_P = STREAM_P_;
+  static_assert(!(STREAM_P && (EVEN_FIRST || S_EARLY)), "STREAM_P takes the default pair order");
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -499,6 +506,44 @@ struct TwinTile {
     pv_own(own, pf);
     wgmma_commit();
   }
+  // STREAM_P: P(own) and P(own) V(own)_w k-step by k-step, a wgmma group: each k-step's 16 keys
+  // exponentiated (the sums taking them), packed, stored into tile own's P panel for the other
+  // warpgroup (store_p's places) and multiplied; then P published on bar + w, and the tile's
+  // maxima taken from S (read only: S's registers are no product's while these are in flight)
+  __device__ __forceinline__ void pv_own_streamed(int bar, int own) {
+    mask(own, s);
+    const u32 vb = v_half(own);
+    u32 base = p_smem(own) - sQ + (u32)(row0 + g) * 128 + 4 * t;
+    asm volatile("" : "+r"(base));
+    fence_regs(o);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      float e[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) e[j][x] = fast_exp2(fmaf(s[2 * kk + j][x], scale_log2, -ref[x >> 1]));
+      l[0] += (e[0][0] + e[0][1]) + (e[1][0] + e[1][1]);
+      l[1] += (e[0][2] + e[0][3]) + (e[1][2] + e[1][3]);
+      u32 pf[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int nt = 2 * kk + j;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          pf[2 * j + h] = pack2<T>(e[j][2 * h], e[j][2 * h + 1]);
+          *reinterpret_cast<u32*>(smem + base + h * 1024 + ((nt ^ g) << 4)) = pf[2 * j + h];
+        }
+      }
+      wgmma_fence();
+      Wgmma<T, Cfg::DVH>::rs_nmajor(o, pf, desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL), 1);
+    }
+    wgmma_commit();
+    fence_proxy_async();
+    named_bar_arrive(bar + w, THREADS);
+    trace.at(TE_P_OWN);
+    Softmax::tile_max(mt, s, mt);
+  }
   // O_w += P(oth) V(oth)_w once the other warpgroup has published P(oth), a wgmma group; without
   // a tile, the other's P wait matched
   __device__ __forceinline__ void pv_oth_step(int bar, int oth, bool has_oth) {
@@ -538,8 +583,12 @@ struct TwinTile {
     // were issued: a commit after the branch would make ptxas close the group on the taken
     // path and issue an empty group after the join, doubling the count the waits see.
     u32 pf[4][4];
-    if (has_own && !(swap && under)) p_own(own, pf);
-    if (has_own && !swap) pv_own_step(bar, own, pf);
+    if (Cfg::STREAM_P) {
+      if (has_own) pv_own_streamed(bar, own);
+    } else {
+      if (has_own && !(swap && under)) p_own(own, pf);
+      if (has_own && !swap) pv_own_step(bar, own, pf);
+    }
     pv_oth_step(bar, oth, has_oth);
     if (has_own && swap && under) p_own_under(own, pf);
     if (has_own && swap) pv_own_step(bar, own, pf);
