@@ -160,10 +160,7 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"); ef / eu: the twin MLA tile's
-        # first P V over the even tile, warpgroup 1's softmax before / under it (mla_even_first=1 / 2; MLA alone); se: the twin's next S begun under the
-        # second P V (mla_s_early; MLA alone); l2: the twin's tile after next prefetched into L2 (mla_l2_ahead; MLA alone); sp: the twin's P(own) V k-step by k-step behind its
-        # exponentials (mla_stream_p; MLA alone). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
         # come again ("d pd pd d": base / new / new / base, the last d the drift): the files are numbered in order.
@@ -172,7 +169,7 @@ for s in "${stages[@]}"; do
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; ef | eu | se | l2 | sp) fams="--family mla" ;; esac
+            case "$v" in d | c) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -180,7 +177,7 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                bs) spec="balanced_split=True" ;; ef) spec="mla_even_first=1" ;; eu) spec="mla_even_first=2" ;; se) spec="mla_s_early=True" ;; l2) spec="mla_l2_ahead=True" ;; sp) spec="mla_stream_p=True" ;;
+                bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"
@@ -193,7 +190,7 @@ for s in "${stages[@]}"; do
         "$PY" benchmarks/ab_table.py $files | tee "$OUT/${s}_table.txt" ;;
     twintrace)  # the twin MLA tile's pair timeline (benchmarks/twin_trace.py) under each TRACE_TUNINGS spec
         echo "== twin_trace.py"
-        specs=(); for t in ${TRACE_TUNINGS:-default mla_even_first=1 mla_even_first=2 mla_s_early=True mla_l2_ahead=True}; do specs+=(--tuning "$t"); done
+        specs=(); for t in ${TRACE_TUNINGS:-default}; do specs+=(--tuning "$t"); done
         timeout "$(tl 200)" "$PY" benchmarks/twin_trace.py "${specs[@]}" >"$OUT/twin_trace.log" 2>&1
         echo "   rc=$? (twin_trace.log)"; grep -v '^\[' "$OUT/twin_trace.log" | head -80 ;;
     ctatrace)  # each decode / MLA bench problem's CTAs, start to end by SM (benchmarks/cta_trace.py): the launch's edges

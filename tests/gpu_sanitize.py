@@ -522,21 +522,14 @@ def run_mla_twin(dev, default: bool = True) -> None:
     (its barriers retired and set up again item after item); the two twin cases again with a
     spiked key (the rerun: the barrier phases it continues); and three whole tiles a request,
     dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for one P more
-    than warpgroup 0); every pass again under each of the twin's schedules
-    (Tuning.mla_even_first 1 / 2, Tuning.mla_s_early) and its L2 prefetch (Tuning.mla_l2_ahead),
-    their cases the twin's alone."""
+    than warpgroup 0)."""
     twin = Tuning()
     tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)]
-    for name in ("mla_even_first", "mla_even_first_under", "mla_s_early", "mla_l2_ahead"):
-        schedule = DECODE_VARIANTS[name]
-        tunings += [schedule, dataclasses.replace(schedule, balanced_split=True, balanced_ctas=7)]
     if default:
         tunings = [twin] + tunings
     for tuning in tunings:
-        schedule = tuning.mla_even_first or tuning.mla_s_early or tuning.mla_l2_ahead
         for case in MLA_CASES:
-            if not schedule or case[4] >= 64:  # H >= 64: rows of 64, the twin's
-                mla_case(dev, *case, tuning=tuning)
+            mla_case(dev, *case, tuning=tuning)
         mla_case(dev, "three tiles packed h64 dense", "packed", [1, 1, 1], "dense", 64, 32, 4, [192, 192, 192], 192,
                  False, tuning=tuning)
         for case in MLA_CASES[1:4:2]:

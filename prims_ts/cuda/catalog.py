@@ -48,11 +48,6 @@ RING_VARIANTS: Dict[str, Tuning] = {
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_mma": Tuning(mla_swapped=False),
     "balanced_split": Tuning(balanced_split=True),
-    "mla_even_first": Tuning(mla_even_first=1),
-    "mla_even_first_under": Tuning(mla_even_first=2),
-    "mla_s_early": Tuning(mla_s_early=True),
-    "mla_l2_ahead": Tuning(mla_l2_ahead=True),
-    "mla_stream_p": Tuning(mla_stream_p=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 

@@ -203,10 +203,6 @@ class DecodeKey(KernelKey):
     copy_tpr: int = tag("cp", 4)  # the swapped tile's producer threads per K/V row (Tuning.copy_tpr)
     twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a)
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
-    even_first: int = tag("ef", 0)  # the twin's first P V over the even tile (Tuning.mla_even_first)
-    s_early: bool = tag("se", False)  # the twin's next S begun under the second P V (Tuning.mla_s_early)
-    l2_ahead: bool = tag("l2", False)  # the twin's tile after next prefetched into L2 (Tuning.mla_l2_ahead)
-    stream_p: bool = tag("sp", False)  # the twin's P(own) V k-step by k-step behind its exponentials (Tuning.mla_stream_p)
     trace: bool = tag("trace", False)  # PT_TWIN_TRACE (Tuning.twin_trace): a measurement aid
     cta_trace: bool = tag("ctatrace", False)  # PT_CTA_TRACE (Tuning.cta_trace): a measurement aid
 
@@ -226,9 +222,7 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, even_first=tuning.mla_even_first, s_early=tuning.mla_s_early,
-                             l2_ahead=tuning.mla_l2_ahead, stream_p=tuning.mla_stream_p,
-                             trace=tuning.twin_trace)
+                             balanced=bal, trace=tuning.twin_trace)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
@@ -280,11 +274,7 @@ class DecodeKey(KernelKey):
 
     def call(self) -> str:
         if self.twin:
-            # the schedule's template arguments, the trailing defaults left out
-            extra = [str(self.even_first), cpp_bool(self.s_early), cpp_bool(self.l2_ahead), cpp_bool(self.stream_p)]
-            while extra and extra[-1] in ("0", "false"):
-                extra.pop()
-            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{''.join(', ' + a for a in extra)}>"
+            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}>"
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}>")

@@ -65,25 +65,6 @@ class Tuning:
     # MLA rows of 16/32 on sm_90a: the swapped-operand wgmma tile (keys as M), else sm_80's.
     # (MLA rows of 64 on sm_90a always take the twin tile, pt_fmha_twin.cuh.)
     mla_swapped: bool = True
-    # The twin MLA tile's warpgroup 1 multiplies warpgroup 0's P (the pair's even tile) before
-    # its own P, so that both warpgroups' first P V is over the even tile and its stage refills a
-    # P V phase earlier; warpgroup 1's softmax before its wait for warpgroup 0's P (1) or under
-    # that product (2). 0: each warpgroup its own tile first. A variant until measured
-    # (benchmarks/NOTES.md, Open leads, MLA).
-    mla_even_first: int = 0
-    # The twin MLA tile's warpgroup 0 starts S of its next tile on the half it refilled after its
-    # first P V before it waits for its second P V (the default pair order only). A variant until
-    # measured (benchmarks/NOTES.md, Open leads, MLA).
-    mla_s_early: bool = False
-    # The twin MLA tile's warpgroups prefetch the rows of their tile after next into L2
-    # (`prefetch.global.L2` from every thread, not the TMA unit), so that the copies S waits for
-    # read L2. Combines with either schedule above. A variant until measured (benchmarks/NOTES.md,
-    # Open leads, MLA).
-    mla_l2_ahead: bool = False
-    # The twin MLA tile's P(own) V issued k-step by k-step, each behind its keys' exponentials,
-    # so that the product runs under the rest of the softmax (the default pair order only). A
-    # variant until measured (benchmarks/NOTES.md, Open leads, MLA).
-    mla_stream_p: bool = False
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at
@@ -159,18 +140,6 @@ class Tuning:
             raise ValueError(f"tuning: prefill_bn must be None or one of {PREFILL_BNS}, got {self.prefill_bn!r}")
         if self.probe not in (0, 1, 2):
             raise ValueError(f"tuning: probe must be 0, 1 or 2, got {self.probe!r}")
-        if type(self.mla_even_first) is not int or self.mla_even_first not in (0, 1, 2):
-            raise ValueError(f"tuning: mla_even_first must be the int 0, 1 or 2, got {self.mla_even_first!r}")
-        if type(self.mla_s_early) is not bool:
-            raise ValueError(f"tuning: mla_s_early must be a bool, got {self.mla_s_early!r}")
-        if type(self.mla_l2_ahead) is not bool:
-            raise ValueError(f"tuning: mla_l2_ahead must be a bool, got {self.mla_l2_ahead!r}")
-        if type(self.mla_stream_p) is not bool:
-            raise ValueError(f"tuning: mla_stream_p must be a bool, got {self.mla_stream_p!r}")
-        if self.mla_stream_p and (self.mla_even_first or self.mla_s_early):
-            raise ValueError("tuning: mla_stream_p takes the default pair order (mla_even_first=0, mla_s_early=False)")
-        if self.mla_s_early and self.mla_even_first:
-            raise ValueError("tuning: mla_s_early takes the default pair order (mla_even_first=0)")
 
     def loop_for(self, head_dim: int) -> int:
         return self.loop if self.loop is not None else 2

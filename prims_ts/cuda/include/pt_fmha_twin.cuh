@@ -62,34 +62,11 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, int EVEN_FIRST_ = 0, bool S_EARLY_ = false, bool L2_AHEAD_ = false,
-          bool STREAM_P_ = false>
+template <class T_, int D_, int DV_>
 struct TwinConfig {
   using T = T_;
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
-  // 1, 2: both warpgroups take their first P V over the pair's even tile (warpgroup 1 multiplies
-  // warpgroup 0's P before its own), so that the even tile's stage refills after the first P V
-  // phase instead of the second; warpgroup 1's softmax runs before its wait for that P (1) or
-  // under that product (2) (Tuning.mla_even_first)
-  static constexpr int EVEN_FIRST = EVEN_FIRST_;
-  // Warpgroup 0 issues S(own + 2)'s half 0 (refilled after its first P V, over its own tile)
-  // before its wait for the second P V, whose refill then follows S's first groups; warpgroup 1,
-  // whose S takes that refill last, keeps the default order (Tuning.mla_s_early)
-  static constexpr bool S_EARLY = S_EARLY_;
-  static_assert(!(S_EARLY && EVEN_FIRST), "S_EARLY takes the default pair order");
-  // Behind its pair's copies, each warpgroup brings the rows of its own tile after next (own + 4,
-  // which both warpgroups copy in the next pair) into L2 by `prefetch.global.L2`, a 128-byte
-  // line a prefetch over its 128 threads, so that those copies read L2 instead of DRAM. The
-  // prefetches go through the load path, not the TMA unit, so they do not queue ahead of the
-  // copies that S waits for (Tuning.mla_l2_ahead)
-  static constexpr bool L2_AHEAD = L2_AHEAD_;
-  // P(own) V issued k-step by k-step, each behind its 16 keys' exponentials (and their store for
-  // the other warpgroup), so that the product starts after a quarter of the softmax and the rest
-  // runs under it; the reference is fixed, so no row maximum is needed first (the tile's maxima,
-  // for the rerun's check, follow the products). The default pair order only (Tuning.mla_stream_p)
-  static constexpr bool STREAM_P = STREAM_P_;
-  static_assert(!(STREAM_P && (EVEN_FIRST || S_EARLY)), "STREAM_P takes the default pair order");
   static constexpr int ARCH = 90;
   static constexpr int D = D_, DV = DV_, BM = 64, BN = 64, STAGES = 2;
   static constexpr int THREADS = 256;  // the two warpgroups, which also issue the copies
@@ -298,23 +275,6 @@ struct TwinTile {
     for (int c = c0; c < c0 + n; ++c) panel(c);
     if (rope) panel(QP - 1);
   }
-  // L2_AHEAD: two threads a key row of tile it (the row's 128-byte lines 0-4 and 5-8). The row's
-  // page ID, loaded ahead of the prefetches (-1: no row, no tile or no L2_AHEAD)
-  __device__ __forceinline__ int l2_page(int it) const {
-    const int r = (threadIdx.x & 127) >> 1;
-    if (!Cfg::L2_AHEAD || it >= n_tiles) return -1;
-    const KeyTile kt = range.tile(it);
-    return r < kt.rows ? pb.kv_page(kt.k0 + r) : -1;
-  }
-  // ... and its lines into L2 (a page ID outside the pool prefetches nothing)
-  __device__ __forceinline__ void l2_ahead(int it, int page) const {
-    if (!Cfg::L2_AHEAD || (unsigned)page >= (unsigned)pb.p->num_pages) return;
-    const int u = threadIdx.x & 127, r = u >> 1, c0 = (u & 1) * 5, c1 = (u & 1) ? Cfg::D / 64 : 5;
-    const char* row = reinterpret_cast<const char*>(pb.k_row(page, range.tile(it).k0 + r));
-#pragma unroll
-    for (int c = 0; c < 5; ++c)
-      if (c0 + c < c1) prefetch_l2(row + (c0 + c) * 128);
-  }
   __device__ __forceinline__ void acquire(int it, int c0, int n) const {
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) mbar_wait(full(it, c), parity(it));
@@ -483,17 +443,6 @@ struct TwinTile {
     softmax(own, s);
     pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
   }
-  // the same under a product in flight: S read, never written (a non-wgmma write of a wgmma's
-  // accumulator registers inside a wgmma stage serializes every wgmma: ptxas C7515)
-  __device__ __forceinline__ void p_own_under(int own, u32 (&pf)[4][4]) {
-    float c[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[nt][e] = s[nt][e];
-    softmax(own, c);
-    pack_p_frags<T>(c, pf);
-  }
   // P(own) to the other warpgroup (on its pair's barrier bar + w), then O_w += P(own) V(own)_w
   // from registers, a wgmma group
   __device__ __forceinline__ void pv_own_step(int bar, int own, u32 (&pf)[4][4]) {
@@ -505,44 +454,6 @@ struct TwinTile {
     wgmma_fence();
     pv_own(own, pf);
     wgmma_commit();
-  }
-  // STREAM_P: P(own) and P(own) V(own)_w k-step by k-step, a wgmma group: each k-step's 16 keys
-  // exponentiated (the sums taking them), packed, stored into tile own's P panel for the other
-  // warpgroup (store_p's places) and multiplied; then P published on bar + w, and the tile's
-  // maxima taken from S (read only: S's registers are no product's while these are in flight)
-  __device__ __forceinline__ void pv_own_streamed(int bar, int own) {
-    mask(own, s);
-    const u32 vb = v_half(own);
-    u32 base = p_smem(own) - sQ + (u32)(row0 + g) * 128 + 4 * t;
-    asm volatile("" : "+r"(base));
-    fence_regs(o);
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      float e[2][4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) e[j][x] = fast_exp2(fmaf(s[2 * kk + j][x], scale_log2, -ref[x >> 1]));
-      l[0] += (e[0][0] + e[0][1]) + (e[1][0] + e[1][1]);
-      l[1] += (e[0][2] + e[0][3]) + (e[1][2] + e[1][3]);
-      u32 pf[4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int nt = 2 * kk + j;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          pf[2 * j + h] = pack2<T>(e[j][2 * h], e[j][2 * h + 1]);
-          *reinterpret_cast<u32*>(smem + base + h * 1024 + ((nt ^ g) << 4)) = pf[2 * j + h];
-        }
-      }
-      wgmma_fence();
-      Wgmma<T, Cfg::DVH>::rs_nmajor(o, pf, desc_nmajor(vb + KVTile::kstep(kk), KVTile::PANEL), 1);
-    }
-    wgmma_commit();
-    fence_proxy_async();
-    named_bar_arrive(bar + w, THREADS);
-    trace.at(TE_P_OWN);
-    Softmax::tile_max(mt, s, mt);
   }
   // O_w += P(oth) V(oth)_w once the other warpgroup has published P(oth), a wgmma group; without
   // a tile, the other's P wait matched
@@ -569,57 +480,37 @@ struct TwinTile {
     const int own = 2 * i + w, oth = 2 * i + 1 - w;
     const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
     // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
-    // (EVEN_FIRST: warpgroup 1 takes the other's, the even, tile first)
-    const bool swap = Cfg::EVEN_FIRST && w == 1, under = Cfg::EVEN_FIRST == 2;
-    const int t1 = swap ? oth : own, t2 = swap ? own : oth;  // the tiles of the first and second P V
-    TwinBoxes bx1{0, 0, 0, 0}, bx2{0, 0, 0, 0};
+    TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0};
     if (issuer) {
-      bx1 = boxes(t1 + 2);
-      bx2 = boxes(t2 + 2);
+      bx_own = boxes(own + 2);
+      bx_oth = boxes(oth + 2);
     }
-    const int l2pg = l2_page(own + 4);  // L2_AHEAD: the rows prefetched behind this pair's copies
     const int bar = TWIN_P + 2 * (i & 1);  // P(own) on bar + w, P(oth) on bar + 1 - w
     // Each product's commit lies inside its branch, and the waits count the groups that
     // were issued: a commit after the branch would make ptxas close the group on the taken
     // path and issue an empty group after the join, doubling the count the waits see.
-    u32 pf[4][4];
-    if (Cfg::STREAM_P) {
-      if (has_own) pv_own_streamed(bar, own);
-    } else {
-      if (has_own && !(swap && under)) p_own(own, pf);
-      if (has_own && !swap) pv_own_step(bar, own, pf);
+    if (has_own) {
+      u32 pf[4][4];
+      p_own(own, pf);
+      pv_own_step(bar, own, pf);
     }
     pv_oth_step(bar, oth, has_oth);
-    if (has_own && swap && under) p_own_under(own, pf);
-    if (has_own && swap) pv_own_step(bar, own, pf);
-    // the first product has landed: its tile's V half w refills (and its P's panel where that
-    // P was the other's)
-    wgmma_wait_dyn<1>((swap ? has_own : has_oth) ? 1 : 0);
+    // P(own) V(own)_w has landed: V(own)_w refills
+    wgmma_wait_dyn<1>(has_oth ? 1 : 0);
     fence_regs(o);
     trace.at(TE_PV1);
-    if (issuer && (swap ? has_oth : has_own)) fill(t1 + 2, bx1, w * VH, VH, swap);
-    // S_EARLY: warpgroup 0's S(own + 2) half 0 (just refilled) under the second P V, a wgmma
-    // group a panel
-    const bool early = Cfg::S_EARLY && w == 0 && more;
-    if (early) {
+    if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
+    // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for the
+    // first copy, so that the two copies' latencies overlap
+    wgmma_wait<0>();
+    fence_regs(o);
+    trace.at(TE_PV2);
+    if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+    // S(own + 2), half w (the first copy) first
+    if (more) {
       fence_regs(s);
       wgmma_fence();
       s_steps(own + 2, w * VH, Half{}, true, true);
-    }
-    // the second has landed too: the same for its tile, before S waits for the first copy, so
-    // that the two copies' latencies overlap
-    wgmma_wait_dyn<VH>(early ? VH : 0);
-    fence_regs(o);
-    trace.at(TE_PV2);
-    if (issuer && (swap ? has_own : has_oth)) fill(t2 + 2, bx2, w * VH, VH, !swap);
-    l2_ahead(own + 4, l2pg);
-    // S(own + 2), half w (the first copy) first
-    if (more) {
-      if (!early) {
-        fence_regs(s);
-        wgmma_fence();
-        s_steps(own + 2, w * VH, Half{}, true, true);
-      }
       s_steps(own + 2, (1 - w) * VH, Half{}, false, true);
       s_steps(own + 2, QP - 1, One{}, false, true);
     }
@@ -653,7 +544,6 @@ struct TwinTile {
     trace.start(w, n_tiles);
     // this warpgroup's first tile, every panel, under Q's copy (again at the rerun's start)
     if (issuer) fill(w, boxes(w), 0, QP - 1, true);
-    l2_ahead(w + 2, l2_page(w + 2));  // L2_AHEAD: the tile copied in the first pair
     load_q_for_mma<QTile, THREADS>(sQ, pb);
 #pragma unroll 1
     for (;; pass = 1) {
