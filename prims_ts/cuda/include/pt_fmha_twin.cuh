@@ -322,15 +322,14 @@ struct TwinTile {
       if (wait) wgmma_commit();  // a group a panel: the pair's waits count them
     }
   }
-  // tile it's scores in x (S, or a copy of it) masked to -inf where a row does not see the key
-  __device__ __forceinline__ void mask(int it, float (&x)[8][4]) const {
+  __device__ __forceinline__ void mask(int it) {
     const KeyTile kt = range.tile(it);
     if (pb.tile_needs_mask(kt.k0)) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (!pb.visible(row0 + g + (e >> 1) * 8, kt.k0 + nt * 8 + 2 * t + (e & 1))) x[nt][e] = neg_inf();
+          if (!pb.visible(row0 + g + (e >> 1) * 8, kt.k0 + nt * 8 + 2 * t + (e & 1))) s[nt][e] = neg_inf();
     }
   }
   // rows g and g + 8 of [2][BM] from each lane's share: over the quad, lane t == 0 writes
@@ -345,12 +344,11 @@ struct TwinTile {
       if (t == 0) dst[w * 64 + row0 + g + 8 * h] = v[h];
     }
   }
-  // P = exp2(x * scale_log2 - ref) in place (x: S, or a copy of it), the rows' maxima and sums
-  // taking the tile's
-  __device__ __forceinline__ void softmax(int it, float (&x)[8][4]) {
-    mask(it, x);
-    Softmax::tile_max(mt, x, mt);
-    Softmax::exp_tile(x, ref, scale_log2, l);
+  // P = exp2(S * scale_log2 - ref) in place, the rows' maxima and sums taking the tile's
+  __device__ __forceinline__ void softmax(int it) {
+    mask(it);
+    Softmax::tile_max(mt, s, mt);
+    Softmax::exp_tile(s, ref, scale_log2, l);
   }
   // tile it's P: its stage's last panel (shared-memory and generic addresses)
   __device__ __forceinline__ u32 p_smem(int it) const { return stage(it) + (u32)(QP - 1) * KVTile::PANEL; }
@@ -427,7 +425,7 @@ struct TwinTile {
   __device__ __forceinline__ void first_reference() {
     float mx[2] = {neg_inf(), neg_inf()};
     if (w < n_tiles) {
-      mask(w, s);
+      mask(w);
       Softmax::tile_max(mx, s, mx);
     }
     publish(sF, mx, true);
@@ -436,37 +434,6 @@ struct TwinTile {
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + g + 8 * h;
       ref[h] = Softmax::reference(fmaxf(sF[r], sF[64 + r]), scale_log2);
-    }
-  }
-  // P(own) in registers (packed: the A fragments of its P V)
-  __device__ __forceinline__ void p_own(int own, u32 (&pf)[4][4]) {
-    softmax(own, s);
-    pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
-  }
-  // P(own) to the other warpgroup (on its pair's barrier bar + w), then O_w += P(own) V(own)_w
-  // from registers, a wgmma group
-  __device__ __forceinline__ void pv_own_step(int bar, int own, u32 (&pf)[4][4]) {
-    store_p(own, pf);
-    named_bar_arrive(bar + w, THREADS);
-    trace.at(TE_P_OWN);
-    fence_regs(pf);
-    fence_regs(o);
-    wgmma_fence();
-    pv_own(own, pf);
-    wgmma_commit();
-  }
-  // O_w += P(oth) V(oth)_w once the other warpgroup has published P(oth), a wgmma group; without
-  // a tile, the other's P wait matched
-  __device__ __forceinline__ void pv_oth_step(int bar, int oth, bool has_oth) {
-    if (has_oth) {
-      named_bar_sync(bar + 1 - w, THREADS);  // P(oth), written and fenced by the other
-      trace.at(TE_P_OTH);
-      fence_regs(o);
-      wgmma_fence();
-      pv_other(oth);  // the same accumulators, after any group before
-      wgmma_commit();
-    } else {
-      named_bar_sync(TWIN_WG + w, THREADS / 2);  // the other warpgroup's P wait, matched
     }
   }
   // Pair i: this warpgroup's tile own = 2 i + w and the other's oth = 2 i + 1 - w. P(own) to
@@ -479,29 +446,45 @@ struct TwinTile {
     trace.at(TE_START);
     const int own = 2 * i + w, oth = 2 * i + 1 - w;
     const bool has_own = own < n_tiles, has_oth = oth < n_tiles, more = own + 2 < n_tiles;
+    const int bar_own = TWIN_P + 2 * (i & 1) + w, bar_oth = TWIN_P + 2 * (i & 1) + 1 - w;
     // the boxes of the tiles that refill this pair's stages: their page IDs in flight now
     TwinBoxes bx_own{0, 0, 0, 0}, bx_oth{0, 0, 0, 0};
     if (issuer) {
       bx_own = boxes(own + 2);
       bx_oth = boxes(oth + 2);
     }
-    const int bar = TWIN_P + 2 * (i & 1);  // P(own) on bar + w, P(oth) on bar + 1 - w
     // Each product's commit lies inside its branch, and the waits count the groups that
     // were issued: a commit after the branch would make ptxas close the group on the taken
     // path and issue an empty group after the join, doubling the count the waits see.
     if (has_own) {
       u32 pf[4][4];
-      p_own(own, pf);
-      pv_own_step(bar, own, pf);
+      softmax(own);
+      pack_p_frags<T>(s, pf);  // before the wgmma fence that orders them
+      store_p(own, pf);
+      named_bar_arrive(bar_own, THREADS);
+      trace.at(TE_P_OWN);
+      fence_regs(pf);
+      fence_regs(o);
+      wgmma_fence();
+      pv_own(own, pf);
+      wgmma_commit();
     }
-    pv_oth_step(bar, oth, has_oth);
-    // P(own) V(own)_w has landed: V(own)_w refills
-    wgmma_wait_dyn<1>(has_oth ? 1 : 0);
+    if (has_oth) {
+      named_bar_sync(bar_oth, THREADS);  // P(oth), written and fenced by the other warpgroup
+      trace.at(TE_P_OTH);
+      fence_regs(o);
+      wgmma_fence();
+      pv_other(oth);  // the same accumulators, after the group above
+      wgmma_commit();
+    } else {
+      named_bar_sync(TWIN_WG + w, THREADS / 2);  // the other warpgroup's P wait, matched
+    }
+    wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
     fence_regs(o);
     trace.at(TE_PV1);
     if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
-    // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for the
-    // first copy, so that the two copies' latencies overlap
+    // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for
+    // the first copy, so that the two copies' latencies overlap
     wgmma_wait<0>();
     fence_regs(o);
     trace.at(TE_PV2);
