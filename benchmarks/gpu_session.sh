@@ -244,11 +244,13 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
         # where a prefill kernel's time goes (pt_fmha_config.cuh: PT_PROBE, Tuning.probe): probe 0 as
         # built, 1 without the K/V copies after the first stages (the MMA warps alone), 2 without
         # the math (the data path alone). The results are wrong under 1 and 2: only the times
-        # mean anything.
+        # mean anything. PROBE_FAMILIES (default "prefill paged_prefill"; "mla": the twin keys)
         for p in 0 1 2; do
-            echo "== bench prefill, PT_PROBE $p"
+            echo "== bench ${PROBE_FAMILIES:-prefill paged_prefill}, PT_PROBE $p"
             spec=""; [ "$p" != 0 ] && spec="probe=$p"
-            timeout "$(tl 170)" "$PY" -m prims_ts bench --family prefill --family paged_prefill --runners prims_ts \
+            fams=""; for f in ${PROBE_FAMILIES:-prefill paged_prefill}; do fams="$fams --family $f"; done
+            # shellcheck disable=SC2086
+            timeout "$(tl 170)" "$PY" -m prims_ts bench $fams --runners prims_ts \
                 --tuning "$spec" --json "$OUT/probe$p.json" 2>&1 | tee "$OUT/probe$p.log" | grep -v '^\[' | tail -30
         done
         echo "== time as built over time with the probe (x > 1: the probed side alone is faster)"
@@ -266,9 +268,10 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
         # the prefill, paged and block-sparse rows furthest from their bar; a details page and
         # the per-SASS-line stall table of each (the .ncu-rep too, where it is small enough)
         for r in ${PROFILE_ROWS:-}; do
-            case " mla_b64 prefill_b2c paged_b8c bsr_128_10 prefill_b1d " in *" $r "*) ;; *) echo "== profile: no row $r" ;; esac
+            case " mla_b64 mla_b128 prefill_b2c paged_b8c bsr_128_10 prefill_b1d " in *" $r "*) ;; *) echo "== profile: no row $r" ;; esac
         done
-        for spec in "mla|B64 L8192 H16|pt_decode|mla_b64" "prefill|B2 S4096 H32/8 D128 causal|pt_prefill|prefill_b2c" \
+        for spec in "mla|B64 L8192 H16|pt_decode|mla_b64" "mla|B128 L4096 H128|pt_decode|mla_b128" \
+                    "prefill|B2 S4096 H32/8 D128 causal|pt_prefill|prefill_b2c" \
                     "paged_prefill|B8 S2048 H32/8 D128 causal page64|pt_prefill|paged_b8c" \
                     "block_sparse|block128 10%|pt_bsr|bsr_128_10" "prefill|B1 S16384 H32/8 D128 dense|pt_prefill|prefill_b1d"; do
             IFS='|' read -r fam prob kern name <<<"$spec"
@@ -280,7 +283,7 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
             echo "   rc=$? $(tail -1 "$OUT/ncu_$name.log")"
             ncu --import "$OUT/ncu_$name.ncu-rep" --page details >"$OUT/ncu_$name.txt" 2>&1
             ncu --import "$OUT/ncu_$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_${name}_sass.csv" 2>&1
-            grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|Registers Per|Issued Warp" \
+            grep -E "Duration|DRAM Throughput|Compute \(SM\) Throughput|L2 Cache Throughput|L2 Hit Rate|Mem Busy|Max Bandwidth|Mem Pipes Busy|Registers Per|Issued Warp" \
                 "$OUT/ncu_$name.txt" | sed 's/^/   /'
         done ;;
     all) "$0" tests compile sanitize check quick ;;

@@ -136,6 +136,24 @@ def test_prefill_probes_compile_and_probe_2_refuses_persistent_ctas(cache, monke
         runtime.compile_cubin(persistent.source(), "sm_90a")
 
 
+@pytest.mark.parametrize("probe", [1, 2])
+def test_twin_probes_compile_as_keys_of_their_own(cache, monkeypatch, probe):
+    """Tuning.probe defines PT_PROBE in the twin MLA keys too (gpu_session.sh `probe` with
+    PROBE_FAMILIES=mla): a name of its own, each probe compiling for sm_90a without a C75xx note
+    (the math alone keeps its wgmma groups; the copies alone have none); the default key holds
+    no probe."""
+    monkeypatch.setattr(runtime, "perf_notes", {})
+    pol = decode.decode_policy(64, 1, 128, 1, catalog.MLA_DIM_QK, 8192, sm_count=132)
+    for causal in (False, True):
+        plain = decode.DecodeKey.of("bf16", catalog.MLA_DIM_QK, causal, pol, "sm_90a")
+        key = decode.DecodeKey.of("bf16", catalog.MLA_DIM_QK, causal, pol, "sm_90a", Tuning(probe=probe))
+        assert plain.twin and key.name == plain.name + f"_probe{probe}", key.name
+        assert key.source().source.startswith(f"#define PT_PROBE {probe}\n")
+        assert "PT_PROBE" not in plain.source().source
+        assert runtime.compile_cubin(key.source(), "sm_90a")[:4] == b"\x7fELF"
+    assert not runtime.perf_notes, runtime.perf_notes
+
+
 @pytest.mark.parametrize("mirror,source,cname", [
     (prefill.PrefillParams, "fmha_prefill.cu", "pt::PrefillParams"),
     (decode.DecodeParams, "fmha_decode.cu", "pt::DecodeParams"),

@@ -205,6 +205,7 @@ class DecodeKey(KernelKey):
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
     trace: bool = tag("trace", False)  # PT_TWIN_TRACE (Tuning.twin_trace): a measurement aid
     cta_trace: bool = tag("ctatrace", False)  # PT_CTA_TRACE (Tuning.cta_trace): a measurement aid
+    probe: int = tag("probe", 0)  # PT_PROBE in the twin keys (Tuning.probe): a measurement aid, wrong results
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -222,7 +223,7 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, trace=tuning.twin_trace)
+                             balanced=bal, trace=tuning.twin_trace, probe=tuning.probe)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
@@ -270,7 +271,8 @@ class DecodeKey(KernelKey):
                                self.shared_kv)
 
     def defines(self) -> str:
-        return ("#define PT_TWIN_TRACE\n" if self.trace else "") + ("#define PT_CTA_TRACE\n" if self.cta_trace else "")
+        return (("#define PT_TWIN_TRACE\n" if self.trace else "") + ("#define PT_CTA_TRACE\n" if self.cta_trace else "")
+                + (f"#define PT_PROBE {self.probe}\n" if self.probe else ""))
 
     def call(self) -> str:
         if self.twin:

@@ -74,8 +74,9 @@ class Tuning:
     # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
     # the size floor: how the grids run the walk and the merge of many parts on small problems.
     balanced_ctas: Optional[int] = None
-    # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys, a measurement aid with wrong
-    # results: 1 times the MMA warps without the K/V copies, 2 the copies without the math.
+    # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys and the twin MLA keys, a
+    # measurement aid with wrong results: 1 times the MMA warps without the K/V copies, 2 the
+    # copies without the math.
     probe: int = 0
     # PT_TWIN_TRACE in the twin MLA keys, a measurement aid with exact results: the grid's first
     # and last 8 CTAs record the clock at each step of their pairs into the module's

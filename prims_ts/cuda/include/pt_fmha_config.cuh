@@ -5,12 +5,14 @@
 #include "pt_sm90.cuh"
 
 // PT_PROBE: a measurement aid, 0 in every kernel the library launches (Tuning.probe,
-// set by benchmarks/gpu_session.sh `probe`, defines it in the sm_90a prefill keys, whose
-// names then end in _probe<n>). It splits a producer-ring kernel's time between its two
-// sides; the results are wrong under either. 1: the producer copies the first STAGES tiles
-// of a CTA and afterwards only hands the stages over (the MMA warps' speed without the K/V
-// data path). 2: the MMA warps load Q, then only take and hand back each stage (the K/V
-// data path's speed, no math, no output; one item per CTA only).
+// set by benchmarks/gpu_session.sh `probe`, defines it in the sm_90a prefill keys and the
+// twin MLA keys, whose names then end in _probe<n>). It splits a kernel's time between its
+// data path and its math; the results are wrong under either. 1: the producer copies the
+// first STAGES tiles of a CTA and afterwards only hands the stages over (the MMA warps' speed
+// without the K/V data path; the twin: no refill and no panel wait after the first tiles).
+// 2: the MMA warps load Q, then only take and hand back each stage (the K/V data path's
+// speed, no math, no output; one item per CTA only; the twin: each pair's barriers, refills
+// and panel waits alone).
 #ifndef PT_PROBE
 #define PT_PROBE 0
 #endif

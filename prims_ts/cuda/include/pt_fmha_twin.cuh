@@ -453,6 +453,19 @@ struct TwinTile {
       bx_own = boxes(own + 2);
       bx_oth = boxes(oth + 2);
     }
+#if PT_PROBE == 2
+    // the data path alone: the P exchange's barriers, the refills and S's panel waits, no math
+    if (has_own) named_bar_arrive(bar_own, THREADS);
+    if (has_oth) {
+      named_bar_sync(bar_oth, THREADS);
+    } else {
+      named_bar_sync(TWIN_WG + w, THREADS / 2);
+    }
+    if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
+    if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+    if (more) acquire(own + 2, 0, QP);
+    return;
+#endif
     // Each product's commit lies inside its branch, and the waits count the groups that
     // were issued: a commit after the branch would make ptxas close the group on the taken
     // path and issue an empty group after the join, doubling the count the waits see.
@@ -482,20 +495,21 @@ struct TwinTile {
     wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
     fence_regs(o);
     trace.at(TE_PV1);
-    if (issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
+    if (PT_PROBE != 1 && issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
     // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for
     // the first copy, so that the two copies' latencies overlap
     wgmma_wait<0>();
     fence_regs(o);
     trace.at(TE_PV2);
-    if (issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
+    if (PT_PROBE != 1 && issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
     // S(own + 2), half w (the first copy) first
     if (more) {
       fence_regs(s);
       wgmma_fence();
-      s_steps(own + 2, w * VH, Half{}, true, true);
-      s_steps(own + 2, (1 - w) * VH, Half{}, false, true);
-      s_steps(own + 2, QP - 1, One{}, false, true);
+      s_steps(own + 2, w * VH, Half{}, true, PT_PROBE != 1);
+      s_steps(own + 2, (1 - w) * VH, Half{}, false, PT_PROBE != 1);
+      s_steps(own + 2, QP - 1, One{}, false, PT_PROBE != 1);
+      if (PT_PROBE == 1) wgmma_commit();
     }
     trace.at(TE_S_ISSUED);
     wgmma_wait<0>();
