@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|pairs|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -189,6 +189,15 @@ for s in "${stages[@]}"; do
         echo "== speedups over the first variant"
         # shellcheck disable=SC2086
         "$PY" benchmarks/ab_table.py $files | tee "$OUT/${s}_table.txt" ;;
+    pairs)  # the twin's multicast pairs (Tuning.mla_multicast, a variant): the sanitizer's pair cases as a quick
+        # check of the protocol (a hang is a protocol error: 90 s at most), then, if they pass, the MLA family's
+        # A/B against the default (d mc mc d)
+        echo "== the multicast pairs' cases (tests/gpu_sanitize.py MLA_PAIR_CASES, each spiked too)"
+        timeout "$(tl 90)" "$PY" -c "import tests.gpu_sanitize as g; from prims_ts import Tuning; \
+[g.mla_case('cuda', *c, tuning=Tuning(mla_multicast=True), spike=s) for c in g.MLA_PAIR_CASES for s in (False, True)]" \
+            >"$OUT/pairs.log" 2>&1
+        rc=$?; echo "   rc=$rc"; grep -v '^\[' "$OUT/pairs.log" | tail -6
+        if [ "$rc" -eq 0 ]; then GPU_BUDGET_S="$(tl 600)" AB_VARIANTS="d mc mc d" AB_FAMILIES=mla bash "$0" ab; fi ;;
     twintrace)  # the twin MLA tile's pair timeline (benchmarks/twin_trace.py) under each TRACE_TUNINGS spec
         echo "== twin_trace.py"
         specs=(); for t in ${TRACE_TUNINGS:-default}; do specs+=(--tuning "$t"); done

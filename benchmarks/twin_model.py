@@ -1,12 +1,13 @@
 """A discrete-event model of the twin MLA tile's pair (pt_fmha_twin.cuh), to rank schedules on
 paper before building them (a design aid, not a measurement):
 
-    python benchmarks/twin_model.py [--softmax CLOCKS] [--latency CLOCKS] [--pairs N]
+    python benchmarks/twin_model.py [--softmax CLOCKS] [--latency CLOCKS] [--intake BYTES] [--pairs N]
 
 Two warpgroups run their pair programs in order. One tensor pipe takes wgmma groups first
 come, first served (an S panel is 128 clocks of work, a P V 512: 2,048 bf16 MACs a clock an
 SM). A warp blocks on its panel waits, its wgmma waits and the P exchange's barriers; a copy's
-panels land a fixed latency after it goes out. Constants as `twin_trace.py` measured the
+panels land a fixed latency after it goes out, or (--intake) no sooner than the SM's own intake of
+that many bytes a clock brings them in, one 8 KB panel after another. Constants as `twin_trace.py` measured the
 default key on an H100 (thirty-fifth session): the softmax phase ~1,360 clocks from a pair's
 start to P published (both warpgroups at once), a copy's first panel ~1,900 clocks after the
 copy goes out. With them the model gives ~5,900 clocks a pair against the 6,600 measured and
@@ -57,9 +58,14 @@ def default_pair(w: int, pairs: int, soft: int, store: int = 110):
         yield ("wait", 0)
 
 
-def run(schedule, pairs: int, latency: int, issue: int = 90):
-    """Clocks a pair and the pipe's busy share for `schedule(w, pairs)` of both warpgroups."""
+PANEL_BYTES = 64 * 128
+
+
+def run(schedule, pairs: int, latency: int, issue: int = 90, intake: float = 0.0):
+    """Clocks a pair and the pipe's busy share for `schedule(w, pairs)` of both warpgroups;
+    `intake` > 0: the SM takes in at most that many bytes a clock (the panels in issue order)."""
     t, groups, pipe_free, busy = [0, 0], [[], []], 0, 0
+    intake_free = 0.0  # when the SM's intake has brought in every panel issued so far
     ready = {(tile, p): 0 for tile in range(2) for p in range(9)}
     published = {}
     gens = [schedule(w, pairs) for w in range(2)]
@@ -93,7 +99,11 @@ def run(schedule, pairs: int, latency: int, issue: int = 90):
             t[w] = max(t[w], ready[(k[1], k[2])])
         elif k[0] == "fill":
             for j, p in enumerate(k[2]):
-                ready[(k[1], p)] = t[w] + latency + 40 * j
+                if intake > 0:
+                    intake_free = max(t[w] + latency, intake_free + PANEL_BYTES / intake)
+                    ready[(k[1], p)] = intake_free
+                else:
+                    ready[(k[1], p)] = t[w] + latency + 40 * j
         elif k[0] == "pub":
             published[k[1]] = t[w]
         elif k[0] == "sync":
@@ -113,10 +123,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--softmax", type=int, default=1250, help="a softmax's issue clocks (both warpgroups at once)")
     ap.add_argument("--latency", type=int, default=1900, help="a copy's first panel lands this many clocks later")
+    ap.add_argument("--intake", type=float, default=0.0, help="the SM's intake in bytes a clock (0: unlimited)")
     ap.add_argument("--pairs", type=int, default=32)
     args = ap.parse_args()
     for name, sched in SCHEDULES.items():
-        per, util = run(lambda w, p: sched(w, p, args.softmax), args.pairs, args.latency)
+        per, util = run(lambda w, p: sched(w, p, args.softmax), args.pairs, args.latency, intake=args.intake)
         print(f"{name:10s} {per:7.0f} clocks a pair, tensor pipe {100 * util:5.1f}% busy")
 
 

@@ -639,6 +639,12 @@ def test_twin_model_matches_its_calibration():
     assert abs(util - (4 * model.PV + 18 * model.S_PANEL) / per) < 0.02, (per, util)
     assert model.run(lambda w, p: sched(w, p, 600), 32, 1900)[0] < per - 400
     assert model.run(lambda w, p: sched(w, p, 1250), 32, 800)[0] < per - 400
+    # an SM intake of 32 bytes a clock (the rate a pair's copies came in at on the H100) stretches
+    # the pair, and a halved softmax still shortens it: what the device showed (no gain) is not
+    # each SM's own intake in this form
+    slow = model.run(lambda w, p: sched(w, p, 1250), 32, 1900, intake=32)[0]
+    assert slow > per + 1000, slow
+    assert model.run(lambda w, p: sched(w, p, 650), 32, 1900, intake=32)[0] < slow - 300
 
 
 def test_twin_trace_is_a_key_of_its_own(tmp_path, monkeypatch):

@@ -182,11 +182,16 @@ def test_twin_multicast_keys_compile_and_pair_up(cache, monkeypatch):
     assert decode.decode_pair_cluster(key, pol, "sm_90a") == 2
     assert decode.decode_pair_cluster(plain, pol, "sm_90a") == 1
     assert decode.decode_pair_cluster(key, pol, "sm_80") == 1
+    # the policies without pairs: the key is the default's (no multicast registers), no cluster
     split = decode.decode_policy(2, 1, 128, 1, mla, 8192, sm_count=132)
-    assert split.splits > 1 and decode.decode_pair_cluster(key, split, "sm_90a") == 1
     odd = decode.decode_policy(128, 1, 64, 3, mla, 4096, sm_count=132)
-    assert odd.row_tiles == 3 and decode.decode_pair_cluster(key, odd, "sm_90a") == 1
-    assert decode.decode_pair_cluster(key, dataclasses.replace(pol, balanced=264), "sm_90a") == 1
+    assert split.splits > 1 and odd.row_tiles == 3
+    for other in (split, odd, dataclasses.replace(pol, balanced=264)):
+        assert decode.decode_pair_cluster(key, other, "sm_90a") == 1
+        mk = decode.DecodeKey.of("bf16", mla, False, other, "sm_90a", Tuning(mla_multicast=True))
+        assert not mk.mc and mk.twin, mk.name
+    probed = decode.DecodeKey.of("bf16", mla, False, pol, "sm_90a", Tuning(mla_multicast=True, probe=2))
+    assert not probed.mc and probed.probe == 2
 
 
 @pytest.mark.parametrize("mirror,source,cname", [

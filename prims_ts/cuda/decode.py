@@ -170,6 +170,12 @@ TWIN_STAGES = 2  # a tile a warpgroup in flight
 TWIN_THREADS = 256  # the two MMA warpgroups, which issue the tile copies themselves
 
 
+def pairs_up(pol: DecodePolicy) -> bool:
+    """Whether a policy's row tiles pair up as multicast pairs (Tuning.mla_multicast): one split,
+    no balanced walk, an even row-tile count (the multicast keys are built for these alone)."""
+    return pol.splits == 1 and not pol.balanced and pol.row_tiles % 2 == 0
+
+
 def twin_smem_bytes(head_dim: int, mc: bool = False) -> int:
     """pt::TwinConfig<...>::SMEM_BYTES: Q (64 rows), two 64-key tiles, six floats a row (two
     warpgroups' first-tile maxima, maxima and sums), a full mbarrier a tile stage and 64-column
@@ -224,7 +230,8 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, trace=tuning.twin_trace, probe=tuning.probe, mc=tuning.mla_multicast)
+                             balanced=bal, trace=tuning.twin_trace, probe=tuning.probe,
+                             mc=tuning.mla_multicast and not tuning.probe and pairs_up(pol))
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
@@ -312,8 +319,7 @@ def decode_pair_cluster(key: DecodeKey, pol: DecodePolicy, arch: str) -> int:
     cluster along y (2), each CTA copying half of every tile into both (pt_fmha_twin.cuh:
     twin_pair_agrees), where there is no split or balanced walk and the row tiles pair up; else 1
     (the key's CTAs then load alone)."""
-    ok = arch == "sm_90a" and key.twin and key.mc and pol.splits == 1 and not pol.balanced and pol.row_tiles % 2 == 0
-    return 2 if ok else 1
+    return 2 if arch == "sm_90a" and key.twin and key.mc and pairs_up(pol) else 1
 
 
 class DecodeParams(ctypes.Structure):

@@ -457,7 +457,8 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   }
   // a multicast pair's check (both CTAs, rows or not): whether the two walk the same keys
   bool mc = false;
-  if constexpr (twin_multicast<Cfg>()) mc = twin_pair_agrees<Cfg>(smem, p, rows, pb.kv_begin, pb.kv_end);
+  if constexpr (twin_multicast<Cfg>())
+    mc = twin_pair_agrees<Cfg>(smem, p, rows, rows ? pb.kv_begin : 0, rows ? pb.kv_end : 0);
   if (!rows) return;
   // Every item runs the core, even with an empty range: a partial is then zero with
   // lse = -inf, which the merge weighs as nothing.

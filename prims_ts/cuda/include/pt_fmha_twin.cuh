@@ -200,9 +200,12 @@ template <class Cfg>
 __device__ __forceinline__ bool twin_pair_agrees(char* smem, const DecodeParams& p, bool ok, int begin, int end) {
   static_assert(Cfg::MC, "multicast keys only");
 #if __CUDA_ARCH__ >= 900
-  if (p.splits != 1 || p.balanced > 0 || cluster_nctarank() != 2) return false;  // the same in both CTAs
+  // the same in both CTAs: a pair is two row tiles of one request and K/V head (y, row tiles even)
+  if (p.splits != 1 || p.balanced > 0 || (p.row_tiles & 1) || cluster_nctarank() != 2 || cluster_nctaid_y() != 2)
+    return false;
   const u32 slot = smem_addr(smem) + Cfg::SMEM_MC_SLOT, peer = cluster_ctarank() ^ 1u;
   const int b = ok ? begin : -1, e = ok ? end : -2;
+  cluster_sync();  // both CTAs running before either writes the other's shared memory
   if (threadIdx.x == 0) {
     st_cluster_u32(cluster_map(slot, peer), (u32)b);
     st_cluster_u32(cluster_map(slot + 4, peer), (u32)e);
@@ -322,8 +325,8 @@ struct TwinTile {
       if (lane == 0) mbar_arrive_expect_tx(full(it, c), bytes);
       if (lane < bx.live) {
         if constexpr (Cfg::MC) {
-          if (mc) {
-            if ((u32)(j & 1) == rank)
+          if (mc) {  // the shares alternate from tile to tile, so neither CTA issues more
+            if ((u32)((j + (it >> 1)) & 1) == rank)
               tma_load_4d_mc(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c), 3);
           } else {
             tma_load_4d(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c));

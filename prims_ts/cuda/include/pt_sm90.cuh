@@ -159,6 +159,12 @@ __device__ __forceinline__ u32 cluster_nctarank() {
   asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
   return r;
 }
+// the cluster's extent along y (1 without a cluster shape)
+__device__ __forceinline__ u32 cluster_nctaid_y() {
+  u32 r;
+  asm("mov.u32 %0, %%cluster_nctaid.y;" : "=r"(r));
+  return r;
+}
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
