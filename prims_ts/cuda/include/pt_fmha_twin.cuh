@@ -324,15 +324,11 @@ struct TwinTile {
     auto panel = [&](int c) {
       if (lane == 0) mbar_arrive_expect_tx(full(it, c), bytes);
       if (lane < bx.live) {
-        if constexpr (Cfg::MC) {
-          if (mc) {  // the shares alternate from tile to tile, so neither CTA issues more
-            if ((u32)((j + (it >> 1)) & 1) == rank)
-              tma_load_4d_mc(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c), 3);
-          } else {
-            tma_load_4d(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c));
-          }
+        const u32 to = dst + (u32)c * KVTile::PANEL;
+        if (mc) {  // the shares alternate from tile to tile, so neither CTA issues more
+          if ((u32)((j + (it >> 1)) & 1) == rank) tma_load_4d_mc(to, tmk, c * 64, bx.slot, 0, bx.page, full(it, c), 3);
         } else {
-          tma_load_4d(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c));
+          tma_load_4d(to, tmk, c * 64, bx.slot, 0, bx.page, full(it, c));
         }
       }
       ++j;
@@ -363,16 +359,18 @@ struct TwinTile {
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) mbar_wait(full(it, c), parity(it));
   }
-  __device__ __forceinline__ void init_barriers() const {
-    if (threadIdx.x == 0) {
+  // thread 0: every barrier set up (a full one a stage and panel; a pair's empty ones)
+  __device__ __forceinline__ void set_barriers() const {
 #pragma unroll 1
-      for (int i = 0; i < 2 * QP; ++i) mbar_init(bars + 8u * i, 1);
-      if constexpr (Cfg::MC) {
+    for (int i = 0; i < 2 * QP; ++i) mbar_init(bars + 8u * i, 1);
+    if constexpr (Cfg::MC) {
 #pragma unroll 1
-        for (int i = 0; i < 4; ++i) mbar_init(empty(i >> 1, i & 1), 2);
-      }
-      fence_mbar_init();
+      for (int i = 0; i < 4; ++i) mbar_init(empty(i >> 1, i & 1), 2);
     }
+    fence_mbar_init();
+  }
+  __device__ __forceinline__ void init_barriers() const {
+    if (threadIdx.x == 0) set_barriers();
     __syncthreads();
 #if __CUDA_ARCH__ >= 900
     if (Cfg::MC && mc) cluster_sync();  // the peer's barriers set before any copy completes on them
@@ -671,11 +669,7 @@ struct TwinTile {
       if (Cfg::MC && mc) {  // the barriers set up again for the rerun, in both CTAs before any copy
         if (threadIdx.x == 0) {
           retire_barriers();
-#pragma unroll 1
-          for (int i = 0; i < 2 * QP; ++i) mbar_init(bars + 8u * i, 1);
-#pragma unroll 1
-          for (int i = 0; i < 4; ++i) mbar_init(empty(i >> 1, i & 1), 2);
-          fence_mbar_init();
+          set_barriers();
         }
 #if __CUDA_ARCH__ >= 900
         cluster_sync();
