@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|pairs|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -160,8 +160,7 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"); mc: the twin's multicast
-        # pairs (AB_FAMILIES=mla). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
         # come again ("d pd pd d": base / new / new / base, the last d the drift): the files are numbered in order.
@@ -178,7 +177,7 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                bs) spec="balanced_split=True" ;; mc) spec="mla_multicast=True" ;;
+                bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"
@@ -189,15 +188,6 @@ for s in "${stages[@]}"; do
         echo "== speedups over the first variant"
         # shellcheck disable=SC2086
         "$PY" benchmarks/ab_table.py $files | tee "$OUT/${s}_table.txt" ;;
-    pairs)  # the twin's multicast pairs (Tuning.mla_multicast, a variant): the sanitizer's pair cases as a quick
-        # check of the protocol (a hang is a protocol error: 90 s at most), then, if they pass, the MLA family's
-        # A/B against the default (d mc mc d)
-        echo "== the multicast pairs' cases (tests/gpu_sanitize.py MLA_PAIR_CASES, each spiked too)"
-        timeout "$(tl 90)" "$PY" -c "import tests.gpu_sanitize as g; from prims_ts import Tuning; \
-[g.mla_case('cuda', *c, tuning=Tuning(mla_multicast=True), spike=s) for c in g.MLA_PAIR_CASES for s in (False, True)]" \
-            >"$OUT/pairs.log" 2>&1
-        rc=$?; echo "   rc=$rc"; grep -v '^\[' "$OUT/pairs.log" | tail -6
-        if [ "$rc" -eq 0 ]; then GPU_BUDGET_S="$(tl 600)" AB_VARIANTS="d mc mc d" AB_FAMILIES=mla bash "$0" ab; fi ;;
     twintrace)  # the twin MLA tile's pair timeline (benchmarks/twin_trace.py) under each TRACE_TUNINGS spec
         echo "== twin_trace.py"
         specs=(); for t in ${TRACE_TUNINGS:-default}; do specs+=(--tuning "$t"); done

@@ -75,11 +75,6 @@ def check_decode_cluster(plan, key, tuning) -> None:
     if may and launch.grid[0] * launch.grid[1] * launch.grid[2] <= sms and \
             -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= limit:  # one wave however many fit
         assert launch.cluster == pol.splits, (pol, key.name)
-    # a twin multicast key's pairs (Tuning.mla_multicast): clusters of two along y where there is
-    # no split, no balanced walk and the row tiles pair up; never together with the merge's
-    pairs = key.twin and key.mc and pol.splits == 1 and not pol.balanced and pol.row_tiles % 2 == 0
-    assert launch.cluster_y in ((1, 2) if pairs else (1,)), (launch.cluster_y, pol, key.name)
-    assert launch.cluster == 1 or launch.cluster_y == 1
 
 
 def on_sm90_gpu(device) -> bool:

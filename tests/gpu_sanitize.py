@@ -259,8 +259,6 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, 
             assert launch.policy == planned, (name, launch.policy)
             clustered = "cluster" in name and _sm90(dev) and tuning.cluster_merge and not planned.balanced
             assert (launch.launch.cluster > 1) == clustered, name
-            paired = _sm90(dev) and tuning.mla_multicast and not planned.balanced and planned.splits == 1
-            assert (launch.launch.cluster_y == 2) == (paired and planned.row_tiles % 2 == 0), name
         res = w.run(q, cache, bmm1_scale=scale, out=out)
     assert res is out
     ref = R.batch_mla_decode(q, cache, table, seq_lens, qo_indptr=qo_indptr, mask_type=mask, sm_scale=scale,
@@ -517,16 +515,6 @@ def run_all(dev, part: int = 0, parts: int = 1) -> None:
         torch.cuda.synchronize()
 
 
-# The twin's multicast pairs (Tuning.mla_multicast): one split, a request's row tiles in clusters
-# of two. H128 SQ1: both CTAs of a pair walk the same keys (3 tiles, 2, 1); packed H128 causal:
-# a pair is one token's heads (the same band), a request of one token leaves its second pair
-# without rows (both CTAs return after the check).
-MLA_PAIR_CASES = [
-    ("pair fixed sq1 h128 dense", "fixed", 1, "dense", 128, 64, 3, [129, 77, 1], 129, False),
-    ("pair packed h128 causal", "packed", [1, 2, 1], "causal", 128, 32, 4, [130, 64, 5], 130, False),
-]
-
-
 def run_mla_twin(dev, default: bool = True) -> None:
     """MLA_CASES through a wrapper planned with the twin tile (the default for rows of 64 and
     more: the packed H64 and split H128 cases; the others keep the swapped tile): the default
@@ -534,8 +522,7 @@ def run_mla_twin(dev, default: bool = True) -> None:
     (its barriers retired and set up again item after item); the two twin cases again with a
     spiked key (the rerun: the barrier phases it continues); and three whole tiles a request,
     dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for one P more
-    than warpgroup 0). Then the multicast pairs (MLA_PAIR_CASES, each again spiked: the pair's
-    rerun, voted over both CTAs, its barriers set up again)."""
+    than warpgroup 0)."""
     twin = Tuning()
     tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)]
     if default:
@@ -547,9 +534,6 @@ def run_mla_twin(dev, default: bool = True) -> None:
                  False, tuning=tuning)
         for case in MLA_CASES[1:4:2]:
             mla_case(dev, *case, tuning=tuning, spike=True)
-    for case in MLA_PAIR_CASES:
-        for spike in (False, True):
-            mla_case(dev, *case, tuning=Tuning(mla_multicast=True), spike=spike)
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
 

@@ -348,13 +348,11 @@ def wide_problem(qmode, mask, hsq, salt: str) -> "Problem":
 @pytest.mark.parametrize("hsq", WIDE_CELLS, ids=[f"h{h}_sq{q}" for h, q in WIDE_CELLS])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("qmode", QMODES)
-@pytest.mark.parametrize("pairs", [False, True], ids=["alone", "multicast"])
-def test_wide_rows_twin(split_merge, qmode, mask, hsq, pairs):
+def test_wide_rows_twin(split_merge, qmode, mask, hsq):
     """Rows of 64 on the twin tile over the wide-row grid's rotation (every page size, split or
-    one split); `pairs`: Tuning.mla_multicast (one split and an even row-tile count: a request's
-    row tiles in clusters of two, multicast where both walk the same keys, alone where not)."""
+    one split)."""
     skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_multicast=pairs), split_merge)
+    tuning = with_merge(Tuning(), split_merge)
     pb = wide_problem(qmode, mask, hsq, "twin")
     key = DecodeKey.of(DTYPE_CODES[pb.dtype], DQK, mask == "causal", pb.policy(tuning), "sm_90a", tuning)
     assert key.twin and key.bm == 64, key.name
@@ -366,18 +364,16 @@ def test_wide_rows_twin(split_merge, qmode, mask, hsq, pairs):
 @pytest.mark.parametrize("lengths", ["long", "short"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
-@pytest.mark.parametrize("pairs", [False, True], ids=["alone", "multicast"])
-def test_twin_rerun(split_merge, dtype, mask, lengths, pairs):
+def test_twin_rerun(split_merge, dtype, mask, lengths):
     """The twin tile's rerun (H 128, SQ 1): in each request one head's query meets a key early in
     the request (the last tile a CTA takes) whose latent row is 4x that query, a score ~138 (log2)
     above the first tiles' maxima: P against the first pass's reference overflows fp32 (and f16
     long before), so only the rerun with the exact maxima gives a finite result. Split-KV (long:
     a spike in the first and in a middle split) and one split (short: 64 requests of 150-400
     keys, so that the spike lies past the first two tiles there too); the rerun carries the
-    barrier phases on; a multicast pair (`pairs`, one split) reruns as one, its barriers set up
-    again."""
+    barrier phases on."""
     skip_off_sm90("the twin tile")
-    tuning = with_merge(Tuning(mla_multicast=pairs), split_merge)
+    tuning = with_merge(Tuning(), split_merge)
     lens = [2500, 1033, 300] if lengths == "long" else [400, 330, 257] + [150 + 4 * b for b in range(61)]
     pb = Problem(lens, 128, 64, dtype, stable_seed("twin-rerun", str(dtype), mask, lengths), sq=1,
                  max_seq_len=2600 if lengths == "long" else 400)

@@ -154,46 +154,6 @@ def test_twin_probes_compile_as_keys_of_their_own(cache, monkeypatch, probe):
     assert not runtime.perf_notes, runtime.perf_notes
 
 
-def test_twin_multicast_keys_compile_and_pair_up(cache, monkeypatch):
-    """Tuning.mla_multicast: the twin keys `_mc` (TwinConfig's MC: an empty barrier a stage and
-    refill group and the pair's words past the default's shared memory) compile for sm_90a
-    without a C75xx note and hold the multicast copy, the arrivals on the peer's barriers and the
-    cluster barriers, which the default key does not; a launch pairs a request's row tiles
-    (clusters of two along y) only where there is no split and no balanced walk and the row tiles
-    pair up (decode_pair_cluster)."""
-    import dataclasses
-
-    monkeypatch.setattr(runtime, "perf_notes", {})
-    mla = catalog.MLA_DIM_QK
-    pol = decode.decode_policy(128, 1, 128, 1, mla, 4096, sm_count=132)
-    assert pol.splits == 1 and pol.row_tiles == 2 and not pol.balanced
-    for causal in (False, True):
-        plain = decode.DecodeKey.of("bf16", mla, causal, pol, "sm_90a")
-        key = decode.DecodeKey.of("bf16", mla, causal, pol, "sm_90a", Tuning(mla_multicast=True))
-        assert key.mc and key.name == plain.name + "_mc", key.name
-        assert key.smem == plain.smem + 2 * 2 * 8 + 16
-        ptx = runtime.compile_ptx(key.source().source, key.name, "sm_90a")
-        for op in ("multicast::cluster", "mbarrier.arrive.release.cluster.shared::cluster", "barrier.cluster.arrive",
-                   "mapa.shared::cluster"):
-            assert op in ptx, op
-        assert "multicast::cluster" not in runtime.compile_ptx(plain.source().source, plain.name, "sm_90a")
-        assert runtime.compile_cubin(key.source(), "sm_90a")[:4] == b"\x7fELF"
-    assert not runtime.perf_notes, runtime.perf_notes
-    assert decode.decode_pair_cluster(key, pol, "sm_90a") == 2
-    assert decode.decode_pair_cluster(plain, pol, "sm_90a") == 1
-    assert decode.decode_pair_cluster(key, pol, "sm_80") == 1
-    # the policies without pairs: the key is the default's (no multicast registers), no cluster
-    split = decode.decode_policy(2, 1, 128, 1, mla, 8192, sm_count=132)
-    odd = decode.decode_policy(128, 1, 64, 3, mla, 4096, sm_count=132)
-    assert split.splits > 1 and odd.row_tiles == 3
-    for other in (split, odd, dataclasses.replace(pol, balanced=264)):
-        assert decode.decode_pair_cluster(key, other, "sm_90a") == 1
-        mk = decode.DecodeKey.of("bf16", mla, False, other, "sm_90a", Tuning(mla_multicast=True))
-        assert not mk.mc and mk.twin, mk.name
-    probed = decode.DecodeKey.of("bf16", mla, False, pol, "sm_90a", Tuning(mla_multicast=True, probe=2))
-    assert not probed.mc and probed.probe == 2
-
-
 @pytest.mark.parametrize("mirror,source,cname", [
     (prefill.PrefillParams, "fmha_prefill.cu", "pt::PrefillParams"),
     (decode.DecodeParams, "fmha_decode.cu", "pt::DecodeParams"),

@@ -76,7 +76,7 @@ def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelK
         for d in DECODE_HEAD_DIMS:
             for group in (1, 32, 64):
                 yield from decode_keys(dt, d, group)
-        for heads in (16, 32, 64, 128):  # MLA: H rows (128: two row tiles, Tuning.mla_multicast's pairs)
+        for heads in (16, 32, 64):  # MLA: H rows
             yield from decode_keys(dt, MLA_DIM_QK, heads)
     yield from block_sparse_keys(arch, tuning)
 

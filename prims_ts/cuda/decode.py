@@ -170,18 +170,12 @@ TWIN_STAGES = 2  # a tile a warpgroup in flight
 TWIN_THREADS = 256  # the two MMA warpgroups, which issue the tile copies themselves
 
 
-def pairs_up(pol: DecodePolicy) -> bool:
-    """Whether a policy's row tiles pair up as multicast pairs (Tuning.mla_multicast): one split,
-    no balanced walk, an even row-tile count (the multicast keys are built for these alone)."""
-    return pol.splits == 1 and not pol.balanced and pol.row_tiles % 2 == 0
-
-
-def twin_smem_bytes(head_dim: int, mc: bool = False) -> int:
+def twin_smem_bytes(head_dim: int) -> int:
     """pt::TwinConfig<...>::SMEM_BYTES: Q (64 rows), two 64-key tiles, six floats a row (two
     warpgroups' first-tile maxima, maxima and sums), a full mbarrier a tile stage and 64-column
-    panel; a multicast pair's (mc) an empty mbarrier a stage and refill group and four words."""
+    panel."""
     return (64 * head_dim * 2 + TWIN_STAGES * TWIN_BN * head_dim * 2 + 6 * 64 * 4
-            + TWIN_STAGES * (head_dim // 64) * 8 + (TWIN_STAGES * 2 * 8 + 16 if mc else 0))
+            + TWIN_STAGES * (head_dim // 64) * 8)
 
 
 def swap_smem_bytes(bm: int, bn: int, head_dim: int, stages: int) -> int:
@@ -212,7 +206,6 @@ class DecodeKey(KernelKey):
     trace: bool = tag("trace", False)  # PT_TWIN_TRACE (Tuning.twin_trace): a measurement aid
     cta_trace: bool = tag("ctatrace", False)  # PT_CTA_TRACE (Tuning.cta_trace): a measurement aid
     probe: int = tag("probe", 0)  # PT_PROBE in the twin keys (Tuning.probe): a measurement aid, wrong results
-    mc: bool = tag("mc", False)  # the twin keys of a multicast pair (Tuning.mla_multicast; decode_pair_cluster)
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)  # a key per problem class: plans and one-shots look it up
@@ -230,8 +223,7 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
-                             balanced=bal, trace=tuning.twin_trace, probe=tuning.probe,
-                             mc=tuning.mla_multicast and not tuning.probe and pairs_up(pol))
+                             balanced=bal, trace=tuning.twin_trace, probe=tuning.probe)
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
@@ -272,7 +264,7 @@ class DecodeKey(KernelKey):
     @property
     def smem(self) -> int:
         if self.twin:
-            return twin_smem_bytes(self.head_dim, self.mc) + WGMMA_ALIGN_SLACK
+            return twin_smem_bytes(self.head_dim) + WGMMA_ALIGN_SLACK
         if self.swap:
             return swap_smem_bytes(self.bm, self.bn, self.head_dim, self.stages) + WGMMA_ALIGN_SLACK
         return fmha_smem_bytes(self.bm, self.bn, self.head_dim, self.stages, self.warps_n, self.split_o, self.dv,
@@ -284,7 +276,7 @@ class DecodeKey(KernelKey):
 
     def call(self) -> str:
         if self.twin:
-            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}{', true' if self.mc else ''}>"
+            cfg = f"pt::TwinConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}>"
         elif self.swap:
             cfg = (f"pt::SwapConfig<pt::{self.dtype}, {self.head_dim}, {self.dv}, {self.bm}, {self.stages}, "
                    f"{self.copy_tpr}>")
@@ -312,14 +304,6 @@ def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning,
     if slots < sm_count * _ctas_per_sm(key.smem, key.threads) and ctas > slots:
         return 1, key.smem
     return pol.splits, smem
-
-
-def decode_pair_cluster(key: DecodeKey, pol: DecodePolicy, arch: str) -> int:
-    """A multicast twin key's launch (Tuning.mla_multicast): the two row tiles of a request as one
-    cluster along y (2), each CTA copying half of every tile into both (pt_fmha_twin.cuh:
-    twin_pair_agrees), where there is no split or balanced walk and the row tiles pair up; else 1
-    (the key's CTAs then load alone)."""
-    return 2 if arch == "sm_90a" and key.twin and key.mc and pairs_up(pol) else 1
 
 
 class DecodeParams(ctypes.Structure):
@@ -476,9 +460,8 @@ class PreparedDecode(Prepared):
         if cluster > 1:
             runtime.reserve_smem(kernel, smem, key.name)
         params = self.tp if key.tma else p  # the struct the kernel takes (a TMA key's: the maps, then p)
-        pair = decode_pair_cluster(key, pol, arch)
-        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params, cluster, smem, cluster_y=pair)
-        if not self.launch.clusters_fit():  # no SM set of this device holds one: the ticket merge, or alone
+        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params, cluster, smem)
+        if not self.launch.clusters_fit():  # no SM set of this device holds one: the ticket merge
             self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params)
         self._strides = None
         self.accepted = None

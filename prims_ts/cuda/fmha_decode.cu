@@ -434,37 +434,31 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   DecodeProblem<T, Cfg::DV, BM, BN, CAUSAL> pb;
   int q_start, sq;
   decode_request(p, b, q_start, sq);
-  // rows beyond this request's queries: nothing to write or merge (the CTA-wide decision)
-  const bool rows = pb.init(p, b, hk, q_start, sq, rt * BM, p.group * sq);
-  if (rows) {
-    pb.split = it.slot;
-    // range: the item's keys, narrowed by the causal band of the tile's tokens
-    int begin = it.begin, end = min_(pb.sk, it.end);
-    if (CAUSAL) {
-      end = min_(end, pb.diag(pb.q_rows - 1) + 1);
-      if (p.window_left >= 0) begin = max_(begin, pb.diag(0) - p.window_left);
-    }
-    pb.kv_begin = begin;
-    pb.kv_end = max_(begin, end);
-    // fail closed: the pages of every key the range's tiles load (BN-aligned, up to the length:
-    // past a causal band's end and before a window's start too) index the pools; else no key
-    // and a poisoned merge
-    if (pb.kv_end > pb.kv_begin &&
-        !pb.pages_ok(pb.kv_begin / BN * BN, min_(pb.sk, ((pb.kv_end - 1) / BN + 1) * BN))) {
-      pb.kv_end = pb.kv_begin;
-      pb.poisoned = true;
-    }
+  // rows beyond this request's queries: nothing to write or merge
+  if (!pb.init(p, b, hk, q_start, sq, rt * BM, p.group * sq)) return;
+  pb.split = it.slot;
+
+  // range: the item's keys, narrowed by the causal band of the tile's tokens
+  int begin = it.begin, end = min_(pb.sk, it.end);
+  if (CAUSAL) {
+    end = min_(end, pb.diag(pb.q_rows - 1) + 1);
+    if (p.window_left >= 0) begin = max_(begin, pb.diag(0) - p.window_left);
   }
-  // a multicast pair's check (both CTAs, rows or not): whether the two walk the same keys
-  bool mc = false;
-  if constexpr (twin_multicast<Cfg>())
-    mc = twin_pair_agrees<Cfg>(smem, p, rows, rows ? pb.kv_begin : 0, rows ? pb.kv_end : 0);
-  if (!rows) return;
+  pb.kv_begin = begin;
+  pb.kv_end = max_(begin, end);
+  // fail closed: the pages of every key the range's tiles load (BN-aligned, up to the length:
+  // past a causal band's end and before a window's start too) index the pools; else no key
+  // and a poisoned merge
+  if (pb.kv_end > pb.kv_begin &&
+      !pb.pages_ok(pb.kv_begin / BN * BN, min_(pb.sk, ((pb.kv_end - 1) / BN + 1) * BN))) {
+    pb.kv_end = pb.kv_begin;
+    pb.poisoned = true;
+  }
   // Every item runs the core, even with an empty range: a partial is then zero with
   // lse = -inf, which the merge weighs as nothing.
   const float out_scale = it.slot >= 0 ? 1.f : p.out_scale;
   if constexpr (Cfg::TWIN) {
-    fmha_tile_twin<Cfg>(pb, smem, p.scale_log2, out_scale, tmk, mc);
+    fmha_tile_twin<Cfg>(pb, smem, p.scale_log2, out_scale, tmk);
   } else if constexpr (Cfg::SWAP) {
     fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, out_scale);
   } else {

@@ -74,11 +74,6 @@ class Tuning:
     # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
     # the size floor: how the grids run the walk and the merge of many parts on small problems.
     balanced_ctas: Optional[int] = None
-    # The twin MLA tile as a multicast pair: a request's two row tiles launched as one cluster,
-    # each CTA copying half of every key tile into both (TMA multicast), so that the L2 serves
-    # each tile once instead of twice; where there is no such pair (a split, balanced split-KV,
-    # an odd row-tile count, different keys) the CTAs load alone. A variant until measured.
-    mla_multicast: bool = False
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys and the twin MLA keys, a
     # measurement aid with wrong results: 1 times the MMA warps without the K/V copies, 2 the
     # copies without the math.

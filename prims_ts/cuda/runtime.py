@@ -434,34 +434,33 @@ class PreparedLaunch:
     may rewrite it at once (and a CUDA graph keeps the values it captured). One thread at a
     time: a plan is not shared between threads that launch concurrently."""
 
-    __slots__ = ("name", "params", "ctx", "empty", "grid", "kernel", "cluster", "cluster_y", "smem", "_cfg", "_attr",
-                 "_launch", "_args", "_argv")
+    __slots__ = ("name", "params", "ctx", "empty", "grid", "kernel", "cluster", "smem", "_cfg", "_attr", "_launch",
+                 "_args", "_argv")
 
     def __init__(self, kernel: LoadedKernel, name: str, grid: Sequence[int], params: ctypes.Structure,
-                 cluster: int = 1, smem: Optional[int] = None, cluster_y: int = 1):
+                 cluster: int = 1, smem: Optional[int] = None):
         """`cluster` > 1: blocks of that many CTAs along x form one thread block cluster (sm_90;
-        gx a multiple of it); `cluster_y` > 1 the same along y (a twin multicast pair); `smem`:
-        dynamic shared memory other than the kernel's own (raised on the function first:
-        reserve_smem)."""
+        gx a multiple of it); `smem`: dynamic shared memory other than the kernel's own
+        (raised on the function first: reserve_smem)."""
         gx, gy, gz = (list(grid) + [1, 1])[:3]
         self.name, self.kernel = name, kernel
         self.params = params
         self.ctx = kernel.ctx
         self.empty = gx * gy * gz == 0
         self.grid = (gx, gy, gz)
-        self.cluster, self.cluster_y = cluster, cluster_y
+        self.cluster = cluster
         self.smem = kernel.smem if smem is None else smem
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self._attr = None
         drv = _libcuda()
-        if (cluster > 1 or cluster_y > 1) and (drv.cuLaunchKernelEx is None or gx % cluster or gy % cluster_y):
-            raise KernelLaunchError(f"{name}: a cluster of {cluster} x {cluster_y} CTAs needs cuLaunchKernelEx and a "
-                                    f"grid that it divides, got {gx} x {gy}")
+        if cluster > 1 and (drv.cuLaunchKernelEx is None or gx % cluster):
+            raise KernelLaunchError(f"{name}: a cluster of {cluster} CTAs needs cuLaunchKernelEx and a grid x "
+                                    f"that it divides, got {gx}")
         if drv.cuLaunchKernelEx is not None:
-            if cluster > 1 or cluster_y > 1:
+            if cluster > 1:
                 self._attr = (_LaunchAttr * 1)()
                 self._attr[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                self._attr[0].x, self._attr[0].y, self._attr[0].z = cluster, cluster_y, 1
+                self._attr[0].x, self._attr[0].y, self._attr[0].z = cluster, 1, 1
             self._cfg = _LaunchConfig(gx, gy, gz, kernel.threads, 1, 1, self.smem, None,
                                       None if self._attr is None else ctypes.addressof(self._attr),
                                       0 if self._attr is None else 1)
@@ -476,7 +475,7 @@ class PreparedLaunch:
     def with_params(self, params: ctypes.Structure) -> "PreparedLaunch":
         """The same kernel, grid, cluster and shared memory over another parameter struct (a
         plan's own copy)."""
-        return PreparedLaunch(self.kernel, self.name, self.grid, params, self.cluster, self.smem, self.cluster_y)
+        return PreparedLaunch(self.kernel, self.name, self.grid, params, self.cluster, self.smem)
 
     def set_grid_x(self, gx: int) -> None:
         """Another x extent of the grid (a kernel whose block count follows its work: the read)."""
@@ -492,7 +491,7 @@ class PreparedLaunch:
         partition, e.g. under MPS, may hold none). Plans ask it, not runs; True without a
         cluster or without the driver's query, False (with a warning) when the query fails."""
         lib = _libcuda()
-        if (self.cluster <= 1 and self.cluster_y <= 1) or lib.cuOccupancyMaxActiveClusters is None:
+        if self.cluster <= 1 or lib.cuOccupancyMaxActiveClusters is None:
             return True
         n = ctypes.c_int(0)
         with _in_context(self.ctx):

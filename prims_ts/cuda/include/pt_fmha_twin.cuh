@@ -62,14 +62,9 @@ template <> struct TwinSlack<f16> { static constexpr float value = 12.f; };
 // a panel count as a type (the S k-steps' unrolled loop)
 template <int N> struct TwinPanels { static constexpr int value = N; };
 
-template <class T_, int D_, int DV_, bool MC_ = false>
+template <class T_, int D_, int DV_>
 struct TwinConfig {
   using T = T_;
-  // MC: a multicast pair (Tuning.mla_multicast): launched as clusters of two CTAs along y (a
-  // request's two row tiles, the same keys), each tile's panels split between the two and each
-  // half copied into both CTAs' stages; where the launch or the keys do not allow it, a CTA
-  // loads alone (twin_pair_agrees)
-  static constexpr bool MC = MC_;
   static constexpr bool SWAP = false;
   static constexpr bool TWIN = true;
   static constexpr int ARCH = 90;
@@ -87,11 +82,7 @@ struct TwinConfig {
   static constexpr int SMEM_RING = STAGES * KVTile::BYTES;
   static constexpr int SMEM_ROWS = 6 * BM * 4;  // [2][BM] first-tile maxima, [2][BM] maxima, [2][BM] sums
   static constexpr int SMEM_BARS = STAGES * QP * 8;  // a full barrier a stage and panel
-  // MC: an empty barrier a stage and refill group (the two CTAs' reads of its panels done), then
-  // four words of the pair's exchanges (the item's keys, the rerun's vote)
-  static constexpr int SMEM_MC = MC ? STAGES * 2 * 8 + 16 : 0;
-  static constexpr int SMEM_MC_SLOT = SMEM_Q + SMEM_RING + SMEM_ROWS + SMEM_BARS + STAGES * 2 * 8;
-  static constexpr int SMEM_BYTES = SMEM_Q + SMEM_RING + SMEM_ROWS + SMEM_BARS + SMEM_MC;
+  static constexpr int SMEM_BYTES = SMEM_Q + SMEM_RING + SMEM_ROWS + SMEM_BARS;
   static constexpr float SLACK = TwinSlack<T>::value;
   static_assert(D % 64 == 0 && DV % 128 == 0 && 2 * VH + 1 == QP, "V's two halves, then one rope panel");
   static_assert(PTile::BYTES == KVTile::PANEL && QTile::PANEL == KVTile::PANEL, "P fills a tile's panel; Q's panels as K's");
@@ -181,43 +172,6 @@ struct TwinTrace {
 #endif
 };
 
-// The twin keys of a multicast pair (Tuning.mla_multicast), but not under a measurement probe
-// (whose copies skip the pair's protocol); false for every other tile config
-template <class Cfg> __device__ __forceinline__ constexpr bool twin_multicast() {
-  if constexpr (Cfg::TWIN) {
-    return Cfg::MC && PT_PROBE == 0;
-  } else {
-    return false;
-  }
-}
-
-// A multicast pair's check at an item's start (every thread of both CTAs, one cluster barrier):
-// whether this CTA and its peer (the other row tile of the request) both have rows and walk the
-// same keys [begin, end), so that each may copy half of every tile into both. The launch must be
-// one of clusters of two without a split (MC keys launched otherwise, e.g. where no SM set holds
-// a cluster, load alone; so does a pair whose rows see different keys).
-template <class Cfg>
-__device__ __forceinline__ bool twin_pair_agrees(char* smem, const DecodeParams& p, bool ok, int begin, int end) {
-  static_assert(Cfg::MC, "multicast keys only");
-#if __CUDA_ARCH__ >= 900
-  // the same in both CTAs: a pair is two row tiles of one request and K/V head (y, row tiles even)
-  if (p.splits != 1 || p.balanced > 0 || (p.row_tiles & 1) || cluster_nctarank() != 2 || cluster_nctaid_y() != 2)
-    return false;
-  const u32 slot = smem_addr(smem) + Cfg::SMEM_MC_SLOT, peer = cluster_ctarank() ^ 1u;
-  const int b = ok ? begin : -1, e = ok ? end : -2;
-  cluster_sync();  // both CTAs running before either writes the other's shared memory
-  if (threadIdx.x == 0) {
-    st_cluster_u32(cluster_map(slot, peer), (u32)b);
-    st_cluster_u32(cluster_map(slot + 4, peer), (u32)e);
-  }
-  cluster_sync();
-  const volatile int* got = reinterpret_cast<const volatile int*>(smem + Cfg::SMEM_MC_SLOT);
-  return ok && got[0] == b && got[1] == e;
-#else
-  return false;
-#endif
-}
-
 // The twin tile of one work item: the state both warpgroups keep (the ring's addresses, this
 // thread's role and rows, its registers) and the steps of a pass, each one idea. fmha_tile_twin
 // runs it.
@@ -254,10 +208,6 @@ struct TwinTile {
   const int g, t;
   int pass = 0;  // 1: the rerun with the exact maxima as the reference
   TwinTrace trace;
-  // a multicast pair (twin_pair_agrees): each tile's panels split between this CTA (rank) and its
-  // peer, each half copied into both
-  const bool mc;
-  const u32 rank;
 
   // What a thread keeps in registers through the item, held by the caller (fmha_tile_twin): as
   // the tile's own members, NVVM laid out the set-up differently and the pair loop came out 1%
@@ -270,13 +220,13 @@ struct TwinTile {
 
   __device__ __forceinline__ TwinTile(const Problem& pb_, char* smem_, float scale_log2_, const TmaMap* tmk_,
                                       float (&s_)[8][4], float (&o_)[DT][4], float (&ref_)[2], float (&mt_)[2],
-                                      float (&l_)[2], bool mc_)
+                                      float (&l_)[2])
       : pb(pb_), smem(smem_), tmk(tmk_), scale_log2(scale_log2_), sQ(smem_addr(smem_)), sKV(sQ + Cfg::SMEM_Q),
         sF(reinterpret_cast<float*>(smem_ + Cfg::SMEM_Q + Cfg::SMEM_RING)), sX(sF + 128), sL(sF + 256),
         bars(sKV + Cfg::SMEM_RING + Cfg::SMEM_ROWS), range(pb_.range()), n_tiles(range.n_tiles()),
         lane(threadIdx.x & 31), w(__shfl_sync(0xffffffffu, (threadIdx.x >> 5) >> 2, 0)),
         issuer(((threadIdx.x >> 5) & 3) == 0), row0(((threadIdx.x >> 5) & 3) * 16), g(lane >> 2), t(lane & 3),
-        mc(Cfg::MC && mc_), rank(Cfg::MC && mc_ ? cluster_ctarank() : 0u), s(s_), o(o_), ref(ref_), mt(mt_), l(l_) {}
+        s(s_), o(o_), ref(ref_), mt(mt_), l(l_) {}
 
   // ---- the ring: two stages of a tile, a full barrier a stage and panel -------------------
 
@@ -291,7 +241,7 @@ struct TwinTile {
   // a stage's barriers complete once a tile; the rerun carries on from the phases of the first
   // pass (stage 0 held ceil(n / 2) tiles, stage 1 floor(n / 2))
   __device__ __forceinline__ u32 parity(int it) const {
-    const int before = pass && !mc ? (n_tiles + 1 - (it & 1)) >> 1 : 0;  // a pair's rerun sets them up again
+    const int before = pass ? (n_tiles + 1 - (it & 1)) >> 1 : 0;
     return (u32)(((it >> 1) + before) & 1);
   }
   // tile it's boxes for this lane (its page ID load in flight until the boxes are issued)
@@ -313,68 +263,29 @@ struct TwinTile {
   // panels c0 .. c0 + n - 1 (and the rope panel under ROPE) of tile it into its stage: lane 0
   // arrives on each panel's barrier expecting its bytes, each lane below `live` issues its box
   // of each panel (the issuing warp, whole; nothing when it is past the last tile)
-  // In a multicast pair each CTA issues every other panel of the list into both CTAs, and each
-  // CTA's barriers expect every panel's bytes (the peer's may land before this CTA's expect_tx:
-  // the phase still waits for the arrival).
   __device__ __forceinline__ void fill(int it, const TwinBoxes& bx, int c0, int n, bool rope) const {
     if (it >= n_tiles) return;
     const u32 bytes = (u32)(bx.live * bx.rows * 128);
     const u32 dst = stage(it) + (u32)(lane * bx.rows * 128);
-    int j = 0;  // the panel's place in the list
     auto panel = [&](int c) {
       if (lane == 0) mbar_arrive_expect_tx(full(it, c), bytes);
-      if (lane < bx.live) {
-        const u32 to = dst + (u32)c * KVTile::PANEL;
-        if (mc) {  // the shares alternate from tile to tile, so neither CTA issues more
-          if ((u32)((j + (it >> 1)) & 1) == rank) tma_load_4d_mc(to, tmk, c * 64, bx.slot, 0, bx.page, full(it, c), 3);
-        } else {
-          tma_load_4d(to, tmk, c * 64, bx.slot, 0, bx.page, full(it, c));
-        }
-      }
-      ++j;
+      if (lane < bx.live) tma_load_4d(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c));
     };
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) panel(c);
     if (rope) panel(QP - 1);
   }
-  // A multicast pair's refill of tile it's group `grp` (0: its owner's V half, refilled after the
-  // owner's own P V; 1: the other V half and the rope panel, after the other warpgroup's P V of
-  // it): the issuing warp, its reads of the stage's old tile done, arrives on the group's empty
-  // barrier in both CTAs and waits until the peer's warp has too (nothing outside a pair).
-  __device__ __forceinline__ u32 empty(int it, int grp) const {
-    return bars + 8u * (u32)(2 * QP + 2 * (it & 1) + grp);
-  }
-  __device__ __forceinline__ void release(int it, int grp) const {
-    if constexpr (Cfg::MC) {
-      if (!mc || it >= n_tiles) return;
-      const u32 bar = empty(it, grp);
-      if (lane == 0) {
-        mbar_arrive(bar);
-        mbar_arrive_cluster(cluster_map(bar, rank ^ 1u));
-      }
-      mbar_wait_cluster(bar, (u32)(((it >> 1) - 1) & 1));  // the stage's (it / 2)-th refill
-    }
-  }
   __device__ __forceinline__ void acquire(int it, int c0, int n) const {
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) mbar_wait(full(it, c), parity(it));
   }
-  // thread 0: every barrier set up (a full one a stage and panel; a pair's empty ones)
-  __device__ __forceinline__ void set_barriers() const {
-#pragma unroll 1
-    for (int i = 0; i < 2 * QP; ++i) mbar_init(bars + 8u * i, 1);
-    if constexpr (Cfg::MC) {
-#pragma unroll 1
-      for (int i = 0; i < 4; ++i) mbar_init(empty(i >> 1, i & 1), 2);
-    }
-    fence_mbar_init();
-  }
   __device__ __forceinline__ void init_barriers() const {
-    if (threadIdx.x == 0) set_barriers();
+    if (threadIdx.x == 0) {
+#pragma unroll 1
+      for (int i = 0; i < 2 * QP; ++i) mbar_init(bars + 8u * i, 1);
+      fence_mbar_init();
+    }
     __syncthreads();
-#if __CUDA_ARCH__ >= 900
-    if (Cfg::MC && mc) cluster_sync();  // the peer's barriers set before any copy completes on them
-#endif
   }
   // every tile's copies landed and were waited for: the barriers retired (their memory the
   // split merge's, or the next item's barriers under balanced split-KV)
@@ -382,10 +293,6 @@ struct TwinTile {
     if (threadIdx.x == 0) {
 #pragma unroll 1
       for (int i = 0; i < 2 * QP; ++i) mbar_inval(bars + 8u * i);
-      if constexpr (Cfg::MC) {
-#pragma unroll 1
-        for (int i = 0; i < 4; ++i) mbar_inval(empty(i >> 1, i & 1));
-      }
     }
   }
 
@@ -588,19 +495,13 @@ struct TwinTile {
     wgmma_wait_dyn<1>(has_oth ? 1 : 0);  // P(own) V(own)_w has landed: V(own)_w refills
     fence_regs(o);
     trace.at(TE_PV1);
-    if (PT_PROBE != 1 && issuer && has_own) {
-      release(own + 2, 0);
-      fill(own + 2, bx_own, w * VH, VH, false);
-    }
+    if (PT_PROBE != 1 && issuer && has_own) fill(own + 2, bx_own, w * VH, VH, false);
     // P(oth) V(oth)_w has landed too: V(oth)_w and P(oth)'s panel refill before S waits for
     // the first copy, so that the two copies' latencies overlap
     wgmma_wait<0>();
     fence_regs(o);
     trace.at(TE_PV2);
-    if (PT_PROBE != 1 && issuer && has_oth) {
-      release(oth + 2, 1);
-      fill(oth + 2, bx_oth, w * VH, VH, true);
-    }
+    if (PT_PROBE != 1 && issuer && has_oth) fill(oth + 2, bx_oth, w * VH, VH, true);
     // S(own + 2), half w (the first copy) first
     if (more) {
       fence_regs(s);
@@ -632,16 +533,7 @@ struct TwinTile {
       redo = redo || (pass == 0 && mx[h] != neg_inf() && fabsf(mx[h] * scale_log2 - ref[h]) > Cfg::SLACK);
     }
     // every thread's reads of sX and sL above come before this barrier, so a rerun may write them
-    bool any = named_bar_any(1, THREADS, redo);
-#if __CUDA_ARCH__ >= 900
-    if (Cfg::MC && mc) {  // a pair reruns together (its copies are shared): the vote of both CTAs
-      const u32 slot = smem_addr(smem) + Cfg::SMEM_MC_SLOT + 8;
-      if (threadIdx.x == 0) st_cluster_u32(cluster_map(slot, rank ^ 1u), any ? 1u : 0u);
-      cluster_sync();  // every copy into either CTA has landed, every arrival on its barriers made
-      any = any || *reinterpret_cast<const volatile int*>(smem + Cfg::SMEM_MC_SLOT + 8) != 0;
-    }
-#endif
-    return any;
+    return named_bar_any(1, THREADS, redo);
   }
   // Every tile of the range in pairs; a second pass where a row's maximum outran the reference.
   __device__ __forceinline__ void run() {
@@ -665,15 +557,6 @@ struct TwinTile {
       if (!outran(mx)) {
         retire_barriers();
         break;
-      }
-      if (Cfg::MC && mc) {  // the barriers set up again for the rerun, in both CTAs before any copy
-        if (threadIdx.x == 0) {
-          retire_barriers();
-          set_barriers();
-        }
-#if __CUDA_ARCH__ >= 900
-        cluster_sync();
-#endif
       }
       trace.stop();  // the rerun's steps are not recorded: TI_END stays 0
 #pragma unroll
@@ -715,9 +598,9 @@ struct TwinTile {
 
 template <class Cfg, class Problem>
 __device__ __forceinline__ void fmha_tile_twin(const Problem& pb, char* smem, float scale_log2, float out_scale,
-                                               const TmaMap* tmk, bool mc = false) {
+                                               const TmaMap* tmk) {
   float s[8][4], o[Cfg::DVH / 8][4], ref[2], mt[2], l[2];
-  TwinTile<Cfg, Problem> tile(pb, smem, scale_log2, tmk, s, o, ref, mt, l, mc);
+  TwinTile<Cfg, Problem> tile(pb, smem, scale_log2, tmk, s, o, ref, mt, l);
   tile.run();
   tile.epilogue(out_scale);
   tile.trace.item_now(TI_END);

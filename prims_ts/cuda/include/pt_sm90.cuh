@@ -159,12 +159,6 @@ __device__ __forceinline__ u32 cluster_nctarank() {
   asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
   return r;
 }
-// the cluster's extent along y (1 without a cluster shape)
-__device__ __forceinline__ u32 cluster_nctaid_y() {
-  u32 r;
-  asm("mov.u32 %0, %%cluster_nctaid.y;" : "=r"(r));
-  return r;
-}
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
@@ -184,23 +178,6 @@ __device__ __forceinline__ float4 ld_cluster_f32x4(u32 addr) {
                : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(addr) : "memory");
   return x;
 }
-__device__ __forceinline__ void st_cluster_u32(u32 addr, u32 v) {
-  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-// One arrival on a barrier in a peer CTA's shared memory (`remote`: cluster_map of its
-// address), releasing this thread's earlier memory operations at cluster scope.
-__device__ __forceinline__ void mbar_arrive_cluster(u32 remote) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-// Wait for a phase whose arrivals came from other CTAs of the cluster too (acquire at cluster scope).
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT:\n"
-      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 // Barrier initialisations visible to the async proxy (TMA copies completing on them).
 __device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 // One arrival that also expects `bytes` of asynchronous (TMA) writes before the phase completes.
@@ -215,16 +192,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int c0, 
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-}
-// The same box into shared memory at `dst` of every CTA in `mask` (cluster ranks), each
-// CTA's bytes completing on its own barrier at the same offset as `bar`.
-__device__ __forceinline__ void tma_load_4d_mc(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, u32 bar,
-                                               u16 mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;" ::"r"(dst),
-      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(mask)
       : "memory");
 }
 __device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, int c4,
