@@ -160,8 +160,7 @@ for s in "${stages[@]}"; do
         # softmax under the previous PV everywhere / nowhere (the default: prefill, contiguous and paged); pm: the paged
         # keys' V tiles panel-major at every page size (the default: page-major below BN; AB_FAMILIES=paged_prefill); pk: the
         # paged keys' K tiles panel-major at every page size (the default: row groups interleaved below BN, a box a
-        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"); w2 / w4 / w8: the static
-        # split's CTAs at least 2 / 4 / 8 a resident slot (Tuning.split_waves; decode and MLA). abloops: loops 0, 1, 2.
+        # page; AB_FAMILIES=paged_prefill); bs: balanced split-KV (AB_FAMILIES="decode mla"). abloops: loops 0, 1, 2.
         # Each variant at most 140 s: four fit one device call. AB_VARIANTS (e.g. "d a" or
         # "d pd p") picks some of ab's, AB_FAMILIES (e.g. "paged_prefill block_sparse") the families. A variant may
         # come again ("d pd pd d": base / new / new / base, the last d the drift): the files are numbered in order.
@@ -170,7 +169,7 @@ for s in "${stages[@]}"; do
         for v in $variants; do
             n=$((n + 1)); json="$OUT/ab$n$v.json"; files="$files $json"
             fams="--family prefill --family paged_prefill --family block_sparse"
-            case "$v" in d | c) fams="$fams --family mla" ;; bs | w2 | w4 | w8) fams="--family decode --family mla" ;; esac
+            case "$v" in d | c) fams="$fams --family mla" ;; bs) fams="--family decode --family mla" ;; esac
             if [ -n "${AB_FAMILIES:-}" ]; then fams=""; for f in $AB_FAMILIES; do fams="$fams --family $f"; done; fi
             case "$v" in
                 d) spec="" ;; c) spec="flip_copy=True" ;; pd) spec="persistent=True" ;; a) spec="tma=False;paged_tma=False" ;; ln) spec="lean_mma=True" ;;
@@ -178,7 +177,7 @@ for s in "${stages[@]}"; do
                 up) spec="softmax_under_pv=True" ;; pf) spec="softmax_under_pv=False" ;;
                 p) spec="persistent=True;loop=0" ;; 0 | 1 | 2) spec="loop=$v" ;; pm) spec="page_major_v=False" ;;
                 pk) spec="page_major_k=False" ;;
-                bs) spec="balanced_split=True" ;; w2 | w4 | w8) spec="split_waves=${v#w}" ;;
+                bs) spec="balanced_split=True" ;;
                 *) echo "unknown variant $v" >&2; continue ;;
             esac
             echo "== bench, variant $v (tuning '${spec:-default}')"

@@ -50,28 +50,6 @@ def test_decode_policy_splits_long_single_requests():
     assert decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132).splits == 1
 
 
-@pytest.mark.parametrize("waves", [2, 4, 8])
-def test_split_waves_fill_the_slots_that_many_times(waves):
-    """Tuning.split_waves: the static split's CTAs at least `waves` a resident slot (where the keys
-    and the split cap allow), every key in a split, and the workspace holds every split's partials."""
-    for batch, hkv, group, d, length in ((128, 8, 4, 128, 4096), (16, 8, 4, 128, 32768), (32, 8, 2, 256, 8192),
-                                         (1, 8, 4, 128, 131072), (64, 1, 16, 576, 8192), (3, 2, 4, 64, 300)):
-        base = decode_policy(batch, hkv, group, 1, d, length, 132)
-        pol = decode_policy(batch, hkv, group, 1, d, length, 132, balance=0, waves=waves)
-        assert (pol.bm, pol.bn, pol.row_tiles) == (base.bm, base.bn, base.row_tiles)
-        assert pol.splits >= base.splits or base.splits > 1 and pol.splits == decode.DECODE_MAX_SPLITS
-        assert pol.splits * pol.chunk >= length and pol.chunk % pol.bn == 0
-        ctas = batch * hkv * pol.row_tiles * pol.splits
-        tiles = -(-length // pol.bn)
-        slots = 132 * decode._ctas_per_sm(decode.decode_tile_smem(d, pol.bm, pol.bn, pol.stages, pol.warps_n,
-                                                                  pol.split_o), pol.bm // 16 * pol.warps_n * 32)
-        capped = pol.splits in (decode.DECODE_MAX_SPLITS, tiles // max(1, decode.DECODE_MIN_KEYS_PER_SPLIT // pol.bn))
-        assert ctas >= waves * slots or capped, (batch, hkv, group, d, length, pol)
-        ws = decode.decode_workspace_bytes(batch, hkv, group, 1, d, length, 132, 232448, 0, waves)
-        if pol.splits > 1:
-            assert ws >= batch * hkv * pol.splits * pol.rows_max * (decode.value_dim(d) + 1) * 4
-
-
 def test_work_list_heavy_first_and_complete():
     q_lens, kv_lens = [1, 300, 129, 1000], [5, 300, 500, 1000]
     items = [tuple(x) for x in work_list(torch.tensor(q_lens), torch.tensor(kv_lens), "causal", -1, 128).tolist()]

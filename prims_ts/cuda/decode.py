@@ -60,20 +60,12 @@ def value_dim(head_dim: int) -> int:
     return MLA_DIM_V if head_dim == MLA_DIM_QK else head_dim
 
 
-def _split_target(ctas: int, slots: int, waves: int = 0) -> int:
-    """Splits per (request, K/V head) that fill the resident CTA slots best (fewest on ties).
-    waves > 0 (Tuning.split_waves): at least that many CTAs a slot, the best fill among the
-    split counts from the least that gives them to twice it."""
-    lo = 1
-    if waves > 0:
-        lo = min(DECODE_MAX_SPLITS, max(1, -(-waves * slots // ctas)))
-        if lo == 1:
-            return 1
-    elif ctas >= slots:
+def _split_target(ctas: int, slots: int) -> int:
+    """Splits per (request, K/V head) that fill the resident CTA slots best (fewest on ties)."""
+    if ctas >= slots:
         return 1
-    best, best_eff = lo, 0.0
-    hi = min(DECODE_MAX_SPLITS, 2 * lo) if waves > 0 else min(DECODE_MAX_SPLITS, -(-4 * slots // ctas))
-    for s in range(lo, hi + 1):
+    best, best_eff = 1, 0.0
+    for s in range(1, min(DECODE_MAX_SPLITS, -(-4 * slots // ctas)) + 1):
         total = ctas * s
         eff = total / (-(-total // slots) * slots)
         if eff > best_eff + 1e-9:
@@ -135,13 +127,12 @@ def balances(tuning: Tuning) -> int:
 @functools.lru_cache(maxsize=4096)
 def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
                   max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT,
-                  balance: int = 0, waves: int = 0) -> DecodePolicy:
+                  balance: int = 0) -> DecodePolicy:
     """Tile and split-KV choice from the static arguments only (no metadata values): the
     first tile of `_decode_tiles` whose shared memory fits the device's per-block limit.
     `balance` (``balances``): -1, balanced split-KV over the resident CTA slots where the launch
     holds at least BALANCED_MIN_TILES_PER_SLOT key tiles a slot at max_seq_len (the others, the
-    latency rows, keep the static split and its cluster merge); n > 0, over n CTAs at any size.
-    `waves` (Tuning.split_waves): the static split's CTAs at least that many a resident slot."""
+    latency rows, keep the static split and its cluster merge); n > 0, over n CTAs at any size."""
     rows_max = group * max_seq_len_q
     bm = 16 if rows_max <= 16 else (32 if rows_max <= 32 else 64)
     for bm, bn, stages, warps_n, split_o in _decode_tiles(head_dim, bm):
@@ -169,8 +160,7 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
         big = balance > 0 or total >= BALANCED_MIN_TILES_PER_SLOT * g
         if big and min(bm, rows_max) * g * 4 + 256 <= fits and total * g < 2 ** 62:
             return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, 1, tiles * bn, g)
-    splits = max(1, min(_split_target(ctas, sm_count * per_sm, waves),
-                        tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
+    splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     chunk = ((tiles + splits - 1) // splits) * bn
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, chunk)
 
@@ -376,7 +366,7 @@ def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head
 @functools.lru_cache(maxsize=4096)
 def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int, head_dim: int,
                            max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT,
-                           balance: int = 0, waves: int = 0) -> int:
+                           balance: int = 0) -> int:
     """Workspace bytes for these static arguments.
 
     Taller row tiles mean more CTAs and so fewer splits; the size is the largest over
@@ -384,8 +374,7 @@ def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_le
     enough), so that it never shrinks as max_seq_len_q or max_seq_len grows.
     """
     def need(sq: int) -> int:
-        pol = decode_policy(batch, num_kv_heads, group, sq, head_dim, max_seq_len, sm_count, smem_limit, balance,
-                            waves)
+        pol = decode_policy(batch, num_kv_heads, group, sq, head_dim, max_seq_len, sm_count, smem_limit, balance)
         return _decode_partial_bytes(batch, num_kv_heads, pol, head_dim)
 
     # the last sq of each (bm, row_tiles) shape: group * sq just below each multiple of 16
@@ -394,10 +383,10 @@ def decode_workspace_bytes(batch: int, num_kv_heads: int, group: int, max_seq_le
 
 
 def mla_workspace_bytes(batch: int, num_heads: int, max_seq_len_q: int, max_seq_len: int, sm_count: int,
-                        smem_limit: int = NOMINAL_SMEM_LIMIT, balance: int = 0, waves: int = 0) -> int:
+                        smem_limit: int = NOMINAL_SMEM_LIMIT, balance: int = 0) -> int:
     """Workspace bytes of MLA decode (never shrinks as max_seq_len or max_seq_len_q grows)."""
     return decode_workspace_bytes(batch, 1, num_heads, max_seq_len_q, MLA_DIM_QK, max_seq_len, sm_count, smem_limit,
-                                  balance, waves)
+                                  balance)
 
 
 # ----------------------------------------------------------------------------
@@ -450,7 +439,7 @@ class PreparedDecode(Prepared):
         group = static.num_qo_heads // static.num_kv_heads
         balance = balances(static.tuning)
         pol = decode_policy(static.batch, static.num_kv_heads, group, static.max_seq_len_q, static.head_dim,
-                            static.max_seq_len, sms, limit, balance, static.tuning.split_waves)
+                            static.max_seq_len, sms, limit, balance)
         key = DecodeKey.of(DTYPE_CODES[static.dtype], static.head_dim, static.causal, pol, arch, static.tuning)
         kernel = load(dev, key)
         self.tp = DecodeTmaParams() if key.tma else None  # a TMA key's whole struct (p: its DecodeParams)
@@ -624,5 +613,5 @@ def decode_key(dtype: torch.dtype, head_dim: int, causal: bool, batch: int, num_
     """The policy and kernel of a decode-shaped launch on CUDA device `dev`."""
     arch, sms, limit = device_info(dev)
     pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit,
-                        balances(tuning), tuning.split_waves)
+                        balances(tuning))
     return pol, DecodeKey.of(DTYPE_CODES[dtype], head_dim, causal, pol, arch, tuning)

@@ -74,10 +74,6 @@ class Tuning:
     # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
     # the size floor: how the grids run the walk and the merge of many parts on small problems.
     balanced_ctas: Optional[int] = None
-    # Decode and MLA's static split-KV with at least this many CTAs a resident slot (more, shorter
-    # splits: the hardware's CTA scheduler hands the next split to whichever slot frees first, so
-    # that uneven stream rates leave a shorter tail). 0: the splits that fill the slots once.
-    split_waves: int = 0
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys and the twin MLA keys, a
     # measurement aid with wrong results: 1 times the MMA warps without the K/V copies, 2 the
     # copies without the math.
@@ -139,8 +135,6 @@ class Tuning:
             raise ValueError(f"tuning: copy_tpr must be None or one of {KV_COPY_TPRS}, got {self.copy_tpr!r}")
         if self.balanced_ctas is not None and self.balanced_ctas < 1:
             raise ValueError(f"tuning: balanced_ctas must be None or >= 1, got {self.balanced_ctas!r}")
-        if not isinstance(self.split_waves, int) or self.split_waves < 0:
-            raise ValueError(f"tuning: split_waves must be an int >= 0, got {self.split_waves!r}")
         if self.persistent_ctas is not None and self.persistent_ctas < 1:
             raise ValueError(f"tuning: persistent_ctas must be None or >= 1, got {self.persistent_ctas!r}")
         if self.prefill_bn is not None and self.prefill_bn not in PREFILL_BNS:

@@ -201,12 +201,10 @@ def _workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, max_seq_len, m
     _, sms, limit = device_limits(device)
     group = num_qo_heads // num_kv_heads
     balance = K.balances(tuning)
-    waves = tuning.split_waves
-    pol = K.decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit, balance,
-                          waves)
+    pol = K.decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms, limit, balance)
     V.row_tiles("max_seq_len_q", num_kv_heads, pol.rows_max, pol.bm)
     return max(256, K.decode_workspace_bytes(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms,
-                                             limit, balance, waves))
+                                             limit, balance))
 
 
 def check_dtypes(q_dtype, kv_dtype, out_dtype, names=("q_data_type", "kv_data_type", "o_data_type")):

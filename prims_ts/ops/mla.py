@@ -158,15 +158,14 @@ def _fixed_sq(seq_len_q, max_seq_len_q, default: int = 1) -> int:
 def _workspace_bytes(batch, num_heads, max_seq_len, max_seq_len_q, device, tuning: Tuning = DEFAULT_TUNING) -> int:
     _, sms, limit = device_limits(device)
     balance = K.balances(tuning)
-    return _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit, balance, tuning.split_waves)
+    return _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit, balance)
 
 
 @functools.lru_cache(maxsize=1024)  # per static key and device limits: plans and one-shots ask again
-def _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit, balance: int, waves: int) -> int:
-    pol = K.decode_policy(batch, 1, num_heads, max_seq_len_q, K.MLA_DIM_QK, max_seq_len, sms, limit, balance, waves)
+def _workspace_bytes_for(batch, num_heads, max_seq_len, max_seq_len_q, sms, limit, balance: int) -> int:
+    pol = K.decode_policy(batch, 1, num_heads, max_seq_len_q, K.MLA_DIM_QK, max_seq_len, sms, limit, balance)
     V.row_tiles("max_seq_len_q", 1, pol.rows_max, pol.bm)
-    return max(256, int(K.mla_workspace_bytes(batch, num_heads, max_seq_len_q, max_seq_len, sms, limit, balance,
-                                              waves)))
+    return max(256, int(K.mla_workspace_bytes(batch, num_heads, max_seq_len_q, max_seq_len, sms, limit, balance)))
 
 
 def get_prims_ts_batch_decode_mla_workspace_size(
