@@ -963,6 +963,7 @@ def _mla_problems() -> List[Problem]:
         # (B, L, H, SQ, unit, quick, graph)
         (64, 8192, 16, 1, "TB/s", True, False),  # memory-bound (issue 5 floor: 3.5 TB/s)
         (128, 4096, 128, 1, "TFLOP/s", True, False),  # compute-bound (issue 5 floor: 300 TFLOP/s)
+        (16, 4096, 128, 1, "TFLOP/s", False, False),  # a small batch: split-KV of the 64-row tile
         (1, 1024, 16, 1, "TB/s", True, True),  # latency: CUDA graphs on both sides
     ]
     out = []

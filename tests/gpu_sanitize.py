@@ -193,6 +193,9 @@ MLA_CASES = [
     # 2-8 splits (sm_90a: one cluster a row tile where the partials fit: the rows of 16)
     ("cluster fixed sq1 h16 causal", "fixed", 1, "causal", 16, 64, 3, [1000, 200], 1000, True),
     ("cluster fixed sq1 h8 dense", "fixed", 1, "dense", 8, 32, 4, [600], 600, True),
+    # the twin tile's 2-8 splits in a cluster, their partials over its own shared memory (8 and 4)
+    ("cluster twin fixed sq1 h128 dense", "fixed", 1, "dense", 128, 64, 3, [1000, 700, 64], 1000, True),
+    ("cluster twin fixed sq1 h64 causal", "fixed", 1, "causal", 64, 32, 4, [512, 100], 512, True),
 ]
 
 
@@ -517,10 +520,11 @@ def run_all(dev, part: int = 0, parts: int = 1) -> None:
 
 def run_mla_twin(dev, default: bool = True) -> None:
     """MLA_CASES through a wrapper planned with the twin tile (the default for rows of 64 and
-    more: the packed H64 and split H128 cases; the others keep the swapped tile): the default
-    tuning (`default`; rows of 64 always merge by the ticket) and balanced split-KV over 7 CTAs
-    (its barriers retired and set up again item after item); the two twin cases again with a
-    spiked key (the rerun: the barrier phases it continues); and three whole tiles a request,
+    more: the packed H64, split H128 and cluster twin cases; the others keep the swapped tile):
+    the default tuning (`default`; 2-8 splits merge in a cluster, their partials over the tile's
+    own shared memory, more by the ticket) and balanced split-KV over 7 CTAs (its barriers
+    retired and set up again item after item); three twin cases again with a spiked key (the
+    rerun: the barrier phases it continues); and three whole tiles a request,
     dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for one P more
     than warpgroup 0)."""
     twin = Tuning()
@@ -532,7 +536,7 @@ def run_mla_twin(dev, default: bool = True) -> None:
             mla_case(dev, *case, tuning=tuning)
         mla_case(dev, "three tiles packed h64 dense", "packed", [1, 1, 1], "dense", 64, 32, 4, [192, 192, 192], 192,
                  False, tuning=tuning)
-        for case in MLA_CASES[1:4:2]:
+        for case in MLA_CASES[1:4:2] + MLA_CASES[-2:-1]:
             mla_case(dev, *case, tuning=tuning, spike=True)
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()

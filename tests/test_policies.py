@@ -711,12 +711,13 @@ def test_device_cluster_bounds_match_the_host():
     """The cluster merge's split bound and the shared memory its CTAs may take (fmha_decode.cu)
     are the host's; the host clusters only 2-8 splits whose partials fit after the key's bytes
     (and then the kernel's own fit, on the core's bytes without the alignment slack, holds: it
-    has the merge), and only where the extra bytes cost no wave."""
+    has the merge), and only where the extra bytes cost no wave. The twin MLA tile's partials lie
+    over its own bytes: its 2-8 splits always cluster, with the key's bytes."""
     src = (Path(decode.__file__).parent / "fmha_decode.cu").read_text()
     assert int(re.search(r"constexpr int CLUSTER_MAX_SPLITS = (\d+);", src).group(1)) == decode.CLUSTER_MAX_SPLITS
     limit = keys.SM90_SMEM_LIMIT
     assert int(re.search(r"constexpr int DECODE_SMEM_LIMIT = (\d+);", src).group(1)) == limit
-    clustered = 0
+    clustered = twins = 0
     for tuning in (Tuning(), Tuning(mla_swapped=False)):
         for batch, hkv, group, d, n in itertools.product((1, 2, 8, 32), (1, 2, 8), (1, 4, 16, 64), (64, 128, 256, 576),
                                                          (100, 1000, 5000, 100000)):
@@ -727,8 +728,13 @@ def test_device_cluster_bounds_match_the_host():
             ctas = pol.splits * hkv * pol.row_tiles * batch
             cluster, smem = decode.decode_cluster(key, pol, "sm_90a", tuning, limit, 132, ctas)
             part = pol.bm * (key.dv + 1) * 4
-            assert cluster in (1, pol.splits) and (smem > key.smem) == (cluster > 1), (pol, key.name)
-            if cluster > 1:
+            assert cluster in (1, pol.splits) and (smem > key.smem) == (cluster > 1 and not key.twin), (pol, key.name)
+            if key.twin:
+                assert (cluster > 1) == (2 <= pol.splits <= decode.CLUSTER_MAX_SPLITS) and smem == key.smem
+                # the kernel's CLUSTER_FITS for the twin: the partials inside its bytes past Q
+                assert part + 1024 <= decode.twin_smem_bytes(d) and 64 * d * 2 + part <= key.smem - 1024
+                twins += cluster > 1
+            elif cluster > 1:
                 clustered += 1
                 assert 2 <= pol.splits <= decode.CLUSTER_MAX_SPLITS and -(-key.smem // 16) * 16 + part == smem <= limit
                 core = (decode.swap_smem_bytes(key.bm, key.bn, key.head_dim, key.stages) if key.swap else
@@ -740,7 +746,7 @@ def test_device_cluster_bounds_match_the_host():
             assert decode.decode_cluster(key, pol, "sm_80", tuning, limit, 132, ctas) == (1, key.smem)
             off = dataclasses.replace(tuning, cluster_merge=False)
             assert decode.decode_cluster(key, pol, "sm_90a", off, limit, 132, ctas) == (1, key.smem)
-    assert clustered > 20
+    assert clustered > 20 and twins > 5
     pol = decode.decode_policy(1, 8, 4, 1, 128, 1024, 132)  # the latency row: one cluster of 8
     assert decode.decode_cluster(decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a"), pol, "sm_90a", Tuning(),
                                  limit, 132, 64) == (8, -(-102400 // 16) * 16 + 16 * 129 * 4)

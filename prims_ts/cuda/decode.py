@@ -294,9 +294,12 @@ def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning,
     log-sum-exps after the core's bytes (fmha_decode.cu: merge_cluster), where that fits the
     per-block limit and the extra bytes cost no wave (the policy counted the resident CTAs of
     the key's own bytes: `ctas` of the launch must still fit one pass of the fewer slots);
-    otherwise (1, the key's)."""
+    otherwise (1, the key's). The twin MLA tile's partials lie over its own bytes (its stages,
+    free by its epilogue): its 2-8 splits always cluster, with the key's bytes."""
     if arch != "sm_90a" or not tuning.cluster_merge or pol.balanced or not 2 <= pol.splits <= CLUSTER_MAX_SPLITS:
         return 1, key.smem
+    if key.twin:  # its partials lie over its own bytes, free by its epilogue (pt_fmha_twin.cuh)
+        return pol.splits, key.smem
     smem = -(-key.smem // 16) * 16 + key.bm * key.dv * 4 + key.bm * 4
     if smem > smem_limit:
         return 1, key.smem

@@ -466,8 +466,10 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   }
   // the splits launched as one cluster (the plan's launch shape: decode.decode_cluster, which
   // takes it only where round16(the key's bytes) + the partials fit, so CLUSTER_FITS holds,
-  // and launches with those bytes: the partials lie past the core's)
-  constexpr bool CLUSTER_FITS = Cfg::SMEM_BYTES + Cfg::BM * (Cfg::DV + 1) * 4 <= DECODE_SMEM_LIMIT;
+  // and launches with those bytes: the partials lie past the core's; the twin's lie over its
+  // own bytes, which its epilogue no longer needs: the launch keeps the key's bytes)
+  constexpr bool CLUSTER_FITS = Cfg::TWIN ? Cfg::BM * (Cfg::DV + 1) * 4 + 1024 <= Cfg::SMEM_BYTES
+                                          : Cfg::SMEM_BYTES + Cfg::BM * (Cfg::DV + 1) * 4 <= DECODE_SMEM_LIMIT;
   const bool clustered = CLUSTER_FITS && pb.clustered();
   if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: done, but for the cluster's barriers
 #if __CUDA_ARCH__ >= 900

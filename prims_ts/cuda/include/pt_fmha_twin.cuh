@@ -33,7 +33,8 @@
 // the last key in the first (partial) tile are zeroed before any P V reads them (a page's
 // slots past the length hold anything, P is 0 there and 0 x NaN is not). The problem policies
 // are the decode problem's (pt_decode.cuh); one split's 16-bit output rows leave through
-// shared memory.
+// shared memory, and the fp32 partials of 2-8 splits launched as a cluster are written over
+// the stages (the last bytes of the dynamic shared memory) for fmha_decode.cu's merge_cluster.
 #pragma once
 #include "pt_decode.cuh"
 
@@ -566,6 +567,10 @@ struct TwinTile {
 
   // ---- epilogue: O / sum, each warpgroup its half -------------------------------------------
   __device__ __forceinline__ void epilogue(float out_scale) const {
+    // a split's partials in a cluster lie over the stages, the rows and the barriers (the last
+    // bytes of the dynamic shared memory: decode_cluster_part): every thread past its last read
+    // of them and thread 0's retire_barriers first
+    if (pb.split >= 0) named_bar_sync(1, THREADS);
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
