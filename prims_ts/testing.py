@@ -74,9 +74,14 @@ def check_decode_cluster(plan, key, tuning) -> None:
     assert launch.cluster in ((1, pol.splits) if may else (1,)), (launch.cluster, pol, key.name)
     twin = getattr(key, "twin", False)
     assert (launch.smem > key.smem) == (launch.cluster > 1 and not twin)
-    if may and launch.grid[0] * launch.grid[1] * launch.grid[2] <= sms and \
-            (twin or -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4 <= limit):  # one wave however many fit
-        assert launch.cluster == pol.splits, (pol, key.name)
+    smem = key.smem if twin else -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4
+    ctas = launch.grid[0] * launch.grid[1] * launch.grid[2]
+    if may and ctas <= sms and smem <= limit:  # one wave however many fit: clustered where the clusters are too
+        from .cuda import runtime
+
+        held = runtime.PreparedLaunch(launch.kernel, launch.name, launch.grid, launch.params, pol.splits,
+                                      smem).active_clusters()
+        assert launch.cluster == (pol.splits if held is None or held * pol.splits >= ctas else 1), (pol, key.name, held)
 
 
 def on_sm90_gpu(device) -> bool:

@@ -464,7 +464,11 @@ class PreparedDecode(Prepared):
             runtime.reserve_smem(kernel, smem, key.name)
         params = self.tp if key.tma else p  # the struct the kernel takes (a TMA key's: the maps, then p)
         self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params, cluster, smem)
-        if not self.launch.clusters_fit():  # no SM set of this device holds one: the ticket merge
+        # the ticket merge where no SM set of this device holds a cluster, or where the clusters
+        # would need a second wave that the CTAs alone do not (a GPC's SMs short of a whole
+        # cluster stay idle: MLA B16 H128, 32 clusters of 4 twin CTAs, 30 at once on an H100)
+        ctas, held = grid[0] * grid[1] * grid[2], self.launch.active_clusters()
+        if held is not None and (held < 1 or held * cluster < ctas <= sms * _ctas_per_sm(key.smem, key.threads)):
             self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params)
         self._strides = None
         self.accepted = None

@@ -486,13 +486,14 @@ class PreparedLaunch:
         else:
             self._args = (self._args[0], ctypes.c_uint(gx)) + self._args[2:]
 
-    def clusters_fit(self) -> bool:
-        """Whether the device can hold at least one of this launch's clusters at once (an SM
-        partition, e.g. under MPS, may hold none). Plans ask it, not runs; True without a
-        cluster or without the driver's query, False (with a warning) when the query fails."""
+    def active_clusters(self) -> Optional[int]:
+        """How many of this launch's clusters the device holds at once (an SM partition, e.g.
+        under MPS, may hold none; a GPC's SMs that do not make a whole cluster hold none of
+        them). Plans ask it, not runs; None without a cluster or without the driver's query, 0
+        (with a warning) when the query fails."""
         lib = _libcuda()
         if self.cluster <= 1 or lib.cuOccupancyMaxActiveClusters is None:
-            return True
+            return None
         n = ctypes.c_int(0)
         with _in_context(self.ctx):
             rc = lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(self.kernel.func),
@@ -500,8 +501,9 @@ class PreparedLaunch:
         if rc:  # an unanswered query: the launch without a cluster (always valid), said once
             warnings.warn(f"prims_ts: cuOccupancyMaxActiveClusters failed for {self.name!r} ({lib.error(rc)}); "
                           "launching without a thread block cluster", RuntimeWarning, stacklevel=2)
-            return False
-        return n.value >= 1
+            return 0
+        return n.value
+
 
     def launch(self, stream: int) -> None:
         """Launch on `stream` (a raw CUstream) in the kernel's context. No host sync."""
