@@ -65,7 +65,6 @@ def check_decode_cluster(plan, key, tuning) -> None:
     on sm_90a with 2-8 splits under ``tuning.cluster_merge``, where the partials fit the shared
     memory and cost no wave (``decode.decode_cluster``; the twin MLA tile's lie over its own
     bytes: always, with the key's bytes), the ticket merge otherwise."""
-    from .cuda import decode
     from .cuda.decode import CLUSTER_MAX_SPLITS
     from .cuda.keys import device_limits
 
@@ -75,7 +74,7 @@ def check_decode_cluster(plan, key, tuning) -> None:
     assert launch.cluster in ((1, pol.splits) if may else (1,)), (launch.cluster, pol, key.name)
     twin = getattr(key, "twin", False)
     assert (launch.smem > key.smem) == (launch.cluster > 1 and not twin)
-    smem = key.smem if twin else -(-key.smem // 16) * 16 + decode.cluster_part_bytes(pol.bm, key.dv)
+    smem = key.smem if twin else -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4
     ctas = launch.grid[0] * launch.grid[1] * launch.grid[2]
     if may and ctas <= sms and smem <= limit:  # one wave however many fit: clustered where the clusters are too
         from .cuda import runtime
