@@ -64,7 +64,9 @@ def check_decode_cluster(plan, key, tuning) -> None:
     launch; ``key``: the kernel key the tests expect): the splits as one thread block cluster
     on sm_90a with 2-8 splits under ``tuning.cluster_merge``, where the partials fit the shared
     memory and cost no wave (``decode.decode_cluster``; the twin MLA tile's lie over its own
-    bytes: always, with the key's bytes), the ticket merge otherwise."""
+    bytes: with the key's bytes), unless the device holds too few of the clusters for the
+    wave the CTAs alone take (the plan's rule, asked of the driver again here), the ticket
+    merge otherwise."""
     from .cuda.decode import CLUSTER_MAX_SPLITS
     from .cuda.keys import device_limits
 

@@ -466,9 +466,11 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   }
   // the splits launched as one cluster (the plan's launch shape: decode.decode_cluster, which
   // takes it only where round16(the key's bytes) + the partials fit, so CLUSTER_FITS holds,
-  // and launches with those bytes: the partials lie past the core's; the twin's lie over its
-  // own bytes, which its epilogue no longer needs: the launch keeps the key's bytes)
-  constexpr bool CLUSTER_FITS = Cfg::TWIN ? Cfg::BM * (Cfg::DV + 1) * 4 + 1024 <= Cfg::SMEM_BYTES
+  // and launches with those bytes: the partials lie past the core's). The twin's lie over its
+  // own bytes, which its epilogue no longer needs (the launch keeps the key's bytes: the tile's
+  // plus 1024 of alignment slack): they end at the launch's end and must not reach Q, which
+  // ends at most 1023 bytes past the tile's SMEM_Q.
+  constexpr bool CLUSTER_FITS = Cfg::TWIN ? Cfg::SMEM_Q + Cfg::BM * (Cfg::DV + 1) * 4 <= Cfg::SMEM_BYTES
                                           : Cfg::SMEM_BYTES + Cfg::BM * (Cfg::DV + 1) * 4 <= DECODE_SMEM_LIMIT;
   const bool clustered = CLUSTER_FITS && pb.clustered();
   if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: done, but for the cluster's barriers

@@ -504,7 +504,6 @@ class PreparedLaunch:
             return 0
         return n.value
 
-
     def launch(self, stream: int) -> None:
         """Launch on `stream` (a raw CUstream) in the kernel's context. No host sync."""
         if self.empty:
