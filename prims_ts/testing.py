@@ -79,11 +79,12 @@ def check_decode_cluster(plan, key, tuning) -> None:
     smem = key.smem if twin else -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4
     ctas = launch.grid[0] * launch.grid[1] * launch.grid[2]
     if may and ctas <= sms and smem <= limit:  # one wave however many fit: clustered where the clusters are too
-        from .cuda import runtime
+        from .cuda import decode, runtime
 
         held = runtime.PreparedLaunch(launch.kernel, launch.name, launch.grid, launch.params, pol.splits,
                                       smem).active_clusters()
-        assert launch.cluster == (pol.splits if held is None or held * pol.splits >= ctas else 1), (pol, key.name, held)
+        assert launch.cluster == (pol.splits if decode.keeps_cluster(held, pol.splits, ctas, sms) else 1), \
+            (pol, key.name, held)
 
 
 def on_sm90_gpu(device) -> bool:

@@ -287,6 +287,15 @@ class DecodeKey(KernelKey):
         return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}{', true' if self.balanced else ''}>"
 
 
+def keeps_cluster(held: Optional[int], cluster: int, ctas: int, slots: int) -> bool:
+    """Whether a launch of `ctas` CTAs keeps its clusters of `cluster`, the device holding `held`
+    of them at once (PreparedLaunch.active_clusters; None: no cluster or no query): not where it
+    holds none, nor where the clusters would need a second wave that the CTAs alone (`slots` of
+    them at once) do not: a GPC's SMs short of a whole cluster stay idle (MLA B16 H128, 32
+    clusters of 4 twin CTAs, 30 at once on an H100)."""
+    return held is None or not (held < 1 or held * cluster < ctas <= slots)
+
+
 def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int,
                    sm_count: int, ctas: int) -> Tuple[int, int]:
     """The launch's cluster size and dynamic shared memory: on sm_90a the 2-8 splits of a row
@@ -460,17 +469,14 @@ class PreparedDecode(Prepared):
         self.workspace_bytes = self._ws_offsets[3] if self._ws_offsets else 0
         self.static, self.dev, self.policy, self.key, self.p = static, dev, pol, key, p
         grid = (pol.balanced, 1, 1) if pol.balanced else (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
-        cluster, smem = decode_cluster(key, pol, arch, static.tuning, limit, sms, grid[0] * grid[1] * grid[2])
+        ctas = grid[0] * grid[1] * grid[2]
+        cluster, smem = decode_cluster(key, pol, arch, static.tuning, limit, sms, ctas)
         if cluster > 1:
             runtime.reserve_smem(kernel, smem, key.name)
         params = self.tp if key.tma else p  # the struct the kernel takes (a TMA key's: the maps, then p)
         self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params, cluster, smem)
-        # the ticket merge where no SM set of this device holds a cluster, or where the clusters
-        # would need a second wave that the CTAs alone do not (a GPC's SMs short of a whole
-        # cluster stay idle: MLA B16 H128, 32 clusters of 4 twin CTAs, 30 at once on an H100)
-        ctas, held = grid[0] * grid[1] * grid[2], self.launch.active_clusters()
-        if held is not None and (held < 1 or held * cluster < ctas <= sms * _ctas_per_sm(key.smem, key.threads)):
-            self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params)
+        if not keeps_cluster(self.launch.active_clusters(), cluster, ctas, sms * _ctas_per_sm(key.smem, key.threads)):
+            self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params)  # the ticket merge
         self._strides = None
         self.accepted = None
         self._v_off = 0
