@@ -76,7 +76,7 @@ def check_decode_cluster(plan, key, tuning) -> None:
     assert launch.cluster in ((1, pol.splits) if may else (1,)), (launch.cluster, pol, key.name)
     twin = getattr(key, "twin", False)
     assert (launch.smem > key.smem) == (launch.cluster > 1 and not twin)
-    smem = key.smem if twin else -(-key.smem // 16) * 16 + pol.bm * (key.dv + 1) * 4
+    smem = key.smem if twin else -(-key.smem // 16) * 16 + decode.cluster_part_bytes(pol.bm, key.dv)
     ctas = launch.grid[0] * launch.grid[1] * launch.grid[2]
     if may and ctas <= sms and smem <= limit:  # one wave however many fit: clustered where the clusters are too
         from .cuda import decode, runtime

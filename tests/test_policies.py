@@ -717,6 +717,8 @@ def test_device_cluster_bounds_match_the_host():
     assert int(re.search(r"constexpr int CLUSTER_MAX_SPLITS = (\d+);", src).group(1)) == decode.CLUSTER_MAX_SPLITS
     limit = keys.SM90_SMEM_LIMIT
     assert int(re.search(r"constexpr int DECODE_SMEM_LIMIT = (\d+);", src).group(1)) == limit
+    header = (Path(decode.__file__).parent / "include" / "pt_decode.cuh").read_text()
+    assert int(re.search(r"constexpr int CLUSTER_PAD = (\d+);", header).group(1)) == decode.CLUSTER_PAD
     clustered = twins = 0
     for tuning in (Tuning(), Tuning(mla_swapped=False)):
         for batch, hkv, group, d, n in itertools.product((1, 2, 8, 32), (1, 2, 8), (1, 4, 16, 64), (64, 128, 256, 576),
@@ -727,7 +729,7 @@ def test_device_cluster_bounds_match_the_host():
             key = decode.DecodeKey.of("bf16", d, False, pol, "sm_90a", tuning)
             ctas = pol.splits * hkv * pol.row_tiles * batch
             cluster, smem = decode.decode_cluster(key, pol, "sm_90a", tuning, limit, 132, ctas)
-            part = pol.bm * (key.dv + 1) * 4
+            part = decode.cluster_part_bytes(pol.bm, key.dv)
             assert cluster in (1, pol.splits) and (smem > key.smem) == (cluster > 1 and not key.twin), (pol, key.name)
             if key.twin:
                 assert (cluster > 1) == (2 <= pol.splits <= decode.CLUSTER_MAX_SPLITS) and smem == key.smem
@@ -749,7 +751,7 @@ def test_device_cluster_bounds_match_the_host():
     assert clustered > 20 and twins > 5
     pol = decode.decode_policy(1, 8, 4, 1, 128, 1024, 132)  # the latency row: one cluster of 8
     assert decode.decode_cluster(decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a"), pol, "sm_90a", Tuning(),
-                                 limit, 132, 64) == (8, -(-102400 // 16) * 16 + 16 * 129 * 4)
+                                 limit, 132, 64) == (8, -(-102400 // 16) * 16 + 16 * (128 + 9) * 4)
 
 
 def test_mla_workspace_never_shrinks():

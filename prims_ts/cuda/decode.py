@@ -29,6 +29,8 @@ DECODE_MAX_SPLITS = 128
 # Split counts a plan launches as one thread block cluster on sm_90a (Tuning.cluster_merge):
 # up to the portable cluster size (pt::CLUSTER_MAX_SPLITS)
 CLUSTER_MAX_SPLITS = 8
+# The cluster merge's partial rows lie DV + CLUSTER_PAD floats apart in shared memory (pt::CLUSTER_PAD)
+CLUSTER_PAD = 8
 
 # Per head dim: keys per K/V tile, pipeline depth (32 KB of K+V per stage, three stages) and
 # whether the warps split O's columns (D256: o[] would not fit in registers otherwise)
@@ -296,6 +298,11 @@ def keeps_cluster(held: Optional[int], cluster: int, ctas: int, slots: int) -> b
     return held is None or not (held < 1 or held * cluster < ctas <= slots)
 
 
+def cluster_part_bytes(bm: int, dv: int) -> int:
+    """pt::cluster_part_bytes: a CTA's partial rows (DV + CLUSTER_PAD floats apart) and log-sum-exps."""
+    return (bm * (dv + CLUSTER_PAD) + bm) * 4
+
+
 def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int,
                    sm_count: int, ctas: int) -> Tuple[int, int]:
     """The launch's cluster size and dynamic shared memory: on sm_90a the 2-8 splits of a row
@@ -310,7 +317,7 @@ def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning,
         return 1, key.smem
     if key.twin:  # its partials lie over its own bytes, free by its epilogue (pt_fmha_twin.cuh)
         return pol.splits, key.smem
-    smem = -(-key.smem // 16) * 16 + key.bm * key.dv * 4 + key.bm * 4
+    smem = -(-key.smem // 16) * 16 + cluster_part_bytes(key.bm, key.dv)
     if smem > smem_limit:
         return 1, key.smem
     slots = sm_count * _ctas_per_sm(smem, key.threads)

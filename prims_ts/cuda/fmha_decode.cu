@@ -223,7 +223,7 @@ constexpr int DECODE_SMEM_LIMIT = 232448;  // keys.SM90_SMEM_LIMIT: sm_90's per-
 template <class Cfg>
 __device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float* part, int b, int hk, int q_start,
                                               int row0, int q_rows) {
-  constexpr int BM = Cfg::BM, DV = Cfg::DV, QUADS = DV / 4;
+  constexpr int BM = Cfg::BM, DV = Cfg::DV, QUADS = DV / 4, PS = cluster_part_stride<DV>();
   const int S = p.splits;  // the cluster's CTAs (checked by the caller)
   __syncwarp();            // converged for the .aligned barrier
   cluster_sync();          // every split's partials written
@@ -240,8 +240,8 @@ __device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float
       o[s] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (s < S) {
         const u32 peer = cluster_map(local, (u32)s);
-        lse[s] = ld_cluster_f32(peer + (u32)(BM * DV + r) * 4);
-        o[s] = ld_cluster_f32x4(peer + (u32)(r * DV + c) * 4);
+        lse[s] = ld_cluster_f32(peer + (u32)(BM * PS + r) * 4);
+        o[s] = ld_cluster_f32x4(peer + (u32)(r * PS + c) * 4);
       }
     }
     float mx = neg_inf();
@@ -470,8 +470,9 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   // own bytes, which its epilogue no longer needs (the launch keeps the key's bytes: the tile's
   // plus 1024 of alignment slack): they end at the launch's end and must not reach Q, which
   // ends at most 1023 bytes past the tile's SMEM_Q.
-  constexpr bool CLUSTER_FITS = Cfg::TWIN ? Cfg::SMEM_Q + Cfg::BM * (Cfg::DV + 1) * 4 <= Cfg::SMEM_BYTES
-                                          : Cfg::SMEM_BYTES + Cfg::BM * (Cfg::DV + 1) * 4 <= DECODE_SMEM_LIMIT;
+  constexpr int PART = cluster_part_bytes<Cfg::BM, Cfg::DV>();
+  constexpr bool CLUSTER_FITS = Cfg::TWIN ? Cfg::SMEM_Q + PART <= Cfg::SMEM_BYTES
+                                          : Cfg::SMEM_BYTES + PART <= DECODE_SMEM_LIMIT;
   const bool clustered = CLUSTER_FITS && pb.clustered();
   if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: done, but for the cluster's barriers
 #if __CUDA_ARCH__ >= 900

@@ -81,14 +81,21 @@ __device__ __forceinline__ void decode_request(const DecodeParams& p, int b, int
   }
 }
 
-// The cluster merge's partials of a CTA: [BM][DV] rows, then [BM] log-sum-exps, the last
-// bytes of the launch's dynamic shared memory (decode.decode_cluster sizes it)
+// The cluster merge's partials of a CTA: [BM] rows of DV floats CLUSTER_PAD apart, then [BM]
+// log-sum-exps, the last bytes of the launch's dynamic shared memory (decode.decode_cluster
+// sizes it). The pad (8 floats) puts the 8 rows of a warp's float2 stores (store2: rows g, 4
+// lanes a row) in two wavefronts, where rows DV floats apart fell on the same banks.
+constexpr int CLUSTER_PAD = 8;  // decode.CLUSTER_PAD
+template <int DV> __host__ __device__ constexpr int cluster_part_stride() { return DV + CLUSTER_PAD; }
+template <int BM, int DV> __host__ __device__ constexpr int cluster_part_bytes() {
+  return (BM * cluster_part_stride<DV>() + BM) * 4;
+}
 template <int BM, int DV>
 __device__ __forceinline__ float* decode_cluster_part() {
   extern __shared__ __align__(1024) char smem_dyn[];
   u32 bytes;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-  return reinterpret_cast<float*>(smem_dyn + bytes - (BM * DV + BM) * 4);
+  return reinterpret_cast<float*>(smem_dyn + bytes - cluster_part_bytes<BM, DV>());
 }
 
 template <class T, int DV, int BM, int BN, bool CAUSAL>
@@ -210,7 +217,7 @@ struct DecodeProblem {
   __device__ __forceinline__ float* cluster_part() const { return decode_cluster_part<BM, DV>(); }
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
     if (clustered()) {
-      *reinterpret_cast<float2*>(cluster_part() + r * DV + c) = make_float2(x, y);
+      *reinterpret_cast<float2*>(cluster_part() + r * cluster_part_stride<DV>() + c) = make_float2(x, y);
     } else if (split >= 0) {
       *reinterpret_cast<float2*>(p->ws_o + partial_row(r) * DV + c) = make_float2(x, y);
     } else {
@@ -220,7 +227,7 @@ struct DecodeProblem {
   }
   __device__ __forceinline__ void store_lse(int r, float lse) const {
     if (clustered()) {
-      cluster_part()[BM * DV + r] = poisoned ? pos_inf() : lse;
+      cluster_part()[BM * cluster_part_stride<DV>() + r] = poisoned ? pos_inf() : lse;
     } else if (split >= 0) {
       p->ws_lse[partial_row(r)] = poisoned ? pos_inf() : lse;
     }

@@ -589,6 +589,22 @@ struct TwinTile {
                          : -1;
     if (kind == OUT_BF16) return twin_store_rows<Cfg, bf16>(pb, sKV, o, inv, w, row0);
     if (kind == OUT_F16) return twin_store_rows<Cfg, f16>(pb, sKV, o, inv, w, row0);
+    if (pb.split >= 0) {  // fp32 partials: each row's base once (the cluster's part or the workspace)
+      const bool cl = pb.clustered();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row0 + g + 8 * h;
+        if (r < pb.q_rows) {
+          float* dst = (cl ? pb.cluster_part() + r * cluster_part_stride<Cfg::DV>()
+                          : p.ws_o + pb.partial_row(r) * Cfg::DV) +
+                       w * Cfg::DVH + 2 * t;
+#pragma unroll
+          for (int n = 0; n < DT; ++n)
+            *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + g + 8 * h;
