@@ -53,7 +53,13 @@ def main() -> None:
     def prepare(tuning):
         static = K.DecodeStatic(dt, MLA_DQK, h, 1, ps, False, -1, dt, b, 1, 1, n, False, tuning)
         launch = K.PreparedDecode(static, 0)  # not the per-process cache: each spec its own policy
-        return lambda: launch.run(q, cache, None, ws, out, None, bt, lens, None, scale, 1.0, bt_stride=bt.stride(0))
+        wsp = ws if launch.workspace_bytes <= ws.numel() else torch.zeros(launch.workspace_bytes, dtype=torch.uint8,
+                                                                          device=ws.device)
+        wsp.zero_()  # each policy's split counters live at its own offsets
+        fn = lambda: launch.run(q, cache, None, wsp, out, None, bt, lens, None, scale, 1.0,  # noqa: E731
+                                bt_stride=bt.stride(0))
+        fn.shape = f"splits {launch.policy.splits} cluster {launch.launch.cluster}"
+        return fn
 
     run = prepare(Tuning())
     run()
@@ -72,7 +78,6 @@ def main() -> None:
         label = (kind + " " if kind else ("mma.sync " if kind == "" else "library ")) + str(spec or "default")
         try:
             fn = prepare(tuning)
-            ws.zero_()  # each policy's split counters live at its own offsets
             out.fill_(float("nan"))
             fn()
             torch.cuda.synchronize()
@@ -88,7 +93,7 @@ def main() -> None:
                 times.append(e0.elapsed_time(e1) / 10)
             ms = sorted(times)[len(times) // 2]
             print(f"  {label:28s} {ms * 1e3:8.1f} us  {nbytes / ms / 1e9:5.2f} TB/s  "
-                  f"{flops / ms / 1e9:6.1f} TFLOP/s  maxdiff {err:.1e}")
+                  f"{flops / ms / 1e9:6.1f} TFLOP/s  maxdiff {err:.1e}  ({fn.shape})")
         except Exception as e:  # a spec that does not fit: say so and go on
             print(f"  {label}: {type(e).__name__}: {str(e)[:200]}")
         finally:

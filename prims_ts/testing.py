@@ -59,32 +59,45 @@ def assert_opcheck_passed(result, names=OPCHECK_TESTS) -> None:
     assert not bad, bad
 
 
-def check_decode_cluster(plan, key, tuning) -> None:
+def check_launch_policy(prepared, pol) -> None:
+    """A prepared decode or MLA launch's policy (``prepared``: a plan's ``launch``) against the
+    problem's static policy ``pol``: the same, or fewer splits of equal whole tiles launched as
+    one thread block cluster a row tile (``decode.launch_shape``: clusters of the policy's
+    splits would need a second wave)."""
+    from .cuda import decode
+
+    got = prepared.policy
+    assert got == pol or (got == decode.with_splits(pol, got.splits, prepared.static.max_seq_len)
+                          and 2 <= got.splits < pol.splits and prepared.launch.cluster == got.splits), (got, pol)
+
+
+def check_decode_cluster(plan, key, tuning, pol) -> None:
     """A decode or MLA plan's launch shape (``plan``: a wrapper's ``_plan`` with a prepared
-    launch; ``key``: the kernel key the tests expect): the splits as one thread block cluster
-    on sm_90a with 2-8 splits under ``tuning.cluster_merge``, where the partials fit the shared
-    memory and cost no wave (``decode.decode_cluster``; the twin MLA tile's lie over its own
-    bytes: with the key's bytes), unless the device holds too few of the clusters for the
-    wave the CTAs alone take (the plan's rule, asked of the driver again here), the ticket
-    merge otherwise."""
+    launch; ``key``: the kernel key the tests expect; ``pol``: the problem's static policy): its
+    policy (``check_launch_policy``), grid, cluster and shared memory those of
+    ``decode.launch_shape`` with the driver asked again here; and on their own: the splits as
+    one thread block cluster only on sm_90a with 2-8 splits under ``tuning.cluster_merge``, the
+    partials past the key's bytes (the twin MLA tile's over its own: the key's bytes)."""
+    from .cuda import decode, runtime
     from .cuda.decode import CLUSTER_MAX_SPLITS
     from .cuda.keys import device_limits
 
     arch, sms, limit = device_limits(plan.device)
-    pol, launch = plan.launch.policy, plan.launch.launch
-    may = arch == "sm_90a" and tuning.cluster_merge and 2 <= pol.splits <= CLUSTER_MAX_SPLITS
-    assert launch.cluster in ((1, pol.splits) if may else (1,)), (launch.cluster, pol, key.name)
+    prepared, launch = plan.launch, plan.launch.launch
+    st = prepared.static
+    check_launch_policy(prepared, pol)
+
+    def held(grid, cluster, smem):
+        return runtime.PreparedLaunch(launch.kernel, launch.name, grid, launch.params, cluster, smem).active_clusters()
+
+    want = decode.launch_shape(key, pol, arch, tuning, limit, sms, st.num_kv_heads, st.batch, st.max_seq_len, held)
+    assert (prepared.policy, launch.cluster, launch.smem) == want, (prepared.policy, launch.cluster, want, key.name)
+    got = prepared.policy
+    assert launch.grid == decode.decode_grid(got, st.num_kv_heads, st.batch)
+    may = arch == "sm_90a" and tuning.cluster_merge and 2 <= got.splits <= CLUSTER_MAX_SPLITS
+    assert launch.cluster in ((1, got.splits) if may else (1,)), (launch.cluster, got, key.name)
     twin = getattr(key, "twin", False)
     assert (launch.smem > key.smem) == (launch.cluster > 1 and not twin)
-    smem = key.smem if twin else -(-key.smem // 16) * 16 + decode.cluster_part_bytes(pol.bm, key.dv)
-    ctas = launch.grid[0] * launch.grid[1] * launch.grid[2]
-    if may and ctas <= sms and smem <= limit:  # one wave however many fit: clustered where the clusters are too
-        from .cuda import decode, runtime
-
-        held = runtime.PreparedLaunch(launch.kernel, launch.name, launch.grid, launch.params, pol.splits,
-                                      smem).active_clusters()
-        assert launch.cluster == (pol.splits if decode.keeps_cluster(held, pol.splits, ctas, sms) else 1), \
-            (pol, key.name, held)
 
 
 def on_sm90_gpu(device) -> bool:

@@ -754,6 +754,49 @@ def test_device_cluster_bounds_match_the_host():
                                  limit, 132, 64) == (8, -(-102400 // 16) * 16 + 16 * (128 + 9) * 4)
 
 
+
+def test_launch_shape_fits_the_clusters_in_one_wave():
+    """decode.launch_shape: the policy's splits as clusters where the device holds them in one
+    wave; else the most splits below whose clusters it does (equal whole tiles, the grid and
+    workspace of those); else the policy's with the ticket merge. Policies of more than
+    CLUSTER_MAX_SPLITS splits keep theirs."""
+    limit = keys.SM90_SMEM_LIMIT
+    asked = []
+
+    def held_by(per_size):
+        def held(grid, cluster, smem):
+            asked.append((grid, cluster))
+            return per_size.get(cluster, 132 // cluster)
+        return held
+
+    pol = decode.decode_policy(16, 1, 128, 1, MLA_DIM_QK, 4096, 132)  # MLA B16 H128: 32 row tiles, 4 splits
+    key = decode.DecodeKey.of("bf16", MLA_DIM_QK, False, pol, "sm_90a")
+    assert key.twin and pol.splits == 4 and pol.row_tiles == 2
+    args = (key, pol, "sm_90a", Tuning(), limit, 132, 1, 16, 4096)
+    assert decode.launch_shape(*args, held_by({})) == (pol, 4, key.smem)  # 33 clusters of 4 at once
+    got, cluster, smem = decode.launch_shape(*args, held_by({4: 30}))  # an H100's 30: 3 splits, 32 clusters
+    assert (got.splits, cluster, smem) == (3, 3, key.smem)
+    assert got == dataclasses.replace(pol, splits=3, chunk=22 * 64) and asked[-1] == ((3, 2, 16), 3)
+    assert decode.decode_grid(got, 1, 16) == (3, 2, 16)
+    assert decode.decode_partial_layout(16, 1, got, 512)[3] < decode.decode_partial_layout(16, 1, pol, 512)[3]
+    # no count of 2 or more fits: the policy's splits, the ticket merge
+    assert decode.launch_shape(*args, held_by({4: 30, 3: 31, 2: 31})) == (pol, 1, key.smem)
+    # a device that holds none (an SM partition) or no query (None): as decode_cluster says
+    assert decode.launch_shape(*args, lambda g, c, s: 0) == (pol, 1, key.smem)
+    assert decode.launch_shape(*args, lambda g, c, s: None) == (pol, 4, key.smem)
+    # more than CLUSTER_MAX_SPLITS splits (MLA B8 H128: 32): the policy's, never asked
+    pol = decode.decode_policy(8, 1, 128, 1, MLA_DIM_QK, 4096, 132)
+    assert pol.splits > decode.CLUSTER_MAX_SPLITS
+    asked.clear()
+    assert decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096, held_by({})) == (pol, 1,
+                                                                                                       key.smem)
+    assert not asked
+    # off sm_90a or without the cluster merge: the policy's, never asked
+    pol = decode.decode_policy(16, 1, 128, 1, MLA_DIM_QK, 4096, 132)
+    for arch, tuning in (("sm_80", Tuning()), ("sm_90a", Tuning(cluster_merge=False))):
+        assert decode.launch_shape(key, pol, arch, tuning, limit, 132, 1, 16, 4096, held_by({})) == (pol, 1, key.smem)
+    assert not asked
+
 def test_mla_workspace_never_shrinks():
     for batch, heads in ((1, 16), (64, 16), (2, 128)):
         sizes = [decode.mla_workspace_bytes(batch, heads, 1, n, 132) for n in range(1, 20000, 97)]

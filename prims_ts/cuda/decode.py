@@ -298,6 +298,40 @@ def keeps_cluster(held: Optional[int], cluster: int, ctas: int, slots: int) -> b
     return held is None or not (held < 1 or held * cluster < ctas <= slots)
 
 
+def with_splits(pol: DecodePolicy, splits: int, max_seq_len: int) -> DecodePolicy:
+    """`pol` with `splits` K/V chunks a (request, K/V head) of equal whole tiles."""
+    tiles = (max_seq_len + pol.bn - 1) // pol.bn
+    return dataclasses.replace(pol, splits=splits, chunk=((tiles + splits - 1) // splits) * pol.bn)
+
+
+def decode_grid(pol: DecodePolicy, num_kv_heads: int, batch: int) -> Tuple[int, int, int]:
+    """A decode launch's grid: (splits, K/V heads x row tiles, requests), or the balanced CTAs."""
+    return (pol.balanced, 1, 1) if pol.balanced else (pol.splits, num_kv_heads * pol.row_tiles, batch)
+
+
+def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int, sm_count: int,
+                 num_kv_heads: int, batch: int, max_seq_len: int, held) -> Tuple[DecodePolicy, int, int]:
+    """The policy a plan launches, its cluster size and dynamic shared memory. `held(grid,
+    cluster, smem)`: how many such clusters the device holds at once (PreparedLaunch.
+    active_clusters). Where the policy's splits launch as clusters (decode_cluster: 2-8 of
+    them), the most splits up to the policy's whose clusters the device holds in one wave
+    (keeps_cluster), so that the merge stays in the cluster: the ticket's last CTA reads every
+    split's partial rows alone (MLA B16 H128 on an H100: 4 splits by the ticket 84 us, 3 as
+    clusters 61). Otherwise, or where no count of 2 or more fits, the policy's splits (the
+    ticket merge where there are several)."""
+    slots = sm_count * _ctas_per_sm(key.smem, key.threads)
+    for s in range(pol.splits, 1, -1):
+        cand = pol if s == pol.splits else with_splits(pol, s, max_seq_len)
+        grid = decode_grid(cand, num_kv_heads, batch)
+        ctas = grid[0] * grid[1] * grid[2]
+        cluster, smem = decode_cluster(key, cand, arch, tuning, smem_limit, sm_count, ctas)
+        if cluster == 1:
+            break
+        if keeps_cluster(held(grid, cluster, smem), cluster, ctas, slots):
+            return cand, cluster, smem
+    return pol, 1, key.smem
+
+
 def cluster_part_bytes(bm: int, dv: int) -> int:
     """pt::cluster_part_bytes: a CTA's partial rows (DV + CLUSTER_PAD floats apart) and log-sum-exps."""
     return (bm * (dv + CLUSTER_PAD) + bm) * 4
@@ -464,6 +498,14 @@ class PreparedDecode(Prepared):
         kernel = load(dev, key)
         self.tp = DecodeTmaParams() if key.tma else None  # a TMA key's whole struct (p: its DecodeParams)
         p = self.tp.p if key.tma else DecodeParams()
+        params = self.tp if key.tma else p  # the struct the kernel takes (a TMA key's: the maps, then p)
+
+        def held(grid, cluster, smem):
+            runtime.reserve_smem(kernel, smem, key.name)
+            return runtime.PreparedLaunch(kernel, key.name, grid, params, cluster, smem).active_clusters()
+
+        pol, cluster, smem = launch_shape(key, pol, arch, static.tuning, limit, sms, static.num_kv_heads,
+                                          static.batch, static.max_seq_len, held)
         p.sq = static.seq_len_q
         p.rows_max, p.row_tiles, p.splits, p.chunk = pol.rows_max, pol.row_tiles, pol.splits, pol.chunk
         p.group, p.hkv = group, static.num_kv_heads
@@ -475,15 +517,8 @@ class PreparedDecode(Prepared):
             if pol.splits > 1 or pol.balanced else None
         self.workspace_bytes = self._ws_offsets[3] if self._ws_offsets else 0
         self.static, self.dev, self.policy, self.key, self.p = static, dev, pol, key, p
-        grid = (pol.balanced, 1, 1) if pol.balanced else (pol.splits, static.num_kv_heads * pol.row_tiles, static.batch)
-        ctas = grid[0] * grid[1] * grid[2]
-        cluster, smem = decode_cluster(key, pol, arch, static.tuning, limit, sms, ctas)
-        if cluster > 1:
-            runtime.reserve_smem(kernel, smem, key.name)
-        params = self.tp if key.tma else p  # the struct the kernel takes (a TMA key's: the maps, then p)
-        self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params, cluster, smem)
-        if not keeps_cluster(self.launch.active_clusters(), cluster, ctas, sms * _ctas_per_sm(key.smem, key.threads)):
-            self.launch = runtime.PreparedLaunch(kernel, key.name, grid, params)  # the ticket merge
+        self.launch = runtime.PreparedLaunch(kernel, key.name, decode_grid(pol, static.num_kv_heads, static.batch),
+                                             params, cluster, smem)
         self._strides = None
         self.accepted = None
         self._v_off = 0
