@@ -63,7 +63,7 @@ def check_launch_policy(prepared, pol) -> None:
     """A prepared decode or MLA launch's policy (``prepared``: a plan's ``launch``) against the
     problem's static policy ``pol``: the same, or fewer splits of equal whole tiles launched as
     one thread block cluster a row tile (``decode.launch_shape``: clusters of the policy's
-    splits would need a second wave)."""
+    splits would need a second wave, or the twin MLA tile's splits past a cluster's)."""
     from .cuda import decode
 
     got = prepared.policy

@@ -189,7 +189,8 @@ MLA_CASES = [
     ("fixed sq1 h16 causal", "fixed", 1, "causal", 16, 16, 3, [1, 37, 60], 60, False),
     ("packed h64 causal", "packed", [1, 3, 2], "causal", 64, 32, 4, [5, 50, 61], 64, False),
     ("split fixed sq2 h8 dense", "fixed", 2, "dense", 8, 64, 3, [3000, 1], 3000, True),
-    ("split packed h128 causal", "packed", [4, 1], "causal", 128, 128, 4, [1200, 300], 1300, True),
+    # the policy's 10 splits; the twin tile's at most a cluster's (decode.launch_shape: 8 on sm_90a)
+    ("cluster twin split packed h128 causal", "packed", [4, 1], "causal", 128, 128, 4, [1200, 300], 1300, True),
     # 2-8 splits (sm_90a: one cluster a row tile where the partials fit: the rows of 16)
     ("cluster fixed sq1 h16 causal", "fixed", 1, "causal", 16, 64, 3, [1000, 200], 1000, True),
     ("cluster fixed sq1 h8 dense", "fixed", 1, "dense", 8, 32, 4, [600], 600, True),

@@ -274,7 +274,10 @@ def _stub_prepared(monkeypatch):
 
     monkeypatch.setattr(KD, "device_info", lambda dev: ("sm_90a", 132, 232448))
     monkeypatch.setattr(KD, "load", lambda dev, key: runtime.LoadedKernel(1, key.smem, key.threads, 0))
-    monkeypatch.setattr(runtime, "_libcuda", lambda: types.SimpleNamespace(cuLaunchKernelEx=None, cuLaunchKernel=None))
+    # cuLaunchKernelEx (never called: `launch` is stubbed) so that clusters may be planned; no occupancy query
+    monkeypatch.setattr(runtime, "_libcuda", lambda: types.SimpleNamespace(cuLaunchKernelEx=lambda *a: 0,
+                                                                           cuLaunchKernel=None,
+                                                                           cuOccupancyMaxActiveClusters=None))
     launched = []
     monkeypatch.setattr(runtime.PreparedLaunch, "launch", lambda self, stream: launched.append(bytes(self.params)))
     monkeypatch.setattr(runtime, "current_stream", lambda dev: 0)

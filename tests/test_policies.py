@@ -784,12 +784,20 @@ def test_launch_shape_fits_the_clusters_in_one_wave():
     # a device that holds none (an SM partition) or no query (None): as decode_cluster says
     assert decode.launch_shape(*args, lambda g, c, s: 0) == (pol, 1, key.smem)
     assert decode.launch_shape(*args, lambda g, c, s: None) == (pol, 4, key.smem)
-    # more than CLUSTER_MAX_SPLITS splits (MLA B8 H128: 32): the policy's, never asked
+    # more than CLUSTER_MAX_SPLITS splits (MLA B8 H128: 32): the twin's at most a cluster's
     pol = decode.decode_policy(8, 1, 128, 1, MLA_DIM_QK, 4096, 132)
     assert pol.splits > decode.CLUSTER_MAX_SPLITS
+    got, cluster, smem = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096, held_by({}))
+    assert (got, cluster, smem) == (decode.with_splits(pol, 8, 4096), 8, key.smem)  # 16 clusters of 8 at once
+    got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096, held_by({8: 15}))
+    assert (got.splits, cluster, got.chunk) == (7, 7, 10 * 64)  # an H100's GPCs: 7
+    # ... the other keys' (the mma.sync tiles' partials are a row tile of D floats): the policy's, never asked
+    pol = decode.decode_policy(1, 8, 4, 1, 128, 131072, 132)
+    dkey = decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a")
+    assert pol.splits > decode.CLUSTER_MAX_SPLITS and not dkey.twin
     asked.clear()
-    assert decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096, held_by({})) == (pol, 1,
-                                                                                                       key.smem)
+    assert decode.launch_shape(dkey, pol, "sm_90a", Tuning(), limit, 132, 8, 1, 131072, held_by({})) == (pol, 1,
+                                                                                                          dkey.smem)
     assert not asked
     # off sm_90a or without the cluster merge: the policy's, never asked
     pol = decode.decode_policy(16, 1, 128, 1, MLA_DIM_QK, 4096, 132)

@@ -317,10 +317,14 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
     them), the most splits up to the policy's whose clusters the device holds in one wave
     (keeps_cluster), so that the merge stays in the cluster: the ticket's last CTA reads every
     split's partial rows alone (MLA B16 H128 on an H100: 4 splits by the ticket 84 us, 3 as
-    clusters 61). Otherwise, or where no count of 2 or more fits, the policy's splits (the
-    ticket merge where there are several)."""
+    clusters 61). The twin MLA tile's partials (64 x 512 floats a split) make its ticket merge
+    the slower the more splits it takes (B8 H128 on an H100: 32 splits 381 us, 8 109), so its
+    splits stay within a cluster's (CLUSTER_MAX_SPLITS) wherever it may cluster. Otherwise, or
+    where no count of 2 or more fits, the policy's splits (the ticket merge where there are
+    several)."""
     slots = sm_count * _ctas_per_sm(key.smem, key.threads)
-    for s in range(pol.splits, 1, -1):
+    top = min(pol.splits, CLUSTER_MAX_SPLITS) if key.twin else pol.splits
+    for s in range(top, 1, -1):
         cand = pol if s == pol.splits else with_splits(pol, s, max_seq_len)
         grid = decode_grid(cand, num_kv_heads, batch)
         ctas = grid[0] * grid[1] * grid[2]
@@ -501,7 +505,8 @@ class PreparedDecode(Prepared):
         params = self.tp if key.tma else p  # the struct the kernel takes (a TMA key's: the maps, then p)
 
         def held(grid, cluster, smem):
-            runtime.reserve_smem(kernel, smem, key.name)
+            if smem > key.smem:  # the load reserved the key's own
+                runtime.reserve_smem(kernel, smem, key.name)
             return runtime.PreparedLaunch(kernel, key.name, grid, params, cluster, smem).active_clusters()
 
         pol, cluster, smem = launch_shape(key, pol, arch, static.tuning, limit, sms, static.num_kv_heads,
