@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|mlatree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -258,6 +258,19 @@ from prims_ts.cli import main; sys.exit(main(sys.argv[1:]))" bench $fams --runne
     paths)
         echo "== bench --paths (host us per call and one-call latency of every path, beside the peers)"
         timeout "$(tl 400)" "$PY" -m prims_ts bench --paths --json "$OUT/paths.json" 2>&1 | tee "$OUT/paths.log" | tail -60 ;;
+    mlatree)  # MLA decode's library default (its launched splits and cluster) at each MLA_SHAPES "B L H" (default:
+        # the small batches and one long request), the package at ab_base/ (see abtree) then this tree's, per shape
+        [ -d ab_base/prims_ts ] || { echo "mlatree: no ab_base/prims_ts" >&2; exit 2; }
+        shapes="${MLA_SHAPES:-1 4096 128;2 4096 128;4 4096 128;8 4096 128;16 4096 128;32 4096 128;8 4096 64;16 4096 64;32 4096 64;1 32768 128;4 16384 64;1 131072 128}"
+        IFS=';' read -ra list <<<"$shapes"
+        for a in "${list[@]}"; do
+            for root in ab_base .; do
+                echo "== mla_sweep $a, $([ "$root" = . ] && echo new || echo base) tree"
+                # shellcheck disable=SC2086
+                (cd "$root" && PYTHONPATH=. timeout "$(tl 60)" "$PY" "$OLDPWD/benchmarks/mla_sweep.py" $a 2>&1 | grep -v '^\[' \
+                    | grep -v '^B') | tee -a "$OUT/mlatree.log"
+            done
+        done ;;
     sweeps)  # tuning aids: the latency rows' split counts x merges, the MLA rows' tiles and copies
         echo "== latency_sweep"; timeout "$(tl 120)" "$PY" benchmarks/latency_sweep.py 2>&1 | tee "$OUT/latency_sweep.log"
         for a in "64 8192 16" "128 8192 16" "64 8192 32" "1 1024 16"; do
