@@ -349,8 +349,8 @@ def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning,
     per-block limit and the extra bytes cost no wave (the policy counted the resident CTAs of
     the key's own bytes: `ctas` of the launch must still fit one pass of the fewer slots);
     otherwise (1, the key's). The twin MLA tile's partials lie over its own bytes (its stages,
-    free by its epilogue): its 2-8 splits cluster with the key's bytes. (PreparedDecode then
-    takes the ticket where the device holds too few of the clusters for one wave.)"""
+    free by its epilogue): its 2-8 splits cluster with the key's bytes. (launch_shape, which
+    the plan calls, picks the splits the device holds as clusters in one wave.)"""
     if arch != "sm_90a" or not tuning.cluster_merge or pol.balanced or not 2 <= pol.splits <= CLUSTER_MAX_SPLITS:
         return 1, key.smem
     if key.twin:  # its partials lie over its own bytes, free by its epilogue (pt_fmha_twin.cuh)
