@@ -791,6 +791,14 @@ def test_launch_shape_fits_the_clusters_in_one_wave():
     assert (got, cluster, smem) == (decode.with_splits(pol, 8, 4096), 8, key.smem)  # 16 clusters of 8 at once
     got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096, held_by({8: 15}))
     assert (got.splits, cluster, got.chunk) == (7, 7, 10 * 64)  # an H100's GPCs: 7
+    # ... unless the ticket over the policy's splits costs less: a single request of 128K keys (66 splits of
+    # 2,048 keys, where 8 would stream 16,384 each); of 32K keys, 8 splits
+    for n, want in ((131072, 66), (32768, 8)):
+        pol = decode.decode_policy(1, 1, 128, 1, MLA_DIM_QK, n, 132)
+        got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, n, held_by({}))
+        assert (pol.splits, got.splits, cluster) == (66, want, 1 if want == 66 else 8), n
+        eight = decode.with_splits(pol, 8, n).chunk
+        assert (decode.twin_ticket_cost(pol.chunk, pol.splits) < eight) == (want == 66) and eight == n // 8
     # ... the other keys' (the mma.sync tiles' partials are a row tile of D floats): the policy's, never asked
     pol = decode.decode_policy(1, 8, 4, 1, 128, 131072, 132)
     dkey = decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a")

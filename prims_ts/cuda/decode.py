@@ -309,6 +309,19 @@ def decode_grid(pol: DecodePolicy, num_kv_heads: int, batch: int) -> Tuple[int, 
     return (pol.balanced, 1, 1) if pol.balanced else (pol.splits, num_kv_heads * pol.row_tiles, batch)
 
 
+# The twin's split cost model (launch_shape), in keys a CTA streams: a partial row (512
+# floats) written or read costs as much as 2048 / 1152 keys (576 bf16 each) at the rate a CTA
+# moves either (H100, MLA H128: 4,096 keys a CTA 122 us; 66 splits by the ticket, 496 keys a
+# CTA and 66 partials read by one, 234 us; thirty-eighth session).
+TWIN_PART_ROW_KEYS = 2048 / 1152
+
+
+def twin_ticket_cost(chunk: int, splits: int) -> float:
+    """The twin's keys a row tile's last CTA streams for `splits` of `chunk` keys merged by the
+    ticket: its own chunk, its partial's 64 rows written, every split's read."""
+    return chunk + (splits + 1) * 64 * TWIN_PART_ROW_KEYS
+
+
 def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int, sm_count: int,
                  num_kv_heads: int, batch: int, max_seq_len: int, held) -> Tuple[DecodePolicy, int, int]:
     """The policy a plan launches, its cluster size and dynamic shared memory. `held(grid,
@@ -319,9 +332,11 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
     split's partial rows alone (MLA B16 H128 on an H100: 4 splits by the ticket 84 us, 3 as
     clusters 61). The twin MLA tile's partials (64 x 512 floats a split) make its ticket merge
     the slower the more splits it takes (B8 H128 on an H100: 32 splits 381 us, 8 109), so its
-    splits stay within a cluster's (CLUSTER_MAX_SPLITS) wherever it may cluster. Otherwise, or
-    where no count of 2 or more fits, the policy's splits (the ticket merge where there are
-    several)."""
+    splits stay within a cluster's (CLUSTER_MAX_SPLITS) wherever it may cluster, unless the
+    ticket over the policy's splits costs less (`twin_ticket_cost` against the cluster's chunk:
+    a single request of 64K keys and more, whose chunks a cluster's splits would leave long).
+    Otherwise, or where no count of 2 or more fits, the policy's splits (the ticket merge where
+    there are several)."""
     slots = sm_count * _ctas_per_sm(key.smem, key.threads)
     top = min(pol.splits, CLUSTER_MAX_SPLITS) if key.twin else pol.splits
     for s in range(top, 1, -1):
@@ -332,6 +347,8 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
         if cluster == 1:
             break
         if keeps_cluster(held(grid, cluster, smem), cluster, ctas, slots):
+            if key.twin and s < pol.splits and twin_ticket_cost(pol.chunk, pol.splits) < cand.chunk:
+                break  # the ticket over the policy's splits
             return cand, cluster, smem
     return pol, 1, key.smem
 
