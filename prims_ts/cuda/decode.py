@@ -163,8 +163,7 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
         if big and min(bm, rows_max) * g * 4 + 256 <= fits and total * g < 2 ** 62:
             return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, 1, tiles * bn, g)
     splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
-    chunk = ((tiles + splits - 1) // splits) * bn
-    return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, chunk)
+    return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, split_chunk(tiles, splits, bn))
 
 
 TWIN_BN = 64  # the twin tile's key tiles (MLA rows of 64: the policy's BN there)
@@ -298,10 +297,15 @@ def keeps_cluster(held: Optional[int], cluster: int, ctas: int, slots: int) -> b
     return held is None or not (held < 1 or held * cluster < ctas <= slots)
 
 
+def split_chunk(tiles: int, splits: int, bn: int) -> int:
+    """Keys a split of `tiles` key tiles of `bn` keys takes: equal whole tiles (the last split's may be short)."""
+    return (tiles + splits - 1) // splits * bn
+
+
 def with_splits(pol: DecodePolicy, splits: int, max_seq_len: int) -> DecodePolicy:
     """`pol` with `splits` K/V chunks a (request, K/V head) of equal whole tiles."""
-    tiles = (max_seq_len + pol.bn - 1) // pol.bn
-    return dataclasses.replace(pol, splits=splits, chunk=((tiles + splits - 1) // splits) * pol.bn)
+    return dataclasses.replace(pol, splits=splits, chunk=split_chunk((max_seq_len + pol.bn - 1) // pol.bn, splits,
+                                                                     pol.bn))
 
 
 def decode_grid(pol: DecodePolicy, num_kv_heads: int, batch: int) -> Tuple[int, int, int]:
@@ -312,7 +316,7 @@ def decode_grid(pol: DecodePolicy, num_kv_heads: int, batch: int) -> Tuple[int, 
 # The twin's split cost model (launch_shape), in keys a CTA streams: a partial row (512
 # floats) written or read costs as much as 2048 / 1152 keys (576 bf16 each) at the rate a CTA
 # moves either (H100, MLA H128: 4,096 keys a CTA 122 us; 66 splits by the ticket, 496 keys a
-# CTA and 66 partials read by one, 234 us; thirty-eighth session).
+# CTA and 66 partials read by one, 234 us; benchmarks/NOTES.md, "Small-batch MLA").
 TWIN_PART_ROW_KEYS = 2048 / 1152
 
 
