@@ -62,13 +62,19 @@ def assert_opcheck_passed(result, names=OPCHECK_TESTS) -> None:
 def check_launch_policy(prepared, pol) -> None:
     """A prepared decode or MLA launch's policy (``prepared``: a plan's ``launch``) against the
     problem's static policy ``pol``: the same, or fewer splits of equal whole tiles launched as
-    one thread block cluster a row tile (``decode.launch_shape``: clusters of the policy's
-    splits would need a second wave, or the twin MLA tile's splits past a cluster's)."""
+    thread block clusters (``decode.launch_shape``: clusters of the policy's splits would need a
+    second wave, or the twin MLA tile's splits past a cluster's: one cluster, or two levels)."""
     from .cuda import decode
 
-    got = prepared.policy
+    got, cluster = prepared.policy, prepared.launch.cluster
     assert got == pol or (got == decode.with_splits(pol, got.splits, prepared.static.max_seq_len)
-                          and 2 <= got.splits < pol.splits and prepared.launch.cluster == got.splits), (got, pol)
+                          and 2 <= got.splits < pol.splits and cluster > 1 and got.splits % cluster == 0), (got, pol)
+
+
+def merged_in_cluster(prepared) -> bool:
+    """Whether a prepared decode or MLA launch (a plan's ``launch``) merges its splits within
+    one cluster a row tile (the workspace untouched), not by the ticket or in two levels."""
+    return prepared.policy.splits > 1 and prepared.launch.cluster == prepared.policy.splits
 
 
 def check_decode_cluster(plan, key, tuning, pol) -> None:
@@ -77,7 +83,8 @@ def check_decode_cluster(plan, key, tuning, pol) -> None:
     policy (``check_launch_policy``), grid, cluster and shared memory those of
     ``decode.launch_shape`` with the driver asked again here; and on their own: the splits as
     one thread block cluster only on sm_90a with 2-8 splits under ``tuning.cluster_merge``, the
-    partials past the key's bytes (the twin MLA tile's over its own: the key's bytes)."""
+    partials past the key's bytes (the twin MLA tile's over its own: the key's bytes); clusters
+    smaller than the splits (two levels) only the twin's."""
     from .cuda import decode, runtime
     from .cuda.decode import CLUSTER_MAX_SPLITS
     from .cuda.keys import device_limits
@@ -94,9 +101,11 @@ def check_decode_cluster(plan, key, tuning, pol) -> None:
     assert (prepared.policy, launch.cluster, launch.smem) == want, (prepared.policy, launch.cluster, want, key.name)
     got = prepared.policy
     assert launch.grid == decode.decode_grid(got, st.num_kv_heads, st.batch)
-    may = arch == "sm_90a" and tuning.cluster_merge and 2 <= got.splits <= CLUSTER_MAX_SPLITS
-    assert launch.cluster in ((1, got.splits) if may else (1,)), (launch.cluster, got, key.name)
     twin = getattr(key, "twin", False)
+    may = arch == "sm_90a" and tuning.cluster_merge and not got.balanced
+    if launch.cluster not in (1, got.splits):  # two levels: the twin's
+        assert twin and 2 <= launch.cluster < got.splits and got.splits % launch.cluster == 0, (launch.cluster, got)
+    assert launch.cluster == 1 or (may and 2 <= launch.cluster <= CLUSTER_MAX_SPLITS), (launch.cluster, got, key.name)
     assert (launch.smem > key.smem) == (launch.cluster > 1 and not twin)
 
 

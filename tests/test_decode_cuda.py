@@ -45,7 +45,7 @@ from prims_ts import reference as R
 from prims_ts.cuda.decode import DecodeKey, PreparedDecode, balances, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, device_limits
 from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
-                              reference_must_not_run, rel_err, stable_seed)
+                              merged_in_cluster, reference_must_not_run, rel_err, stable_seed)
 
 pytestmark = pytest.mark.cuda
 
@@ -217,7 +217,7 @@ def check(pb: Problem, tuning, mask="dense", window=-1, out_dtype=None, bmm1_sca
     launch = w._plan.launch
     if tuning == DEFAULT and launch is not None and launch.policy.splits > 1:
         # the standalone's policy and launch shape are the wrapper's
-        check_decode_workspace(pb.workspace, launch.launch.cluster > 1)
+        check_decode_workspace(pb.workspace, merged_in_cluster(launch))
     ref = pb.ref(mask, window, bmm1_scale, bmm2_scale)
     compare(pb, results, ref, tol or TOLERANCE[pb.dtype])
     return results, ref

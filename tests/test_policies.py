@@ -756,10 +756,11 @@ def test_device_cluster_bounds_match_the_host():
 
 
 def test_launch_shape_fits_the_clusters_in_one_wave():
-    """decode.launch_shape: the policy's splits as clusters where the device holds them in one
-    wave; else the most splits below whose clusters it does (equal whole tiles, the grid and
-    workspace of those); else the policy's with the ticket merge. Policies of more than
-    CLUSTER_MAX_SPLITS splits keep theirs."""
+    """decode.launch_shape: a policy's 2-8 splits as one cluster where the device holds the
+    clusters in one wave, else the most splits below whose clusters it does; the twin MLA
+    tile's splits (any count) as one cluster or clusters of 2-8 merged in two levels, its CTAs
+    in one wave, the count and size of least twin_split_cost; else the policy's with the
+    ticket. Fewer splits: equal whole tiles, the grid and workspace of those."""
     limit = keys.SM90_SMEM_LIMIT
     asked = []
 
@@ -774,32 +775,59 @@ def test_launch_shape_fits_the_clusters_in_one_wave():
     assert key.twin and pol.splits == 4 and pol.row_tiles == 2
     args = (key, pol, "sm_90a", Tuning(), limit, 132, 1, 16, 4096)
     assert decode.launch_shape(*args, held_by({})) == (pol, 4, key.smem)  # 33 clusters of 4 at once
-    got, cluster, smem = decode.launch_shape(*args, held_by({4: 30}))  # an H100's 30: 3 splits, 32 clusters
+    # an H100's 30 clusters of 4: the 4 splits as two clusters of 2 (two levels), not 3 in one
+    assert decode.launch_shape(*args, held_by({4: 30})) == (pol, 2, key.smem)
+    got, cluster, smem = decode.launch_shape(*args, held_by({4: 30, 2: 31}))
     assert (got.splits, cluster, smem) == (3, 3, key.smem)
-    assert got == dataclasses.replace(pol, splits=3, chunk=22 * 64) and asked[-1] == ((3, 2, 16), 3)
+    assert got == dataclasses.replace(pol, splits=3, chunk=22 * 64)
     assert decode.decode_grid(got, 1, 16) == (3, 2, 16)
     assert decode.decode_partial_layout(16, 1, got, 512)[3] < decode.decode_partial_layout(16, 1, pol, 512)[3]
-    # no count of 2 or more fits: the policy's splits, the ticket merge
+    # nothing fits: the policy's splits, the ticket merge
     assert decode.launch_shape(*args, held_by({4: 30, 3: 31, 2: 31})) == (pol, 1, key.smem)
     # a device that holds none (an SM partition) or no query (None): as decode_cluster says
     assert decode.launch_shape(*args, lambda g, c, s: 0) == (pol, 1, key.smem)
     assert decode.launch_shape(*args, lambda g, c, s: None) == (pol, 4, key.smem)
-    # more than CLUSTER_MAX_SPLITS splits (MLA B8 H128: 32): the twin's at most a cluster's
+    # MLA B8 H128 (the policy's 32 splits, four waves): one wave, 8 as one cluster (two of 4
+    # would cost the second level); where 16 clusters of 8 do not fit (an H100's GPCs), 8 as
+    # two of 4 (512 keys a CTA and a second level) over 7 as one (640 keys)
     pol = decode.decode_policy(8, 1, 128, 1, MLA_DIM_QK, 4096, 132)
     assert pol.splits > decode.CLUSTER_MAX_SPLITS
-    got, cluster, smem = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096, held_by({}))
-    assert (got, cluster, smem) == (decode.with_splits(pol, 8, 4096), 8, key.smem)  # 16 clusters of 8 at once
-    got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096, held_by({8: 15}))
-    assert (got.splits, cluster, got.chunk) == (7, 7, 10 * 64)  # an H100's GPCs: 7
-    # ... unless the ticket over the policy's splits costs less: a single request of 128K keys (66 splits of
-    # 2,048 keys, where 8 would stream 16,384 each); of 32K keys, 8 splits
-    for n, want in ((131072, 66), (32768, 8)):
-        pol = decode.decode_policy(1, 1, 128, 1, MLA_DIM_QK, n, 132)
-        got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, n, held_by({}))
-        assert (pol.splits, got.splits, cluster) == (66, want, 1 if want == 66 else 8), n
-        eight = decode.with_splits(pol, 8, n).chunk
-        assert (decode.twin_ticket_cost(pol.chunk, pol.splits) < eight) == (want == 66) and eight == n // 8
-    # ... the other keys' (the mma.sync tiles' partials are a row tile of D floats): the policy's, never asked
+    args = (key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096)
+    assert decode.launch_shape(*args, held_by({})) == (decode.with_splits(pol, 8, 4096), 8, key.smem)
+    got, cluster, _ = decode.launch_shape(*args, held_by({8: 15}))
+    assert (got.splits, cluster, got.chunk) == (8, 4, 8 * 64)
+    # MLA B1 L4096 H128 (two row tiles, 32 splits): 4 clusters of 8 a row tile, two levels
+    pol = decode.decode_policy(1, 1, 128, 1, MLA_DIM_QK, 4096, 132)
+    assert decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 4096, held_by({})) == (
+        pol, 8, key.smem) and pol.splits == 32
+    # MLA B1 L32768 H128 (66 splits): 8 clusters of 8 a row tile; where 16 of 8 do not fit, 11
+    # of 6 (512 keys a CTA) over 9 of 7 (576) and 7 of 8 (640)
+    pol = decode.decode_policy(1, 1, 128, 1, MLA_DIM_QK, 32768, 132)
+    assert pol.splits == 66
+    got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 32768, held_by({}))
+    assert (got.splits, cluster) == (64, 8)
+    got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 32768, held_by({8: 15}))
+    assert (got.splits, cluster, got.chunk) == (66, 6, 512)
+    # 128K keys: 8 clusters of 8 (2,048 keys a CTA) over the ticket's 66 splits (each CTA's partial written,
+    # the last reading all 66), which main took over one cluster of 8 (16,384 keys a CTA)
+    pol = decode.decode_policy(1, 1, 128, 1, MLA_DIM_QK, 131072, 132)
+    got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 131072, held_by({}))
+    assert (pol.splits, got.splits, got.chunk, cluster) == (66, 64, 2048, 8)
+    assert decode.twin_split_cost(2048, 8, 8) < decode.twin_ticket_cost(pol.chunk, 66) < 16384
+    # a device that holds two clusters of 8 and none smaller: one cluster a row tile (16,384 keys a CTA) would
+    # stream longer than the ticket over the policy's 66 splits costs
+    held = {k: 0 for k in range(2, 8)} | {8: 2}
+    got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 131072, held_by(held))
+    assert (got, cluster) == (pol, 1)
+    assert decode.twin_split_cost(576, 9, 7) < decode.twin_split_cost(640, 7, 8)
+    assert decode.twin_split_cost(512, 8, 8) < decode.twin_split_cost(512, 22, 3)  # small clusters read more
+    # the keys a CTA streams are its chunk: MLA B1 L3000 H64 (47 tiles, the policy's 23 splits) takes 16 as two
+    # clusters of 8, not 21 as three of 7 (the same 192-key chunk, a third part to read)
+    pol = decode.decode_policy(1, 1, 64, 1, MLA_DIM_QK, 3000, 132)
+    got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 3000, held_by({}))
+    assert (pol.splits, got.splits, got.chunk, cluster) == (23, 16, 192, 8)
+    # the other keys (the mma.sync tiles' partials are a row tile of D floats): past a cluster's
+    # splits, the policy's, never asked
     pol = decode.decode_policy(1, 8, 4, 1, 128, 131072, 132)
     dkey = decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a")
     assert pol.splits > decode.CLUSTER_MAX_SPLITS and not dkey.twin
@@ -812,6 +840,7 @@ def test_launch_shape_fits_the_clusters_in_one_wave():
     for arch, tuning in (("sm_80", Tuning()), ("sm_90a", Tuning(cluster_merge=False))):
         assert decode.launch_shape(key, pol, arch, tuning, limit, 132, 1, 16, 4096, held_by({})) == (pol, 1, key.smem)
     assert not asked
+
 
 def test_mla_workspace_never_shrinks():
     for batch, heads in ((1, 16), (64, 16), (2, 128)):

@@ -313,11 +313,13 @@ def decode_grid(pol: DecodePolicy, num_kv_heads: int, batch: int) -> Tuple[int, 
     return (pol.balanced, 1, 1) if pol.balanced else (pol.splits, num_kv_heads * pol.row_tiles, batch)
 
 
-# The twin's split cost model (launch_shape), in keys a CTA streams: a partial row (512
-# floats) written or read costs as much as 2048 / 1152 keys (576 bf16 each) at the rate a CTA
-# moves either (H100, MLA H128: 4,096 keys a CTA 122 us; 66 splits by the ticket, 496 keys a
-# CTA and 66 partials read by one, 234 us; benchmarks/NOTES.md, "Small-batch MLA").
+# The twin's split cost model (launch_shape), in keys a CTA streams: a partial row (512 floats)
+# written or read costs as much as 2048 / 1152 keys (576 bf16 each) at the rate a CTA moves
+# either, and a second level (a ticket, a cluster's partial written and read back) ~2 us, ~64
+# keys of the twin's ~0.03 us a key (H100, MLA H128: 4,096 keys a CTA 122 us; 66 splits by the
+# ticket, 496 keys a CTA and 66 partials read by one, 234 us; benchmarks/NOTES.md, "Small-batch MLA").
 TWIN_PART_ROW_KEYS = 2048 / 1152
+TWIN_LEVEL_KEYS = 64
 
 
 def twin_ticket_cost(chunk: int, splits: int) -> float:
@@ -326,34 +328,75 @@ def twin_ticket_cost(chunk: int, splits: int) -> float:
     return chunk + (splits + 1) * 64 * TWIN_PART_ROW_KEYS
 
 
+def twin_split_cost(chunk: int, clusters: int, size: int) -> float:
+    """The twin's keys a CTA streams (`chunk`: a split's keys) for a row tile's splits as
+    `clusters` clusters of `size`, with the second level's reads (a CTA of the last cluster:
+    `clusters` parts of 64 / size rows) and fixed cost where there are several."""
+    cost = float(chunk)
+    if clusters > 1:
+        cost += clusters * (64 / size) * TWIN_PART_ROW_KEYS + TWIN_LEVEL_KEYS
+    return cost
+
+
 def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int, sm_count: int,
                  num_kv_heads: int, batch: int, max_seq_len: int, held) -> Tuple[DecodePolicy, int, int]:
     """The policy a plan launches, its cluster size and dynamic shared memory. `held(grid,
     cluster, smem)`: how many such clusters the device holds at once (PreparedLaunch.
-    active_clusters). Where the policy's splits launch as clusters (decode_cluster: 2-8 of
-    them), the most splits up to the policy's whose clusters the device holds in one wave
-    (keeps_cluster), so that the merge stays in the cluster: the ticket's last CTA reads every
-    split's partial rows alone (MLA B16 H128 on an H100: 4 splits by the ticket 84 us, 3 as
-    clusters 61). The twin MLA tile's partials (64 x 512 floats a split) make its ticket merge
-    the slower the more splits it takes (B8 H128 on an H100: 32 splits 381 us, 8 109), so its
-    splits stay within a cluster's (CLUSTER_MAX_SPLITS) wherever it may cluster, unless the
-    ticket over the policy's splits costs less (`twin_ticket_cost` against the cluster's chunk:
-    a single request of 64K keys and more, whose chunks a cluster's splits would leave long).
-    Otherwise, or where no count of 2 or more fits, the policy's splits (the ticket merge where
-    there are several)."""
+    active_clusters). Where the policy's splits launch as one cluster a row tile
+    (decode_cluster: 2-8 of them), the most splits up to the policy's whose clusters the device
+    holds in one wave (keeps_cluster), so that the merge stays in the cluster: the ticket's last
+    CTA reads every split's partial rows alone (MLA B16 H128 on an H100: 4 splits by the ticket
+    84 us, 3 as clusters 61). The twin MLA tile's partials (64 x 512 floats a split) make its
+    ticket the slower the more splits it takes (B8 H128 on an H100: 32 splits 381 us, 8 109),
+    and a CTA of it costs ~14 us beyond its keys (Q, the first tiles, the epilogue), so its
+    splits stay in clusters and its CTAs in one wave: up to the policy's splits, as one
+    cluster a row tile or C >= 2 clusters of 2-8 (merged in two levels, fmha_decode.cu:
+    merge_cluster), whose CTAs fit the resident slots and whose clusters the device holds at
+    once, the count and size of least `twin_split_cost` (keys a CTA streams, the second
+    level's reads: C parts of 64 / size rows a CTA; on ties the larger clusters), or the ticket
+    over the policy's splits where `twin_ticket_cost` is less; where none does (a launch of
+    several waves), one cluster of at most 8 as above, or the ticket where it costs less.
+    Otherwise, or where nothing fits, the policy's splits (the ticket merge where there are
+    several)."""
     slots = sm_count * _ctas_per_sm(key.smem, key.threads)
-    top = min(pol.splits, CLUSTER_MAX_SPLITS) if key.twin else pol.splits
-    for s in range(top, 1, -1):
-        cand = pol if s == pol.splits else with_splits(pol, s, max_seq_len)
+    asked = {}  # (cluster, smem): held, asked once
+
+    def fits(splits: int, size: int):
+        """None: no cluster of `size` for `splits`; False: the device does not hold them in one
+        wave; else (the policy, the cluster, the shared memory)."""
+        cand = pol if splits == pol.splits else with_splits(pol, splits, max_seq_len)
         grid = decode_grid(cand, num_kv_heads, batch)
         ctas = grid[0] * grid[1] * grid[2]
-        cluster, smem = decode_cluster(key, cand, arch, tuning, smem_limit, sm_count, ctas)
+        cluster, smem = decode_cluster(key, cand, arch, tuning, smem_limit, sm_count, ctas, size)
         if cluster == 1:
+            return None
+        if (cluster, smem) not in asked:
+            asked[cluster, smem] = held(grid, cluster, smem)
+        return (cand, cluster, smem) if keeps_cluster(asked[cluster, smem], cluster, ctas, slots) else False
+
+    if key.twin:
+        units, best, cost = num_kv_heads * pol.row_tiles * batch, None, None
+        for size in range(min(pol.splits, CLUSTER_MAX_SPLITS), 1, -1):
+            for c in range(min(pol.splits, slots // units) // size, 0, -1):
+                got = fits(c * size, size)
+                if got is None:
+                    break
+                if got:
+                    t = twin_split_cost(got[0].chunk, c, size)
+                    if cost is None or t < cost:
+                        best, cost = got, t
+        if best is not None:
+            waves = -(-units * pol.splits // slots)  # the ticket's launch: the policy's
+            return (pol, 1, key.smem) if twin_ticket_cost(pol.chunk * waves, pol.splits) < cost else best
+    top = min(pol.splits, CLUSTER_MAX_SPLITS) if key.twin else pol.splits
+    for s in range(top, 1, -1):
+        got = fits(s, s)
+        if got is None:
             break
-        if keeps_cluster(held(grid, cluster, smem), cluster, ctas, slots):
-            if key.twin and s < pol.splits and twin_ticket_cost(pol.chunk, pol.splits) < cand.chunk:
+        if got:
+            if key.twin and s < pol.splits and twin_ticket_cost(pol.chunk, pol.splits) < got[0].chunk:
                 break  # the ticket over the policy's splits
-            return cand, cluster, smem
+            return got
     return pol, 1, key.smem
 
 
@@ -363,26 +406,28 @@ def cluster_part_bytes(bm: int, dv: int) -> int:
 
 
 def decode_cluster(key: DecodeKey, pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int,
-                   sm_count: int, ctas: int) -> Tuple[int, int]:
+                   sm_count: int, ctas: int, size: Optional[int] = None) -> Tuple[int, int]:
     """The launch's cluster size and dynamic shared memory: on sm_90a the 2-8 splits of a row
-    tile as one cluster (Tuning.cluster_merge), each CTA keeping its partial rows and
-    log-sum-exps after the core's bytes (fmha_decode.cu: merge_cluster), where that fits the
-    per-block limit and the extra bytes cost no wave (the policy counted the resident CTAs of
-    the key's own bytes: `ctas` of the launch must still fit one pass of the fewer slots);
-    otherwise (1, the key's). The twin MLA tile's partials lie over its own bytes (its stages,
-    free by its epilogue): its 2-8 splits cluster with the key's bytes. (launch_shape, which
-    the plan calls, picks the splits the device holds as clusters in one wave.)"""
-    if arch != "sm_90a" or not tuning.cluster_merge or pol.balanced or not 2 <= pol.splits <= CLUSTER_MAX_SPLITS:
+    tile as one cluster (Tuning.cluster_merge), or (`size`, dividing the splits: two levels)
+    clusters of `size` of them, each CTA keeping its partial rows and log-sum-exps after the
+    core's bytes (fmha_decode.cu: merge_cluster), where that fits the per-block limit and the
+    extra bytes cost no wave (the policy counted the resident CTAs of the key's own bytes:
+    `ctas` of the launch must still fit one pass of the fewer slots); otherwise (1, the key's).
+    The twin MLA tile's partials lie over its own bytes (its stages, free by its epilogue): its
+    clusters keep the key's bytes. (launch_shape picks the size and the splits.)"""
+    size = pol.splits if size is None else size
+    if (arch != "sm_90a" or not tuning.cluster_merge or pol.balanced or not 2 <= size <= CLUSTER_MAX_SPLITS
+            or pol.splits % size):
         return 1, key.smem
     if key.twin:  # its partials lie over its own bytes, free by its epilogue (pt_fmha_twin.cuh)
-        return pol.splits, key.smem
+        return size, key.smem
     smem = -(-key.smem // 16) * 16 + cluster_part_bytes(key.bm, key.dv)
     if smem > smem_limit:
         return 1, key.smem
     slots = sm_count * _ctas_per_sm(smem, key.threads)
     if slots < sm_count * _ctas_per_sm(key.smem, key.threads) and ctas > slots:
         return 1, key.smem
-    return pol.splits, smem
+    return size, smem
 
 
 class DecodeParams(ctypes.Structure):

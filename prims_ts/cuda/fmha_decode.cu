@@ -123,9 +123,11 @@ __device__ __forceinline__ void merge_store(const DecodeParams& p, int b, int hk
   store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, v.z, v.w);
 }
 
+// The merge of `parts` into rows row0 .. row0 + q_rows - 1 of a tile (the rows of part s at
+// parts.row(s)), by the MMA threads of one CTA.
 template <class Cfg>
-__device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergeParts parts, int b, int hk, int rt,
-                                           int q_start, int row0, int q_rows) {
+__device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts parts, int b, int hk, int q_start,
+                                         int row0, int q_rows) {
   extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
   constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, QUADS = DV / 4;
   // units a thread: 6, within every decode kernel's own register count (none re-divides its
@@ -135,8 +137,6 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergePar
   static_assert(DV % 4 == 0, "4-column groups");
   static_assert((Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16 <= Cfg::SMEM_BYTES,
                 "the static split's weights fit the tile's shared memory (balanced split-KV: the plan checks)");
-  if (!merge_ticket<THREADS>(p, parts.count, b, hk, rt)) return;
-
   const int S = parts.count;  // >= 2
   const int w_bytes = (q_rows * S * 4 + 15) / 16 * 16;
   float* w = reinterpret_cast<float*>(smem);                  // [q_rows][S]
@@ -205,30 +205,77 @@ __device__ __noinline__ void merge_if_last(const DecodeParams& p, const MergePar
   }
 }
 
-// Split-KV in a thread block cluster (sm_90a; the plan launches a row tile's 2-8 split CTAs
-// as one cluster where the partials fit the shared memory: Tuning.cluster_merge): each split
-// CTA leaves its normalised partial rows and log-sum-exps at the end of its own dynamic
-// shared memory (part: [BM][DV], then [BM]); after one cluster barrier every CTA merges its
-// slice of the tile's 4-column groups, reading the S partials of a group through distributed
-// shared memory, all in flight at once; a second barrier keeps each CTA's partials alive
-// until its peers have read them. No workspace, ticket or last CTA: the merge is S CTAs wide
-// and one on-chip round trip long.
-// O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max) as in merge_if_last (an
-// all-empty or poisoned row writes zeros).
+// The ticket merge: the row tile's split CTA that arrives last merges every part.
+template <class Cfg>
+__device__ __forceinline__ void merge_if_last(const DecodeParams& p, const MergeParts& parts, int b, int hk, int rt,
+                                              int q_start, int row0, int q_rows) {
+  if (merge_ticket<Cfg::THREADS>(p, parts.count, b, hk, rt)) merge_parts<Cfg>(p, parts, b, hk, q_start, row0, q_rows);
+}
+
+// Split-KV in thread block clusters (sm_90a; Tuning.cluster_merge). The plan launches a row
+// tile's 2-8 split CTAs as one cluster where the partials fit the shared memory, or (two
+// levels) its splits as C > 1 clusters of S = splits / C each. Each split CTA leaves its
+// normalised partial rows and log-sum-exps at the end of its own dynamic shared memory (part:
+// [BM][DV + pad], then [BM]); after one cluster barrier every CTA merges its slice of the
+// tile's 4-column groups, reading the S partials of a group through distributed shared
+// memory, all in flight at once; a second barrier keeps each CTA's partials alive until its
+// peers have read them. One level: the merged rows are the output; no workspace, ticket or
+// last CTA. Two levels: the merged rows are cluster c's partial in the workspace (the static
+// split's slot c), its rank 0 takes the row tile's ticket (counting clusters) once every CTA
+// of the cluster has written, and the cluster that arrives last merges the C partials, each of
+// its CTAs a slice of the tile's rows (merge_parts): the second level is S CTAs wide too.
+// O = sum_s 2^(lse_s - lse_max) O_s / sum_s 2^(lse_s - lse_max) as in merge_parts (an
+// all-empty or poisoned row writes zeros; a poisoned one's +inf carries to the second level).
 constexpr int CLUSTER_MAX_SPLITS = 8;  // decode.CLUSTER_MAX_SPLITS: the portable cluster size
 constexpr int DECODE_SMEM_LIMIT = 232448;  // keys.SM90_SMEM_LIMIT: sm_90's per-block opt-in shared memory
 
-// The MMA threads (0 .. Cfg::THREADS - 1) merge; a producer warpgroup (its registers given
-// back) only meets the two barriers.
+// Two levels: whether this launch's clusters hold part of a row tile's splits (the plan's
+// clusters divide them: the grid's x is the splits)
+__device__ __forceinline__ bool cluster_two_levels(const DecodeParams& p) {
+  return (int)cluster_nctarank() < p.splits;
+}
+
+// The second level of a two-level cluster merge (after every CTA of the cluster wrote its share
+// of the cluster's partial): rank 0 takes the row tile's ticket, counting clusters, and writes
+// the verdict into every CTA of its cluster; the last cluster's CTAs merge the C partials, each
+// a slice of the tile's rows. Out of line: the core's registers are not held for it.
 template <class Cfg>
-__device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float* part, int b, int hk, int q_start,
-                                              int row0, int q_rows) {
+__device__ __noinline__ void merge_clusters(const DecodeParams& p, int b, int hk, int rt, int q_start, int row0,
+                                            int q_rows) {
+  const int S = (int)cluster_nctarank(), rank = (int)cluster_ctarank();
+  __shared__ u32 last;  // rank 0's verdict, written into every CTA of the cluster
+  if (rank == 0 && threadIdx.x == 0) {
+    int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
+    const u32 v = atomicAdd(count, 1) == p.splits / S - 1;
+    if (v) *count = 0;
+    for (int k = 0; k < S; ++k) st_cluster_u32(cluster_map(smem_addr(&last), (u32)k), v);
+  }
+  __syncwarp();
+  cluster_sync();  // the verdict in every CTA (no CTA reads another's shared memory after this)
+  if (!last) return;
+  __threadfence();  // every other cluster's partials, after the ticket
+  const int rows = (q_rows + S - 1) / S, r0 = min_(q_rows, rank * rows), r1 = min_(q_rows, r0 + rows);
+  if (r1 > r0) {
+    const i64 first = ((i64)b * p.hkv + hk) * p.splits * p.rows_max + row0 + r0;
+    merge_parts<Cfg>(p, MergeParts::strided(p.splits / S, first, p.rows_max), b, hk, q_start, row0 + r0, r1 - r0);
+  }
+}
+
+// The MMA threads (0 .. Cfg::THREADS - 1) merge; a producer warpgroup (its registers given
+// back) only meets the barriers (cluster_merge_syncs of them).
+template <class Cfg>
+__device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float* part, int b, int hk, int rt,
+                                              int q_start, int row0, int q_rows) {
   constexpr int BM = Cfg::BM, DV = Cfg::DV, QUADS = DV / 4, PS = cluster_part_stride<DV>();
-  const int S = p.splits;  // the cluster's CTAs (checked by the caller)
-  __syncwarp();            // converged for the .aligned barrier
-  cluster_sync();          // every split's partials written
+  const int S = (int)cluster_nctarank();  // the cluster's CTAs (2-8)
+  const bool two = cluster_two_levels(p);
+  // two levels: this cluster's partial rows, the static split's slot c of the row tile
+  const i64 slot0 = (((i64)b * p.hkv + hk) * p.splits + (int)blockIdx.x / S) * p.rows_max + row0;
+  __syncwarp();  // converged for the .aligned barrier
+  cluster_sync();  // every split's partials written
   const int n = q_rows * QUADS, per = (n + S - 1) / S;
-  const int g0 = (int)cluster_ctarank() * per, g1 = min_(n, g0 + per);
+  const int rank = (int)cluster_ctarank();
+  const int g0 = rank * per, g1 = min_(n, g0 + per);
   const u32 local = smem_addr(part);
   for (int g = g0 + (int)threadIdx.x; g < g1; g += Cfg::THREADS) {
     const int r = g / QUADS, c = 4 * (g % QUADS);
@@ -259,14 +306,27 @@ __device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float
       acc.z += e * o[s].z;
       acc.w += e * o[s].w;
     }
-    const float scale = sum > 0.f ? p.out_scale / sum : 0.f;
-    char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
-    store_pair(dst, p.out_dtype, acc.x * scale, acc.y * scale);
-    store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, acc.z * scale, acc.w * scale);
+    if (two) {  // cluster c's partial: normalised rows and their log-sum-exp (+-inf kept)
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      *reinterpret_cast<float4*>(p.ws_o + (slot0 + r) * DV + c) =
+          make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+      if (c == 0) p.ws_lse[slot0 + r] = none ? mx : mx + fast_log2(sum);
+    } else {
+      const float scale = sum > 0.f ? p.out_scale / sum : 0.f;
+      char* dst = decode_out_row(p, b, hk, q_start, row0 + r) + c * out_dtype_size(p.out_dtype);
+      store_pair(dst, p.out_dtype, acc.x * scale, acc.y * scale);
+      store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, acc.z * scale, acc.w * scale);
+    }
   }
+  if (two) __threadfence();  // this thread's partial stores, before rank 0's ticket
   __syncwarp();
-  cluster_sync();  // the peers are done reading this CTA's partials
+  cluster_sync();  // the peers are done reading this CTA's partials (two levels: the cluster's written)
+  if (two) merge_clusters<Cfg>(p, b, hk, rt, q_start, row0, q_rows);
 }
+
+// The cluster barriers a CTA of a clustered launch meets in merge_cluster (its producer
+// warpgroup, which leaves before the merge, meets them too): two, three with two levels.
+__device__ __forceinline__ int cluster_merge_syncs(const DecodeParams& p) { return cluster_two_levels(p) ? 3 : 2; }
 
 // The twin keys' parameters: the latent pool's TMA map (pages of 64-column boxes; V's slot
 // unused: V is K's prefix), then the DecodeParams.
@@ -477,15 +537,14 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: done, but for the cluster's barriers
 #if __CUDA_ARCH__ >= 900
     if (clustered) {
-      cluster_sync();
-      cluster_sync();
+      for (int k = cluster_merge_syncs(p); k > 0; --k) cluster_sync();
     }
 #endif
     return;
   }
   if (clustered) {
 #if __CUDA_ARCH__ >= 900
-    if constexpr (CLUSTER_FITS) merge_cluster<Cfg>(p, pb.cluster_part(), b, hk, pb.q_start, pb.row0, pb.q_rows);
+    if constexpr (CLUSTER_FITS) merge_cluster<Cfg>(p, pb.cluster_part(), b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
 #endif
   } else if (it.slot >= 0) {
     const i64 rows = min_(BM, p.rows_max);  // a balanced slot's rows

@@ -204,12 +204,13 @@ struct DecodeProblem {
     if (p->balanced > 0) return (i64)split * min_(BM, p->rows_max) + r;
     return (((i64)b * p->hkv + hk) * p->splits + split) * p->rows_max + row0 + r;
   }
-  // Split-KV launched as one thread block cluster (fmha_decode.cu: merge_cluster): this CTA's
-  // partial rows [BM][DV] and log-sum-exps [BM] at the end of its dynamic shared memory. Read
-  // where the partials are stored (a flag kept through the core costs registers).
+  // Split-KV launched as thread block clusters (fmha_decode.cu: merge_cluster; a row tile's
+  // splits one cluster, or several of the same size): this CTA's partial rows [BM][DV] and
+  // log-sum-exps [BM] at the end of its dynamic shared memory. Read where the partials are
+  // stored (a flag kept through the core costs registers).
   __device__ __forceinline__ bool clustered() const {
 #if __CUDA_ARCH__ >= 900
-    return p->splits > 1 && (int)cluster_nctarank() == p->splits;
+    return p->splits > 1 && cluster_nctarank() > 1u;
 #else
     return false;
 #endif

@@ -172,6 +172,9 @@ __device__ __forceinline__ float ld_cluster_f32(u32 addr) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
   return x;
 }
+__device__ __forceinline__ void st_cluster_u32(u32 addr, u32 v) {
+  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
 __device__ __forceinline__ float4 ld_cluster_f32x4(u32 addr) {
   float4 x;
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
