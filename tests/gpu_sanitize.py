@@ -190,8 +190,8 @@ MLA_CASES = [
     ("packed h64 causal", "packed", [1, 3, 2], "causal", 64, 32, 4, [5, 50, 61], 64, False),
     ("split fixed sq2 h8 dense", "fixed", 2, "dense", 8, 64, 3, [3000, 1], 3000, True),
     # the twin's splits in two levels (decode.launch_shape on a 132-SM sm_90a): two clusters of 8
-    # (of 7 where the device holds fewer than 8 clusters of 8) a row tile
-    ("cluster twin two levels packed h128 causal", "packed", [2, 1], "causal", 128, 128, 4, [3000, 300], 3000, True),
+    # a row tile (three of 5 with an H100's cluster limits; the H64 case two of 8)
+    ("cluster twin two levels packed h128 causal", "packed", [2, 1], "causal", 128, 128, 4, [12000, 300], 12000, True),
     ("cluster twin two levels fixed sq1 h64 dense", "fixed", 1, "dense", 64, 64, 3, [3000], 3000, True),
     # 2-8 splits (sm_90a: one cluster a row tile where the partials fit: the rows of 16)
     ("cluster fixed sq1 h16 causal", "fixed", 1, "causal", 16, 64, 3, [1000, 200], 1000, True),

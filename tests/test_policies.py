@@ -775,45 +775,47 @@ def test_launch_shape_fits_the_clusters_in_one_wave():
     assert key.twin and pol.splits == 4 and pol.row_tiles == 2
     args = (key, pol, "sm_90a", Tuning(), limit, 132, 1, 16, 4096)
     assert decode.launch_shape(*args, held_by({})) == (pol, 4, key.smem)  # 33 clusters of 4 at once
-    # an H100's 30 clusters of 4: the 4 splits as two clusters of 2 (two levels), not 3 in one
-    assert decode.launch_shape(*args, held_by({4: 30})) == (pol, 2, key.smem)
-    got, cluster, smem = decode.launch_shape(*args, held_by({4: 30, 2: 31}))
+    # an H100's 30 clusters of 4: 3 splits in one cluster (62 us there), not 4 as two clusters of
+    # 2 (74 us: the second level's fixed cost at a full wave)
+    got, cluster, smem = decode.launch_shape(*args, held_by({4: 30}))
     assert (got.splits, cluster, smem) == (3, 3, key.smem)
     assert got == dataclasses.replace(pol, splits=3, chunk=22 * 64)
     assert decode.decode_grid(got, 1, 16) == (3, 2, 16)
     assert decode.decode_partial_layout(16, 1, got, 512)[3] < decode.decode_partial_layout(16, 1, pol, 512)[3]
-    # nothing fits: the policy's splits, the ticket merge
+    # no cluster of 3: two levels of 2 over the ticket (84 us there); nothing fits: the ticket
+    assert decode.launch_shape(*args, held_by({4: 30, 3: 0})) == (pol, 2, key.smem)
     assert decode.launch_shape(*args, held_by({4: 30, 3: 31, 2: 31})) == (pol, 1, key.smem)
     # a device that holds none (an SM partition) or no query (None): as decode_cluster says
     assert decode.launch_shape(*args, lambda g, c, s: 0) == (pol, 1, key.smem)
     assert decode.launch_shape(*args, lambda g, c, s: None) == (pol, 4, key.smem)
     # MLA B8 H128 (the policy's 32 splits, four waves): one wave, 8 as one cluster (two of 4
-    # would cost the second level); where 16 clusters of 8 do not fit (an H100's GPCs), 8 as
-    # two of 4 (512 keys a CTA and a second level) over 7 as one (640 keys)
+    # would cost the second level); where 16 clusters of 8 do not fit (an H100's GPCs), 7 as
+    # one (640 keys) over 8 as two of 4 (512 keys a CTA and a second level at 128 CTAs)
     pol = decode.decode_policy(8, 1, 128, 1, MLA_DIM_QK, 4096, 132)
     assert pol.splits > decode.CLUSTER_MAX_SPLITS
     args = (key, pol, "sm_90a", Tuning(), limit, 132, 1, 8, 4096)
     assert decode.launch_shape(*args, held_by({})) == (decode.with_splits(pol, 8, 4096), 8, key.smem)
     got, cluster, _ = decode.launch_shape(*args, held_by({8: 15}))
-    assert (got.splits, cluster, got.chunk) == (8, 4, 8 * 64)
-    # MLA B1 L4096 H128 (two row tiles, 32 splits): 4 clusters of 8 a row tile, two levels
+    assert (got.splits, cluster, got.chunk) == (7, 7, 10 * 64)
+    # MLA B1 L4096 H128 (two row tiles, 32 splits): 2 clusters of 8 a row tile (256 keys a CTA,
+    # the second level at 32 CTAs), not 4 (128 keys at 64 CTAs) nor one (512 keys)
     pol = decode.decode_policy(1, 1, 128, 1, MLA_DIM_QK, 4096, 132)
-    assert decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 4096, held_by({})) == (
-        pol, 8, key.smem) and pol.splits == 32
-    # MLA B1 L32768 H128 (66 splits): 8 clusters of 8 a row tile; where 16 of 8 do not fit, 11
-    # of 6 (512 keys a CTA) over 9 of 7 (576) and 7 of 8 (640)
+    got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 4096, held_by({}))
+    assert (pol.splits, got.splits, got.chunk, cluster) == (32, 16, 256, 8)
+    # MLA B1 L32768 H128 (66 splits): 8 clusters of 8 a row tile; where 16 of 8 do not fit, 6
+    # of 8 (704 keys a CTA, 96 CTAs) over 11 of 6 (512 keys, 132 CTAs)
     pol = decode.decode_policy(1, 1, 128, 1, MLA_DIM_QK, 32768, 132)
     assert pol.splits == 66
     got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 32768, held_by({}))
     assert (got.splits, cluster) == (64, 8)
     got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 32768, held_by({8: 15}))
-    assert (got.splits, cluster, got.chunk) == (66, 6, 512)
+    assert (got.splits, cluster, got.chunk) == (48, 8, 704)
     # 128K keys: 8 clusters of 8 (2,048 keys a CTA) over the ticket's 66 splits (each CTA's partial written,
     # the last reading all 66), which main took over one cluster of 8 (16,384 keys a CTA)
     pol = decode.decode_policy(1, 1, 128, 1, MLA_DIM_QK, 131072, 132)
     got, cluster, _ = decode.launch_shape(key, pol, "sm_90a", Tuning(), limit, 132, 1, 1, 131072, held_by({}))
     assert (pol.splits, got.splits, got.chunk, cluster) == (66, 64, 2048, 8)
-    assert decode.twin_split_cost(2048, 8, 8) < decode.twin_ticket_cost(pol.chunk, 66) < 16384
+    assert decode.twin_split_cost(2048, 8, 8, 128 / 132) < decode.twin_ticket_cost(pol.chunk, 66, 1.0) < 16384
     # a device that holds two clusters of 8 and none smaller: one cluster a row tile (16,384 keys a CTA) would
     # stream longer than the ticket over the policy's 66 splits costs
     held = {k: 0 for k in range(2, 8)} | {8: 2}
@@ -821,6 +823,9 @@ def test_launch_shape_fits_the_clusters_in_one_wave():
     assert (got, cluster) == (pol, 1)
     assert decode.twin_split_cost(576, 9, 7) < decode.twin_split_cost(640, 7, 8)
     assert decode.twin_split_cost(512, 8, 8) < decode.twin_split_cost(512, 22, 3)  # small clusters read more
+    # the second level's fixed cost by the launch's share of a wave; none with one level
+    assert decode.twin_split_cost(512, 2, 8, 0.25) < decode.twin_split_cost(512, 2, 8, 1.0)
+    assert decode.twin_split_cost(512, 1, 8, 1.0) == 512
     # the keys a CTA streams are its chunk: MLA B1 L3000 H64 (47 tiles, the policy's 23 splits) takes 16 as two
     # clusters of 8, not 21 as three of 7 (the same 192-key chunk, a third part to read)
     pol = decode.decode_policy(1, 1, 64, 1, MLA_DIM_QK, 3000, 132)

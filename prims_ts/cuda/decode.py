@@ -315,26 +315,31 @@ def decode_grid(pol: DecodePolicy, num_kv_heads: int, batch: int) -> Tuple[int, 
 
 # The twin's split cost model (launch_shape), in keys a CTA streams: a partial row (512 floats)
 # written or read costs as much as 2048 / 1152 keys (576 bf16 each) at the rate a CTA moves
-# either, and a second level (a ticket, a cluster's partial written and read back) ~2 us, ~64
-# keys of the twin's ~0.03 us a key (H100, MLA H128: 4,096 keys a CTA 122 us; 66 splits by the
-# ticket, 496 keys a CTA and 66 partials read by one, 234 us; benchmarks/NOTES.md, "Small-batch MLA").
+# either; a merge through the workspace (a ticket, or two levels' second) costs besides ~560
+# keys of the twin's ~0.03 us a key where the launch fills a wave of CTAs, less in proportion
+# where it fills less (H100, MLA H128: 4,096 keys a CTA 122 us; 66 splits by the ticket, 496 keys
+# a CTA and 66 partials read by one, 234 us; B16 4 splits by the ticket 84 us; two levels 9.5 us
+# beyond their keys at 64 CTAs, 16-22 us at 112-128; benchmarks/NOTES.md, "Small-batch MLA",
+# "Two-level cluster merge").
 TWIN_PART_ROW_KEYS = 2048 / 1152
-TWIN_LEVEL_KEYS = 64
+TWIN_LEVEL_KEYS = 560
 
 
-def twin_ticket_cost(chunk: int, splits: int) -> float:
+def twin_ticket_cost(chunk: int, splits: int, wave: float = 1.0) -> float:
     """The twin's keys a row tile's last CTA streams for `splits` of `chunk` keys merged by the
-    ticket: its own chunk, its partial's 64 rows written, every split's read."""
-    return chunk + (splits + 1) * 64 * TWIN_PART_ROW_KEYS
+    ticket: its own chunk, its partial's 64 rows written, every split's read, and the merge's
+    fixed cost by `wave`, the launch's CTAs over the SMs (at most 1)."""
+    return chunk + (splits + 1) * 64 * TWIN_PART_ROW_KEYS + TWIN_LEVEL_KEYS * min(wave, 1.0)
 
 
-def twin_split_cost(chunk: int, clusters: int, size: int) -> float:
+def twin_split_cost(chunk: int, clusters: int, size: int, wave: float = 1.0) -> float:
     """The twin's keys a CTA streams (`chunk`: a split's keys) for a row tile's splits as
     `clusters` clusters of `size`, with the second level's reads (a CTA of the last cluster:
-    `clusters` parts of 64 / size rows) and fixed cost where there are several."""
+    `clusters` parts of 64 / size rows) and fixed cost (by `wave`, as the ticket's) where there
+    are several."""
     cost = float(chunk)
     if clusters > 1:
-        cost += clusters * (64 / size) * TWIN_PART_ROW_KEYS + TWIN_LEVEL_KEYS
+        cost += clusters * (64 / size) * TWIN_PART_ROW_KEYS + TWIN_LEVEL_KEYS * min(wave, 1.0)
     return cost
 
 
@@ -353,7 +358,8 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
     cluster a row tile or C >= 2 clusters of 2-8 (merged in two levels, fmha_decode.cu:
     merge_cluster), whose CTAs fit the resident slots and whose clusters the device holds at
     once, the count and size of least `twin_split_cost` (keys a CTA streams, the second
-    level's reads: C parts of 64 / size rows a CTA; on ties the larger clusters), or the ticket
+    level's reads, C parts of 64 / size rows a CTA, and its fixed cost by the launch's share of a wave;
+    on ties the larger clusters), or the ticket
     over the policy's splits where `twin_ticket_cost` is less; where none does (a launch of
     several waves), one cluster of at most 8 as above, or the ticket where it costs less.
     Otherwise, or where nothing fits, the policy's splits (the ticket merge where there are
@@ -374,27 +380,30 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
             asked[cluster, smem] = held(grid, cluster, smem)
         return (cand, cluster, smem) if keeps_cluster(asked[cluster, smem], cluster, ctas, slots) else False
 
+    units = num_kv_heads * pol.row_tiles * batch  # row tiles of the launch
+    ticket_wave = units * pol.splits / sm_count  # the ticket launch's CTAs over the SMs
     if key.twin:
-        units, best, cost = num_kv_heads * pol.row_tiles * batch, None, None
+        best, cost = None, None
         for size in range(min(pol.splits, CLUSTER_MAX_SPLITS), 1, -1):
             for c in range(min(pol.splits, slots // units) // size, 0, -1):
                 got = fits(c * size, size)
                 if got is None:
                     break
                 if got:
-                    t = twin_split_cost(got[0].chunk, c, size)
+                    t = twin_split_cost(got[0].chunk, c, size, c * size * units / sm_count)
                     if cost is None or t < cost:
                         best, cost = got, t
         if best is not None:
             waves = -(-units * pol.splits // slots)  # the ticket's launch: the policy's
-            return (pol, 1, key.smem) if twin_ticket_cost(pol.chunk * waves, pol.splits) < cost else best
+            ticket = twin_ticket_cost(pol.chunk * waves, pol.splits, ticket_wave)
+            return (pol, 1, key.smem) if ticket < cost else best
     top = min(pol.splits, CLUSTER_MAX_SPLITS) if key.twin else pol.splits
     for s in range(top, 1, -1):
         got = fits(s, s)
         if got is None:
             break
         if got:
-            if key.twin and s < pol.splits and twin_ticket_cost(pol.chunk, pol.splits) < got[0].chunk:
+            if key.twin and s < pol.splits and twin_ticket_cost(pol.chunk, pol.splits, ticket_wave) < got[0].chunk:
                 break  # the ticket over the policy's splits
             return got
     return pol, 1, key.smem
