@@ -345,25 +345,20 @@ def twin_split_cost(chunk: int, clusters: int, size: int, wave: float = 1.0) -> 
 
 def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning, smem_limit: int, sm_count: int,
                  num_kv_heads: int, batch: int, max_seq_len: int, held) -> Tuple[DecodePolicy, int, int]:
-    """The policy a plan launches, its cluster size and dynamic shared memory. `held(grid,
-    cluster, smem)`: how many such clusters the device holds at once (PreparedLaunch.
-    active_clusters). Where the policy's splits launch as one cluster a row tile
-    (decode_cluster: 2-8 of them), the most splits up to the policy's whose clusters the device
-    holds in one wave (keeps_cluster), so that the merge stays in the cluster: the ticket's last
-    CTA reads every split's partial rows alone (MLA B16 H128 on an H100: 4 splits by the ticket
-    84 us, 3 as clusters 61). The twin MLA tile's partials (64 x 512 floats a split) make its
-    ticket the slower the more splits it takes (B8 H128 on an H100: 32 splits 381 us, 8 109),
-    and a CTA of it costs ~14 us beyond its keys (Q, the first tiles, the epilogue), so its
-    splits stay in clusters and its CTAs in one wave: up to the policy's splits, as one
-    cluster a row tile or C >= 2 clusters of 2-8 (merged in two levels, fmha_decode.cu:
-    merge_cluster), whose CTAs fit the resident slots and whose clusters the device holds at
-    once, the count and size of least `twin_split_cost` (keys a CTA streams, the second
-    level's reads, C parts of 64 / size rows a CTA, and its fixed cost by the launch's share of a wave;
-    on ties the larger clusters), or the ticket
-    over the policy's splits where `twin_ticket_cost` is less; where none does (a launch of
-    several waves), one cluster of at most 8 as above, or the ticket where it costs less.
-    Otherwise, or where nothing fits, the policy's splits (the ticket merge where there are
-    several)."""
+    """The policy a plan launches, its cluster size and dynamic shared memory.
+
+    `held(grid, cluster, smem)`: how many such clusters the device holds at once
+    (PreparedLaunch.active_clusters). Splits merged in a cluster beat the ticket merge, whose
+    last CTA reads every split's partial rows alone (MLA B16 H128 on an H100: 4 splits by the
+    ticket 84 us, 3 as one cluster 61); a cluster launch must also fit one wave (keeps_cluster).
+
+    - The twin MLA tile: `_twin_shape`, where its launch fits one wave.
+    - Otherwise the most splits up to the policy's (the twin's: up to 8) whose launch as one
+      cluster a row tile (decode_cluster: 2-8 splits) the device holds in one wave; for the
+      twin, the ticket over the policy's splits where `twin_ticket_cost` is below that
+      cluster's chunk.
+    - Where nothing fits, the policy's splits (the ticket merge where there are several).
+    """
     slots = sm_count * _ctas_per_sm(key.smem, key.threads)
     asked = {}  # (cluster, smem): held, asked once
 
@@ -383,20 +378,9 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
     units = num_kv_heads * pol.row_tiles * batch  # row tiles of the launch
     ticket_wave = units * pol.splits / sm_count  # the ticket launch's CTAs over the SMs
     if key.twin:
-        best, cost = None, None
-        for size in range(min(pol.splits, CLUSTER_MAX_SPLITS), 1, -1):
-            for c in range(min(pol.splits, slots // units) // size, 0, -1):
-                got = fits(c * size, size)
-                if got is None:
-                    break
-                if got:
-                    t = twin_split_cost(got[0].chunk, c, size, c * size * units / sm_count)
-                    if cost is None or t < cost:
-                        best, cost = got, t
-        if best is not None:
-            waves = -(-units * pol.splits // slots)  # the ticket's launch: the policy's
-            ticket = twin_ticket_cost(pol.chunk * waves, pol.splits, ticket_wave)
-            return (pol, 1, key.smem) if ticket < cost else best
+        got = _twin_shape(fits, pol, key.smem, units, slots, sm_count)
+        if got is not None:
+            return got
     top = min(pol.splits, CLUSTER_MAX_SPLITS) if key.twin else pol.splits
     for s in range(top, 1, -1):
         got = fits(s, s)
@@ -407,6 +391,33 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
                 break  # the ticket over the policy's splits
             return got
     return pol, 1, key.smem
+
+
+def _twin_shape(fits, pol: DecodePolicy, smem: int, units: int, slots: int,
+                sm_count: int) -> Optional[Tuple[DecodePolicy, int, int]]:
+    """The twin MLA tile's launch where it fits one wave, else None (launch_shape's `fits`;
+    `units`: the launch's row tiles; `slots`: its resident CTAs). Its partials (64 x 512 floats
+    a split) make the ticket the slower the more splits it merges (B8 H128 on an H100: 32 splits
+    381 us, 8 as one cluster 109), and a CTA costs ~14 us beyond its keys (Q, the first tiles,
+    the epilogue), so its splits stay in clusters and its CTAs in one wave: up to the policy's
+    splits as one cluster a row tile, or as C >= 2 clusters of 2-8 merged in two levels
+    (fmha_decode.cu: merge_cluster), the count and size of least `twin_split_cost` (on ties the
+    larger clusters); or the ticket over the policy's splits where `twin_ticket_cost` is less."""
+    best, cost = None, None
+    for size in range(min(pol.splits, CLUSTER_MAX_SPLITS), 1, -1):
+        for c in range(min(pol.splits, slots // units) // size, 0, -1):
+            got = fits(c * size, size)
+            if got is None:
+                break
+            if got:
+                t = twin_split_cost(got[0].chunk, c, size, c * size * units / sm_count)
+                if cost is None or t < cost:
+                    best, cost = got, t
+    if best is None:
+        return None
+    waves = -(-units * pol.splits // slots)  # the ticket's launch: the policy's
+    ticket = twin_ticket_cost(pol.chunk * waves, pol.splits, units * pol.splits / sm_count)
+    return (pol, 1, smem) if ticket < cost else best
 
 
 def cluster_part_bytes(bm: int, dv: int) -> int:
