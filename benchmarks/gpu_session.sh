@@ -152,7 +152,9 @@ for s in "${stages[@]}"; do
         timeout "$(tl 420)" "$PY" -m prims_ts bench $([ "$s" = quick ] && echo --quick) --json "$OUT/bench.json" \
             2>&1 | tee "$OUT/bench.log" | grep -v '^\[' | tail -40
         # the open issues' floors (the H200's) on the full run
-        [ "$s" = bench ] && "$PY" benchmarks/floors.py "$OUT/bench.json" | tee "$OUT/floors.log" | grep -v '^PASS' ;;
+        if [ "$s" = bench ] && [ -f "$OUT/bench.json" ]; then
+            "$PY" benchmarks/floors.py "$OUT/bench.json" | tee "$OUT/floors.log" | grep -v '^PASS'
+        fi ;;
     ab | abloops)
         # tunings in one call, for before/after figures in benchmarks/NOTES.md, each against d
         # (the default Tuning). ab: the other producer copy (c, MLA's swapped tile too), persistent
