@@ -313,14 +313,15 @@ def decode_grid(pol: DecodePolicy, num_kv_heads: int, batch: int) -> Tuple[int, 
     return (pol.balanced, 1, 1) if pol.balanced else (pol.splits, num_kv_heads * pol.row_tiles, batch)
 
 
-# The twin's split cost model (launch_shape), in keys a CTA streams: a partial row (512 floats)
-# written or read costs as much as 2048 / 1152 keys (576 bf16 each) at the rate a CTA moves
-# either; a merge through the workspace (a ticket, or two levels' second) costs besides ~560
-# keys of the twin's ~0.03 us a key where the launch fills a wave of CTAs, less in proportion
-# where it fills less (H100, MLA H128: 4,096 keys a CTA 122 us; 66 splits by the ticket, 496 keys
-# a CTA and 66 partials read by one, 234 us; B16 4 splits by the ticket 84 us; two levels 9.5 us
-# beyond their keys at 64 CTAs, 16-22 us at 112-128; benchmarks/NOTES.md, "Small-batch MLA",
-# "Two-level cluster merge").
+# The twin's split cost model (launch_shape), in keys a CTA streams (~0.03 us a key on an H100):
+# a partial row (512 floats) written or read costs as much as 2048 / 1152 keys (576 bf16 each)
+# at the rate a CTA moves either; a merge through the workspace (a ticket, or two levels'
+# second) costs besides ~560 keys where the launch fills a wave of CTAs, less in proportion
+# where it fills less. Fitted to the choices measured on an H100 (MLA H128: one cluster of 8,
+# 4,096 keys a CTA, 122 us, against 66 splits of 512 keys by the ticket, 234 us; B16 3 splits
+# in one cluster 62 us, 4 by the ticket 84, 4 as two clusters of 2 74; two levels past one
+# level's time at 32-112 CTAs; benchmarks/NOTES.md, "Small-batch MLA", "Two-level cluster
+# merge"), not a time: full waves of one level run slower a key than few CTAs do.
 TWIN_PART_ROW_KEYS = 2048 / 1152
 TWIN_LEVEL_KEYS = 560
 
@@ -334,12 +335,13 @@ def twin_ticket_cost(chunk: int, splits: int, wave: float = 1.0) -> float:
 
 def twin_split_cost(chunk: int, clusters: int, size: int, wave: float = 1.0) -> float:
     """The twin's keys a CTA streams (`chunk`: a split's keys) for a row tile's splits as
-    `clusters` clusters of `size`, with the second level's reads (a CTA of the last cluster:
-    `clusters` parts of 64 / size rows) and fixed cost (by `wave`, as the ticket's) where there
-    are several."""
+    `clusters` clusters of `size`, with, where there are several, the second level's rows (a
+    CTA of a cluster writes 64 / size rows of its cluster's partial, one of the last cluster
+    reads them from each of the `clusters` parts) and its fixed cost (by `wave`, as the
+    ticket's)."""
     cost = float(chunk)
     if clusters > 1:
-        cost += clusters * (64 / size) * TWIN_PART_ROW_KEYS + TWIN_LEVEL_KEYS * min(wave, 1.0)
+        cost += (clusters + 1) * (64 / size) * TWIN_PART_ROW_KEYS + TWIN_LEVEL_KEYS * min(wave, 1.0)
     return cost
 
 
@@ -350,13 +352,14 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
     `held(grid, cluster, smem)`: how many such clusters the device holds at once
     (PreparedLaunch.active_clusters). Splits merged in a cluster beat the ticket merge, whose
     last CTA reads every split's partial rows alone (MLA B16 H128 on an H100: 4 splits by the
-    ticket 84 us, 3 as one cluster 61); a cluster launch must also fit one wave (keeps_cluster).
+    ticket 84 us, 3 as one cluster 61), unless the clusters would cost a wave that the CTAs
+    alone do not (keeps_cluster).
 
-    - The twin MLA tile: `_twin_shape`, where its launch fits one wave.
-    - Otherwise the most splits up to the policy's (the twin's: up to 8) whose launch as one
-      cluster a row tile (decode_cluster: 2-8 splits) the device holds in one wave; for the
-      twin, the ticket over the policy's splits where `twin_ticket_cost` is below that
-      cluster's chunk.
+    - The twin MLA tile: `_twin_shape`, where it finds a launch of one wave.
+    - Otherwise the most splits up to the policy's (the twin's: up to 8) launched as one
+      cluster a row tile (decode_cluster: 2-8 splits) that keeps_cluster keeps; for the twin,
+      the ticket over the policy's splits where its `twin_ticket_cost` over its waves is below
+      that launch's chunk over its waves.
     - Where nothing fits, the policy's splits (the ticket merge where there are several).
     """
     slots = sm_count * _ctas_per_sm(key.smem, key.threads)
@@ -376,7 +379,6 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
         return (cand, cluster, smem) if keeps_cluster(asked[cluster, smem], cluster, ctas, slots) else False
 
     units = num_kv_heads * pol.row_tiles * batch  # row tiles of the launch
-    ticket_wave = units * pol.splits / sm_count  # the ticket launch's CTAs over the SMs
     if key.twin:
         got = _twin_shape(fits, pol, key.smem, units, slots, sm_count)
         if got is not None:
@@ -387,22 +389,31 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
         if got is None:
             break
         if got:
-            if key.twin and s < pol.splits and twin_ticket_cost(pol.chunk, pol.splits, ticket_wave) < got[0].chunk:
+            if key.twin and s < pol.splits and (_twin_ticket_keys(pol, units, slots, sm_count)
+                                                < -(-units * s // slots) * got[0].chunk):
                 break  # the ticket over the policy's splits
             return got
     return pol, 1, key.smem
 
 
+def _twin_ticket_keys(pol: DecodePolicy, units: int, slots: int, sm_count: int) -> float:
+    """The twin's ticket launch over the policy's splits, in keys a CTA streams over its waves
+    (`units`: the launch's row tiles; `slots`: its resident CTAs)."""
+    ctas = units * pol.splits
+    return -(-ctas // slots) * twin_ticket_cost(pol.chunk, pol.splits, ctas / sm_count)
+
+
 def _twin_shape(fits, pol: DecodePolicy, smem: int, units: int, slots: int,
                 sm_count: int) -> Optional[Tuple[DecodePolicy, int, int]]:
-    """The twin MLA tile's launch where it fits one wave, else None (launch_shape's `fits`;
-    `units`: the launch's row tiles; `slots`: its resident CTAs). Its partials (64 x 512 floats
-    a split) make the ticket the slower the more splits it merges (B8 H128 on an H100: 32 splits
-    381 us, 8 as one cluster 109), and a CTA costs ~14 us beyond its keys (Q, the first tiles,
-    the epilogue), so its splits stay in clusters and its CTAs in one wave: up to the policy's
-    splits as one cluster a row tile, or as C >= 2 clusters of 2-8 merged in two levels
-    (fmha_decode.cu: merge_cluster), the count and size of least `twin_split_cost` (on ties the
-    larger clusters); or the ticket over the policy's splits where `twin_ticket_cost` is less."""
+    """The twin MLA tile's launch among those of one wave, or None where `fits` (launch_shape's)
+    keeps none (`units`: the launch's row tiles; `slots`: its resident CTAs). Its partials (64 x
+    512 floats a split) make the ticket the slower the more splits it merges (B8 H128 on an
+    H100: 32 splits 381 us, 8 as one cluster 109), and a CTA costs ~14 us beyond its keys (Q,
+    the first tiles, the epilogue), so its splits stay in clusters and its CTAs in one wave: up
+    to the policy's splits as one cluster a row tile, or as C >= 2 clusters of 2-8 merged in two
+    levels (fmha_decode.cu: merge_cluster), the count and size of least `twin_split_cost` (on
+    ties the larger clusters); or the ticket over the policy's splits (its launch, of however
+    many waves) where that costs less over its waves."""
     best, cost = None, None
     for size in range(min(pol.splits, CLUSTER_MAX_SPLITS), 1, -1):
         for c in range(min(pol.splits, slots // units) // size, 0, -1):
@@ -415,9 +426,7 @@ def _twin_shape(fits, pol: DecodePolicy, smem: int, units: int, slots: int,
                     best, cost = got, t
     if best is None:
         return None
-    waves = -(-units * pol.splits // slots)  # the ticket's launch: the policy's
-    ticket = twin_ticket_cost(pol.chunk * waves, pol.splits, units * pol.splits / sm_count)
-    return (pol, 1, smem) if ticket < cost else best
+    return (pol, 1, smem) if _twin_ticket_keys(pol, units, slots, sm_count) < cost else best
 
 
 def cluster_part_bytes(bm: int, dv: int) -> int:
