@@ -2,10 +2,12 @@
 
     python benchmarks/floors.py BENCH.json [--base BASE.json]
 
-Prints each floor's row, our figure against it and PASS / FAIL, then a line per issue; exit
-status 1 when a floor fails or its row is missing. The floors are the H200's (the issues
-measure there): a run on another GPU prints a warning first. `--base`: a run of the tree before
-(same GPU), for issue 17's "decode and MLA rows no slower than before" (our ms within 2%).
+Prints each floor's row, our figure against it and PASS / FAIL (SKIP: not checked), then a
+line per issue; exit status 1 when a floor fails or its row is missing. The floors are the
+H200's (the issues measure there): a run on another GPU prints a warning first. `--base`: a
+run of the tree before, on the same GPU, for issue 17's "decode and MLA rows no slower than
+before" (our ms within the runs' drift, 3%; a verdict near it wants `gpu_session.sh abtree`);
+without it that floor is SKIP.
 """
 import argparse
 import json
@@ -14,7 +16,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 OURS = "prims_ts"
-SLOWER_TOLERANCE = 1.02  # "no slower than before": within the runs' drift
+SLOWER_TOLERANCE = 1.03  # "no slower than before": within the runs' drift (MLA B128 moves ~3%)
 
 # (issue, family, problem pattern, kind, peer, threshold). Kinds: "speed" ours / peer's speed
 # (peer ms / our ms) >= threshold; "time" our ms / peer's ms <= threshold; "rate" our rate
@@ -35,9 +37,11 @@ def _ms(row: dict, runner: str) -> Optional[float]:
     return (row["runners"].get(runner) or {}).get("ms")
 
 
-def check(rows: List[dict], base: Optional[Dict[Tuple[str, str], float]] = None) -> List[Tuple[int, str, str, bool]]:
+def check(rows: List[dict], base: Optional[Dict[Tuple[str, str], float]] = None) -> List[Tuple[int, str, str, Optional[bool]]]:
     """(issue, row, what, passed) for every floor's matching rows (a floor that matches no row
-    fails: the bench no longer measures it), and with `base` each decode / MLA row's ms."""
+    fails: the bench no longer measures it), and with `base` each decode / MLA row's ms against
+    it (a row of `base` the run lacks fails); without `base` that floor's one entry has passed
+    None (not checked)."""
     out = []
     for issue, fam, pattern, kind, peer, thr in FLOORS:
         hits = [r for r in rows if r["family"] == fam and re.search(pattern, r["problem"])]
@@ -57,10 +61,18 @@ def check(rows: List[dict], base: Optional[Dict[Tuple[str, str], float]] = None)
             else:
                 rate = r["work"] / (ours * 1e-3) / 1e12
                 out.append((issue, name, f"{rate:.3g} {r['unit']} (floor {thr})", rate >= thr))
-    for r in rows if base else []:
-        b, ours = base.get((r["family"], r["problem"])), _ms(r, OURS)
-        if r["family"] in ("decode", "mla") and b and ours:
-            out.append((17, f"{r['family']} {r['problem']}", f"{ours:.4f} ms, before {b:.4f} (x {b / ours:.3f})",
+    if base is None:
+        out.append((17, "decode / MLA rows", "no slower than before: not checked (no --base)", None))
+        return out
+    now = {(r["family"], r["problem"]): _ms(r, OURS) for r in rows}
+    for (fam, prob), b in base.items():
+        if fam not in ("decode", "mla") or not b:
+            continue
+        ours = now.get((fam, prob))
+        if ours is None:
+            out.append((17, f"{fam} {prob}", f"no figure now (before {b:.4f} ms)", False))
+        else:
+            out.append((17, f"{fam} {prob}", f"{ours:.4f} ms, before {b:.4f} (x {b / ours:.3f})",
                         ours <= b * SLOWER_TOLERANCE))
     return out
 
@@ -78,14 +90,20 @@ def main(argv=None) -> int:
     base = None
     if a.base:
         with open(a.base) as f:
-            base = {(r["family"], r["problem"]): _ms(r, OURS) for r in json.load(f)["rows"]}
+            before = json.load(f)
+        other = (before.get("env") or {}).get("gpu", "?")
+        if other != gpu:
+            print(f"warning: --base ran on {other}, this run on {gpu}: 'no slower' compares two GPUs")
+        base = {(r["family"], r["problem"]): _ms(r, OURS) for r in before["rows"]}
     results = check(run["rows"], base)
     for issue, name, what, ok in results:
-        print(f"{'PASS' if ok else 'FAIL'}  #{issue}  {name:52s} {what}")
+        print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'}  #{issue}  {name:52s} {what}")
     for issue in sorted({i for i, *_ in results}):
-        fails = sum(1 for i, _, _, ok in results if i == issue and not ok)
-        print(f"issue {issue}: {'every floor met' if not fails else f'{fails} floor(s) not met'}")
-    return 1 if any(not ok for *_, ok in results) else 0
+        fails = sum(1 for i, _, _, ok in results if i == issue and ok is False)
+        skips = sum(1 for i, _, _, ok in results if i == issue and ok is None)
+        met = "every floor met" if not fails else f"{fails} floor(s) not met"
+        print(f"issue {issue}: {met}" + (f"; {skips} not checked" if skips else ""))
+    return 1 if any(ok is False for *_, ok in results) else 0
 
 
 if __name__ == "__main__":
