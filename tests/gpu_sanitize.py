@@ -190,7 +190,8 @@ MLA_CASES = [
     ("packed h64 causal", "packed", [1, 3, 2], "causal", 64, 32, 4, [5, 50, 61], 64, False),
     ("split fixed sq2 h8 dense", "fixed", 2, "dense", 8, 64, 3, [3000, 1], 3000, True),
     # the twin's splits in two levels (decode.launch_shape on a 132-SM sm_90a): two clusters of 8
-    # a row tile (three of 5 with an H100's cluster limits; the H64 case two of 8)
+    # a row tile (two of 7, three of 5 where the device holds fewer clusters of 8; the H64 case
+    # two of 8)
     ("cluster twin two levels packed h128 causal", "packed", [2, 1], "causal", 128, 128, 4, [12000, 300], 12000, True),
     ("cluster twin two levels fixed sq1 h64 dense", "fixed", 1, "dense", 64, 64, 3, [3000], 3000, True),
     # 2-8 splits (sm_90a: one cluster a row tile where the partials fit: the rows of 16)
