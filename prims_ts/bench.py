@@ -212,12 +212,14 @@ class Cell:
     err: Optional[float] = None  # relative error vs the family's reference runner
     note: str = ""
     error: str = ""
+    rounds: List[float] = field(default_factory=list)  # each round's ms, in round order
 
 
 @dataclass
 class Row:
     problem: Problem
     cells: Dict[str, Cell] = field(default_factory=dict)
+    orders: List[List[str]] = field(default_factory=list)  # each round's runners, in the order timed
 
 
 def select_problems(quick: bool, families: Optional[Sequence[str]] = None,
@@ -286,7 +288,9 @@ def _run_problem(fam: Family, prob: Problem, device: torch.device, ceilings: Dic
     # ratios between runners of one row are what the tables are read for).
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for rnd in range(TIMING_ROUNDS):
-        for name in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+        order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
+        row.orders.append(order)
+        for name in order:
             try:
                 times[name].append(time_ms(fns[name], rep_ms=TIMING_REP_MS))
             except Exception as e:
@@ -294,6 +298,7 @@ def _run_problem(fam: Family, prob: Problem, device: torch.device, ceilings: Dic
     for name, ts in times.items():
         cell = row.cells[name]
         if name in fns and ts:
+            cell.rounds = ts
             cell.ms = statistics.median(ts)
             cell.rate = prob.work / (cell.ms * 1e-3) / 1e12
             if ceiling:
@@ -376,7 +381,9 @@ def results_json(env: Dict[str, Any], ceilings: Dict[str, float], rows: List[Row
             "work": r.problem.work,
             "unit": r.problem.unit,
             "runners": {n: {"ms": c.ms, "rate": c.rate, "frac_of_ceiling": c.frac, "rel_err": c.err,
-                            "note": c.note or None, "error": c.error or None} for n, c in r.cells.items()},
+                            "note": c.note or None, "error": c.error or None, "rounds_ms": c.rounds or None}
+                        for n, c in r.cells.items()},
+            "round_orders": r.orders or None,  # the runners each round timed, in order (rounds_ms' order)
         })
     return {"env": env, "ceil": ceilings, "rows": out_rows, **extra}
 

@@ -61,6 +61,11 @@ def test_rounds_alternate_and_cells_are_medians(monkeypatch):
     assert timed == ["peer", "broken", "prims_ts", "prims_ts", "broken", "peer", "peer", "broken", "prims_ts"]
     # peer 1.0, 1.5, 3.0; broken 5.0, 7.0, 6.0; prims_ts 2.0, 4.0, 9.0
     assert row.cells["peer"].ms == 1.5 and row.cells["broken"].ms == 6.0 and row.cells["prims_ts"].ms == 4.0
+    # each round's figures and order kept (the JSON's rounds_ms and round_orders)
+    assert row.cells["prims_ts"].rounds == [2.0, 4.0, 9.0] and row.cells["peer"].rounds == [1.0, 1.5, 3.0]
+    assert row.orders == [timed[0:3], timed[3:6], timed[6:9]]
+    js = bench.results_json({}, {}, [row])["rows"][0]
+    assert js["runners"]["broken"]["rounds_ms"] == [5.0, 7.0, 6.0] and js["round_orders"] == row.orders
     assert abs(row.cells["prims_ts"].rate - 2e12 / 4e-3 / 1e12) < 1e-9
     assert abs(row.cells["prims_ts"].frac - row.cells["prims_ts"].rate / 1000.0) < 1e-12
     assert row.cells["prims_ts"].err is not None and 0 < row.cells["prims_ts"].err < 2e-3
@@ -153,3 +158,22 @@ def test_our_runners_call_the_public_api(family, params, ref):
     assert rel_err(out, want) <= TOLERANCE[torch.bfloat16]
     out2 = fn()
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_rounds_tool_reads_each_round_and_its_predecessor(monkeypatch):
+    """benchmarks/rounds.py on a row the driver timed: every round's figure, after the runner
+    timed just before it (across rounds too)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("rounds", Path(__file__).parent.parent / "benchmarks" / "rounds.py")
+    rounds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rounds)
+    calls = []
+    row, _ = _run(monkeypatch, _family(calls), times=[1.0, 5.0, 2.0, 4.0, 7.0, 1.5, 3.0, 6.0, 9.0])
+    got = rounds.rounds(bench.results_json({}, {}, [row])["rows"][0])
+    assert [(k, n, p) for k, n, p, _ in got] == [
+        (0, "peer", None), (0, "broken", "peer"), (0, "prims_ts", "broken"),
+        (1, "prims_ts", "prims_ts"), (1, "broken", "prims_ts"), (1, "peer", "broken"),
+        (2, "peer", "peer"), (2, "broken", "peer"), (2, "prims_ts", "broken")]
+    assert [ms for *_, ms in got] == [1.0, 5.0, 2.0, 4.0, 7.0, 1.5, 3.0, 6.0, 9.0]
