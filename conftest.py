@@ -41,16 +41,17 @@ def ring_variant(request):
 
 @pytest.fixture(params=["cluster", "ticket", "balanced"])
 def split_merge(request):
-    """A Tuning of the decode-shaped kernels' split-KV merge: the default (on sm_90a the 2-8
-    splits launched as one cluster, merging through distributed shared memory, where the
-    partials fit; the ticket merge above), the ticket merge at every split count; or balanced
+    """A Tuning of the decode-shaped kernels' split-KV merge: the static split (never balanced by
+    the plan's lengths) with the default merge (on sm_90a the 2-8 splits launched as one
+    cluster, merging through distributed shared memory, where the partials fit; the ticket
+    merge above), or with the ticket merge at every split count; or balanced
     split-KV (Tuning.balanced_split) over 7 CTAs at every size, so that the grid's small
     problems walk several items a CTA and merge units cut into many parts. Tests pass it to a
     wrapper (``tuning=``)."""
     from prims_ts import Tuning
 
     if request.param == "cluster":
-        return Tuning()
+        return Tuning(balanced_split=False)
     if request.param == "balanced":
         return Tuning(balanced_split=True, balanced_ctas=7)
-    return Tuning(cluster_merge=False)
+    return Tuning(cluster_merge=False, balanced_split=False)

@@ -771,7 +771,9 @@ register_family(Family(
 
 def _decode_lens(p: Dict[str, Any]) -> List[int]:
     """A decode problem's K/V lengths: B of L, or (``short`` given) one request of L and B - 1
-    of ``short`` (a serving batch with one long-context request)."""
+    of ``short`` (a serving batch with one long-context request), or ``lens`` itself."""
+    if "lens" in p:
+        return list(p["lens"])
     b, n = p["B"], p["L"]
     return [n] * b if "short" not in p else [n] + [p["short"]] * (b - 1)
 

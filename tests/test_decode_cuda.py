@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,7 +43,7 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache,
 )
 from prims_ts import reference as R
-from prims_ts.cuda.decode import DecodeKey, PreparedDecode, balances, decode_policy
+from prims_ts.cuda.decode import DecodeKey, PreparedDecode, balanced_by_lengths, balances, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, device_limits
 from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
                               merged_in_cluster, reference_must_not_run, rel_err, stable_seed)
@@ -54,7 +55,9 @@ HOST = "cpu"  # the device of the misplaced workspace in the device checks
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32 = torch.int32
 NAN = float("nan")
-DEFAULT = Tuning()  # the standalone function's and the one-shot's tuning (split_merge "cluster")
+# the standalone function's launch (it reads no lengths: the static split) and split_merge "cluster";
+# a plan of the default Tuning() balances uneven lengths (test_plan_balances_uneven_lengths)
+STATIC = Tuning(balanced_split=False)
 GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
 MASKS = [("dense", -1), ("causal", -1), ("causal", 0), ("causal", 37)]
 MASK_IDS = [f"{m}{w if w >= 0 else ''}" for m, w in MASKS]
@@ -142,6 +145,13 @@ class Problem:
             return dict(qo_indptr=self.qo_indptr, max_seq_len_q=self.max_seq_len_q)
         return {}
 
+    def planned(self, tuning):
+        """The tuning a plan of `tuning` launches for this problem: balanced split-KV where the
+        default leaves it to the plan's lengths and they are uneven (balanced_by_lengths)."""
+        arch, sms, limit = device_limits(DEVICE)
+        return balanced_by_lengths(tuning, np.asarray(self.seq_lens_list), self.B, self.hkv, self.hq // self.hkv,
+                                   self.max_seq_len_q, self.d, self.max_seq_len, sms, limit, arch)
+
     def policy(self, tuning=None):
         """The static policy of the problem, or (`tuning`) the one its plans take."""
         _, sms, limit = device_limits(DEVICE)
@@ -177,9 +187,11 @@ class Problem:
 
 
 def check_plan(pb: Problem, w, tuning, causal: bool) -> None:
-    """The plan keeps `tuning`; on CUDA its prepared launch has the problem's policy, the key that
-    DecodeKey.of builds for that policy and tuning, and the tuning's split merge."""
+    """The plan keeps `tuning` (balanced by its lengths: Problem.planned); on CUDA its prepared
+    launch has the problem's policy, the key that DecodeKey.of builds for that policy and tuning,
+    and the tuning's split merge."""
     plan = w._plan
+    tuning = pb.planned(tuning)
     assert plan.static.tuning == tuning and plan.tuning_code == tuning.encode()
     arch = device_limits(plan.device)[0]
     pol = pb.policy(tuning)
@@ -207,7 +219,7 @@ def check(pb: Problem, tuning, mask="dense", window=-1, out_dtype=None, bmm1_sca
     out = torch.full(pb.q.shape, NAN, dtype=odt, device=DEVICE)
     assert w.run(pb.q, pb.cache, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out) is out
     results = [("wrapper", out)]
-    if tuning == DEFAULT:
+    if tuning == STATIC:
         one = torch.full(pb.q.shape, NAN, dtype=odt, device=DEVICE)
         res = pb.call(mask_type=mask, window_left=window, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=one,
                       out_dtype=out_dtype)
@@ -215,7 +227,7 @@ def check(pb: Problem, tuning, mask="dense", window=-1, out_dtype=None, bmm1_sca
         results.append(("standalone", one))
     sync()
     launch = w._plan.launch
-    if tuning == DEFAULT and launch is not None and launch.policy.splits > 1:
+    if tuning == STATIC and launch is not None and launch.policy.splits > 1:
         # the standalone's policy and launch shape are the wrapper's
         check_decode_workspace(pb.workspace, merged_in_cluster(launch))
     ref = pb.ref(mask, window, bmm1_scale, bmm2_scale)
@@ -363,7 +375,7 @@ def test_out_dtype_and_scales(split_merge, dtype, lengths, out_dtype):
         assert all(out.dtype == out_dtype for _, out in results)
     # the functional forms (no out): the wrapper's run, and (default tuning) the standalone
     res = [("wrapper functional", pb.plan(split_merge, "causal", out_dtype=out_dtype).run(pb.q, pb.cache))]
-    if split_merge == DEFAULT:
+    if split_merge == STATIC:
         res.append(("standalone functional", pb.call(mask_type="causal", out_dtype=out_dtype)))
     sync()
     for label, out in res:
@@ -382,13 +394,32 @@ def test_strided_query(split_merge):
     out = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
     assert w.run(q, pb.cache, out=out) is out
     results = [("wrapper", out)]
-    if split_merge == DEFAULT:
+    if split_merge == STATIC:
         one = torch.full(pb.q.shape, NAN, dtype=BF16, device=DEVICE)
         prims_ts_batch_decode_with_kv_cache(q, pb.cache, pb.workspace, pb.indptr, pb.indices, pb.seq_lens,
                                             pb.max_seq_len, mask_type="causal", out=one)
         results.append(("standalone", one))
     sync()
     compare(pb, results, pb.ref("causal"), TOLERANCE[BF16])
+
+
+@pytest.mark.parametrize("mask,window", [("dense", -1), ("causal", 37)], ids=["dense", "causal_w37"])
+def test_plan_balances_uneven_lengths(mask, window):
+    """A plan of the default Tuning() reads its lengths: one request of 8192 keys beside seven of
+    64 launches balanced split-KV over the resident slots (its key and workspace), eight of 8192
+    the static split; both match the reference (the one-shot, planned alike, too)."""
+    for lens, balanced in (([8192] + [64] * 7, True), ([8192] * 8, False)):
+        pb = Problem(lens, 8, 2, 128, 32, BF16, stable_seed("by-lengths", mask, balanced), qmode="single")
+        assert bool(pb.planned(Tuning()).balanced_split) == balanced
+        results, ref = check(pb, Tuning(), mask, window)
+        plan = pb.plan(Tuning(), mask, window)._plan
+        assert bool(plan.static.tuning.balanced_split) == balanced
+        if plan.launch is not None:
+            assert plan.launch.key.balanced == balanced and (plan.launch.policy.balanced > 0) == balanced
+        one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.wr_indptr, pb.wr_indices, pb.last,
+                                               mask_type=mask, window_left=window)
+        sync()
+        compare(pb, [("one-shot", one)], ref, TOLERANCE[BF16])
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -398,7 +429,7 @@ def test_runs_after_the_first_take_new_addresses_scales_and_strides(form):
     query of other strides is checked and relaunched, and the contiguous one after it is right
     again; an out overlapping q, or a misaligned one, is still refused."""
     pb = Problem(LONG, 8, 2, 128, 16, BF16, stable_seed("again", form), form=form)
-    w = pb.plan(DEFAULT, "causal")
+    w = pb.plan(STATIC, "causal")
     for scales in ((None, 1.0), (0.05, 1.0), (0.11, 0.7)):
         pb.q = torch.randn_like(pb.q)
         if form == "combined":
@@ -431,7 +462,7 @@ def test_launch_from_a_thread_without_a_current_context():
     import threading
 
     pb = Problem(LONG, 8, 2, 128, 16, BF16, stable_seed("thread"))
-    w = pb.plan(DEFAULT, "causal")
+    w = pb.plan(STATIC, "causal")
     w.run(pb.q, pb.cache)
     results = {}
 

@@ -35,6 +35,7 @@ import dataclasses
 import math
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,7 +47,8 @@ from prims_ts import (
     prims_ts_batch_decode_with_kv_cache_mla,
 )
 from prims_ts import reference as R
-from prims_ts.cuda.decode import MLA_DIM_QK, DecodeKey, PreparedDecode, balances, decode_policy
+from prims_ts.cuda.decode import (MLA_DIM_QK, DecodeKey, PreparedDecode, balanced_by_lengths, balances,
+                                   decode_policy)
 from prims_ts.cuda.keys import DTYPE_CODES, device_limits
 from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
                               merged_in_cluster, on_sm90_gpu, reference_must_not_run, rel_err, stable_seed)
@@ -61,7 +63,9 @@ NAN = float("nan")
 DQK, DV = 576, 512
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 512, 64
 SCALE = 1.0 / math.sqrt(DQK)
-DEFAULT = Tuning()  # the standalone function's and the one-shot's tuning (split_merge "cluster")
+# the standalone function's launch (it reads no lengths: the static split) and split_merge "cluster";
+# a plan of the default Tuning() balances uneven lengths (test_plan_balances_uneven_lengths)
+STATIC = Tuning(balanced_split=False)
 GARBAGE = (-1, 2**31 - 1, -2**31, 99999)
 MASKS = ["dense", "causal"]
 QMODES = ["fixed", "packed"]
@@ -141,6 +145,13 @@ class Problem:
     def out_shape(self):
         return tuple(self.q.shape[:-1]) + (DV,)
 
+    def planned(self, tuning):
+        """The tuning a plan of `tuning` launches for this problem: balanced split-KV where the
+        default leaves it to the plan's lengths and they are uneven (balanced_by_lengths)."""
+        arch, sms, limit = device_limits(DEVICE)
+        return balanced_by_lengths(tuning, np.asarray(self.seq_lens_list), self.B, 1, self.h, self.max_seq_len_q,
+                                   MLA_DIM_QK, self.max_seq_len, sms, limit, arch)
+
     def policy(self, tuning=None):
         """The static policy of the problem, or (`tuning`) the one its plans take."""
         _, sms, limit = device_limits(DEVICE)
@@ -180,9 +191,11 @@ class Problem:
 
 
 def check_plan(pb: Problem, w, tuning, causal: bool) -> DecodeKey:
-    """The plan keeps `tuning`; on CUDA its prepared launch has the problem's policy, the key that
-    DecodeKey.of builds for that policy and tuning, and the tuning's split merge. Returns that key."""
+    """The plan keeps `tuning` (balanced by its lengths: Problem.planned); on CUDA its prepared
+    launch has the problem's policy, the key that DecodeKey.of builds for that policy and tuning,
+    and the tuning's split merge. Returns that key."""
     plan = w._plan
+    tuning = pb.planned(tuning)
     assert plan.static.tuning == tuning and plan.tuning_code == tuning.encode()
     arch = device_limits(plan.device)[0]
     pol = pb.policy(tuning)
@@ -211,14 +224,14 @@ def check(pb: Problem, tuning, mask="causal", out_dtype=None, bmm1_scale=SCALE, 
     out = torch.full(pb.out_shape, NAN, dtype=odt, device=DEVICE)
     assert w.run(pb.q, pb.cache, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out) is out
     results = [("wrapper", out)]
-    if tuning == DEFAULT:
+    if tuning == STATIC:
         one = torch.full(pb.out_shape, NAN, dtype=odt, device=DEVICE)
         res = pb.call(mask_type=mask, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=one, out_dtype=odt)
         assert res is one
         results.append(("standalone", one))
     sync()
     launch = w._plan.launch
-    if tuning == DEFAULT and launch is not None and launch.policy.splits > 1:
+    if tuning == STATIC and launch is not None and launch.policy.splits > 1:
         # the standalone's policy and launch shape are the wrapper's
         check_decode_workspace(pb.workspace, merged_in_cluster(launch))
     ref = pb.ref(mask, bmm1_scale, bmm2_scale)
@@ -496,7 +509,7 @@ def test_out_dtype_and_scales(split_merge, dtype, lengths, out_dtype):
         assert all(out.dtype == out_dtype for _, out in results)
     # the functional forms (no out): the wrapper's run, and (default tuning) the standalone
     res = [("wrapper functional", pb.plan(split_merge, "causal", out_dtype).run(pb.q, pb.cache, bmm1_scale=SCALE))]
-    if split_merge == DEFAULT:
+    if split_merge == STATIC:
         res.append(("standalone functional", pb.call(bmm1_scale=SCALE, out_dtype=out_dtype)))
     sync()
     for label, out in res:
@@ -507,7 +520,7 @@ def test_out_dtype_and_scales(split_merge, dtype, lengths, out_dtype):
     w.plan(pb.block_tables, pb.seq_lens, pb.h, KV_LORA_RANK, QK_ROPE_HEAD_DIM, pb.ps, qo_indptr=pb.qo_indptr,
            q_data_type=dtype, max_kv_len=pb.max_seq_len)
     res = [("wrapper defaults", w.run(pb.q, pb.cache))]
-    if split_merge == DEFAULT:
+    if split_merge == STATIC:
         res.append(("standalone defaults", pb.call()))
     sync()
     for label, out in res:
@@ -525,12 +538,32 @@ def test_strided_query(split_merge):
     out = torch.full(pb.out_shape, NAN, dtype=BF16, device=DEVICE)
     assert pb.plan(split_merge).run(q, pb.cache, bmm1_scale=SCALE, out=out) is out
     results = [("wrapper", out)]
-    if split_merge == DEFAULT:
+    if split_merge == STATIC:
         one = torch.full(pb.out_shape, NAN, dtype=BF16, device=DEVICE)
         pb.call(q=q, bmm1_scale=SCALE, out=one)
         results.append(("standalone", one))
     sync()
     compare(pb, results, pb.ref("causal"), TOLERANCE[BF16])
+
+
+@pytest.mark.parametrize("h", [16, 128])
+def test_plan_balances_uneven_lengths(h):
+    """A plan of the default Tuning() reads its lengths: one request of 8192 keys beside fifteen
+    of 100 launches balanced split-KV (H16, the swapped rows; H128, the twin on sm_90a, past its
+    own bar: one of 32768 beside fifteen of 256), sixteen of one length the static split; each
+    matches the reference (the one-shot, planned alike, too)."""
+    long = 8192 if h == 16 else 32768
+    for lens, balanced in (([long] + [100 if h == 16 else 256] * 15, True), ([long // 4] * 16, False)):
+        pb = Problem(lens, h, 64, BF16, stable_seed("by-lengths", h, balanced))
+        assert bool(pb.planned(Tuning()).balanced_split) == balanced
+        results, ref = check(pb, Tuning())
+        plan = pb.plan(Tuning())._plan
+        assert bool(plan.static.tuning.balanced_split) == balanced
+        if plan.launch is not None:
+            assert plan.launch.key.balanced == balanced and (plan.launch.policy.balanced > 0) == balanced
+        one = batch_mla_decode_with_paged_kv_cache(pb.q, pb.cache, pb.block_tables, pb.seq_lens, bmm1_scale=SCALE)
+        sync()
+        compare(pb, [("one-shot", one)], ref, TOLERANCE[BF16])
 
 
 def test_runs_after_the_first_take_new_addresses_scales_and_strides():
@@ -540,7 +573,7 @@ def test_runs_after_the_first_take_new_addresses_scales_and_strides():
     it is right again; an out overlapping the cache, one of another dtype, or a misaligned one,
     is still refused."""
     pb = Problem([2] + LONG[1:], 16, 16, BF16, stable_seed("again"), sq=2)
-    w = pb.plan(DEFAULT)
+    w = pb.plan(STATIC)
     for scales in ((SCALE, 1.0), (0.05, 1.0), (0.11, 0.7)):
         pb.q = torch.randn_like(pb.q)
         pb.cache = pb.cache.clone()

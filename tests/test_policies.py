@@ -323,6 +323,46 @@ def test_balanced_policy():
         assert (wide.balanced == g) == balanced and 64 * 860 * 4 + 256 <= decode.twin_smem_bytes(MLA_DIM_QK)
 
 
+def test_balanced_by_lengths():
+    """A plan of the default tuning (balanced_split None) balances split-KV where its lengths make
+    the static split wait on a few long requests (ragged_ratio above RAGGED_RATIO; the twin MLA
+    tile above RAGGED_RATIO_TWIN), and keeps the tuning itself (the static split) on uniform
+    batches, on launches below the balanced size floor, and wherever the tuning says True or
+    False."""
+    t = Tuning()
+    assert t.balanced_split is None and decode.balances(t) == 0
+
+    def by(lens, b, hkv, group, d, max_len, tuning=t, arch="sm_90a"):
+        return decode.balanced_by_lengths(tuning, np.asarray(lens), b, hkv, group, 1, d, max_len, 132,
+                                          keys.NOMINAL_SMEM_LIMIT, arch)
+
+    def ratio(lens, b, hkv, group, d, max_len):
+        bal = decode_policy(b, hkv, group, 1, d, max_len, 132, balance=-1)
+        return decode.ragged_ratio(np.asarray(lens), decode_policy(b, hkv, group, 1, d, max_len, 132),
+                                   bal.balanced, hkv)
+
+    skewed = [32768] + [1024] * 63  # the bench's row: 8 CTAs of 32768 keys, 504 of 1024, on 264 slots
+    assert ratio(skewed, 64, 8, 4, 128, 32768) == pytest.approx(32768 / (8 * (32768 + 63 * 1024) / 264))
+    assert by(skewed, 64, 8, 4, 128, 32768) == Tuning(balanced_split=True)
+    for lens, b in (([4096] * 128, 128), ([32768] * 16, 16), ([131072], 1)):  # the uniform rows
+        assert ratio(lens, b, 8, 4, 128, lens[0]) < 1.05
+        assert by(lens, b, 8, 4, 128, lens[0]) is t
+    # the static split's waves: two requests of 65536 and two of 4096 (its chunks of 2048 keys
+    # in three waves, ~x1.46 the balanced grid's keys a CTA)
+    assert by([65536] * 2 + [4096] * 2, 4, 8, 4, 128, 65536).balanced_split
+    assert by([1024], 1, 8, 4, 128, 1024) is t  # below the size floor: no balanced policy
+    for fixed in (Tuning(balanced_split=False), Tuning(balanced_split=True)):
+        assert by(skewed, 64, 8, 4, 128, 32768, fixed) is fixed
+    # MLA: the swapped rows at the mma.sync bar; the twin's rows of 64 at its own, on sm_90a only
+    assert by([8192] + [100] * 15, 16, 1, 16, MLA_DIM_QK, 8192).balanced_split
+    uneven = [int(x) for x in np.random.default_rng(7).integers(1, 8193, size=64)]
+    r = ratio(uneven, 64, 1, 128, MLA_DIM_QK, max(uneven))
+    assert decode.RAGGED_RATIO < r < decode.RAGGED_RATIO_TWIN
+    assert by(uneven, 64, 1, 128, MLA_DIM_QK, max(uneven)) is t
+    assert by(uneven, 64, 1, 128, MLA_DIM_QK, max(uneven), arch="sm_80").balanced_split
+    assert by([32768] + [2048] * 31, 32, 1, 128, MLA_DIM_QK, 32768).balanced_split
+
+
 # ----------------------------------------------------------------------------
 # The tuning value
 # ----------------------------------------------------------------------------
@@ -470,7 +510,8 @@ def test_persistent_choice_and_grid(persistent):
 def test_catalogue_defaults_and_variants():
     """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
     tuning of catalog.VARIANTS builds at least one key the default does not); the portable
-    engine's only variants are paged decode's balanced split-KV keys."""
+    engine has no variant keys, and its default keys hold paged decode's balanced split-KV keys
+    (plans choose them by their lengths) beside the static ones, a tile each."""
     default = {ks.name for ks in catalog.all_keys("sm_90a")}
     every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     assert default < every
@@ -479,9 +520,9 @@ def test_catalogue_defaults_and_variants():
         assert own <= every
         assert own - default, t
     sm80 = {ks.name for ks in catalog.all_keys("sm_80")}
-    extra = {ks.name for ks in catalog.all_keys("sm_80", True)} - sm80
-    assert extra and all(n.startswith("pt_decode_") and n.endswith("_bal") for n in extra)
-    assert {n.rsplit("_", 1)[0] for n in extra} <= sm80  # the static keys' tiles
+    assert {ks.name for ks in catalog.all_keys("sm_80", True)} == sm80
+    bal = {n for n in sm80 if n.startswith("pt_decode_") and n.endswith("_bal")}
+    assert bal and {n.rsplit("_", 1)[0] for n in bal} <= sm80  # the static keys' tiles
 
 
 def test_page_major_v_keys():

@@ -12,7 +12,7 @@ from typing import Dict, Iterator, List
 from . import runtime
 from .block_sparse import block_sparse_keys
 from .decode import HEAD_DIMS as DECODE_HEAD_DIMS
-from .decode import MLA_DIM_QK, DecodeKey, balances, decode_policy
+from .decode import MLA_DIM_QK, DecodeKey, decode_policy
 from .keys import DEFAULT_TUNING, DTYPE_CODES, NOMINAL_SMS, KernelKey, Tuning, smem_limit
 from .prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from .prefill import MASK_CODES, PAGE_SIZES, PrefillKey
@@ -42,12 +42,11 @@ RING_VARIANTS: Dict[str, Tuning] = {
     "pv_first": Tuning(softmax_under_pv=False),
     "portable": Tuning(portable=True),
 }
-# The decode-shaped kernels' variants: MLA rows of 16/32 on the mma.sync tile and split-KV
-# balanced over a persistent grid. (The swapped MLA tile's other producer copy: RING_VARIANTS'
-# other_copy.)
+# The decode-shaped kernels' variants: MLA rows of 16/32 on the mma.sync tile. (The swapped MLA
+# tile's other producer copy: RING_VARIANTS' other_copy; split-KV balanced over a persistent
+# grid is among the default keys: plans choose it by their lengths.)
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_mma": Tuning(mla_swapped=False),
-    "balanced_split": Tuning(balanced_split=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 
@@ -63,11 +62,11 @@ def default_keys(arch: str, tuning: Tuning = DEFAULT_TUNING) -> Iterator[KernelK
                 for ps in PAGE_SIZES if tuning.page_major_v else (0,):  # page_major_v: a key a short page size
                     yield PrefillKey.choose(dtype, d, mask, arch, paged=True, tuning=tuning, page_size=ps)
     def decode_keys(dt: str, d: int, group: int):
-        # one policy per row-tile height (BM 16, 32, 64); where the tuning balances split-KV,
-        # the balanced key (large launches) besides the static one (the latency rows)
+        # one policy per row-tile height (BM 16, 32, 64); where the tuning may balance split-KV
+        # (a plan's uneven lengths, or always), the balanced key besides the static one
         pol = decode_policy(1, 1, group, 1, d, 1, NOMINAL_SMS, smem_limit(arch))
         pols = [pol] + ([dataclasses.replace(pol, splits=1, balanced=NOMINAL_SMS)]
-                        if balances(tuning) != 0 else [])
+                        if tuning.balanced_split is not False else [])
         for p in pols:
             for causal in (False, True):
                 yield DecodeKey.of(dt, d, causal, p, arch, tuning)

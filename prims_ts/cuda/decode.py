@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from . import runtime
@@ -164,6 +165,51 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
             return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, 1, tiles * bn, g)
     splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, split_chunk(tiles, splits, bn))
+
+
+# A plan that read its requests' lengths balances split-KV (Tuning.balanced_split None) where
+# the static split's estimated time exceeds the balanced grid's by this factor
+# (balanced_by_lengths). Balanced costs the mma.sync and swapped tiles 2-9% on uniform rows and
+# won from 1.46 up; the twin MLA tile (a CTA's fixed cost ~14 us, paid again by each item a
+# balanced CTA walks) lost 5% at 1.92 and won x2.7 at 11 (H100, benchmarks/ragged.py;
+# benchmarks/NOTES.md, "Balanced split-KV by the plan's lengths").
+RAGGED_RATIO = 1.25
+RAGGED_RATIO_TWIN = 3.0
+
+
+def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int) -> float:
+    """The static policy `pol`'s launch time over a balanced grid's of `slots` CTAs, in keys a CTA
+    streams, for requests of K/V lengths `lens` (a NumPy vector). Static: its busy CTAs (a
+    request's splits that hold keys, each K/V head and row tile) in waves of `slots` at their
+    mean keys, or its longest CTA (min(longest request, the chunk)) where that is longer.
+    Balanced: the launch's keys over the slots. A uniform batch sits near 1 (wave quantisation
+    aside); one long request among short ones far above it (the bench's B64 L32768+63x1024:
+    ~11)."""
+    lens = lens.astype(np.int64)
+    units = num_kv_heads * pol.row_tiles
+    total = float(lens.sum()) * units
+    busy = int(np.minimum(-(-lens // pol.chunk), pol.splits).sum()) * units
+    static = max(min(int(lens.max()), pol.chunk), -(-busy // slots) * total / busy)
+    return static / (total / slots)
+
+
+def balanced_by_lengths(tuning: Tuning, lens, batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
+                        head_dim: int, max_seq_len: int, sm_count: int, smem_limit: int = NOMINAL_SMEM_LIMIT,
+                        arch: str = "sm_90a") -> Tuning:
+    """`tuning` as a plan launches it on `arch`, given the requests' K/V lengths `lens` (a NumPy
+    vector): where Tuning.balanced_split is None (the default), with balanced split-KV where the
+    balanced policy applies and `ragged_ratio` exceeds RAGGED_RATIO (RAGGED_RATIO_TWIN for the
+    twin MLA tile); otherwise `tuning` itself (the static split, as where no lengths are known)."""
+    if tuning.balanced_split is not None:
+        return tuning
+    bal = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count, smem_limit, -1)
+    if not bal.balanced:
+        return tuning
+    pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count, smem_limit)
+    twin = arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64
+    if ragged_ratio(lens, pol, bal.balanced, num_kv_heads) > (RAGGED_RATIO_TWIN if twin else RAGGED_RATIO):
+        return dataclasses.replace(tuning, balanced_split=True)
+    return tuning
 
 
 TWIN_BN = 64  # the twin tile's key tiles (MLA rows of 64: the policy's BN there)

@@ -68,9 +68,11 @@ class Tuning:
     # Decode and MLA split-KV over a persistent grid (the resident CTA slots) sharing the launch's
     # key tiles evenly by the requests' lengths, read on the device (fmha_decode.cu: DecodeWalk),
     # instead of every request split as if it were max_seq_len long; where a launch holds at
-    # least 4 key tiles a slot. A variant until measured (benchmarks/NOTES.md, "Split-KV by the
-    # lengths").
-    balanced_split: bool = False
+    # least 4 key tiles a slot. None: where a plan's lengths are uneven enough that the static
+    # split would wait on a few long requests (decode.balanced_by_lengths; a call that reads no
+    # lengths: static); True: every launch past that size; False: none (benchmarks/NOTES.md,
+    # "Split-KV by the lengths").
+    balanced_split: Optional[bool] = None
     # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
     # the size floor: how the grids run the walk and the merge of many parts on small problems.
     balanced_ctas: Optional[int] = None

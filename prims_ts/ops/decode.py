@@ -592,10 +592,13 @@ class BatchDecodePagedTSWrapper:
                 b = V.first(bad)
                 V.fail(f"paged_kv_last_page_len: causal decode requires every per-request Q length to be no greater "
                        f"than its K/V length; request {b} has Q={int(q_lens[b])} and K/V={int(lens[b])}")
-        need = _workspace_bytes(batch, num_qo_heads, num_kv_heads, d, max_kv_len, max_seq_len_q, device, self.tuning)
+        arch, sms, limit = device_limits(device)
+        tuning = K.balanced_by_lengths(self.tuning, lens, batch, num_kv_heads, num_qo_heads // num_kv_heads,
+                                       max_seq_len_q, d, max_kv_len, sms, limit, arch)
+        need = _workspace_bytes(batch, num_qo_heads, num_kv_heads, d, max_kv_len, max_seq_len_q, device, tuning)
         static = decode_static(dtype, d, num_qo_heads, num_kv_heads, page_size, odt, packed, batch,
                                1 if packed else seq_len_q, max_seq_len_q, max_kv_len, mask_type, window_left,
-                               self.tuning)
+                               tuning)
         launch = None
         if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             launch = K.prepared(static, device.index)  # loaded before any state changes
@@ -606,7 +609,8 @@ class BatchDecodePagedTSWrapper:
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws))
         return DecodePlan(static, device, dtype, odt, q_shape, (num_kv_heads, page_size, d), int(ids.max()),
-                          paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws, launch, self._tuning_code)
+                          paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws, launch,
+                          self._tuning_code if tuning is self.tuning else tuning.encode())
 
     def run(self, q: torch.Tensor, paged_kv_cache: KVCache, *, bmm1_scale: Optional[float] = None,
             bmm2_scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:

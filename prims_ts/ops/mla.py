@@ -534,7 +534,7 @@ class BatchMLADecodePagedTSWrapper:
         qo_indptr) in the same one copy, for its live checks. A one-shot's plan runs the shared
         prepared launch once, with a workspace of exactly what its policy needs; `launches`: its
         static key's memo of (static, shared launch, workspace bytes) by (max_kv_len,
-        max_seq_len_q)."""
+        max_seq_len_q, the split chosen by the lengths: decode.balanced_by_lengths)."""
         batch, packed, page_size, num_heads, device = a.batch, a.packed, a.page_size, a.num_heads, a.device
         max_kv_len, max_seq_len_q = a.max_kv_len, a.max_seq_len_q
         values = V.host_values(seq_lens, *((block_tables,) if one_shot else ()), *((qo_indptr,) if packed else ()))
@@ -562,25 +562,30 @@ class BatchMLADecodePagedTSWrapper:
             q_shape = (batch, max_seq_len_q, num_heads, DIM_QK)
         if a.mask_type == "causal":
             _values_causal(q_lens, lens)
-        got = launches.get((max_kv_len, max_seq_len_q)) if launches is not None else None
+        arch, sms, limit = device_limits(device)
+        tuning = K.balanced_by_lengths(self.tuning, lens, batch, 1, num_heads, max_seq_len_q, DIM_QK, max_kv_len,
+                                       sms, limit, arch)
+        memo = (max_kv_len, max_seq_len_q, tuning.balanced_split)
+        got = launches.get(memo) if launches is not None else None
         if got is None:
-            need = _workspace_bytes(batch, num_heads, max_kv_len, max_seq_len_q, device, self.tuning)
+            need = _workspace_bytes(batch, num_heads, max_kv_len, max_seq_len_q, device, tuning)
             static = _static(a.dtype, num_heads, page_size, a.out_dtype, packed, batch,
-                             1 if packed else max_seq_len_q, max_seq_len_q, max_kv_len, a.mask_type, self.tuning)
+                             1 if packed else max_seq_len_q, max_seq_len_q, max_kv_len, a.mask_type, tuning)
             launch = None
             if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
                 launch = K.prepared(static, device.index)  # loaded before any state changes
                 if one_shot:
                     need = launch.workspace_bytes
                 if launches is not None:
-                    launches.put((max_kv_len, max_seq_len_q), (static, launch, need))
+                    launches.put(memo, (static, launch, need))
         else:
             static, launch, need = got
         ws = plan_workspace(need, device)
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (block_tables, seq_lens, qo_indptr, ws))
         return MLAPlan(static, device, a.dtype, a.out_dtype, q_shape, out_shape(q_shape), page_size, block_tables,
-                       seq_lens, qo_indptr, ws, launch, self._tuning_code), values
+                       seq_lens, qo_indptr, ws, launch,
+                       self._tuning_code if tuning is self.tuning else tuning.encode()), values
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, *, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
             out: Optional[torch.Tensor] = None, validate: bool = False) -> torch.Tensor:
