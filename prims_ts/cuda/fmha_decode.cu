@@ -68,11 +68,7 @@ __device__ __forceinline__ bool merge_ticket(const DecodeParams& p, int parts, i
   __shared__ int last;
   __threadfence();  // this thread's partial stores, before the ticket
   named_bar_sync(2, THREADS);
-  if (threadIdx.x == 0) {
-    int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
-    last = atomicAdd(count, 1) == parts - 1;
-    if (last) *count = 0;
-  }
+  if (threadIdx.x == 0) last = take_ticket(p, b, hk, rt, parts);
   named_bar_sync(2, THREADS);
   if (!last) return false;
   __threadfence();  // every other split's partials, after the ticket
@@ -245,9 +241,7 @@ __device__ __noinline__ void merge_clusters(const DecodeParams& p, int b, int hk
   const int S = (int)cluster_nctarank(), rank = (int)cluster_ctarank();
   __shared__ u32 last;  // rank 0's verdict, written into every CTA of the cluster
   if (rank == 0 && threadIdx.x == 0) {
-    int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
-    const u32 v = atomicAdd(count, 1) == p.splits / S - 1;
-    if (v) *count = 0;
+    const u32 v = take_ticket(p, b, hk, rt, p.splits / S);
     for (int k = 0; k < S; ++k) st_cluster_u32(cluster_map(smem_addr(&last), (u32)k), v);
   }
   __syncwarp();
@@ -256,8 +250,8 @@ __device__ __noinline__ void merge_clusters(const DecodeParams& p, int b, int hk
   __threadfence();  // every other cluster's partials, after the ticket
   const int rows = (q_rows + S - 1) / S, r0 = min_(q_rows, rank * rows), r1 = min_(q_rows, r0 + rows);
   if (r1 > r0) {
-    const i64 first = ((i64)b * p.hkv + hk) * p.splits * p.rows_max + row0 + r0;
-    merge_parts<Cfg>(p, MergeParts::strided(p.splits / S, first, p.rows_max), b, hk, q_start, row0 + r0, r1 - r0);
+    merge_parts<Cfg>(p, MergeParts::strided(p.splits / S, decode_split_row(p, b, hk, 0, row0 + r0), p.rows_max), b,
+                     hk, q_start, row0 + r0, r1 - r0);
   }
 }
 
@@ -270,7 +264,7 @@ __device__ __forceinline__ void merge_cluster(const DecodeParams& p, const float
   const int S = (int)cluster_nctarank();  // the cluster's CTAs (2-8)
   const bool two = cluster_two_levels(p);
   // two levels: this cluster's partial rows, the static split's slot c of the row tile
-  const i64 slot0 = (((i64)b * p.hkv + hk) * p.splits + (int)blockIdx.x / S) * p.rows_max + row0;
+  const i64 slot0 = decode_split_row(p, b, hk, (int)blockIdx.x / S, row0);
   __syncwarp();  // converged for the .aligned barrier
   cluster_sync();  // every split's partials written
   const int n = q_rows * QUADS, per = (n + S - 1) / S;
@@ -551,7 +545,7 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
     const MergeParts parts =
         p.balanced > 0
             ? MergeParts{it.parts, rows * (2 * it.c0 + it.x), rows * (2 * it.c0 + 2), 2 * rows}
-            : MergeParts::strided(p.splits, ((i64)b * p.hkv + hk) * p.splits * p.rows_max + pb.row0, p.rows_max);
+            : MergeParts::strided(p.splits, decode_split_row(p, b, hk, 0, pb.row0), p.rows_max);
     merge_if_last<Cfg>(p, parts, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
   }
 }

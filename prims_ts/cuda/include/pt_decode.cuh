@@ -64,6 +64,22 @@ struct DecodeParams {
   float out_scale;
 };
 
+// Static split-KV: the workspace row (of ws_o's DV floats, ws_lse's one) of split s's row
+// `row` of (request b, K/V head hk).
+__device__ __forceinline__ i64 decode_split_row(const DecodeParams& p, int b, int hk, int s, int row) {
+  return (((i64)b * p.hkv + hk) * p.splits + s) * p.rows_max + row;
+}
+
+// A row tile's ticket, taken by one thread: true in the `parts`-th arrival, which resets the
+// counter to zero for the next launch (the workspace contract: zeroed before first use, left
+// reusable).
+__device__ __forceinline__ bool take_ticket(const DecodeParams& p, int b, int hk, int rt, int parts) {
+  int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
+  const bool last = atomicAdd(count, 1) == parts - 1;
+  if (last) *count = 0;
+  return last;
+}
+
 // Where output row rr (query token rr / group, head hk * group + rr % group) lives.
 __device__ __forceinline__ char* decode_out_row(const DecodeParams& p, int b, int hk, int q_start, int rr) {
   const int t = rr / p.group, h = hk * p.group + rr % p.group;
@@ -202,7 +218,7 @@ struct DecodeProblem {
   }
   __device__ __forceinline__ i64 partial_row(int r) const {
     if (p->balanced > 0) return (i64)split * min_(BM, p->rows_max) + r;
-    return (((i64)b * p->hkv + hk) * p->splits + split) * p->rows_max + row0 + r;
+    return decode_split_row(*p, b, hk, split, row0 + r);
   }
   // Split-KV launched as thread block clusters (fmha_decode.cu: merge_cluster; a row tile's
   // splits one cluster, or several of the same size): this CTA's partial rows [BM][DV] and
