@@ -268,9 +268,11 @@ struct TwinTile {
     if (it >= n_tiles) return;
     const u32 bytes = (u32)(bx.live * bx.rows * 128);
     const u32 dst = stage(it) + (u32)(lane * bx.rows * 128);
+    const u64 pol = l2_evict_first();  // MLA B16 H128 x1.05 on an H100 (benchmarks/NOTES.md)
     auto panel = [&](int c) {
       if (lane == 0) mbar_arrive_expect_tx(full(it, c), bytes);
-      if (lane < bx.live) tma_load_4d(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c));
+      if (lane < bx.live)
+        tma_load_4d(dst + (u32)c * KVTile::PANEL, tmk, c * 64, bx.slot, 0, bx.page, full(it, c), pol);
     };
 #pragma unroll 1
     for (int c = c0; c < c0 + n; ++c) panel(c);

@@ -197,6 +197,21 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int c0, 
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// An L2 policy under which the lines a load brings in are evicted first.
+__device__ __forceinline__ u64 l2_evict_first() {
+  u64 pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+// tma_load_4d under an L2 policy (l2_evict_first).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, u32 bar,
+                                            u64 pol) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(pol)
+      : "memory");
+}
 __device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap* map, int c0, int c1, int c2, int c3, int c4,
                                             u32 bar) {
   asm volatile(
