@@ -351,6 +351,7 @@ def test_balanced_by_lengths():
     # in three waves, ~x1.46 the balanced grid's keys a CTA)
     assert by([65536] * 2 + [4096] * 2, 4, 8, 4, 128, 65536).balanced_split
     assert by([1024], 1, 8, 4, 128, 1024) is t  # below the size floor: no balanced policy
+    assert ratio([0] * 64, 64, 8, 4, 128, 32768) == 0.0  # no keys: nothing to balance
     for fixed in (Tuning(balanced_split=False), Tuning(balanced_split=True)):
         assert by(skewed, 64, 8, 4, 128, 32768, fixed) is fixed
     # MLA: the swapped rows at the mma.sync bar; the twin's rows of 64 at its own, on sm_90a only

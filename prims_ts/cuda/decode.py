@@ -185,10 +185,12 @@ def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int) -> floa
     Balanced: the launch's keys over the slots. A uniform batch sits near 1 (wave quantisation
     aside); one long request among short ones far above it (the bench's B64 L32768+63x1024:
     ~11)."""
-    lens = lens.astype(np.int64)
+    lens = np.maximum(lens.astype(np.int64), 0)
     units = num_kv_heads * pol.row_tiles
     total = float(lens.sum()) * units
     busy = int(np.minimum(-(-lens // pol.chunk), pol.splits).sum()) * units
+    if busy == 0:  # no keys at all: nothing to balance
+        return 0.0
     static = max(min(int(lens.max()), pol.chunk), -(-busy // slots) * total / busy)
     return static / (total / slots)
 
