@@ -362,6 +362,8 @@ def test_balanced_by_lengths():
     assert by(uneven, 64, 1, 128, MLA_DIM_QK, max(uneven)) is t
     assert by(uneven, 64, 1, 128, MLA_DIM_QK, max(uneven), arch="sm_80").balanced_split
     assert by([32768] + [2048] * 31, 32, 1, 128, MLA_DIM_QK, 32768).balanced_split
+    assert ratio([65536] + [4096] * 15, 16, 1, 64, MLA_DIM_QK, 65536) > decode.RAGGED_RATIO_TWIN  # won 7%
+    assert by([65536] + [4096] * 15, 16, 1, 64, MLA_DIM_QK, 65536).balanced_split
 
 
 # ----------------------------------------------------------------------------

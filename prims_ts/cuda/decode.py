@@ -171,10 +171,10 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
 # the static split's estimated time exceeds the balanced grid's by this factor
 # (balanced_by_lengths). Balanced costs the mma.sync and swapped tiles 2-9% on uniform rows and
 # won from 1.46 up; the twin MLA tile (a CTA's fixed cost ~14 us, paid again by each item a
-# balanced CTA walks) lost 5% at 1.92 and won x2.7 at 11 (H100, benchmarks/ragged.py;
-# benchmarks/NOTES.md, "Balanced split-KV by the plan's lengths").
+# balanced CTA walks) lost 5% at 1.92 (H128) and won 7% at 2.13 (H64) and x2.7 at 11 (H100,
+# benchmarks/ragged.py; benchmarks/NOTES.md, "Balanced split-KV by the plan's lengths").
 RAGGED_RATIO = 1.25
-RAGGED_RATIO_TWIN = 3.0
+RAGGED_RATIO_TWIN = 2.0
 
 
 def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int) -> float:
@@ -185,11 +185,13 @@ def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int) -> floa
     Balanced: the launch's keys over the slots. A uniform batch sits near 1 (wave quantisation
     aside); one long request among short ones far above it (the bench's B64 L32768+63x1024:
     ~11)."""
-    lens = np.maximum(lens.astype(np.int64), 0)
+    lens = np.asarray(lens, dtype=np.int64)
     units = num_kv_heads * pol.row_tiles
     total = float(lens.sum()) * units
-    busy = int(np.minimum(-(-lens // pol.chunk), pol.splits).sum()) * units
-    if busy == 0:  # no keys at all: nothing to balance
+    # a request's busy splits: ceil(length / chunk), at most the splits (one split: any keys)
+    busy = int(np.count_nonzero(lens) if pol.splits == 1 else
+               np.minimum((lens + (pol.chunk - 1)) // pol.chunk, pol.splits).sum()) * units
+    if busy == 0 or total <= 0:  # no keys at all: nothing to balance
         return 0.0
     static = max(min(int(lens.max()), pol.chunk), -(-busy // slots) * total / busy)
     return static / (total / slots)
