@@ -100,11 +100,12 @@ for s in "${stages[@]}"; do
                 "$PY" tests/gpu_sanitize.py --mla-twin >"$OUT/twin_$tool.log" 2>&1
             echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/twin_$tool.log" | tail -1)"
         done ;;
-    balanced)  # balanced split-KV (Tuning.balanced_split, a variant): the decode and MLA grids' cells
-        # under it (split_merge "balanced": 7 CTAs at every size), then the sanitizer's decode cases
+    balanced)  # balanced split-KV (Tuning.balanced_split; plans take it for uneven lengths): the decode and MLA
+        # grids' cells under it (split_merge "balanced": 7 CTAs at every size, and the plans' choice:
+        # test_plan_balances_uneven_lengths), then the sanitizer's decode cases
         # (its balanced pass among them) under memcheck and racecheck
-        echo "== tests/test_decode_cuda.py tests/test_mla_cuda.py -k balanced"
-        timeout "$(tl 280)" "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py -q -m cuda -rs -k balanced \
+        echo "== tests/test_decode_cuda.py tests/test_mla_cuda.py -k balance"
+        timeout "$(tl 280)" "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py -q -m cuda -rs -k balance \
             --maxfail=20 -p no:cacheprovider "${XDIST[@]}" >"$OUT/balanced.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/balanced.log")"
         for tool in memcheck racecheck; do

@@ -3,7 +3,7 @@ decode over batches whose requests differ in length, each under the static split
 (``balanced_split=False``), balanced split-KV (``True``) and the default (None: a plan balances
 where ``decode.balanced_by_lengths`` finds the lengths uneven), in one process, with the ratio
 that decides (``decode.ragged_ratio``: the static split's estimated time over the balanced
-grid's; ``RAGGED_RATIO`` the threshold).
+grid's; ``RAGGED_RATIO`` the threshold, ``RAGGED_RATIO_TWIN`` the twin MLA tile's).
 
     python benchmarks/ragged.py [--rows "decode B64 32768x1+1024x63" "mla16 B32 rand8192" ...]
         [--tunings "balanced_split=False" "balanced_split=True" "" "balanced_split=False"]

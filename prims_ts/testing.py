@@ -175,6 +175,23 @@ def reference_must_not_run(*names: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def chosen_splits() -> Iterator[list]:
+    """Within the block, the Tuning that each decode or MLA plan resolved by its lengths
+    (``prims_ts.cuda.decode.balanced_by_lengths``'s results), in call order."""
+    from .cuda import decode as cuda_decode
+
+    got: list = []
+    real = cuda_decode.balanced_by_lengths
+
+    def record(*args, **kwargs):
+        got.append(real(*args, **kwargs))
+        return got[-1]
+
+    with mock.patch.object(cuda_decode, "balanced_by_lengths", record):
+        yield got
+
+
 class OpRecorder:
     """Stands in for ``torch.ops.prims_ts.<op>`` and ``<op>_out``: records each call's name
     and arguments, launches nothing (the functional form returns an empty output shaped

@@ -76,7 +76,7 @@ def _sm90(dev) -> bool:
 
 def _policy(dev, batch, hkv, group, max_sq, d, max_seq_len, tuning=None):
     """The decode policy on `dev` (the CPU: the nominal H200's SMs and shared memory): the static
-    one, or the one a plan with `tuning` takes (balanced split-KV)."""
+    one, or the one a plan launching `tuning` takes (its plan's, balanced by its lengths or not)."""
     _, sms, limit = device_limits(dev)
     balance = balances(tuning) if tuning is not None else 0
     return decode_policy(batch, hkv, group, max_sq, d, max_seq_len, sms, limit, balance)
@@ -165,7 +165,7 @@ def decode_case(dev, name, qmode, sq, mask, window, d, hq, hkv, ps, form, lens, 
                max_kv_len=max_seq_len, **kw)  # the standalone's static problem: the same policy
         launch = w._plan.launch
         if launch is not None:
-            planned = _policy(dev, B, hkv, hq // hkv, max_sq, d, max_seq_len, tuning)
+            planned = _policy(dev, B, hkv, hq // hkv, max_sq, d, max_seq_len, w._plan.static.tuning)
             check_launch_policy(launch, planned)
             clustered = "cluster" in name and _sm90(dev) and tuning.cluster_merge and not planned.balanced
             assert (launch.launch.cluster > 1) == clustered, name
@@ -262,7 +262,7 @@ def mla_case(dev, name, qmode, sq, mask, h, ps, rank, lens, max_seq_len, split, 
         w.plan(table, seq_lens, h, 512, 64, ps, q_data_type=dt, mask_type=mask, max_kv_len=max_seq_len, **mode)
         launch = w._plan.launch
         if launch is not None:
-            planned = _policy(dev, B, 1, h, max_sq, MLA_DIM_QK, max_seq_len, tuning)
+            planned = _policy(dev, B, 1, h, max_sq, MLA_DIM_QK, max_seq_len, w._plan.static.tuning)
             check_launch_policy(launch, planned)
             clustered = "cluster" in name and _sm90(dev) and tuning.cluster_merge and not planned.balanced
             assert (launch.launch.cluster > 1) == clustered, name

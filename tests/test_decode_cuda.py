@@ -45,8 +45,8 @@ from prims_ts import (
 from prims_ts import reference as R
 from prims_ts.cuda.decode import DecodeKey, PreparedDecode, balanced_by_lengths, balances, decode_policy
 from prims_ts.cuda.keys import DTYPE_CODES, device_limits
-from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
-                              merged_in_cluster, reference_must_not_run, rel_err, stable_seed)
+from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, chosen_splits,
+                              cumsum0, merged_in_cluster, reference_must_not_run, rel_err, stable_seed)
 
 pytestmark = pytest.mark.cuda
 
@@ -416,8 +416,10 @@ def test_plan_balances_uneven_lengths(mask, window):
         assert bool(plan.static.tuning.balanced_split) == balanced
         if plan.launch is not None:
             assert plan.launch.key.balanced == balanced and (plan.launch.policy.balanced > 0) == balanced
-        one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.wr_indptr, pb.wr_indices, pb.last,
-                                               mask_type=mask, window_left=window)
+        with chosen_splits() as got:
+            one = batch_decode_with_paged_kv_cache(pb.q, pb.cache, pb.wr_indptr, pb.wr_indices, pb.last,
+                                                   mask_type=mask, window_left=window)
+        assert [bool(t.balanced_split) for t in got] == [balanced]  # the one-shot's plan chose alike
         sync()
         compare(pb, [("one-shot", one)], ref, TOLERANCE[BF16])
 

@@ -40,12 +40,13 @@ def _zero(t) -> bool:
     return bool((t == 0).all())
 
 
-# Decode and MLA wrappers: the default tuning, and balanced split-KV (over 7 CTAs, so that the
-# small problems cut their units into parts). Under the latter the key tiles are shared out by
-# every request's length, so a corrupt length re-cuts the other requests' ranges and their
-# partials' rounding: their rows then match the good run within bf16 rounding, not bit for bit
-# (the rows the contract names are zeros either way).
-TUNINGS = {"default": prims_ts.Tuning(), "balanced": prims_ts.Tuning(balanced_split=True, balanced_ctas=7)}
+# Decode and MLA wrappers: the static split (never balanced by the plan's lengths), and balanced
+# split-KV (over 7 CTAs, so that the small problems cut their units into parts). Under the latter
+# the key tiles are shared out by every request's length, so a corrupt length re-cuts the other
+# requests' ranges and their partials' rounding: their rows then match the good run within bf16
+# rounding, not bit for bit (the rows the contract names are zeros either way).
+TUNINGS = {"static": prims_ts.Tuning(balanced_split=False),
+           "balanced": prims_ts.Tuning(balanced_split=True, balanced_ctas=7)}
 
 
 def _same(a, b, tuning) -> bool:

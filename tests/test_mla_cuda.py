@@ -50,8 +50,8 @@ from prims_ts import reference as R
 from prims_ts.cuda.decode import (MLA_DIM_QK, DecodeKey, PreparedDecode, balanced_by_lengths, balances,
                                    decode_policy)
 from prims_ts.cuda.keys import DTYPE_CODES, device_limits
-from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, cumsum0,
-                              merged_in_cluster, on_sm90_gpu, reference_must_not_run, rel_err, stable_seed)
+from prims_ts.testing import (TOLERANCE, assign_pages, check_decode_cluster, check_decode_workspace, chosen_splits,
+                              cumsum0, merged_in_cluster, on_sm90_gpu, reference_must_not_run, rel_err, stable_seed)
 
 pytestmark = pytest.mark.cuda
 
@@ -561,7 +561,10 @@ def test_plan_balances_uneven_lengths(h):
         assert bool(plan.static.tuning.balanced_split) == balanced
         if plan.launch is not None:
             assert plan.launch.key.balanced == balanced and (plan.launch.policy.balanced > 0) == balanced
-        one = batch_mla_decode_with_paged_kv_cache(pb.q, pb.cache, pb.block_tables, pb.seq_lens, bmm1_scale=SCALE)
+        with chosen_splits() as got:
+            one = batch_mla_decode_with_paged_kv_cache(pb.q, pb.cache, pb.block_tables, pb.seq_lens,
+                                                       bmm1_scale=SCALE)
+        assert [bool(t.balanced_split) for t in got] == [balanced]  # the one-shot's plan chose alike
         sync()
         compare(pb, [("one-shot", one)], ref, TOLERANCE[BF16])
 

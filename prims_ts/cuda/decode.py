@@ -203,10 +203,14 @@ def balanced_by_lengths(tuning: Tuning, lens, batch: int, num_kv_heads: int, gro
     """`tuning` as a plan launches it on `arch`, given the requests' K/V lengths `lens` (a NumPy
     vector): where Tuning.balanced_split is None (the default), with balanced split-KV where the
     balanced policy applies and `ragged_ratio` exceeds RAGGED_RATIO (RAGGED_RATIO_TWIN for the
-    twin MLA tile); otherwise `tuning` itself (the static split, as where no lengths are known)."""
+    twin MLA tile); otherwise `tuning` itself (the static split, as where no lengths are known).
+    The lengths are weighed whole: a causal window's requests stream fewer keys than the ratio
+    counts (balanced split-KV weighs only the window's tiles), so a windowed batch may balance
+    where its lengths alone are uneven."""
     if tuning.balanced_split is not None:
         return tuning
-    bal = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count, smem_limit, -1)
+    bal = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count, smem_limit,
+                        tuning.balanced_ctas or -1)  # the grid a balanced launch of `tuning` takes
     if not bal.balanced:
         return tuning
     pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count, smem_limit)
