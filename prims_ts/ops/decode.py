@@ -207,6 +207,16 @@ def _workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, max_seq_len, m
                                              limit, balance))
 
 
+def planned_tuning(tuning: Tuning, code: str, lens, device, batch: int, num_kv_heads: int, group: int,
+                   max_seq_len_q: int, head_dim: int, max_seq_len: int) -> Tuple[Tuning, str]:
+    """A decode-shaped plan's tuning and its op code (`code`: `tuning`'s): `tuning` with the
+    split-KV that the requests' lengths `lens` choose (cuda.decode.balanced_by_lengths)."""
+    arch, sms, limit = device_limits(device)
+    got = K.balanced_by_lengths(tuning, lens, batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sms,
+                                limit, arch)
+    return (tuning, code) if got is tuning else (got, got.encode())
+
+
 def check_dtypes(q_dtype, kv_dtype, out_dtype, names=("q_data_type", "kv_data_type", "o_data_type")):
     """A plan's dtypes: the query's (fp16/bf16), the cache's (the query's: prims_ts reads one dtype),
     the output's (fp16/bf16/fp32; default the query's). Returns (dtype, out dtype)."""
@@ -592,9 +602,8 @@ class BatchDecodePagedTSWrapper:
                 b = V.first(bad)
                 V.fail(f"paged_kv_last_page_len: causal decode requires every per-request Q length to be no greater "
                        f"than its K/V length; request {b} has Q={int(q_lens[b])} and K/V={int(lens[b])}")
-        arch, sms, limit = device_limits(device)
-        tuning = K.balanced_by_lengths(self.tuning, lens, batch, num_kv_heads, num_qo_heads // num_kv_heads,
-                                       max_seq_len_q, d, max_kv_len, sms, limit, arch)
+        tuning, code = planned_tuning(self.tuning, self._tuning_code, lens, device, batch, num_kv_heads,
+                                      num_qo_heads // num_kv_heads, max_seq_len_q, d, max_kv_len)
         need = _workspace_bytes(batch, num_qo_heads, num_kv_heads, d, max_kv_len, max_seq_len_q, device, tuning)
         static = decode_static(dtype, d, num_qo_heads, num_kv_heads, page_size, odt, packed, batch,
                                1 if packed else seq_len_q, max_seq_len_q, max_kv_len, mask_type, window_left,
@@ -609,8 +618,7 @@ class BatchDecodePagedTSWrapper:
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws))
         return DecodePlan(static, device, dtype, odt, q_shape, (num_kv_heads, page_size, d), int(ids.max()),
-                          paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws, launch,
-                          self._tuning_code if tuning is self.tuning else tuning.encode())
+                          paged_kv_indptr, paged_kv_indices, seq_lens, qo_indptr, ws, launch, code)
 
     def run(self, q: torch.Tensor, paged_kv_cache: KVCache, *, bmm1_scale: Optional[float] = None,
             bmm2_scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..cuda.keys import DEFAULT_TUNING, BoundedMemo, Tuning, device_limits
 from . import _dispatch
 from . import _validate as V
 from .decode import (WORKSPACE_DTYPES, Standalone, _check_page_size, _workspace, check_dtypes, decode_static,
-                     operands, plan_workspace, rerun_roles)
+                     operands, plan_workspace, planned_tuning, rerun_roles)
 from .prefill_paged import PAGE_SIZES
 
 MASKS = ("dense", "causal")
@@ -562,9 +562,8 @@ class BatchMLADecodePagedTSWrapper:
             q_shape = (batch, max_seq_len_q, num_heads, DIM_QK)
         if a.mask_type == "causal":
             _values_causal(q_lens, lens)
-        arch, sms, limit = device_limits(device)
-        tuning = K.balanced_by_lengths(self.tuning, lens, batch, 1, num_heads, max_seq_len_q, DIM_QK, max_kv_len,
-                                       sms, limit, arch)
+        tuning, code = planned_tuning(self.tuning, self._tuning_code, lens, device, batch, 1, num_heads,
+                                      max_seq_len_q, DIM_QK, max_kv_len)
         memo = (max_kv_len, max_seq_len_q, tuning.balanced_split)
         got = launches.get(memo) if launches is not None else None
         if got is None:
@@ -584,8 +583,7 @@ class BatchMLADecodePagedTSWrapper:
         if launch is not None and not one_shot:
             launch = _dispatch.plan_launch(launch, (block_tables, seq_lens, qo_indptr, ws))
         return MLAPlan(static, device, a.dtype, a.out_dtype, q_shape, out_shape(q_shape), page_size, block_tables,
-                       seq_lens, qo_indptr, ws, launch,
-                       self._tuning_code if tuning is self.tuning else tuning.encode()), values
+                       seq_lens, qo_indptr, ws, launch, code), values
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, *, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
             out: Optional[torch.Tensor] = None, validate: bool = False) -> torch.Tensor:
