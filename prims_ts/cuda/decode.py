@@ -170,9 +170,11 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
 # A plan that read its requests' lengths balances split-KV (Tuning.balanced_split None) where
 # the static split's estimated time exceeds the balanced grid's by this factor
 # (balanced_by_lengths). Balanced costs the mma.sync and swapped tiles 2-9% on uniform rows and
-# won from 1.46 up; the twin MLA tile (a CTA's fixed cost ~14 us, paid again by each item a
-# balanced CTA walks) lost 5% at 1.92 (H128) and won 7% at 2.13 (H64) and x2.7 at 11 (H100,
-# benchmarks/ragged.py; benchmarks/NOTES.md, "Balanced split-KV by the plan's lengths").
+# won from 1.46 up; the twin MLA tile lost 5% at 1.92 (H128) and won 7% at 2.13 (H64) and x2.7
+# at 11 (H100, benchmarks/ragged.py; benchmarks/NOTES.md, "Balanced split-KV by the plan's
+# lengths"): the balanced walk runs a request's two row tiles of H128 apart, so DRAM streams
+# its latent twice (benchmarks/NOTES.md, "The twin's item edges, and why balanced split-KV
+# loses on H128").
 RAGGED_RATIO = 1.25
 RAGGED_RATIO_TWIN = 2.0
 
