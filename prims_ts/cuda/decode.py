@@ -161,7 +161,9 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
         # arithmetic stays inside int64
         fits = min(smem, twin_smem_bytes(head_dim)) if head_dim == MLA_DIM_QK else smem
         big = balance > 0 or total >= BALANCED_MIN_TILES_PER_SLOT * g
-        if big and min(bm, rows_max) * g * 4 + 256 <= fits and total * g < 2 ** 62:
+        # the CTAs walk in groups of row_tiles, a group's CTAs the same keys (fmha_decode.cu:
+        # DecodeWalk): at least one whole group
+        if big and g >= row_tiles and min(bm, rows_max) * g * 4 + 256 <= fits and total * g < 2 ** 62:
             return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, 1, tiles * bn, g)
     splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, split_chunk(tiles, splits, bn))

@@ -50,8 +50,9 @@ namespace pt {
 // shared memory. Many rows (MLA's 64) take one lane and several passes.
 // The partials a merge reads: part s's first row (of DV floats) in the workspace. Static
 // split-KV: the tile's rows of split s, rows_max apart. Balanced split-KV: the parts are the
-// slots of consecutive CTAs, two slots a CTA, part 0 one slot off the others' stride where
-// the unit is its CTA's last item, not its first (DecodeWalk).
+// slots of the row tile's CTAs in consecutive groups (row_tiles CTAs apart), two slots a CTA,
+// part 0 one slot off the others' stride where the unit is its CTA's last item, not its first
+// (DecodeWalk).
 struct MergeParts {
   int count;
   i64 first, second, step;  // part 0's row, part 1's row, rows from part s to s + 1 (s >= 1)
@@ -333,30 +334,39 @@ struct DecodeTmaParams {
 // One work item of a CTA: request b, K/V head hk, row tile rt, keys [begin, end) (clipped to
 // the request's length), and where its output goes: slot < 0 the output rows; else partials
 // (the static split's index, or a balanced slot), merged once every part of the unit arrived.
-// parts, c0, x: a balanced partial's unit (its part count, first CTA and part 0's slot offset).
+// parts, c0, x: a balanced partial's unit (its part count, first group and part 0's slot offset).
 struct DecodeItem {
   int b, hk, rt, begin, end, slot, parts, c0, x;
 };
 
 // Balanced split-KV (DecodeParams::balanced = G > 0; the balanced keys, Tuning.balanced_split).
-// The units (request b, K/V head, row tile), in that order, weigh W(b) key tiles each: the
-// request's length in BN tiles (1 where it is empty or past the plan's capacity: the unit is
-// still written), from the first one a causal window lets its rows see (unit_span). Every CTA
-// scans the weights (the same sums everywhere: the metadata do not change under a launch);
-// CTA c takes the global tiles [c T / G', (c + 1) T / G'), T the total and
-// G' = min(G, T) (so that no range is empty: the CTAs past G' leave at once), and walks the
-// items its range's unit boundaries cut. An item holding its whole unit writes the output
-// rows; a cut one (only a CTA's first and last can be) leaves partials in the CTA's slot 2c
-// (its first item) or 2c + 1 (its last), and the unit's last part to arrive merges them. The
-// parts of a unit are the consecutive CTAs cta(first tile) .. cta(last tile), cta(v) =
-// floor(((v + 1) G' - 1) / T): part s >= 1 holds the unit as its CTA's first item (slot
-// 2 (c0 + s)), part 0 as its first or, where its range began before the unit, its last (x).
-// Thread 0 walks the range in shared memory (the items double-buffered behind the CTA barrier
-// that starts each item), so no walk state is live in registers across the core.
+// The CTAs form groups of R = row_tiles (CTA c: group c / R, row tile c % R; the G mod R CTAs
+// past the last whole group leave at once), and a group's CTAs walk the same keys, each its
+// own row tile: a request's row tiles read the same pages at the same time, so DRAM streams
+// them once (a walk over (request, head, row tile) units read them twice: the twin at H128 x
+// 0.60, benchmarks/NOTES.md). The units (request b, K/V head), in that order, weigh W(b) key
+// tiles each: the request's length in BN tiles (1 where it is empty or past the plan's
+// capacity: the unit is still written), from the first one a causal window lets its rows see
+// (unit_span). Every CTA scans the weights (the same sums everywhere: the metadata do not
+// change under a launch); group k takes the global tiles [k T / G', (k + 1) T / G'), T the
+// total and G' = min(G / R, T) (so that no range is empty: the groups past G' leave at once),
+// and walks the items its range's unit boundaries cut. An item holding its whole unit writes
+// the output rows; a cut one (only a range's first and last can be) leaves partials in the
+// CTA's slot 2c (its first item) or 2c + 1 (its last), and the row tile's last part to arrive
+// merges them. The parts of a unit are the consecutive groups grp(first tile) .. grp(last
+// tile), grp(v) = floor(((v + 1) G' - 1) / T), each the row tile's CTA of its group: part
+// s >= 1 holds the unit as its CTA's first item (slot 2 ((k0 + s) R + rt)), part 0 as its first
+// or, where its range began before the unit, its last (x). Thread 0 walks the range in shared
+// memory (the items double-buffered behind the CTA barrier that starts each item), so no walk
+// state is live in registers across the core.
 struct DecodeWalk {
   i64 pos, t1, total, sreq;  // next tile; the range's end; the tile total; request b's first tile
   int b, wb, wf, g;          // the current request, its units' weight and first key tile, G'
 };
+
+// This CTA's group and row tile under balanced split-KV (DecodeWalk)
+__device__ __forceinline__ int walk_group(const DecodeParams& p) { return (int)blockIdx.x / p.row_tiles; }
+__device__ __forceinline__ int walk_row_tile(const DecodeParams& p) { return (int)blockIdx.x % p.row_tiles; }
 
 // The key tiles of each unit of request b: `weight` of its BN tiles from tile `first`. Its
 // length (one tile where it is empty or past the plan's capacity: the unit is still written),
@@ -379,9 +389,9 @@ __device__ __forceinline__ UnitSpan unit_span(const DecodeParams& p, int b) {
   return UnitSpan{first, (sk + BN - 1) / BN - first};
 }
 
-// CTA c's first global tile, and the CTA whose range holds tile v
-__device__ __forceinline__ i64 walk_first(int c, i64 total, int g) { return (i64)c * total / g; }
-__device__ __forceinline__ int walk_cta(i64 v, i64 total, int g) { return (int)(((v + 1) * g - 1) / total); }
+// Group k's first global tile, and the group whose range holds tile v
+__device__ __forceinline__ i64 walk_first(int k, i64 total, int g) { return (i64)k * total / g; }
+__device__ __forceinline__ int walk_grp(i64 v, i64 total, int g) { return (int)(((v + 1) * g - 1) / total); }
 
 // Thread 0: the walk's next item into `it` (b = -1: the range is done).
 template <int BN, bool CAUSAL>
@@ -390,22 +400,22 @@ __device__ __forceinline__ void walk_next(const DecodeParams& p, DecodeWalk& w, 
     it.b = -1;
     return;
   }
-  const int units = p.hkv * p.row_tiles, c = (int)blockIdx.x;
-  const int j = (int)((w.pos - w.sreq) / w.wb);  // the unit within request b
+  const int units = p.hkv;
+  const int j = (int)((w.pos - w.sreq) / w.wb);  // the unit (K/V head) within request b
   const i64 su = w.sreq + (i64)j * w.wb, eu = su + w.wb;
   const int a = (int)(w.pos - su), e = (int)(min_(w.t1, eu) - su);
-  const bool first = w.pos == walk_first(c, w.total, w.g);
+  const bool first = w.pos == walk_first(walk_group(p), w.total, w.g);
   it.b = w.b;
-  it.hk = j / p.row_tiles;
-  it.rt = j % p.row_tiles;
+  it.hk = j;
+  it.rt = walk_row_tile(p);
   it.begin = (w.wf + a) * BN;
   it.end = (w.wf + e) * BN;
   if (a == 0 && e == w.wb) {
     it.slot = -1;
   } else {
-    it.slot = 2 * c + (first ? 0 : 1);
-    it.c0 = walk_cta(su, w.total, w.g);
-    it.parts = walk_cta(eu - 1, w.total, w.g) - it.c0 + 1;
+    it.slot = 2 * (int)blockIdx.x + (first ? 0 : 1);
+    it.c0 = walk_grp(su, w.total, w.g);
+    it.parts = walk_grp(eu - 1, w.total, w.g) - it.c0 + 1;
     it.x = walk_first(it.c0, w.total, w.g) != su;
   }
   w.pos = su + e;
@@ -419,14 +429,15 @@ __device__ __forceinline__ void walk_next(const DecodeParams& p, DecodeWalk& w, 
   }
 }
 
-// Every thread of the CTA: the tile total, this CTA's range and the request holding its first
-// tile (a scan of the requests' weights, each thread a run of consecutive requests), into
-// thread 0's walk with the first item. False: no range (a CTA past G').
+// Every thread of the CTA: the tile total, this CTA's group's range and the request holding its
+// first tile (a scan of the requests' weights, each thread a run of consecutive requests), into
+// thread 0's walk with the first item. False: no range (a CTA past the whole groups, or a group
+// past G').
 template <class Cfg, bool CAUSAL>
 __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch, DecodeWalk& w, DecodeItem& it) {
   constexpr int NT = Cfg::LAUNCH_THREADS, NW = NT / 32, BN = Cfg::BN;
   i64* wsum = reinterpret_cast<i64*>(scratch);  // [NW] the warps' sums
-  const int units = p.hkv * p.row_tiles, B = p.batch;
+  const int units = p.hkv, B = p.batch;
   const int per = (B + NT - 1) / NT, b0 = min_(B, (int)threadIdx.x * per), b1 = min_(B, b0 + per);
   i64 mine = 0;
   for (int i = b0; i < b1; ++i) mine += unit_span<BN, CAUSAL>(p, i).weight;
@@ -447,9 +458,9 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
     all += x;
   }
   const i64 total = all * units;  // >= B * units >= 1
-  const int g = (int)min_((i64)gridDim.x, total);
-  if ((int)blockIdx.x >= g) return false;  // the same in every thread
-  const i64 t0 = walk_first(blockIdx.x, total, g);
+  const int g = (int)min_((i64)gridDim.x / p.row_tiles, total), k = walk_group(p);
+  if (k >= g) return false;  // the same in every thread (g >= 1: the plan's G >= row_tiles)
+  const i64 t0 = walk_first(k, total, g);
   const i64 s0 = (before + incl - mine) * units;  // the first tile of request b0
   if (s0 <= t0 && t0 < s0 + mine * units) {       // this thread's requests hold tile t0
     i64 s = s0;
@@ -466,7 +477,7 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
   __syncthreads();
   if (threadIdx.x == 0) {
     w.pos = t0;
-    w.t1 = walk_first(blockIdx.x + 1, total, g);
+    w.t1 = walk_first(k + 1, total, g);
     w.total = total;
     w.g = g;
     const UnitSpan u = unit_span<BN, CAUSAL>(p, w.b);
@@ -541,10 +552,11 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
     if constexpr (CLUSTER_FITS) merge_cluster<Cfg>(p, pb.cluster_part(), b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
 #endif
   } else if (it.slot >= 0) {
-    const i64 rows = min_(BM, p.rows_max);  // a balanced slot's rows
+    const i64 rows = min_(BM, p.rows_max), R = p.row_tiles;  // a balanced slot's rows; CTAs a group
     const MergeParts parts =
         p.balanced > 0
-            ? MergeParts{it.parts, rows * (2 * it.c0 + it.x), rows * (2 * it.c0 + 2), 2 * rows}
+            ? MergeParts{it.parts, rows * (2 * (it.c0 * R + rt) + it.x), rows * (2 * ((it.c0 + 1) * R + rt)),
+                         2 * R * rows}
             : MergeParts::strided(p.splits, decode_split_row(p, b, hk, 0, pb.row0), p.rows_max);
     merge_if_last<Cfg>(p, parts, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
   }
