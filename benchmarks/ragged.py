@@ -33,8 +33,10 @@ ROWS = [
     "decode B256 rand4096", "decode B4 65536x2+4096x2",
     "mla16 B64 32768x1+2048x63", "mla16 B32 rand16384", "mla64 B16 65536x1+4096x15",
     "mla128 B32 32768x1+2048x31", "mla128 B64 rand8192",
-    # the twin at H128 around its bar (RAGGED_RATIO_TWIN): ratios 1.46, 1.83, 2.36, 3.0 on 132 SMs
-    "mla128 B64 6144x8+4096x56", "mla128 B64 8192x8+4096x56", "mla128 B64 8192x16+2048x48",
+    # the twin at H128 around its bar (RAGGED_RATIO_TWIN): ratios 1.38, 1.46, 1.65, 1.65, 1.83,
+    # 2.36, 3.0 on 132 SMs
+    "mla128 B64 6144x16+4096x48", "mla128 B64 6144x8+4096x56", "mla128 B64 7168x8+4096x56",
+    "mla128 B64 4096x16+2048x48", "mla128 B64 8192x8+4096x56", "mla128 B64 8192x16+2048x48",
     "mla128 B64 8192x8+2048x56",
 ]
 

@@ -356,14 +356,17 @@ def test_balanced_by_lengths():
         assert by(skewed, 64, 8, 4, 128, 32768, fixed) is fixed
     # MLA: the swapped rows at the mma.sync bar; the twin's rows of 64 at its own, on sm_90a only
     assert by([8192] + [100] * 15, 16, 1, 16, MLA_DIM_QK, 8192).balanced_split
-    uneven = [int(x) for x in np.random.default_rng(7).integers(1, 8193, size=64)]
-    r = ratio(uneven, 64, 1, 128, MLA_DIM_QK, max(uneven))
+    near = [6144] * 8 + [4096] * 56  # benchmarks/ragged.py's H128 row at 1.46: balanced lost 4%
+    r = ratio(near, 64, 1, 128, MLA_DIM_QK, 6144)
     assert decode.RAGGED_RATIO < r < decode.RAGGED_RATIO_TWIN
-    assert by(uneven, 64, 1, 128, MLA_DIM_QK, max(uneven)) is t
-    assert by(uneven, 64, 1, 128, MLA_DIM_QK, max(uneven), arch="sm_80").balanced_split
-    assert by([32768] + [2048] * 31, 32, 1, 128, MLA_DIM_QK, 32768).balanced_split
-    assert ratio([65536] + [4096] * 15, 16, 1, 64, MLA_DIM_QK, 65536) > decode.RAGGED_RATIO_TWIN  # won 7%
-    assert by([65536] + [4096] * 15, 16, 1, 64, MLA_DIM_QK, 65536).balanced_split
+    assert by(near, 64, 1, 128, MLA_DIM_QK, 6144) is t
+    assert by(near, 64, 1, 128, MLA_DIM_QK, 6144, arch="sm_80").balanced_split
+    for lens in ([8192] * 8 + [4096] * 56,  # 1.83: won 18%
+                 [int(x) for x in np.random.default_rng(7).integers(1, 8193, size=64)],  # 1.92: won 11%
+                 [8192] * 16 + [2048] * 48):  # 2.36: won 35%
+        assert ratio(lens, 64, 1, 128, MLA_DIM_QK, max(lens)) > decode.RAGGED_RATIO_TWIN
+        assert by(lens, 64, 1, 128, MLA_DIM_QK, max(lens)).balanced_split
+    assert by([32768] + [2048] * 31, 32, 1, 128, MLA_DIM_QK, 32768).balanced_split  # 11: x2.9
 
 
 # ----------------------------------------------------------------------------

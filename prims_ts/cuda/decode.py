@@ -172,13 +172,13 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
 # A plan that read its requests' lengths balances split-KV (Tuning.balanced_split None) where
 # the static split's estimated time exceeds the balanced grid's by this factor
 # (balanced_by_lengths). Balanced costs the mma.sync and swapped tiles 2-9% on uniform rows and
-# won from 1.46 up; the twin MLA tile lost 5% at 1.92 (H128) and won 7% at 2.13 (H64) and x2.7
-# at 11 (H100, benchmarks/ragged.py; benchmarks/NOTES.md, "Balanced split-KV by the plan's
-# lengths"): the balanced walk runs a request's two row tiles of H128 apart, so DRAM streams
-# its latent twice (benchmarks/NOTES.md, "The twin's item edges, and why balanced split-KV
-# loses on H128").
+# won from 1.46 up. The twin MLA tile (its balanced CTAs in groups of row tiles, fmha_decode.cu:
+# DecodeWalk) lost 4% at 1.46 and won 11-18% at 1.83-1.92, 35% at 2.36 and x2.9 at 11 on H128
+# rows (H100, benchmarks/ragged.py; benchmarks/NOTES.md, "The balanced walk in row-tile
+# groups"); one H64 row, one request of 65536 among 15 of 4096 (2.13), lost 7%: its merge of
+# ~68 parts is a cost the ratio does not count.
 RAGGED_RATIO = 1.25
-RAGGED_RATIO_TWIN = 2.0
+RAGGED_RATIO_TWIN = 1.6
 
 
 def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int) -> float:
