@@ -167,17 +167,20 @@ def test_mla_twin_tile_key(heads, sq):
 # ----------------------------------------------------------------------------
 
 
-def _walk_items(weights, units, grid, threads=128):
-    """The items every CTA of a balanced launch walks: weights[b] tiles per unit of request b,
-    `units` units a request, `grid` CTAs (each scanning with `threads` threads, each a run of
-    consecutive requests). Returns [(cta, b, j, a, e, slot, c0, parts, x)]."""
-    B = len(weights)
+def _walk_items(weights, units, grid, threads=128, row_tiles=1):
+    """The items every CTA of a balanced launch walks: weights[b] tiles per unit (K/V head) of
+    request b, `units` units a request, `grid` CTAs in groups of `row_tiles` (CTA c: group
+    c // row_tiles, row tile c % row_tiles; a group's CTAs walk the same tiles; each CTA scans
+    with `threads` threads, each a run of consecutive requests). Returns [(cta, b, j, rt, a, e,
+    slot, c0, parts, x)], c0 the unit's first group."""
+    B, R = len(weights), row_tiles
     total = units * sum(weights)
-    g = min(grid, total)
+    g = min(grid // R, total)
     per = -(-B // threads)
     items = []
-    for c in range(g):
-        t0, t1 = c * total // g, (c + 1) * total // g
+    for c in range(g * R):  # the CTAs past the whole groups, and the groups past G', leave
+        k, rt = c // R, c % R
+        t0, t1 = k * total // g, (k + 1) * total // g
         found = []
         for tid in range(threads):  # the scan's finder: the thread whose run holds tile t0
             b0, b1 = min(B, tid * per), min(B, min(B, tid * per) + per)
@@ -200,12 +203,12 @@ def _walk_items(weights, units, grid, threads=128):
             a, e = pos - su, min(t1, eu) - su
             slot = c0 = parts = x = None
             if not (a == 0 and e == wb):
-                first = pos == c * total // g
+                first = pos == k * total // g
                 slot = 2 * c + (0 if first else 1)
                 c0 = ((su + 1) * g - 1) // total
                 parts = ((eu - 1 + 1) * g - 1) // total - c0 + 1
                 x = int(c0 * total // g != su)
-            items.append((c, b, j, a, e, slot, c0, parts, x))
+            items.append((c, b, j, rt, a, e, slot, c0, parts, x))
             pos = su + e
             if j + 1 == units and pos < t1:
                 sreq = eu
@@ -217,10 +220,11 @@ def _walk_items(weights, units, grid, threads=128):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_balanced_walk_covers_each_tile_once(seed):
-    """The balanced walk's items cover every unit's key tiles exactly once; an item holding a
-    whole unit writes the output rows; a cut unit's items are its parts c0 .. c0 + parts - 1
-    (consecutive CTAs, at least two), each at the slot its merger reads (part 0 at 2 c0 + x,
-    part s at 2 (c0 + s)), no slot written twice; fewer tiles than CTAs leave the rest idle."""
+    """The balanced walk's items cover every unit's key tiles exactly once for each row tile; an
+    item holding a whole unit writes the output rows; a cut unit's items of a row tile are its
+    parts in groups c0 .. c0 + parts - 1 (consecutive groups, at least two), each at the slot its
+    merger reads (part 0 at 2 (c0 R + rt) + x, part s at 2 ((c0 + s) R + rt)), no slot written
+    twice; fewer tiles than groups leave the rest idle."""
     rng = np.random.default_rng(seed)
     B = int(rng.integers(1, 300))
     units = int(rng.choice([1, 2, 8, 16]))
@@ -235,19 +239,20 @@ def test_balanced_walk_covers_each_tile_once(seed):
     else:
         weights = [int(rng.integers(1, 5000)) for _ in range(B)]
     grid = int(rng.choice([1, 5, 7, 132, 264, 1000]))
-    items = _walk_items(weights, units, grid, threads=int(rng.choice([128, 256])))
+    R = 1 if seed < 20 else int(rng.choice([r for r in (2, 4, 8) if r <= grid] or [1]))
+    items = _walk_items(weights, units, grid, threads=int(rng.choice([128, 256])), row_tiles=R)
     total = units * sum(weights)
-    assert len({it[0] for it in items}) == min(grid, total)  # every CTA of G' has an item
+    assert len({it[0] for it in items}) == min(grid // R, total) * R  # every CTA of G' groups has an item
     cover = {}
     slots = set()
-    for c, b, j, a, e, slot, c0, parts, x in items:
-        assert 0 <= j < units and 0 <= a < e <= weights[b]
-        cover.setdefault((b, j), []).append((a, e, c, slot, c0, parts, x))
+    for c, b, j, rt, a, e, slot, c0, parts, x in items:
+        assert 0 <= j < units and 0 <= a < e <= weights[b] and rt == c % R
+        cover.setdefault((b, j, rt), []).append((a, e, c, slot, c0, parts, x))
         if slot is not None:
             assert slot not in slots
             slots.add(slot)
-    assert len(cover) == B * units
-    for (b, j), pieces in cover.items():
+    assert len(cover) == B * units * R
+    for (b, j, rt), pieces in cover.items():
         pieces.sort()
         assert pieces[0][0] == 0 and pieces[-1][1] == weights[b]
         assert all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))  # contiguous, disjoint
@@ -257,7 +262,7 @@ def test_balanced_walk_covers_each_tile_once(seed):
         c0, parts, x = pieces[0][4:]
         assert parts == len(pieces) >= 2 and all(p[4:] == (c0, parts, x) for p in pieces)
         for s, (_, _, c, slot, _, _, _) in enumerate(pieces):
-            assert c == c0 + s and slot == 2 * (c0 + s) + (x if s == 0 else 0)
+            assert c == (c0 + s) * R + rt and slot == 2 * ((c0 + s) * R + rt) + (x if s == 0 else 0)
 
 
 def _unit_span(sk, sq, window, bn, chunk):
