@@ -5,11 +5,13 @@
 For each bench problem of the decode and MLA families (or those whose name holds TEXT), plans our
 wrapper as the bench does, with Tuning.cta_trace (the `_ctatrace` keys, PT_CTA_TRACE in
 fmha_decode.cu: each CTA stores %globaltimer at its start and at its last warp's end, and its
-SM), and runs it once after a 256 MB write that evicts L2, as the bench times one call. Prints
-the launch's span (the first CTA's start to the last one's end), its CTAs' durations by wave of
-starts, and each SM's share of the span: busy (a CTA resident), before its first CTA (the head),
-after its last (the tail), and between CTAs. Then the key's time a call with the trace and without, by the
-bench's timer (`bench.time_ms`).
+SM, and each of its first items' clocks), and runs it once after a 256 MB write that evicts L2,
+as the bench times one call. Prints the launch's span (the first CTA's start to the last one's
+end), its CTAs' durations by wave of starts, and each SM's share of the span: busy (a CTA
+resident), before its first CTA (the head), after its last (the tail), and between CTAs; then
+the items (a static key's one a CTA, a balanced key's walk): before each one's core (metadata,
+page check), its core, after it (the merge). Then the key's time a call with the trace and
+without, by the bench's timer (`bench.time_ms`).
 """
 import argparse
 import ctypes
@@ -25,6 +27,15 @@ SOURCE = Path(__file__).resolve().parent.parent / "prims_ts" / "cuda" / "fmha_de
 
 def trace_rows() -> int:
     return int(re.search(r"#define CTA_TRACE_MAX (\d+)", SOURCE.read_text()).group(1))
+
+
+def trace_items() -> int:
+    """The items a CTA records (CTA_TRACE_ITEMS); a row is 5 + 4 x that words."""
+    return int(re.search(r"#define CTA_TRACE_ITEMS (\d+)", SOURCE.read_text()).group(1))
+
+
+def trace_words() -> int:
+    return 5 + 4 * trace_items()
 
 
 def traced_modules() -> list:
@@ -44,13 +55,14 @@ def global_ptr(module: int) -> int:
 def read(module: int, rows: int) -> np.ndarray:
     import cupy
 
-    host = np.zeros((rows, 4), dtype=np.uint64)
+    host = np.zeros((rows, trace_words()), dtype=np.uint64)
     cupy.cuda.runtime.memcpy(host.ctypes.data_as(ctypes.c_void_p).value, global_ptr(module), host.nbytes, 2)
     return host[host[:, 3] == 1].astype(np.int64)
 
 
 def summarize(tr: np.ndarray) -> None:
-    """tr: [CTA][start ns, end ns, SM, 1], the CTAs that recorded."""
+    """tr: [CTA][start ns, end ns, SM, 1, items, then per item: tiles, core start, core end,
+    end], the CTAs that recorded."""
     if len(tr) == 0:
         print("    no CTA recorded")
         return
@@ -97,6 +109,42 @@ def summarize(tr: np.ndarray) -> None:
           f"between CTAs {pct(gaps):.1f}%")
     print(f"    slot occupancy: the CTAs' time over {resident} slots x the span: "
           f"{100.0 * float(dur.sum()) / (resident * span):.1f}%")
+    items(tr)
+
+
+def items(tr: np.ndarray) -> None:
+    """Each CTA's items (a static key's one, a balanced key's walk): how many a CTA walks, and
+    an item's time in three parts: before its core (the page check; a balanced item also the
+    CTA barrier and the walk), its core (the tile: Q, the keys, the epilogue), after its core
+    (the merge, where the item's part arrived last); the core's time fitted as a fixed cost
+    plus a cost a key tile."""
+    n_items = tr[:, 4]
+    if not n_items.any():
+        return
+    k = trace_items()
+    counts = {int(c): int(np.sum(n_items == c)) for c in np.unique(n_items)}
+    print(f"    items a CTA: {counts}")
+    rows = []  # tiles, before, core, after, first
+    for row in tr:
+        prev = row[0]
+        for i in range(min(int(row[4]), k)):
+            tiles, c0, c1, end = row[5 + 4 * i: 9 + 4 * i]
+            rows.append((tiles, c0 - prev, c1 - c0, end - c1, i == 0))
+            prev = end
+    a = np.asarray(rows, dtype=float)
+    ts, pre, core, post, first = a[:, 0], a[:, 1] / 1e3, a[:, 2] / 1e3, a[:, 3] / 1e3, a[:, 4] > 0
+    if len(set(ts)) > 1:
+        slope, fixed = np.polyfit(ts, core, 1)
+        print(f"    an item's core: {fixed:.2f} us fixed + {slope:.3f} us a tile (fit over {len(ts)} items)")
+    q = lambda x: f"{np.median(x):.2f} ({np.percentile(x, 10):.2f}-{np.percentile(x, 90):.2f})"
+    for label, sel in (("first items", first), ("later items", ~first)):
+        if sel.any():
+            print(f"    {label}: {int(sel.sum())}, tiles median {np.median(ts[sel]):.0f} (min {ts[sel].min():.0f}); "
+                  f"us median (p10-p90): before the core {q(pre[sel])}, core {q(core[sel])} "
+                  f"({q(core[sel] / np.maximum(ts[sel], 1))} a tile), after {q(post[sel])}")
+    last = np.minimum(n_items, k)
+    gap = (tr[:, 1] - tr[np.arange(len(tr)), 4 + 4 * last]) / 1e3
+    print(f"    from the last recorded item's end to the CTA's end: median {np.median(gap):.2f} us")
 
 
 def main() -> None:
@@ -131,7 +179,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             modules = traced_modules()
             for m in modules:
-                cupy.cuda.runtime.memset(global_ptr(m), 0, rows * 4 * 8)
+                cupy.cuda.runtime.memset(global_ptr(m), 0, rows * trace_words() * 8)
             flush.zero_()
             torch.cuda.synchronize()
             fns["traced"]()

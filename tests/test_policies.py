@@ -729,8 +729,8 @@ def test_twin_trace_is_a_key_of_its_own(tmp_path, monkeypatch):
 def test_cta_trace_is_a_key_of_its_own(tmp_path, monkeypatch):
     """Tuning.cta_trace (benchmarks/cta_trace.py) builds every decode-shaped key again with
     PT_CTA_TRACE (the mma.sync, swapped and twin tiles alike): a name of its own, the module's
-    pt_cta_trace sized as the script reads it, no C75xx note on sm_90a; the default keys hold no
-    trace."""
+    pt_cta_trace sized as the script reads it (balanced keys' items too), no C75xx note on sm_90a;
+    the default keys hold no trace."""
     import importlib.util
 
     from prims_ts.cuda import runtime
@@ -746,10 +746,16 @@ def test_cta_trace_is_a_key_of_its_own(tmp_path, monkeypatch):
         key = DecodeKey.of("bf16", d, False, pol, "sm_90a", Tuning(cta_trace=True))
         assert key.cta_trace and key.name == plain.name + "_ctatrace", key.name
         ptx = runtime.compile_ptx(key.source().source, key.name, "sm_90a")
-        assert f".b8 pt_cta_trace[{script.trace_rows() * 4 * 8}];" in ptx, key.name
+        assert f".b8 pt_cta_trace[{script.trace_rows() * script.trace_words() * 8}];" in ptx, key.name
         assert "pt_cta_trace" not in runtime.compile_ptx(plain.source().source, plain.name, "sm_90a")
         if plain.arch == 90:
             runtime.compile_cubin(key.source(), "sm_90a")
+    # a balanced key's items recorded too (the same buffer)
+    pol = decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132, balance=-1)
+    key = DecodeKey.of("bf16", 128, False, pol, "sm_90a", Tuning(cta_trace=True, balanced_split=True))
+    assert key.name.endswith("_bal_ctatrace"), key.name
+    ptx = runtime.compile_ptx(key.source().source, key.name, "sm_90a")
+    assert f".b8 pt_cta_trace[{script.trace_rows() * script.trace_words() * 8}];" in ptx, key.name
     assert not runtime.perf_notes, runtime.perf_notes
 
 

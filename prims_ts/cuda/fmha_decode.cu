@@ -22,12 +22,23 @@
 #ifdef PT_CTA_TRACE
 // PT_CTA_TRACE (Tuning.cta_trace, a measurement aid; results unchanged): each CTA of the first
 // CTA_TRACE_MAX in linear block order records %globaltimer at its start (thread 0) and at its
-// last warp's end (the latest of its warps'), and its SM: [CTA][start ns, end ns, SM, 1] (the
-// buffer cleared before the launch). benchmarks/cta_trace.py reads it
-// (the launch's edges: how long the SMs wait for their first CTA and idle after their last).
+// last warp's end (the latest of its warps'), and its SM; then the items it ran (a static key's
+// one, a balanced key's walk) and, for its first CTA_TRACE_ITEMS, each one's key tiles and
+// (thread 0) the clock where its core starts (after the metadata and the page check), where its
+// core returns (after the epilogue) and where the item ends (after its merge): [CTA][start ns,
+// end ns, SM, 1, items, then per item: tiles, core start, core end, end] (the buffer cleared
+// before the launch). benchmarks/cta_trace.py reads it (the launch's edges: how long the SMs
+// wait for their first CTA and idle after their last; an item's fixed costs).
 #define CTA_TRACE_MAX 8192
+#define CTA_TRACE_ITEMS 4
+#define CTA_TRACE_WORDS (5 + 4 * CTA_TRACE_ITEMS)
 extern "C" {
-__device__ unsigned long long pt_cta_trace[CTA_TRACE_MAX][4];
+__device__ unsigned long long pt_cta_trace[CTA_TRACE_MAX][CTA_TRACE_WORDS];
+}
+__device__ __forceinline__ unsigned long long pt_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 #endif
 
@@ -492,7 +503,7 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
 // One item on the whole CTA: the core over its keys, then (partials) the merge.
 template <class Cfg, bool CAUSAL>
 __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, const DecodeItem& it,
-                                            const TmaMap* tmk) {
+                                            const TmaMap* tmk, u64* core_clock = nullptr) {
   using T = typename Cfg::T;
   constexpr int BM = Cfg::BM, BN = Cfg::BN;
   const int b = it.b, hk = it.hk, rt = it.rt;
@@ -522,6 +533,9 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   // Every item runs the core, even with an empty range: a partial is then zero with
   // lse = -inf, which the merge weighs as nothing.
   const float out_scale = it.slot >= 0 ? 1.f : p.out_scale;
+#ifdef PT_CTA_TRACE
+  if (core_clock != nullptr && threadIdx.x == 0) core_clock[0] = pt_globaltimer();
+#endif
   if constexpr (Cfg::TWIN) {
     fmha_tile_twin<Cfg>(pb, smem, p.scale_log2, out_scale, tmk);
   } else if constexpr (Cfg::SWAP) {
@@ -529,6 +543,9 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   } else {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, out_scale);
   }
+#ifdef PT_CTA_TRACE
+  if (core_clock != nullptr && threadIdx.x == 0) core_clock[1] = pt_globaltimer();
+#endif
   // the splits launched as one cluster (the plan's launch shape: decode.decode_cluster, which
   // takes it only where round16(the key's bytes) + the partials fit, so CLUSTER_FITS holds,
   // and launches with those bytes: the partials lie past the core's). The twin's lie over its
@@ -562,6 +579,24 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
   }
 }
 
+// PT_CTA_TRACE: thread 0 records item i (its key tiles, its core's clocks, its end)
+template <class Cfg>
+__device__ __forceinline__ void trace_item(int i, const DecodeItem& it, const u64* core_clock) {
+#ifdef PT_CTA_TRACE
+  const u64 lin = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
+  if (threadIdx.x == 0 && lin < CTA_TRACE_MAX) {
+    pt_cta_trace[lin][4] = (u64)(i + 1);
+    if (i < CTA_TRACE_ITEMS) {
+      unsigned long long* w = &pt_cta_trace[lin][5 + 4 * i];
+      w[0] = (u64)((it.end - it.begin) / Cfg::BN);
+      w[1] = core_clock[0];
+      w[2] = core_clock[1];
+      w[3] = pt_globaltimer();
+    }
+  }
+#endif
+}
+
 // BALANCED: the balanced split-KV keys (decode.DecodeKey.balanced), whose grid walks the
 // items of its key tiles; the others one item a CTA, blockIdx = (split, K/V head * row_tiles
 // + row tile, request).
@@ -572,6 +607,11 @@ __device__ __forceinline__ void decode_grid(const DecodeParams& p, const TmaMap*
   static_assert(Cfg::SWAP || Cfg::TWIN || Cfg::ARCH == 80, "decode: FmhaConfig tiles on the portable engine");
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = Cfg::ARCH == 90 ? align_smem_1024(smem_raw) : smem_raw;
+#ifdef PT_CTA_TRACE
+  __shared__ u64 core_clock[2];  // thread 0's: the current item's core start and end
+#else
+  u64* const core_clock = nullptr;
+#endif
   if constexpr (BALANCED) {
     __shared__ DecodeWalk walk;
     __shared__ DecodeItem items[2];
@@ -585,27 +625,27 @@ __device__ __forceinline__ void decode_grid(const DecodeParams& p, const TmaMap*
       }
       if (items[i & 1].b < 0) break;
       if (threadIdx.x == 0) walk_next<Cfg::BN, CAUSAL>(p, walk, items[(i + 1) & 1]);
-      decode_item<Cfg, CAUSAL>(p, smem, items[i & 1], tmk);  // its fields read where used
+      decode_item<Cfg, CAUSAL>(p, smem, items[i & 1], tmk, core_clock);  // its fields read where used
+      trace_item<Cfg>(i, items[i & 1], core_clock);
     }
   } else {
     const int split = blockIdx.x;
     const DecodeItem it{(int)blockIdx.z, (int)blockIdx.y / p.row_tiles, (int)blockIdx.y % p.row_tiles,
                         split * p.chunk, split * p.chunk + p.chunk, p.splits > 1 ? split : -1, 0, 0, 0};
-    decode_item<Cfg, CAUSAL>(p, smem, it, tmk);
+    decode_item<Cfg, CAUSAL>(p, smem, it, tmk, core_clock);
+    trace_item<Cfg>(0, it, core_clock);
   }
 }
 
 template <class Cfg, bool CAUSAL, bool BALANCED = false>
 __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
 #ifdef PT_CTA_TRACE
-  u64 t0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  const u64 t0 = pt_globaltimer();
   decode_grid<Cfg, CAUSAL, BALANCED>(p, tmk);
   // no CTA barrier (a producer warpgroup may have left early): each warp's end, the latest kept
   const u64 lin = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
   if ((threadIdx.x & 31) == 0 && lin < CTA_TRACE_MAX) {
-    u64 t1;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+    const u64 t1 = pt_globaltimer();
     atomicMax(&pt_cta_trace[lin][1], (unsigned long long)t1);
     if (threadIdx.x == 0) {
       u32 smid;
