@@ -46,12 +46,12 @@ def split_merge(request):
     cluster, merging through distributed shared memory, where the partials fit; the ticket
     merge above), or with the ticket merge at every split count; or balanced
     split-KV (Tuning.balanced_split) over 7 CTAs at every size, so that the grid's small
-    problems walk several items a CTA and merge units cut into many parts. Tests pass it to a
-    wrapper (``tuning=``)."""
+    problems walk several items a CTA and merge units cut into many parts (the twin's of 3
+    parts or more in two levels: merge_fan 2). Tests pass it to a wrapper (``tuning=``)."""
     from prims_ts import Tuning
 
     if request.param == "cluster":
         return Tuning(balanced_split=False)
     if request.param == "balanced":
-        return Tuning(balanced_split=True, balanced_ctas=7)
+        return Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2)
     return Tuning(cluster_merge=False, balanced_split=False)

@@ -292,7 +292,8 @@ def mla_cases(dev, tuning=None) -> None:
     if _sm90(dev):
         base = tuning or DEFAULT
         mma = dataclasses.replace(DECODE_VARIANTS["mla_mma"], cluster_merge=base.cluster_merge,
-                                  balanced_split=base.balanced_split, balanced_ctas=base.balanced_ctas)
+                                  balanced_split=base.balanced_split, balanced_ctas=base.balanced_ctas,
+                                  merge_fan=base.merge_fan)
         assert not mma.mla_swapped
         for case in MLA_MMA_SYNC_CASES:
             mla_case(dev, *case, tuning=mma)
@@ -532,7 +533,7 @@ def run_mla_twin(dev, default: bool = True) -> None:
     dense (an odd tile count without the first tile's zeroing: warpgroup 1 waits for one P more
     than warpgroup 0)."""
     twin = Tuning()
-    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7)]
+    tunings = [dataclasses.replace(twin, balanced_split=True, balanced_ctas=7, merge_fan=2)]
     if default:
         tunings = [twin] + tunings
     for tuning in tunings:
@@ -559,7 +560,7 @@ def run_decode(dev) -> None:
     """The paged- and MLA-decode cases alone: the standalone functions (the default tuning: 2-8
     splits as a cluster on sm_90a), then wrappers with the ticket merge and with balanced
     split-KV over 7 CTAs (the walk, its CTA barriers, a unit's parts merged by the ticket)."""
-    for tuning in (None, Tuning(cluster_merge=False), Tuning(balanced_split=True, balanced_ctas=7)):
+    for tuning in (None, Tuning(cluster_merge=False), Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2)):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
     torch.cuda.synchronize()

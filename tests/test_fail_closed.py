@@ -46,7 +46,7 @@ def _zero(t) -> bool:
 # requests' ranges and their partials' rounding: their rows then match the good run within bf16
 # rounding, not bit for bit (the rows the contract names are zeros either way).
 TUNINGS = {"static": prims_ts.Tuning(balanced_split=False),
-           "balanced": prims_ts.Tuning(balanced_split=True, balanced_ctas=7)}
+           "balanced": prims_ts.Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2)}
 
 
 def _same(a, b, tuning) -> bool:

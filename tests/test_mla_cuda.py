@@ -307,7 +307,7 @@ def row_tile(request):
 def with_merge(tuning: Tuning, split_merge: Tuning) -> Tuning:
     """`tuning` with split_merge's merge (balanced split-KV included)."""
     return dataclasses.replace(tuning, cluster_merge=split_merge.cluster_merge, balanced_split=split_merge.balanced_split,
-                               balanced_ctas=split_merge.balanced_ctas)
+                               balanced_ctas=split_merge.balanced_ctas, merge_fan=split_merge.merge_fan)
 
 
 @pytest.mark.parametrize("hsq", SWAP_CELLS, ids=[f"h{h}_sq{q}" for h, q in SWAP_CELLS])

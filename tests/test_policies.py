@@ -265,6 +265,69 @@ def test_balanced_walk_covers_each_tile_once(seed):
             assert c == (c0 + s) * R + rt and slot == 2 * ((c0 + s) * R + rt) + (x if s == 0 else 0)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_balanced_merge_tree_groups(seed):
+    """A cut twin unit of more than merge_fan parts merges in two levels (fmha_decode.cu:
+    merge_if_last): group j (parts j fan .. j fan + n - 1) by the ticket a slot of its part 0's
+    slot, into that slot; then the unit's ticket over the groups, whose merge reads each group's
+    part 0. Mirrored on the walk's items: a group's MergeParts reads its own parts' slots, the
+    top merge each group's first slot, and no two groups of a launch share a slot ticket."""
+    rng = np.random.default_rng(100 + seed)
+    B = int(rng.integers(1, 60))
+    units = int(rng.choice([1, 2, 8]))
+    weights = [int(rng.integers(1, 20)) for _ in range(B)]
+    weights[int(rng.integers(0, B))] = int(rng.integers(200, 3000))
+    grid = int(rng.choice([7, 41, 132, 264]))
+    R = int(rng.choice([1, 2]))
+    fan = int(rng.choice([2, 3, 8]))
+    items = _walk_items(weights, units, grid, row_tiles=R)
+    tickets = set()
+    units_seen = {}
+    for c, b, j, rt, a, e, slot, c0, parts, x in items:
+        if slot is not None:
+            units_seen.setdefault((b, j, rt), []).append((c, slot, c0, parts, x))
+    assert units_seen
+    for (b, j, rt), pieces in units_seen.items():
+        c0, P, x = pieces[0][2:]
+        slot_of = {c // R - c0: slot for c, slot, *_ in pieces}  # part s = the CTA's group - c0
+        assert sorted(slot_of) == list(range(P))
+        first, second, step = 2 * (c0 * R + rt) + x, 2 * ((c0 + 1) * R + rt), 2 * R
+        row = lambda s: first if s == 0 else second + (s - 1) * step  # noqa: E731
+        assert all(row(s) == slot_of[s] for s in range(P))
+        if P <= fan:
+            continue
+        groups = -(-P // fan)
+        for g in range(groups):
+            n = min(fan, P - g * fan)
+            gfirst, gsecond = row(g * fan), row(g * fan + 1) if n > 1 else None
+            grow = lambda i: gfirst if i == 0 else gsecond + (i - 1) * step  # noqa: E731
+            assert [grow(i) for i in range(n)] == [slot_of[g * fan + i] for i in range(n)]
+            if n > 1:
+                assert gfirst not in tickets and 0 <= gfirst < 2 * grid
+                tickets.add(gfirst)
+        top_first, top_second, top_step = first, row(fan), fan * step
+        trow = lambda k: top_first if k == 0 else top_second + (k - 1) * top_step  # noqa: E731
+        assert [trow(k) for k in range(groups)] == [slot_of[k * fan] for k in range(groups)]
+
+
+def test_merge_fan_in_the_workspace():
+    """A balanced launch's workspace holds a counter a slot past the units' (the groups'
+    tickets); a static one's layout is unchanged; Tuning.merge_fan below 2 is refused."""
+    from prims_ts.cuda.decode import DecodePolicy, decode_partial_layout
+
+    static = decode_policy(4, 2, 4, 1, 128, 8192, sm_count=132)
+    bal = decode_policy(4, 2, 4, 1, 128, 8192, sm_count=132, balance=40)
+    assert bal.balanced == 40 and static.splits > 1
+    _, _, count, end = decode_partial_layout(4, 2, bal, 128)
+    assert end - count == (4 * 2 * bal.row_tiles + 2 * 40) * 4
+    _, _, count, end = decode_partial_layout(4, 2, static, 128)
+    assert end - count == 4 * 2 * static.row_tiles * 4
+    assert isinstance(bal, DecodePolicy)
+    with pytest.raises(ValueError, match="merge_fan"):
+        Tuning(merge_fan=1)
+    assert Tuning.decode(Tuning(merge_fan=3).encode()).merge_fan == 3
+
+
 def _unit_span(sk, sq, window, bn, chunk):
     """A mirror of fmha_decode.cu's unit_span (causal): a request's key tiles, (first, weight)."""
     if not 0 < sk <= chunk:
@@ -298,7 +361,8 @@ def test_balanced_policy():
     """Tuning(balanced_split=True): decode and MLA launches of at least BALANCED_MIN_TILES_PER_SLOT
     key tiles a resident slot take a persistent grid of the slots (splits 1, the capacity in
     keys), the latency rows the static split; balanced_ctas forces it at any size (every tile:
-    MLA's rows of 64 on the twin tile too); the workspace holds two slots a CTA."""
+    MLA's rows of 64 on the twin tile too); the workspace holds two slots a CTA (and a group
+    ticket a slot)."""
     on = Tuning(balanced_split=True)
     b = decode.balances(on)
     assert b == -1 and decode.balances(Tuning()) == 0
@@ -314,7 +378,8 @@ def test_balanced_policy():
     assert (forced.balanced, forced.splits, forced.chunk) == (7, 1, 1024)
     rows = min(big.bm, big.rows_max)
     lse, o, count, end = decode.decode_partial_layout(128, 8, big, 128)
-    assert o >= 2 * slots * rows * 4 and count - o >= 2 * slots * rows * 128 * 4 and end - count == 128 * 8 * 4
+    assert o >= 2 * slots * rows * 4 and count - o >= 2 * slots * rows * 128 * 4
+    assert end - count == (128 * 8 + 2 * slots) * 4  # the units' tickets, then the groups' (a slot each)
     assert decode.decode_workspace_bytes(128, 8, 4, 1, 128, 4096, 132, balance=b) >= end
     key = DecodeKey.of("bf16", 128, False, big, "sm_90a", on)
     assert key.balanced and key.name.endswith("_bal") and key.call().endswith(", true>")

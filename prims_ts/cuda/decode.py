@@ -32,6 +32,10 @@ DECODE_MAX_SPLITS = 128
 CLUSTER_MAX_SPLITS = 8
 # The cluster merge's partial rows lie DV + CLUSTER_PAD floats apart in shared memory (pt::CLUSTER_PAD)
 CLUSTER_PAD = 8
+# Balanced split-KV on the twin MLA tile: a unit cut into more parts merges in groups of this many
+# first (Tuning.merge_fan; DecodeParams.merge_fan): the groups' merges run in as many CTAs, the last
+# one reads a part a group
+MERGE_FAN = 8
 
 # Per head dim: keys per K/V tile, pipeline depth (32 KB of K+V per stage, three stages) and
 # whether the warps split O's columns (D256: o[] would not fit in registers otherwise)
@@ -532,6 +536,7 @@ class DecodeParams(ctypes.Structure):
             "out_dtype", "num_pages", "num_indices", "total_q", "balanced", "batch")] + [
         ("scale_log2", ctypes.c_float),
         ("out_scale", ctypes.c_float),
+        ("merge_fan", ctypes.c_int32),
     ]
 
 
@@ -556,8 +561,9 @@ assert DecodeParams.q.offset == 0 and DecodeParams.seq_lens.offset == 10 * 8
 
 def decode_partial_layout(batch: int, num_kv_heads: int, pol: DecodePolicy, dv: int) -> Tuple[int, int, int, int]:
     """Workspace layout of a split launch, byte offsets of: lse rows, partial outputs, the
-    per-row-tile arrival counters (sections 256-byte aligned), and the end. Balanced: two slots
-    a CTA of min(BM, rows_max) rows."""
+    per-row-tile arrival counters (sections 256-byte aligned; balanced: then a counter a slot, its
+    group's arrivals where a unit merges in two levels), and the end. Balanced: two slots a CTA of
+    min(BM, rows_max) rows."""
     if pol.balanced:
         rows = 2 * pol.balanced * min(pol.bm, pol.rows_max)
     else:
@@ -565,7 +571,8 @@ def decode_partial_layout(batch: int, num_kv_heads: int, pol: DecodePolicy, dv: 
     align = lambda n: (n + 255) // 256 * 256  # noqa: E731
     o = align(rows * 4)
     count = o + align(rows * dv * 4)
-    return 0, o, count, count + batch * num_kv_heads * pol.row_tiles * 4
+    counters = batch * num_kv_heads * pol.row_tiles + (2 * pol.balanced if pol.balanced else 0)
+    return 0, o, count, count + counters * 4
 
 
 def _decode_partial_bytes(batch: int, num_kv_heads: int, pol: DecodePolicy, head_dim: int) -> int:
@@ -672,6 +679,7 @@ class PreparedDecode(Prepared):
         p.window_left = static.window_left
         p.out_dtype = OUT_DTYPE_CODES[static.out_dtype]
         p.balanced, p.batch = pol.balanced, static.batch
+        p.merge_fan = static.tuning.merge_fan or MERGE_FAN
         self._ws_offsets = decode_partial_layout(static.batch, static.num_kv_heads, pol, key.dv) \
             if pol.splits > 1 or pol.balanced else None
         self.workspace_bytes = self._ws_offsets[3] if self._ws_offsets else 0

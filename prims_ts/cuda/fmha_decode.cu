@@ -73,24 +73,32 @@ struct MergeParts {
   }
 };
 
-// The ticket: true in the split CTA of the unit that arrives last, which resets the counter.
-// The MMA threads meet at named barrier 2.
-template <int THREADS>
-__device__ __forceinline__ bool merge_ticket(const DecodeParams& p, int parts, int b, int hk, int rt) {
+// The ticket: true in the CTA that arrives last (thread 0 takes it: `take`, true in the last
+// arrival, which resets the counter). The MMA threads meet at named barrier 2.
+template <int THREADS, class Take>
+__device__ __forceinline__ bool merge_ticket_by(const Take& take) {
   __shared__ int last;
   __threadfence();  // this thread's partial stores, before the ticket
   named_bar_sync(2, THREADS);
-  if (threadIdx.x == 0) last = take_ticket(p, b, hk, rt, parts);
+  if (threadIdx.x == 0) last = take();
   named_bar_sync(2, THREADS);
   if (!last) return false;
   __threadfence();  // every other split's partials, after the ticket
   return true;
 }
+// A row tile's ticket over its `parts`
+template <int THREADS>
+__device__ __forceinline__ bool merge_ticket(const DecodeParams& p, int parts, int b, int hk, int rt) {
+  return merge_ticket_by<THREADS>([&] { return take_ticket(p, b, hk, rt, parts); });
+}
 
 // The parts' weights w[q_rows][S] in shared memory: every (row, part) log-sum-exp loaded with
 // all the loads in flight, then a warp per row turns them into normalised weights in place
 // (out_scale folded in).
-template <int THREADS>
+// TO_PART: the merged rows are a partial again (balanced split-KV's group, merged into its
+// part 0's slot): no out_scale, and each row's merged log-sum-exp written over part 0's (every
+// part's read into shared memory before; +-inf kept, so that a poisoned part still poisons).
+template <int THREADS, bool TO_PART = false>
 __device__ __forceinline__ void merge_weights(const DecodeParams& p, const MergeParts& parts, float* w, int q_rows) {
   const int S = parts.count;
   for (int i = threadIdx.x; i < q_rows * S; i += THREADS) {
@@ -115,8 +123,11 @@ __device__ __forceinline__ void merge_weights(const DecodeParams& p, const Merge
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float scale = sum > 0.f ? p.out_scale / sum : 0.f;
+    const float scale = sum > 0.f ? (TO_PART ? 1.f : p.out_scale) / sum : 0.f;
     for (int s = lane; s < S; s += 32) wr[s] *= scale;
+    if (TO_PART && lane == 0) {
+      p.ws_lse[parts.first + r] = (mx == neg_inf() || mx == pos_inf()) ? mx : mx + fast_log2(sum);
+    }
   }
   named_bar_sync(2, THREADS);
 }
@@ -131,9 +142,21 @@ __device__ __forceinline__ void merge_store(const DecodeParams& p, int b, int hk
   store_pair(dst + 2 * out_dtype_size(p.out_dtype), p.out_dtype, v.z, v.w);
 }
 
+// Group g of the merged rows to the output (merge_store), or (TO_PART) to part 0's rows
+template <int QUADS, bool TO_PART>
+__device__ __forceinline__ void merge_out(const DecodeParams& p, const MergeParts& parts, int b, int hk, int q_start,
+                                          int row0, int g, const float4& v) {
+  if constexpr (TO_PART) {
+    reinterpret_cast<float4*>(p.ws_o)[(parts.first + g / QUADS) * QUADS + g % QUADS] = v;
+  } else {
+    merge_store<QUADS>(p, b, hk, q_start, row0, g, v);
+  }
+}
+
 // The merge of `parts` into rows row0 .. row0 + q_rows - 1 of a tile (the rows of part s at
-// parts.row(s)), by the MMA threads of one CTA.
-template <class Cfg>
+// parts.row(s)), by the MMA threads of one CTA. TO_PART: into part 0's rows instead (in place:
+// each of a row group's sums is stored by the thread that read it, or after the lanes' barrier).
+template <class Cfg, bool TO_PART = false>
 __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts parts, int b, int hk, int q_start,
                                          int row0, int q_rows) {
   extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
@@ -149,7 +172,7 @@ __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts
   const int w_bytes = (q_rows * S * 4 + 15) / 16 * 16;
   float* w = reinterpret_cast<float*>(smem);                  // [q_rows][S]
   float4* sums = reinterpret_cast<float4*>(smem + w_bytes);   // [lane][group]
-  merge_weights<THREADS>(p, parts, w, q_rows);
+  merge_weights<THREADS, TO_PART>(p, parts, w, q_rows);
 
   // The weighted sums over (group, split lane) units (above). Group g is the float4 at 4 g of a
   // part's rows (DV = 4 QUADS; the workspace is 16-byte aligned); lanes: as many as fill one
@@ -193,7 +216,7 @@ __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts
       if (lanes > 1) {
         sums[u] = acc[k];  // u = lane * n + group
       } else {
-        merge_store<QUADS>(p, b, hk, q_start, row0, u, acc[k]);
+        merge_out<QUADS, TO_PART>(p, parts, b, hk, q_start, row0, u, acc[k]);
       }
     }
   }
@@ -208,16 +231,44 @@ __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts
         t.z += x.z;
         t.w += x.w;
       }
-      merge_store<QUADS>(p, b, hk, q_start, row0, g, t);
+      merge_out<QUADS, TO_PART>(p, parts, b, hk, q_start, row0, g, t);
     }
   }
 }
 
-// The ticket merge: the row tile's split CTA that arrives last merges every part.
-template <class Cfg>
-__device__ __forceinline__ void merge_if_last(const DecodeParams& p, const MergeParts& parts, int b, int hk, int rt,
-                                              int q_start, int row0, int q_rows) {
-  if (merge_ticket<Cfg::THREADS>(p, parts.count, b, hk, rt)) merge_parts<Cfg>(p, parts, b, hk, q_start, row0, q_rows);
+// The ticket merge: the row tile's split CTA that arrives last merges every part. Balanced
+// split-KV's twin units of more than merge_fan parts (one long request cut over many CTAs, all
+// of them done at about the same time) merge in two levels, so that no CTA reads them all alone:
+// the parts in groups of merge_fan (group j: parts j fan .. j fan + fan - 1), the last arrival
+// of each group merging it into its part 0's slot (its own ticket, group_ticket); then the unit's
+// ticket over the groups, whose last arrival merges the groups' partials. Only the twin's parts
+// (64 x 512 floats, 128 KB) are worth a second level: the decode tiles' (2-16 KB) merge in a few
+// trips, which a second level only lengthens (a long request's decode x 0.97, MLA H64 x 1.86:
+// benchmarks/NOTES.md). `s`: this CTA's part.
+template <class Cfg, bool BALANCED>
+__device__ __forceinline__ void merge_if_last(const DecodeParams& p, const MergeParts& parts, int s, int b, int hk,
+                                              int rt, int q_start, int row0, int q_rows) {
+  constexpr int THREADS = Cfg::THREADS;
+  const int P = parts.count;
+  if constexpr (BALANCED && Cfg::TWIN) {
+    const int fan = p.merge_fan;
+    if (fan >= 2 && P > fan) {
+      const int j = s / fan, n = min_(fan, P - j * fan), groups = (P + fan - 1) / fan;
+      const i64 first = parts.row(j * fan);
+      if (n > 1) {  // (a group of one part is its own partial)
+        const i64 rows = min_(Cfg::BM, p.rows_max);  // a balanced slot's rows
+        if (!merge_ticket_by<THREADS>([&] { return take_ticket(group_ticket(p, first / rows), n); })) return;
+        merge_parts<Cfg, true>(p, MergeParts{n, first, parts.row(j * fan + 1), parts.step}, b, hk, q_start, row0,
+                               q_rows);
+      }
+      if (merge_ticket<THREADS>(p, groups, b, hk, rt)) {
+        merge_parts<Cfg>(p, MergeParts{groups, parts.first, parts.row(fan), (i64)fan * parts.step}, b, hk, q_start,
+                         row0, q_rows);
+      }
+      return;
+    }
+  }
+  if (merge_ticket<THREADS>(p, P, b, hk, rt)) merge_parts<Cfg>(p, parts, b, hk, q_start, row0, q_rows);
 }
 
 // Split-KV in thread block clusters (sm_90a; Tuning.cluster_merge). The plan launches a row
@@ -501,7 +552,7 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
 }
 
 // One item on the whole CTA: the core over its keys, then (partials) the merge.
-template <class Cfg, bool CAUSAL>
+template <class Cfg, bool CAUSAL, bool BALANCED>
 __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, const DecodeItem& it,
                                             const TmaMap* tmk, u64* core_clock = nullptr) {
   using T = typename Cfg::T;
@@ -575,7 +626,9 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
             ? MergeParts{it.parts, rows * (2 * (it.c0 * R + rt) + it.x), rows * (2 * ((it.c0 + 1) * R + rt)),
                          2 * R * rows}
             : MergeParts::strided(p.splits, decode_split_row(p, b, hk, 0, pb.row0), p.rows_max);
-    merge_if_last<Cfg>(p, parts, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
+    // this CTA's part: its group's place after the unit's first (static: the split)
+    const int part = BALANCED ? walk_group(p) - it.c0 : it.slot;
+    merge_if_last<Cfg, BALANCED>(p, parts, part, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
   }
 }
 
@@ -625,14 +678,14 @@ __device__ __forceinline__ void decode_grid(const DecodeParams& p, const TmaMap*
       }
       if (items[i & 1].b < 0) break;
       if (threadIdx.x == 0) walk_next<Cfg::BN, CAUSAL>(p, walk, items[(i + 1) & 1]);
-      decode_item<Cfg, CAUSAL>(p, smem, items[i & 1], tmk, core_clock);  // its fields read where used
+      decode_item<Cfg, CAUSAL, true>(p, smem, items[i & 1], tmk, core_clock);  // its fields read where used
       trace_item<Cfg>(i, items[i & 1], core_clock);
     }
   } else {
     const int split = blockIdx.x;
     const DecodeItem it{(int)blockIdx.z, (int)blockIdx.y / p.row_tiles, (int)blockIdx.y % p.row_tiles,
                         split * p.chunk, split * p.chunk + p.chunk, p.splits > 1 ? split : -1, 0, 0, 0};
-    decode_item<Cfg, CAUSAL>(p, smem, it, tmk, core_clock);
+    decode_item<Cfg, CAUSAL, false>(p, smem, it, tmk, core_clock);
     trace_item<Cfg>(0, it, core_clock);
   }
 }

@@ -76,6 +76,11 @@ class Tuning:
     # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
     # the size floor: how the grids run the walk and the merge of many parts on small problems.
     balanced_ctas: Optional[int] = None
+    # Balanced split-KV on the twin MLA tile: units cut into more parts than this merge in two
+    # levels (groups of this many parts, then the groups: fmha_decode.cu, merge_if_last), so that
+    # no CTA reads a long request's 128 KB parts alone. None: decode.MERGE_FAN. The grids take 2
+    # (every twin unit of 3 parts or more merges in two levels).
+    merge_fan: Optional[int] = None
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys and the twin MLA keys, a
     # measurement aid with wrong results: 1 times the MMA warps without the K/V copies, 2 the
     # copies without the math.
@@ -137,6 +142,8 @@ class Tuning:
             raise ValueError(f"tuning: copy_tpr must be None or one of {KV_COPY_TPRS}, got {self.copy_tpr!r}")
         if self.balanced_ctas is not None and self.balanced_ctas < 1:
             raise ValueError(f"tuning: balanced_ctas must be None or >= 1, got {self.balanced_ctas!r}")
+        if self.merge_fan is not None and self.merge_fan < 2:
+            raise ValueError(f"tuning: merge_fan must be None or >= 2, got {self.merge_fan!r}")
         if self.persistent_ctas is not None and self.persistent_ctas < 1:
             raise ValueError(f"tuning: persistent_ctas must be None or >= 1, got {self.persistent_ctas!r}")
         if self.prefill_bn is not None and self.prefill_bn not in PREFILL_BNS:

@@ -35,7 +35,8 @@ struct DecodeParams {
   void* o;
   float* ws_o;    // [B, Hkv, splits, rows_max, D] partial outputs (splits > 1)
   float* ws_lse;  // [B, Hkv, splits, rows_max]
-  int* ws_count;  // [B, Hkv, row_tiles] split arrivals (zero between launches)
+  int* ws_count;  // [B, Hkv, row_tiles] split arrivals, then (balanced) [2 balanced] group arrivals
+                  // (zero between launches)
   const int* qo_indptr;  // packed queries: [B+1]; null: fixed
   const int* kv_indptr;  // CSR pages: [B+1]; null: kv_indices is a block table
   const int* kv_indices;
@@ -62,6 +63,7 @@ struct DecodeParams {
   int batch;        // requests (balanced split-KV walks them)
   float scale_log2;
   float out_scale;
+  int merge_fan;    // balanced split-KV on the twin tile: a unit of more parts merges in groups of this many first
 };
 
 // Static split-KV: the workspace row (of ws_o's DV floats, ws_lse's one) of split s's row
@@ -73,11 +75,18 @@ __device__ __forceinline__ i64 decode_split_row(const DecodeParams& p, int b, in
 // A row tile's ticket, taken by one thread: true in the `parts`-th arrival, which resets the
 // counter to zero for the next launch (the workspace contract: zeroed before first use, left
 // reusable).
-__device__ __forceinline__ bool take_ticket(const DecodeParams& p, int b, int hk, int rt, int parts) {
-  int* count = p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt;
+__device__ __forceinline__ bool take_ticket(int* count, int parts) {
   const bool last = atomicAdd(count, 1) == parts - 1;
   if (last) *count = 0;
   return last;
+}
+__device__ __forceinline__ bool take_ticket(const DecodeParams& p, int b, int hk, int rt, int parts) {
+  return take_ticket(p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt, parts);
+}
+// Balanced split-KV's group of parts (the twin's two-level merge) whose first part lies in
+// workspace slot `slot` (a CTA's 2 c or 2 c + 1): its arrivals, past the units' counters.
+__device__ __forceinline__ int* group_ticket(const DecodeParams& p, i64 slot) {
+  return p.ws_count + (i64)p.batch * p.hkv * p.row_tiles + slot;
 }
 
 // Where output row rr (query token rr / group, head hk * group + rr % group) lives.
