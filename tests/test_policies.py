@@ -268,46 +268,67 @@ def test_balanced_walk_covers_each_tile_once(seed):
 @pytest.mark.parametrize("seed", range(20))
 def test_balanced_merge_tree_groups(seed):
     """A cut twin unit of more than merge_fan parts merges in two levels (fmha_decode.cu:
-    merge_if_last): group j (parts j fan .. j fan + n - 1) by the ticket a slot of its part 0's
-    slot, into that slot; then the unit's ticket over the groups, whose merge reads each group's
-    part 0. Mirrored on the walk's items: a group's MergeParts reads its own parts' slots, the
-    top merge each group's first slot, and no two groups of a launch share a slot ticket."""
+    merge_if_last): group j (parts j fan .. j fan + n - 1) by the ticket of its part 0's slot
+    (group_ticket: past the B x Hkv x R units' counters), into that slot; then the unit's ticket
+    over the groups, whose merge reads each group's part 0. Mirrored on the walk's items, the
+    parts arriving in a random order: a group's MergeParts reads its own parts' slots, the top
+    merge each group's first slot, each unit merged once, no two groups share a counter, every
+    counter inside the workspace's and back at zero."""
     rng = np.random.default_rng(100 + seed)
     B = int(rng.integers(1, 60))
     units = int(rng.choice([1, 2, 8]))
     weights = [int(rng.integers(1, 20)) for _ in range(B)]
     weights[int(rng.integers(0, B))] = int(rng.integers(200, 3000))
-    grid = int(rng.choice([7, 41, 132, 264]))
+    grid = int(rng.choice([41, 132, 264]))
     R = int(rng.choice([1, 2]))
-    fan = int(rng.choice([2, 3, 8]))
     items = _walk_items(weights, units, grid, row_tiles=R)
-    tickets = set()
-    units_seen = {}
+    most = max(it[8] or 1 for it in items)
+    assert most >= 3  # the long request is cut into 3 parts or more
+    fan = min(int(rng.choice([2, 3, 8])), most - 1)  # some unit has more parts than the fan
+    rows = 64  # a slot's rows (any: the counters index slots)
+    cut = {}
     for c, b, j, rt, a, e, slot, c0, parts, x in items:
         if slot is not None:
-            units_seen.setdefault((b, j, rt), []).append((c, slot, c0, parts, x))
-    assert units_seen
-    for (b, j, rt), pieces in units_seen.items():
-        c0, P, x = pieces[0][2:]
-        slot_of = {c // R - c0: slot for c, slot, *_ in pieces}  # part s = the CTA's group - c0
-        assert sorted(slot_of) == list(range(P))
+            cut.setdefault((b, j, rt), []).append((c, slot, c0, parts, x))
+    counters, group_counters, two_level, merged = {}, set(), 0, []
+    arrivals = [(key, piece) for key, pieces in cut.items() for piece in pieces]
+    rng.shuffle(arrivals)
+    for (b, j, rt), (c, slot, c0, P, x) in arrivals:
+        s = c // R - c0  # decode_item's part
         first, second, step = 2 * (c0 * R + rt) + x, 2 * ((c0 + 1) * R + rt), 2 * R
-        row = lambda s: first if s == 0 else second + (s - 1) * step  # noqa: E731
-        assert all(row(s) == slot_of[s] for s in range(P))
+        row = lambda s_: first if s_ == 0 else second + (s_ - 1) * step  # noqa: E731
+        assert row(s) == slot  # the part's slot as the merge reads it
+        unit = (b * units + j) * R + rt  # the unit's counter
         if P <= fan:
+            counters[unit] = counters.get(unit, 0) + 1
+            if counters[unit] == P:
+                counters[unit] = 0
+                merged.append(((b, j, rt), [row(k) for k in range(P)]))
             continue
-        groups = -(-P // fan)
-        for g in range(groups):
-            n = min(fan, P - g * fan)
-            gfirst, gsecond = row(g * fan), row(g * fan + 1) if n > 1 else None
-            grow = lambda i: gfirst if i == 0 else gsecond + (i - 1) * step  # noqa: E731
-            assert [grow(i) for i in range(n)] == [slot_of[g * fan + i] for i in range(n)]
-            if n > 1:
-                assert gfirst not in tickets and 0 <= gfirst < 2 * grid
-                tickets.add(gfirst)
-        top_first, top_second, top_step = first, row(fan), fan * step
-        trow = lambda k: top_first if k == 0 else top_second + (k - 1) * top_step  # noqa: E731
-        assert [trow(k) for k in range(groups)] == [slot_of[k * fan] for k in range(groups)]
+        g, groups = s // fan, -(-P // fan)
+        n = min(fan, P - g * fan)
+        gfirst = row(g * fan) * rows  # the group's first row; its ticket: slot gfirst / rows
+        ticket = B * units * R + gfirst // rows
+        assert ticket < B * units * R + 2 * grid
+        if n > 1:
+            group_counters.add((ticket, (b, j, rt), g))
+            counters[ticket] = counters.get(ticket, 0) + 1
+            if counters[ticket] < n:
+                continue
+            counters[ticket] = 0
+            gsecond = row(g * fan + 1)
+            assert [row(g * fan) if i == 0 else gsecond + (i - 1) * step for i in range(n)] == \
+                [row(g * fan + i) for i in range(n)]
+        counters[unit] = counters.get(unit, 0) + 1
+        if counters[unit] == groups:
+            counters[unit] = 0
+            top_second, top_step = row(fan), fan * step
+            merged.append(((b, j, rt), [first if k == 0 else top_second + (k - 1) * top_step for k in range(groups)]))
+            assert merged[-1][1] == [row(k * fan) for k in range(groups)]
+            two_level += 1
+    assert sorted(k for k, _ in merged) == sorted(cut) and not any(counters.values())
+    assert len({t for t, _, _ in group_counters}) == len(group_counters)  # no shared group counter
+    assert two_level > 0
 
 
 def test_merge_fan_in_the_workspace():
