@@ -179,9 +179,10 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
 # won from 1.46 up. The twin MLA tile (its balanced CTAs in groups of row tiles, fmha_decode.cu:
 # DecodeWalk) lost 4% at 1.46 and won 11-18% at 1.83-1.92, 35% at 2.36 and x2.9 at 11 on H128
 # rows (H100, benchmarks/ragged.py; benchmarks/NOTES.md, "The balanced walk in row-tile
-# groups"). One H64 row, one request of 65536 among 15 of 4096 (2.13), lost 7% (its cut
-# request's merge of ~68 parts is a cost the ratio does not count; the walk before the groups
-# broke even there, and why the groups cost 8% at H64 is not explained).
+# groups"). One H64 row, one request of 65536 among 15 of 4096 (2.13), lost 7% while one CTA
+# merged its cut request's ~68 parts; with the twin's merge in two levels (MERGE_FAN) it wins
+# x1.73 (benchmarks/NOTES.md, "The twin's balanced merge in two levels"). The ratio still counts
+# no merge.
 RAGGED_RATIO = 1.25
 RAGGED_RATIO_TWIN = 1.6
 

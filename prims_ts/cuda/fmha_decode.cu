@@ -40,6 +40,10 @@ __device__ __forceinline__ unsigned long long pt_globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// this CTA's row of the trace (its linear block index)
+__device__ __forceinline__ unsigned long long pt_cta_trace_row() {
+  return blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+}
 #endif
 
 namespace pt {
@@ -636,7 +640,7 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
 template <class Cfg>
 __device__ __forceinline__ void trace_item(int i, const DecodeItem& it, const u64* core_clock) {
 #ifdef PT_CTA_TRACE
-  const u64 lin = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
+  const u64 lin = pt_cta_trace_row();
   if (threadIdx.x == 0 && lin < CTA_TRACE_MAX) {
     pt_cta_trace[lin][4] = (u64)(i + 1);
     if (i < CTA_TRACE_ITEMS) {
@@ -696,7 +700,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
   const u64 t0 = pt_globaltimer();
   decode_grid<Cfg, CAUSAL, BALANCED>(p, tmk);
   // no CTA barrier (a producer warpgroup may have left early): each warp's end, the latest kept
-  const u64 lin = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
+  const u64 lin = pt_cta_trace_row();
   if ((threadIdx.x & 31) == 0 && lin < CTA_TRACE_MAX) {
     const u64 t1 = pt_globaltimer();
     atomicMax(&pt_cta_trace[lin][1], (unsigned long long)t1);
