@@ -201,11 +201,15 @@ def test_packed_queries_past_the_planned_bound():
 
 
 @pytest.mark.parametrize("tuning", list(TUNINGS))
-def test_mla_wrapper_replay(tuning):
+@pytest.mark.parametrize("h", [16, 64], ids=["swapped", "twin"])
+def test_mla_wrapper_replay(h, tuning):
+    """16 heads take the swapped tile, 64 the twin (rows of 64 on sm_90a). Under balanced
+    split-KV over 7 CTAs request 1's 22 key tiles are cut into 6 parts, which merge_fan=2 merges
+    in two levels (three groups, then the groups): the poisoned page lies in the first group."""
     tuning = TUNINGS[tuning]
-    gen = torch.Generator().manual_seed(11)
-    lens, ps, h = [100, 700, 333, 64], 64, 16
-    cols = 12
+    gen = torch.Generator().manual_seed(11 + h)
+    lens, ps = [100, 1400, 333, 64], 64
+    cols = 24
     P = len(lens) * cols + 3
     table = torch.randperm(P, generator=gen)[:len(lens) * cols].to(I32).view(len(lens), cols).to(DEVICE)
     sl = torch.tensor(lens, dtype=I32, device=DEVICE)

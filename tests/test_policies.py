@@ -267,7 +267,7 @@ def test_balanced_walk_covers_each_tile_once(seed):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_balanced_merge_tree_groups(seed):
-    """A cut twin unit of more than merge_fan parts merges in two levels (fmha_decode.cu:
+    """A cut MLA unit of more than 2 merge_fan parts merges in two levels (fmha_decode.cu:
     merge_if_last): group j (parts j fan .. j fan + n - 1) by the ticket of its part 0's slot
     (group_ticket: past the B x Hkv x R units' counters), into that slot; then the unit's ticket
     over the groups, whose merge reads each group's part 0. Mirrored on the walk's items, the
@@ -283,8 +283,8 @@ def test_balanced_merge_tree_groups(seed):
     R = int(rng.choice([1, 2]))
     items = _walk_items(weights, units, grid, row_tiles=R)
     most = max(it[8] or 1 for it in items)
-    assert most >= 3  # the long request is cut into 3 parts or more
-    fan = min(int(rng.choice([2, 3, 8])), most - 1)  # some unit has more parts than the fan
+    assert most >= 5  # the long request is cut into 5 parts or more
+    fan = min(int(rng.choice([2, 3, 8])), (most - 1) // 2)  # some unit has more than 2 fan parts
     rows = 64  # a slot's rows (any: the counters index slots)
     cut = {}
     for c, b, j, rt, a, e, slot, c0, parts, x in items:
@@ -299,7 +299,7 @@ def test_balanced_merge_tree_groups(seed):
         row = lambda s_: first if s_ == 0 else second + (s_ - 1) * step  # noqa: E731
         assert row(s) == slot  # the part's slot as the merge reads it
         unit = (b * units + j) * R + rt  # the unit's counter
-        if P <= fan:
+        if P <= 2 * fan:
             counters[unit] = counters.get(unit, 0) + 1
             if counters[unit] == P:
                 counters[unit] = 0

@@ -32,9 +32,9 @@ DECODE_MAX_SPLITS = 128
 CLUSTER_MAX_SPLITS = 8
 # The cluster merge's partial rows lie DV + CLUSTER_PAD floats apart in shared memory (pt::CLUSTER_PAD)
 CLUSTER_PAD = 8
-# Balanced split-KV on the twin MLA tile: a unit cut into more parts merges in groups of this many
-# first (Tuning.merge_fan; DecodeParams.merge_fan): the groups' merges run in as many CTAs, the last
-# one reads a part a group
+# Balanced split-KV on the MLA tiles (twin and swapped): a unit cut into more than twice this many
+# parts merges in groups of this many first (Tuning.merge_fan; DecodeParams.merge_fan): the groups'
+# merges run in as many CTAs, the last one reads a part a group
 MERGE_FAN = 8
 
 # Per head dim: keys per K/V tile, pipeline depth (32 KB of K+V per stage, three stages) and

@@ -241,22 +241,24 @@ __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts
 }
 
 // The ticket merge: the row tile's split CTA that arrives last merges every part. Balanced
-// split-KV's twin units of more than merge_fan parts (one long request cut over many CTAs, all
-// of them done at about the same time) merge in two levels, so that no CTA reads them all alone:
-// the parts in groups of merge_fan (group j: parts j fan .. j fan + fan - 1), the last arrival
-// of each group merging it into its part 0's slot (its own ticket, group_ticket); then the unit's
-// ticket over the groups, whose last arrival merges the groups' partials. Only the twin's parts
-// (64 x 512 floats, 128 KB) are worth a second level: the decode tiles' (2-16 KB) merge in a few
-// trips, which a second level only lengthens (a long request's decode x 0.97, MLA H64 x 1.86:
-// benchmarks/NOTES.md). `s`: this CTA's part.
+// split-KV's MLA units (the twin's and the swapped tile's) of more than 2 merge_fan parts (one
+// long request cut over many CTAs, all of them done at about the same time) merge in two
+// levels, so that no CTA reads them all alone: the parts in groups of merge_fan (group j: parts
+// j fan .. j fan + fan - 1), the last arrival of each group merging it into its part 0's slot
+// (its own ticket, group_ticket); then the unit's ticket over the groups, whose last arrival
+// merges the groups' partials. A unit of fan + 1 .. 2 fan parts merges in one level: a second
+// level there reads about as many parts and adds a ticket's trip (MLA H16, 9 parts: x 0.96).
+// The MLA parts (16-64 x 512 floats, 32-128 KB) are worth a second level; the decode tiles'
+// (2-16 KB) merge in a few trips, which it only lengthens (a long request's decode x 0.97, MLA
+// H64 x 1.86, H16 x 1.35: benchmarks/NOTES.md). `s`: this CTA's part.
 template <class Cfg, bool BALANCED>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const MergeParts& parts, int s, int b, int hk,
                                               int rt, int q_start, int row0, int q_rows) {
   constexpr int THREADS = Cfg::THREADS;
   const int P = parts.count;
-  if constexpr (BALANCED && Cfg::TWIN) {
+  if constexpr (BALANCED && (Cfg::TWIN || Cfg::SWAP)) {
     const int fan = p.merge_fan;
-    if (fan >= 2 && P > fan) {
+    if (fan >= 2 && P > 2 * fan) {
       const int j = s / fan, n = min_(fan, P - j * fan), groups = (P + fan - 1) / fan;
       const i64 first = parts.row(j * fan);
       if (n > 1) {  // (a group of one part is its own partial)

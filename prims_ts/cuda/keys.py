@@ -76,10 +76,10 @@ class Tuning:
     # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
     # the size floor: how the grids run the walk and the merge of many parts on small problems.
     balanced_ctas: Optional[int] = None
-    # Balanced split-KV on the twin MLA tile: units cut into more parts than this merge in two
-    # levels (groups of this many parts, then the groups: fmha_decode.cu, merge_if_last), so that
-    # no CTA reads a long request's 128 KB parts alone. None: decode.MERGE_FAN. The grids take 2
-    # (every twin unit of 3 parts or more merges in two levels).
+    # Balanced split-KV on the MLA tiles (twin and swapped): units cut into more than twice this
+    # many parts merge in two levels (groups of this many parts, then the groups: fmha_decode.cu,
+    # merge_if_last), so that no CTA reads a long request's 32-128 KB parts alone. None:
+    # decode.MERGE_FAN. The grids take 2 (every MLA unit of 5 parts or more merges in two levels).
     merge_fan: Optional[int] = None
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys and the twin MLA keys, a
     # measurement aid with wrong results: 1 times the MMA warps without the K/V copies, 2 the
