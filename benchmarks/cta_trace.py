@@ -8,8 +8,9 @@ fmha_decode.cu: each CTA stores %globaltimer at its start and at its last warp's
 SM, and each of its first items' clocks), and runs it once after a 256 MB write that evicts L2,
 as the bench times one call. Prints the launch's span (the first CTA's start to the last one's
 end), its CTAs' durations by wave of starts, and each SM's share of the span: busy (a CTA
-resident), before its first CTA (the head), after its last (the tail), and between CTAs; then
-the items (a static key's one a CTA, a balanced key's walk): before each one's core (metadata,
+resident), before its first CTA (the head), after its last (the tail), and between CTAs; the
+first wave's CTA times by SM (the slower over the faster CTA of one SM, the share of the
+variance between SMs); then the items (a static key's one a CTA, a balanced key's walk): before each one's core (metadata,
 page check), its core, after it (the merge). Then the key's time a call with the trace and
 without, by the bench's timer (`bench.time_ms`).
 """
@@ -109,7 +110,30 @@ def summarize(tr: np.ndarray) -> None:
           f"between CTAs {pct(gaps):.1f}%")
     print(f"    slot occupancy: the CTAs' time over {resident} slots x the span: "
           f"{100.0 * float(dur.sum()) / (resident * span):.1f}%")
+    co_resident(tr)
     items(tr)
+
+
+def co_resident(tr: np.ndarray) -> None:
+    """Whether the CTAs' unequal times belong to the SM or to the CTA: the CTAs of the first
+    wave (started within 1 us of the launch's first) grouped by SM; the slower over the faster
+    of each SM's group (two or more CTAs a slot share it), and how much of the first wave's
+    variance of CTA time lies between the SMs' means (100%: an SM's CTAs all take its time)."""
+    t0 = tr[:, 0].min()
+    first = tr[tr[:, 0] - t0 < 1000]
+    dur = (first[:, 1] - first[:, 0]).astype(float)
+    sms = first[:, 2]
+    groups = [dur[sms == sm] for sm in np.unique(sms)]
+    if len(first) < 4 or max(len(g) for g in groups) < 2:
+        return
+    ratio = np.asarray([g.max() / g.min() for g in groups if len(g) >= 2])
+    means = np.asarray([g.mean() for g in groups])
+    between = float(sum(len(g) * (g.mean() - dur.mean()) ** 2 for g in groups))
+    total = float(((dur - dur.mean()) ** 2).sum()) or 1.0
+    print(f"    the first wave by SM: {len(first)} CTAs on {len(groups)} SMs; slower / faster CTA of an SM "
+          f"median {np.median(ratio):.2f} (p90 {np.percentile(ratio, 90):.2f}, max {ratio.max():.2f}); "
+          f"the SMs' mean CTA time {means.min() / 1e3:.1f}-{means.max() / 1e3:.1f} us; "
+          f"{100.0 * between / total:.0f}% of the variance between SMs")
 
 
 def items(tr: np.ndarray) -> None:
