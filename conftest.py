@@ -46,8 +46,8 @@ def split_merge(request):
     cluster, merging through distributed shared memory, where the partials fit; the ticket
     merge above), or with the ticket merge at every split count; or balanced
     split-KV (Tuning.balanced_split) over 7 CTAs at every size, so that the grid's small
-    problems walk several items a CTA and merge units cut into many parts (the MLA tiles' of 5
-    parts or more in two levels: merge_fan 2). Tests pass it to a wrapper (``tuning=``)."""
+    problems walk several items a CTA and merge units cut into many parts (sm_90a's MLA tiles'
+    of 5 parts or more in two levels: merge_fan 2). Tests pass it to a wrapper (``tuning=``)."""
     from prims_ts import Tuning
 
     if request.param == "cluster":

@@ -333,7 +333,8 @@ def test_balanced_merge_tree_groups(seed):
 
 def test_merge_fan_in_the_workspace():
     """A balanced launch's workspace holds a counter a slot past the units' (the groups'
-    tickets); a static one's layout is unchanged; Tuning.merge_fan below 2 is refused."""
+    tickets); a static one's layout is unchanged; Tuning.merge_fan below 2 or above MERGE_FAN_MAX
+    is refused."""
     from prims_ts.cuda.decode import DecodePolicy, decode_partial_layout
 
     static = decode_policy(4, 2, 4, 1, 128, 8192, sm_count=132)
@@ -344,8 +345,9 @@ def test_merge_fan_in_the_workspace():
     _, _, count, end = decode_partial_layout(4, 2, static, 128)
     assert end - count == 4 * 2 * static.row_tiles * 4
     assert isinstance(bal, DecodePolicy)
-    with pytest.raises(ValueError, match="merge_fan"):
-        Tuning(merge_fan=1)
+    for bad in (1, (1 << 16) + 1):
+        with pytest.raises(ValueError, match="merge_fan"):
+            Tuning(merge_fan=bad)
     assert Tuning.decode(Tuning(merge_fan=3).encode()).merge_fan == 3
 
 

@@ -248,9 +248,9 @@ __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts
 // (its own ticket, group_ticket); then the unit's ticket over the groups, whose last arrival
 // merges the groups' partials. A unit of fan + 1 .. 2 fan parts merges in one level: a second
 // level there reads about as many parts and adds a ticket's trip (MLA H16, 9 parts: x 0.96).
-// The MLA parts (16-64 x 512 floats, 32-128 KB) are worth a second level; the decode tiles'
-// (2-16 KB) merge in a few trips, which it only lengthens (a long request's decode x 0.97, MLA
-// H64 x 1.86, H16 x 1.35: benchmarks/NOTES.md). `s`: this CTA's part.
+// The MLA parts (8-64 rows x 512 floats, 16-128 KB) are worth a second level (MLA H64 x 1.86,
+// H16 x 1.37); the decode tiles' (2-16 KB) merge in a few trips, which it only lengthens (a long
+// request's decode x 0.97): benchmarks/NOTES.md. `s`: this CTA's part.
 template <class Cfg, bool BALANCED>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const MergeParts& parts, int s, int b, int hk,
                                               int rt, int q_start, int row0, int q_rows) {

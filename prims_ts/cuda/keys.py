@@ -34,6 +34,7 @@ LOG2E = 1.4426950408889634
 FMHA_LOOPS = (0, 1, 2)
 KV_COPY_TPRS = (4, 8)
 PREFILL_BNS = (64, 80, 128)  # Tuning.prefill_bn (the wgmma n of QK^T: pt_wgmma.cuh)
+MERGE_FAN_MAX = 1 << 16  # Tuning.merge_fan's bound (the kernel compares parts with 2 x fan in int)
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,11 @@ class Tuning:
     # Balanced split-KV over this many CTAs at any launch size instead of the resident slots past
     # the size floor: how the grids run the walk and the merge of many parts on small problems.
     balanced_ctas: Optional[int] = None
-    # Balanced split-KV on the MLA tiles (twin and swapped): units cut into more than twice this
-    # many parts merge in two levels (groups of this many parts, then the groups: fmha_decode.cu,
-    # merge_if_last), so that no CTA reads a long request's 32-128 KB parts alone. None:
-    # decode.MERGE_FAN. The grids take 2 (every MLA unit of 5 parts or more merges in two levels).
+    # Balanced split-KV on sm_90a's MLA tiles (twin and swapped): units cut into more than twice
+    # this many parts merge in two levels (groups of this many parts, then the groups:
+    # fmha_decode.cu, merge_if_last), so that no CTA reads a long request's 16-128 KB parts alone.
+    # None: decode.MERGE_FAN. The grids take 2 (every unit of those tiles of 5 parts or more
+    # merges in two levels). At most MERGE_FAN_MAX.
     merge_fan: Optional[int] = None
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys and the twin MLA keys, a
     # measurement aid with wrong results: 1 times the MMA warps without the K/V copies, 2 the
@@ -142,8 +144,8 @@ class Tuning:
             raise ValueError(f"tuning: copy_tpr must be None or one of {KV_COPY_TPRS}, got {self.copy_tpr!r}")
         if self.balanced_ctas is not None and self.balanced_ctas < 1:
             raise ValueError(f"tuning: balanced_ctas must be None or >= 1, got {self.balanced_ctas!r}")
-        if self.merge_fan is not None and self.merge_fan < 2:
-            raise ValueError(f"tuning: merge_fan must be None or >= 2, got {self.merge_fan!r}")
+        if self.merge_fan is not None and not 2 <= self.merge_fan <= MERGE_FAN_MAX:
+            raise ValueError(f"tuning: merge_fan must be None or in [2, {MERGE_FAN_MAX}], got {self.merge_fan!r}")
         if self.persistent_ctas is not None and self.persistent_ctas < 1:
             raise ValueError(f"tuning: persistent_ctas must be None or >= 1, got {self.persistent_ctas!r}")
         if self.prefill_bn is not None and self.prefill_bn not in PREFILL_BNS:

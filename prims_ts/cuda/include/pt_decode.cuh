@@ -63,7 +63,7 @@ struct DecodeParams {
   int batch;        // requests (balanced split-KV walks them)
   float scale_log2;
   float out_scale;
-  int merge_fan;    // balanced split-KV on the twin tile: a unit of more parts merges in groups of this many first
+  int merge_fan;    // balanced split-KV on sm_90a's MLA tiles: a unit of more than twice this many parts merges in groups of it first
 };
 
 // Static split-KV: the workspace row (of ws_o's DV floats, ws_lse's one) of split s's row
@@ -83,7 +83,7 @@ __device__ __forceinline__ bool take_ticket(int* count, int parts) {
 __device__ __forceinline__ bool take_ticket(const DecodeParams& p, int b, int hk, int rt, int parts) {
   return take_ticket(p.ws_count + ((i64)b * p.hkv + hk) * p.row_tiles + rt, parts);
 }
-// Balanced split-KV's group of parts (the twin's two-level merge) whose first part lies in
+// Balanced split-KV's group of parts (the MLA tiles' two-level merge) whose first part lies in
 // workspace slot `slot` (a CTA's 2 c or 2 c + 1): its arrivals, past the units' counters.
 __device__ __forceinline__ int* group_ticket(const DecodeParams& p, i64 slot) {
   return p.ws_count + (i64)p.batch * p.hkv * p.row_tiles + slot;
