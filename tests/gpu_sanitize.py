@@ -563,6 +563,8 @@ def run_decode(dev) -> None:
     for tuning in (None, Tuning(cluster_merge=False), Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2)):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
+    # the decode tiles' item ring (Tuning.item_ring, a variant)
+    decode_cases(dev, Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2, item_ring=True))
     torch.cuda.synchronize()
 
 
