@@ -600,12 +600,13 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, const Decode
 }
 
 // The item ring's state in shared memory (balanced split-KV's portable keys, RING): the next
-// item's problem as the current one prepared it, whether its Q and first tiles are out, and the
-// stage its tile 0 went to (the current item's merges: pt_decode_scratch).
+// item's problem as the current one prepared it, whether its Q and first tiles are out (set with
+// the problem: it has tiles and passed its checks), and the stage its tile 0 went to (the
+// current item's merges: pt_decode_scratch).
 template <class Problem>
 struct DecodeRing {
   Problem next;
-  int ok, warm, stage0;
+  int warm, stage0;
 };
 
 // fmha_tile_body's Ahead for a CTA's walk: the next item is items[(i + 1) & 1], which thread 0
@@ -636,11 +637,10 @@ struct DecodeAhead {
       ok = ok && q.range().n_tiles() > 0;
       if (threadIdx.x == 0) {
         st->next = q;
-        st->ok = ok;
         st->warm = ok;
       }
       if (ok) issue(q, 0);
-    } else if (st->ok) {
+    } else if (st->warm) {
       const Problem q = st->next;
       if (j < q.range().n_tiles()) issue(q, j);
     }
