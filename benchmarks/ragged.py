@@ -3,7 +3,8 @@ decode over batches whose requests differ in length, each under the static split
 (``balanced_split=False``), balanced split-KV (``True``) and the default (None: a plan balances
 where ``decode.balanced_by_lengths`` finds the lengths uneven), in one process, with the ratio
 that decides (``decode.ragged_ratio``: the static split's estimated time over the balanced
-grid's; ``RAGGED_RATIO`` the threshold, ``RAGGED_RATIO_TWIN`` the twin MLA tile's).
+grid's, the twin MLA tile's charged with its walk's costs; ``RAGGED_RATIO`` the threshold,
+``RAGGED_RATIO_TWIN`` the twin's).
 
     python benchmarks/ragged.py [--rows "decode B64 32768x1+1024x63" "mla16 B32 rand8192" ...]
         [--tunings "balanced_split=False" "balanced_split=True" "" "balanced_split=False"]
@@ -33,11 +34,13 @@ ROWS = [
     "decode B256 rand4096", "decode B4 65536x2+4096x2",
     "mla16 B64 32768x1+2048x63", "mla16 B32 rand16384", "mla64 B16 65536x1+4096x15",
     "mla128 B32 32768x1+2048x31", "mla128 B64 rand8192",
-    # the twin at H128 around its bar (RAGGED_RATIO_TWIN): ratios 1.38, 1.46, 1.65, 1.65, 1.83,
-    # 2.36, 3.0 on 132 SMs
+    # the twin at H128 and H64 around its bar (RAGGED_RATIO_TWIN): uncharged ratios 1.38, 1.46,
+    # 1.65, 1.65, 1.83, 2.36, 3.0 on 132 SMs
     "mla128 B64 6144x16+4096x48", "mla128 B64 6144x8+4096x56", "mla128 B64 7168x8+4096x56",
     "mla128 B64 4096x16+2048x48", "mla128 B64 8192x8+4096x56", "mla128 B64 8192x16+2048x48",
     "mla128 B64 8192x8+2048x56",
+    "mla64 B64 6144x16+4096x48", "mla64 B64 6144x8+4096x56", "mla64 B64 4096x16+2048x48",
+    "mla64 B64 8192x8+4096x56", "mla64 B64 8192x16+2048x48", "mla64 B64 8192x8+2048x56",
 ]
 
 
@@ -62,8 +65,9 @@ def choice(fam: str, lens: list, dev) -> tuple:
         shape = (len(lens), 8, 4, 1, 128, max(lens), sms, limit)
     else:
         shape = (len(lens), 1, int(fam[3:]), 1, K.MLA_DIM_QK, max(lens), sms, limit)
-    bal = K.decode_policy(*shape, -1)
-    ratio = K.ragged_ratio(a, K.decode_policy(*shape), bal.balanced, shape[1]) if bal.balanced else 0.0
+    bal, pol = K.decode_policy(*shape, -1), K.decode_policy(*shape)
+    twin = arch == "sm_90a" and fam != "decode" and pol.bm == 64  # the twin's charged ratio
+    ratio = K.ragged_ratio(a, pol, bal.balanced, shape[1], twin) if bal.balanced else 0.0
     picked = K.balanced_by_lengths(Tuning(), a, *shape, arch).balanced_split
     return bool(picked), ratio
 

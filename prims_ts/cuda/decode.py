@@ -176,27 +176,40 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
 # A plan that read its requests' lengths balances split-KV (Tuning.balanced_split None) where
 # the static split's estimated time exceeds the balanced grid's by this factor
 # (balanced_by_lengths). Balanced costs the mma.sync and swapped tiles 2-9% on uniform rows and
-# won from 1.46 up. The twin MLA tile (its balanced CTAs in groups of row tiles, fmha_decode.cu:
-# DecodeWalk) lost 4% at 1.46 and won 11-18% at 1.83-1.92, 35% at 2.36 and x2.9 at 11 on H128
-# rows (H100, benchmarks/ragged.py; benchmarks/NOTES.md, "The balanced walk in row-tile
-# groups"). One H64 row, one request of 65536 among 15 of 4096 (2.13), lost 7% while one CTA
-# merged its cut request's ~68 parts; with the twin's merge in two levels (MERGE_FAN) it wins
-# x1.73 (benchmarks/NOTES.md, "The twin's balanced merge in two levels"). The ratio still counts
-# no merge.
+# won from 1.46 up (benchmarks/ragged.py; benchmarks/NOTES.md, "Balanced split-KV by the plan's
+# lengths").
 RAGGED_RATIO = 1.25
-RAGGED_RATIO_TWIN = 1.6
+# The twin MLA tile's ratio (ragged_ratio with `twin`) charges what the twin's walk costs beyond
+# its keys: a balanced CTA's items each restart the pair cold (Q, the first tiles, the epilogue:
+# ~14 us a CTA) and its cut units merge 64-row partials by the ticket, TWIN_BALANCED_KEYS keys a
+# CTA in all; and it takes the static launch's own split (launch_shape: its splits as one cluster
+# in one wave). Fitted to ragged.py's twin rows on an H100: at H128 (ratios 1.46-3.00 without the
+# charges) the charged ratio is within 0.07 of the measured static / balanced time, at H64
+# (1.38-3.00) on the right side of the bar on every row, where the uncharged ratio over a bar of
+# 1.6 had balanced three H64 rows that lost 6-26% (benchmarks/NOTES.md, "The twin's bar by a
+# charged ratio"). Its bar: between the H64 row that lost 6% (charged 1.01) and the H128 row
+# that won 8% (1.08).
+TWIN_BALANCED_KEYS = 2300
+RAGGED_RATIO_TWIN = 1.05
 
 
-def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int) -> float:
+def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int, twin: bool = False) -> float:
     """The static policy `pol`'s launch time over a balanced grid's of `slots` CTAs, in keys a CTA
     streams, for requests of K/V lengths `lens` (a NumPy vector). Static: its busy CTAs (a
     request's splits that hold keys, each K/V head and row tile) in waves of `slots` at their
     mean keys, or its longest CTA (min(longest request, the chunk)) where that is longer.
     Balanced: the launch's keys over the slots. A uniform batch sits near 1 (wave quantisation
     aside); one long request among short ones far above it (the bench's B64 L32768+63x1024:
-    ~11)."""
+    ~11). `twin` (the twin MLA tile, whose slots are the SMs): the static launch's splits as
+    launch_shape takes them where one wave holds them (up to CLUSTER_MAX_SPLITS as one cluster a
+    row tile), and a balanced CTA charged TWIN_BALANCED_KEYS."""
     lens = np.asarray(lens, dtype=np.int64)
     units = num_kv_heads * pol.row_tiles
+    if twin:
+        splits = max(1, min(pol.splits, CLUSTER_MAX_SPLITS, slots // max(1, len(lens) * units)))
+        if splits != pol.splits:
+            pol = dataclasses.replace(pol, splits=splits, chunk=split_chunk(-(-pol.chunk * pol.splits // pol.bn),
+                                                                            splits, pol.bn))
     total = float(lens.sum()) * units
     # a request's busy splits: ceil(length / chunk), at most the splits (one split: any keys)
     busy = int(np.count_nonzero(lens) if pol.splits == 1 else
@@ -204,7 +217,7 @@ def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int) -> floa
     if busy == 0 or total <= 0:  # no keys at all: nothing to balance
         return 0.0
     static = max(min(int(lens.max()), pol.chunk), -(-busy // slots) * total / busy)
-    return static / (total / slots)
+    return static / (total / slots + (TWIN_BALANCED_KEYS if twin else 0))
 
 
 def balanced_by_lengths(tuning: Tuning, lens, batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
@@ -225,7 +238,7 @@ def balanced_by_lengths(tuning: Tuning, lens, batch: int, num_kv_heads: int, gro
         return tuning
     pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count, smem_limit)
     twin = arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64
-    if ragged_ratio(lens, pol, bal.balanced, num_kv_heads) > (RAGGED_RATIO_TWIN if twin else RAGGED_RATIO):
+    if ragged_ratio(lens, pol, bal.balanced, num_kv_heads, twin) > (RAGGED_RATIO_TWIN if twin else RAGGED_RATIO):
         return dataclasses.replace(tuning, balanced_split=True)
     return tuning
 
