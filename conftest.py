@@ -39,7 +39,7 @@ def ring_variant(request):
     return RING_VARIANTS[request.param]
 
 
-@pytest.fixture(params=["cluster", "ticket", "balanced", "balanced_ring"])
+@pytest.fixture(params=["cluster", "ticket", "balanced"])
 def split_merge(request):
     """A Tuning of the decode-shaped kernels' split-KV merge: the static split (never balanced by
     the plan's lengths) with the default merge (on sm_90a the 2-8 splits launched as one
@@ -47,15 +47,11 @@ def split_merge(request):
     merge above), or with the ticket merge at every split count; or balanced
     split-KV (Tuning.balanced_split) over 7 CTAs at every size, so that the grid's small
     problems walk several items a CTA and merge units cut into many parts (sm_90a's MLA tiles'
-    of 5 parts or more in two levels: merge_fan 2); and the same with the decode tiles' item ring
-    (Tuning.item_ring, a variant: the mma.sync tiles with Q in registers; the others as
-    balanced). Tests pass it to a wrapper (``tuning=``)."""
+    of 5 parts or more in two levels: merge_fan 2). Tests pass it to a wrapper (``tuning=``)."""
     from prims_ts import Tuning
 
     if request.param == "cluster":
         return Tuning(balanced_split=False)
     if request.param == "balanced":
         return Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2)
-    if request.param == "balanced_ring":
-        return Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2, item_ring=True)
     return Tuning(cluster_merge=False, balanced_split=False)

@@ -103,18 +103,16 @@ for s in "${stages[@]}"; do
     balanced)  # balanced split-KV (Tuning.balanced_split; plans take it for uneven lengths): the decode and MLA
         # grids' cells under it (split_merge "balanced": 7 CTAs at every size, and the plans' choice:
         # test_plan_balances_uneven_lengths), then the sanitizer's decode cases
-        # (its balanced pass among them) under memcheck, and the item ring's alone under racecheck
-        # (the whole --decode outruns racecheck's 150 s before the ring's cases, its last)
+        # (its balanced pass among them) under memcheck and racecheck
         echo "== tests/test_decode_cuda.py tests/test_mla_cuda.py -k balance"
         timeout "$(tl 280)" "$PY" -m pytest tests/test_decode_cuda.py tests/test_mla_cuda.py -q -m cuda -rs -k balance \
             --maxfail=20 -p no:cacheprovider "${XDIST[@]}" >"$OUT/balanced.log" 2>&1
         echo "   rc=$? $(tail -1 "$OUT/balanced.log")"
-        for run in "memcheck --decode" "racecheck --item-ring"; do
-            set -- $run
-            echo "== compute-sanitizer $1 $2"
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 150)" compute-sanitizer --tool "$1" --error-exitcode 3 \
-                "$PY" tests/gpu_sanitize.py "$2" >"$OUT/balanced_$1.log" 2>&1
-            echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/balanced_$1.log" | tail -1)"
+        for tool in memcheck racecheck; do
+            echo "== compute-sanitizer $tool --decode"
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(tl 150)" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                "$PY" tests/gpu_sanitize.py --decode >"$OUT/balanced_$tool.log" 2>&1
+            echo "   rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/balanced_$tool.log" | tail -1)"
         done ;;
     second)  # the tests that need two GPUs (tensors on cuda:1), every kernel file
         echo "== tests on cuda:1"

@@ -6,7 +6,6 @@ compute-sanitizer (not collected by pytest).
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --variant tma   (one ring variant's cases)
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --block-sparse   (the block-sparse cases)
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --decode   (the paged and MLA decode cases)
-    compute-sanitizer --tool racecheck python tests/gpu_sanitize.py --item-ring   (the decode item ring's cases)
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py --part 2/6   (every 6th section from the 3rd)
 
 Both tools slow kernels ~100x: keep every case small and the launches few.
@@ -564,12 +563,6 @@ def run_decode(dev) -> None:
     for tuning in (None, Tuning(cluster_merge=False), Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2)):
         decode_cases(dev, tuning)
         mla_cases(dev, tuning)
-    run_item_ring(dev)
-
-
-def run_item_ring(dev) -> None:
-    """The decode tiles' item ring (Tuning.item_ring, a variant) alone: balanced over 7 CTAs."""
-    decode_cases(dev, Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2, item_ring=True))
     torch.cuda.synchronize()
 
 
@@ -587,8 +580,6 @@ def main() -> None:
         run_variant("cuda", sys.argv[2])
     elif len(sys.argv) == 2 and sys.argv[1] == "--decode":
         run_decode("cuda")
-    elif len(sys.argv) == 2 and sys.argv[1] == "--item-ring":
-        run_item_ring("cuda")
     elif len(sys.argv) == 2 and sys.argv[1] == "--block-sparse":
         run_block_sparse("cuda")
     elif len(sys.argv) == 2 and sys.argv[1] == "--mla-twin":

@@ -12,7 +12,7 @@ tests: B from 1 to 512, one request of 131072 tokens, output dtypes and scales, 
 bound page IDs and the one-shot.
 
 Every split merge: every compute test takes ``split_merge`` (conftest: the cluster and ticket merges,
-balanced split-KV, with and without the decode tiles' item ring) and runs a ``BatchDecodePagedTSWrapper`` planned with it (the plan's policy and
+balanced split-KV) and runs a ``BatchDecodePagedTSWrapper`` planned with it (the plan's policy and
 kernel key must be the ones that tuning selects); under the default tuning (``Tuning()``) the
 standalone ``prims_ts_batch_decode_with_kv_cache`` (always the default
 tuning) runs the same problem too, over a CSR whose entries past each request's live pages

@@ -6,8 +6,7 @@ bit-identical to the run on valid metadata. Corruptions: a page ID outside the p
 offsets outside the page list, a length longer than the pages listed, packed query offsets
 outside the query rows (those rows have no place: they are not written), route offsets
 outside ``block_indices``, block IDs past the request, repeated or unsorted. The decode and MLA
-wrappers also under balanced split-KV (with and without the decode tiles' item ring), whose
-other rows match within rounding (``TUNINGS``).
+wrappers also under balanced split-KV, whose other rows match within rounding (``TUNINGS``).
 
 Run under ``compute-sanitizer --tool memcheck`` with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``
 (every tensor its own allocation) to see that nothing is read past a tensor.
@@ -47,10 +46,7 @@ def _zero(t) -> bool:
 # requests' ranges and their partials' rounding: their rows then match the good run within bf16
 # rounding, not bit for bit (the rows the contract names are zeros either way).
 TUNINGS = {"static": prims_ts.Tuning(balanced_split=False),
-           "balanced": prims_ts.Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2),
-           # the decode tiles' item ring (a variant): a corrupt item is prepared, and its
-           # copies refused, under the previous item's last tiles
-           "balanced_ring": prims_ts.Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2, item_ring=True)}
+           "balanced": prims_ts.Tuning(balanced_split=True, balanced_ctas=7, merge_fan=2)}
 
 
 def _same(a, b, tuning) -> bool:

@@ -15,7 +15,7 @@ one-split policies, batch sizes 1..512, a 131072-token request, output dtypes an
 strided query, the wrapper (both run modes, bound metadata changed in place) and the one-shot.
 
 Every split merge: every compute test takes ``split_merge`` (conftest: the cluster and ticket merges,
-balanced split-KV, with and without the decode tiles' item ring) and runs a ``BatchMLADecodePagedTSWrapper`` planned with it (with the engine
+balanced split-KV) and runs a ``BatchMLADecodePagedTSWrapper`` planned with it (with the engine
 tests' tuning fields on top); the plan's policy and kernel key must be the ones that tuning
 selects. Under the default tuning (``Tuning()``) the standalone
 ``prims_ts_batch_decode_with_kv_cache_mla`` (always the default tuning) runs the same problem too.
@@ -307,8 +307,7 @@ def row_tile(request):
 def with_merge(tuning: Tuning, split_merge: Tuning) -> Tuning:
     """`tuning` with split_merge's merge (balanced split-KV included)."""
     return dataclasses.replace(tuning, cluster_merge=split_merge.cluster_merge, balanced_split=split_merge.balanced_split,
-                               balanced_ctas=split_merge.balanced_ctas, merge_fan=split_merge.merge_fan,
-                               item_ring=split_merge.item_ring)
+                               balanced_ctas=split_merge.balanced_ctas, merge_fan=split_merge.merge_fan)
 
 
 @pytest.mark.parametrize("hsq", SWAP_CELLS, ids=[f"h{h}_sq{q}" for h, q in SWAP_CELLS])

@@ -619,9 +619,8 @@ def test_persistent_choice_and_grid(persistent):
 def test_catalogue_defaults_and_variants():
     """warmup compiles the default tuning's keys; --variants adds every VARIANTS tuning's (each
     tuning of catalog.VARIANTS builds at least one key the default does not); the portable
-    engine's only variant keys are the item ring's (`_bal_ir`, D64 / D128), and its default keys
-    hold paged decode's balanced split-KV keys (plans choose them by their lengths) beside the
-    static ones, a tile each."""
+    engine has no variant keys, and its default keys hold paged decode's balanced split-KV keys
+    (plans choose them by their lengths) beside the static ones, a tile each."""
     default = {ks.name for ks in catalog.all_keys("sm_90a")}
     every = {ks.name for ks in catalog.all_keys("sm_90a", variants=True)}
     assert default < every
@@ -630,8 +629,7 @@ def test_catalogue_defaults_and_variants():
         assert own <= every
         assert own - default, t
     sm80 = {ks.name for ks in catalog.all_keys("sm_80")}
-    extra = {ks.name for ks in catalog.all_keys("sm_80", True)} - sm80
-    assert extra and all(n.endswith("_bal_ir") and n[:-3] in sm80 for n in extra), extra
+    assert {ks.name for ks in catalog.all_keys("sm_80", True)} == sm80
     bal = {n for n in sm80 if n.startswith("pt_decode_") and n.endswith("_bal")}
     assert bal and {n.rsplit("_", 1)[0] for n in bal} <= sm80  # the static keys' tiles
 
@@ -857,41 +855,6 @@ def test_cta_trace_is_a_key_of_its_own(tmp_path, monkeypatch):
     ptx = runtime.compile_ptx(key.source().source, key.name, "sm_90a")
     assert f".b8 pt_cta_trace[{script.trace_rows() * script.trace_words() * 8}];" in ptx, key.name
     assert not runtime.perf_notes, runtime.perf_notes
-
-
-def test_item_ring_keys(tmp_path, monkeypatch):
-    """Tuning.item_ring (a variant): balanced split-KV's mma.sync decode keys with Q in registers
-    (D64, D128) take the item ring, a key of their own (`_bal_ir`, the kernel's RING argument),
-    where the ticket merge's weights fit the one stage the ring leaves it (decode.ring_fits: not
-    rows of 32 or 64 over the resident grid); the static keys, D256 (Q in shared memory) and the
-    MLA tiles do not; the keys compile for sm_90a (to a CUBIN) and sm_80."""
-    from prims_ts.cuda import runtime
-
-    monkeypatch.setenv("PRIMS_TS_CACHE_DIR", str(tmp_path))
-    ring = Tuning(balanced_split=True, item_ring=True)
-    for d in (64, 128, 256):
-        bal = decode_policy(64, 8, 4, 1, d, 8192, sm_count=132, balance=-1)
-        key = DecodeKey.of("bf16", d, False, bal, "sm_90a", ring)
-        plain = DecodeKey.of("bf16", d, False, bal, "sm_90a", Tuning(balanced_split=True))
-        assert key.balanced and key.ring == (d <= 128), key.name
-        if d <= 128:
-            assert key.name == plain.name + "_ir" and key.call().endswith(", true, true>"), key.call()
-            for arch in ("sm_90a", "sm_80"):
-                assert ".entry" in runtime.compile_ptx(key.source().source, key.name, arch)
-            runtime.compile_cubin(key.source(), "sm_90a")
-        else:
-            assert key == plain
-        static = DecodeKey.of("bf16", d, False, decode_policy(64, 8, 4, 1, d, 8192, sm_count=132), "sm_90a", ring)
-        assert not static.ring
-    for group, fits in ((8, True), (32, False), (64, False)):  # one request, the resident grid (264)
-        pol = decode_policy(1, 1, group, 1, 128, 131072, sm_count=132, balance=-1)
-        assert pol.balanced == 264 and DecodeKey.of("bf16", 128, False, pol, "sm_90a", ring).ring == fits, pol
-    pol = decode_policy(1, 1, 64, 1, 128, 131072, sm_count=132, balance=7)  # the grids' 7 CTAs
-    assert DecodeKey.of("bf16", 128, False, pol, "sm_90a", ring).ring
-    mla = decode_policy(64, 1, 16, 1, MLA_DIM_QK, 8192, sm_count=132, balance=-1)
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, False, mla, "sm_90a", ring).ring
-    assert not DecodeKey.of("bf16", MLA_DIM_QK, False, mla, "sm_80", ring).ring
-    assert Tuning.decode(ring.encode()) == ring
 
 
 def test_device_split_bound_matches_the_host():

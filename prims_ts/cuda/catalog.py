@@ -47,7 +47,6 @@ RING_VARIANTS: Dict[str, Tuning] = {
 # grid is among the default keys: plans choose it by their lengths.)
 DECODE_VARIANTS: Dict[str, Tuning] = {
     "mla_mma": Tuning(mla_swapped=False),
-    "item_ring": Tuning(item_ring=True),
 }
 VARIANTS: List[Tuning] = list(RING_VARIANTS.values()) + list(DECODE_VARIANTS.values())
 

@@ -281,7 +281,6 @@ class DecodeKey(KernelKey):
     copy_tpr: int = tag("cp", 4)  # the swapped tile's producer threads per K/V row (Tuning.copy_tpr)
     twin: bool = tag("twin", False)  # the twin tile (MLA rows of 64 on sm_90a)
     balanced: bool = tag("bal", False)  # balanced split-KV (the policy's `balanced`: Tuning.balanced_split)
-    ring: bool = tag("ir", False)  # balanced split-KV's item ring (Tuning.item_ring; mma.sync tiles with Q in registers)
     trace: bool = tag("trace", False)  # PT_TWIN_TRACE (Tuning.twin_trace): a measurement aid
     cta_trace: bool = tag("ctatrace", False)  # PT_CTA_TRACE (Tuning.cta_trace): a measurement aid
     probe: int = tag("probe", 0)  # PT_PROBE in the twin keys (Tuning.probe): a measurement aid, wrong results
@@ -306,7 +305,7 @@ class DecodeKey(KernelKey):
         if arch == "sm_90a" and tuning.mla_swapped and head_dim == MLA_DIM_QK and pol.bm < 64:
             return DecodeKey.swapped(dtype, causal, pol, tuning)
         return DecodeKey(dtype, head_dim, causal, pol.bm, pol.bn, pol.warps_n, pol.stages, pol.split_o, 80,
-                         balanced=bal, ring=bal and tuning.item_ring and ring_fits(pol, head_dim))
+                         balanced=bal)
 
     @staticmethod
     def swapped(dtype: str, causal: bool, pol: DecodePolicy, tuning: Tuning = DEFAULT_TUNING) -> "DecodeKey":
@@ -363,16 +362,7 @@ class DecodeKey(KernelKey):
             assert self.arch == 80 and self.copy_tpr == 4, self
             cfg = fmha_config(self.dtype, self.head_dim, self.bm, self.bn, self.head_dim <= 128, 80, self.warps_n,
                               self.stages, self.split_o, self.dv, self.shared_kv)
-        flags = (", true, true" if self.ring else ", true") if self.balanced else ""
-        return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}{flags}>"
-
-
-def ring_fits(pol: DecodePolicy, head_dim: int) -> bool:
-    """Whether a balanced policy's mma.sync tile can take the item ring (Tuning.item_ring): Q in
-    registers (D64, D128), and the ticket merge's weights (a row tile's rows of up to one part a
-    CTA group) inside the one stage the ring leaves the merges (K and V tiles of BN keys)."""
-    groups = pol.balanced // max(1, pol.row_tiles)
-    return head_dim <= 128 and min(pol.bm, pol.rows_max) * groups * 4 + 256 <= 4 * pol.bn * head_dim
+        return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}{', true' if self.balanced else ''}>"
 
 
 def keeps_cluster(held: Optional[int], cluster: int, ctas: int, slots: int) -> bool:

@@ -160,20 +160,10 @@ __device__ __forceinline__ void merge_out(const DecodeParams& p, const MergePart
 // The merge of `parts` into rows row0 .. row0 + q_rows - 1 of a tile (the rows of part s at
 // parts.row(s)), by the MMA threads of one CTA. TO_PART: into part 0's rows instead (in place:
 // each of a row group's sums is stored by the thread that read it, or after the lanes' barrier).
-// RING (the portable keys' item ring): its scratch is the stage the item held back
-// (pt_decode_scratch: its byte offset, set by the core before the merge's ticket barrier), the
-// next item's Q and first tiles being in flight elsewhere.
-__shared__ int pt_decode_scratch;
-template <class Cfg, bool TO_PART = false, bool RING = false>
+template <class Cfg, bool TO_PART = false>
 __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts parts, int b, int hk, int q_start,
                                          int row0, int q_rows) {
-  extern __shared__ __align__(1024) char smem_all[];  // the core is done with it (not re-aligned: floats)
-  char* smem = smem_all;
-  int bytes = Cfg::SMEM_BYTES;
-  if constexpr (RING) {
-    smem += pt_decode_scratch;
-    bytes = Cfg::KV_TILES * Cfg::SMEM_KV;  // one stage (DecodeKey.of takes the ring where the weights fit)
-  }
+  extern __shared__ __align__(1024) char smem[];  // the core is done with it (not re-aligned: floats)
   constexpr int THREADS = Cfg::THREADS, DV = Cfg::DV, QUADS = DV / 4;
   // units a thread: 6, within every decode kernel's own register count (none re-divides its
   // registers among warpgroups with setmaxnreg, which would compile this out-of-line function
@@ -181,13 +171,9 @@ __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts
   constexpr int UNITS = 6;
   static_assert(DV % 4 == 0, "4-column groups");
   static_assert((Cfg::BM * DECODE_MAX_SPLITS * 4 + 15) / 16 * 16 <= Cfg::SMEM_BYTES,
-                "the static split's weights fit the tile's shared memory (balanced split-KV: the plan checks; "
-                "the item ring's stage: DecodeKey.of)");
+                "the static split's weights fit the tile's shared memory (balanced split-KV: the plan checks)");
   const int S = parts.count;  // >= 2
   const int w_bytes = (q_rows * S * 4 + 15) / 16 * 16;
-  if constexpr (RING) {
-    if (w_bytes > bytes) __trap();  // never: the host takes the ring only where a stage holds them
-  }
   float* w = reinterpret_cast<float*>(smem);                  // [q_rows][S]
   float4* sums = reinterpret_cast<float4*>(smem + w_bytes);   // [lane][group]
   merge_weights<THREADS, TO_PART>(p, parts, w, q_rows);
@@ -197,7 +183,7 @@ __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts
   // pass and the shared memory after the weights (CTA-uniform).
   const int n = q_rows * QUADS;
   const float4* o4 = reinterpret_cast<const float4*>(p.ws_o);  // part s's group g: o4[row(s) QUADS + g]
-  const int slots = (bytes - w_bytes) / 16;
+  const int slots = (Cfg::SMEM_BYTES - w_bytes) / 16;
   const int lanes = max_(1, min_(S, min_(THREADS * UNITS, slots) / n));
   const int units = lanes * n;
 #pragma unroll 1
@@ -265,7 +251,7 @@ __device__ __noinline__ void merge_parts(const DecodeParams& p, const MergeParts
 // The MLA parts (8-64 rows x 512 floats, 16-128 KB) are worth a second level (MLA H64 x 1.86,
 // H16 x 1.37); the decode tiles' (2-16 KB) merge in a few trips, which it only lengthens (a long
 // request's decode x 0.97): benchmarks/NOTES.md. `s`: this CTA's part.
-template <class Cfg, bool BALANCED, bool RING = false>
+template <class Cfg, bool BALANCED>
 __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const MergeParts& parts, int s, int b, int hk,
                                               int rt, int q_start, int row0, int q_rows) {
   constexpr int THREADS = Cfg::THREADS;
@@ -288,7 +274,7 @@ __device__ __forceinline__ void merge_if_last(const DecodeParams& p, const Merge
       return;
     }
   }
-  if (merge_ticket<THREADS>(p, P, b, hk, rt)) merge_parts<Cfg, false, RING>(p, parts, b, hk, q_start, row0, q_rows);
+  if (merge_ticket<THREADS>(p, P, b, hk, rt)) merge_parts<Cfg>(p, parts, b, hk, q_start, row0, q_rows);
 }
 
 // Split-KV in thread block clusters (sm_90a; Tuning.cluster_merge). The plan launches a row
@@ -571,16 +557,20 @@ __device__ __forceinline__ bool walk_start(const DecodeParams& p, char* scratch,
   return true;
 }
 
-template <class Cfg, bool CAUSAL>
-using DecodeProblemOf = DecodeProblem<typename Cfg::T, Cfg::DV, Cfg::BM, Cfg::BN, CAUSAL>;
-
-// An item's key range (pb's rows set up by its init, every thread the same): the item's keys
-// narrowed by the causal band, and the fail-closed page check.
-template <class Cfg, bool CAUSAL>
-__device__ __forceinline__ void decode_range(const DecodeParams& p, const DecodeItem& it,
-                                             DecodeProblemOf<Cfg, CAUSAL>& pb) {
-  constexpr int BN = Cfg::BN;
+// One item on the whole CTA: the core over its keys, then (partials) the merge.
+template <class Cfg, bool CAUSAL, bool BALANCED>
+__device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, const DecodeItem& it,
+                                            const TmaMap* tmk, u64* core_clock = nullptr) {
+  using T = typename Cfg::T;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN;
+  const int b = it.b, hk = it.hk, rt = it.rt;
+  DecodeProblem<T, Cfg::DV, BM, BN, CAUSAL> pb;
+  int q_start, sq;
+  decode_request(p, b, q_start, sq);
+  // rows beyond this request's queries: nothing to write or merge
+  if (!pb.init(p, b, hk, q_start, sq, rt * BM, p.group * sq)) return;
   pb.split = it.slot;
+
   // range: the item's keys, narrowed by the causal band of the tile's tokens
   int begin = it.begin, end = min_(pb.sk, it.end);
   if (CAUSAL) {
@@ -597,82 +587,6 @@ __device__ __forceinline__ void decode_range(const DecodeParams& p, const Decode
     pb.kv_end = pb.kv_begin;
     pb.poisoned = true;
   }
-}
-
-// The item ring's state in shared memory (balanced split-KV's portable keys, RING): the next
-// item's problem as the current one prepared it, whether its Q and first tiles are out (set with
-// the problem: it has tiles and passed its checks), and the stage its tile 0 went to (the
-// current item's merges: pt_decode_scratch).
-template <class Problem>
-struct DecodeRing {
-  Problem next;
-  int warm, stage0;
-};
-
-// fmha_tile_body's Ahead for a CTA's walk: the next item is items[(i + 1) & 1], which thread 0
-// wrote at item i's start (visible past the core loop's first barrier, before any next()).
-template <class Cfg, bool CAUSAL>
-struct DecodeAhead {
-  using Problem = DecodeProblemOf<Cfg, CAUSAL>;
-  static constexpr bool ON = true;
-  const DecodeParams& p;
-  DecodeRing<Problem>* st;
-  const DecodeItem* item;  // the next item (b < 0: none)
-  __device__ __forceinline__ bool warm() const { return st->warm != 0; }
-  __device__ __forceinline__ int stage0() const { return st->stage0; }
-  // the next item's tile j to issue(problem, j): at j = 0 every thread prepares it (its metadata
-  // and page check, under the current item's last tiles) and thread 0 keeps it for the later j
-  // (read past the loop's next barrier)
-  template <class Issue>
-  __device__ __forceinline__ void next(int j, const Issue& issue) const {
-    if (j == 0) {
-      Problem q;
-      bool ok = item->b >= 0;  // decode_item's preamble
-      if (ok) {
-        int q_start, sq;
-        decode_request(p, item->b, q_start, sq);
-        ok = q.init(p, item->b, item->hk, q_start, sq, item->rt * Cfg::BM, p.group * sq);
-      }
-      if (ok) decode_range<Cfg, CAUSAL>(p, *item, q);
-      ok = ok && q.range().n_tiles() > 0;
-      if (threadIdx.x == 0) {
-        st->next = q;
-        st->warm = ok;
-      }
-      if (ok) issue(q, 0);
-    } else if (st->warm) {
-      const Problem q = st->next;
-      if (j < q.range().n_tiles()) issue(q, j);
-    }
-  }
-  // the current item's loop is done: the next item starts from `stage`; the merges take the
-  // stage at byte offset `scratch`; without `issued` nothing of the next item is out. Thread 0
-  // writes only what changes: an item without tiles passed no barrier since every thread read
-  // stage0 and warm (it was not warm: a warm item has tiles).
-  __device__ __forceinline__ void done(int stage, int scratch, bool issued, bool any) const {
-    if (threadIdx.x == 0) {
-      if (any) st->stage0 = stage;
-      pt_decode_scratch = scratch;
-      if (!issued && st->warm) st->warm = 0;
-    }
-  }
-};
-
-// One item on the whole CTA: the core over its keys, then (partials) the merge. RING: the
-// portable keys' item ring (balanced split-KV), `ring` its state.
-template <class Cfg, bool CAUSAL, bool BALANCED, bool RING = false>
-__device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, const DecodeItem& it,
-                                            const TmaMap* tmk, u64* core_clock = nullptr,
-                                            DecodeRing<DecodeProblemOf<Cfg, CAUSAL>>* ring = nullptr,
-                                            const DecodeItem* next = nullptr) {
-  constexpr int BM = Cfg::BM;
-  const int b = it.b, hk = it.hk, rt = it.rt;
-  DecodeProblemOf<Cfg, CAUSAL> pb;
-  int q_start, sq;
-  decode_request(p, b, q_start, sq);
-  // rows beyond this request's queries: nothing to write or merge
-  if (!pb.init(p, b, hk, q_start, sq, rt * BM, p.group * sq)) return;
-  decode_range<Cfg, CAUSAL>(p, it, pb);
   // Every item runs the core, even with an empty range: a partial is then zero with
   // lse = -inf, which the merge weighs as nothing.
   const float out_scale = it.slot >= 0 ? 1.f : p.out_scale;
@@ -683,9 +597,6 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
     fmha_tile_twin<Cfg>(pb, smem, p.scale_log2, out_scale, tmk);
   } else if constexpr (Cfg::SWAP) {
     fmha_tile_swap<Cfg>(pb, smem, p.scale_log2, out_scale);
-  } else if constexpr (RING) {
-    RingPos pos;
-    fmha_tile_body<Cfg>(pb, smem, p.scale_log2, out_scale, pos, DecodeAhead<Cfg, CAUSAL>{p, ring, next});
   } else {
     fmha_tile<Cfg>(pb, smem, p.scale_log2, out_scale);
   }
@@ -723,7 +634,7 @@ __device__ __forceinline__ void decode_item(const DecodeParams& p, char* smem, c
             : MergeParts::strided(p.splits, decode_split_row(p, b, hk, 0, pb.row0), p.rows_max);
     // this CTA's part: its group's place after the unit's first (static: the split)
     const int part = BALANCED ? walk_group(p) - it.c0 : it.slot;
-    merge_if_last<Cfg, BALANCED, RING>(p, parts, part, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
+    merge_if_last<Cfg, BALANCED>(p, parts, part, b, hk, rt, pb.q_start, pb.row0, pb.q_rows);
   }
 }
 
@@ -748,9 +659,8 @@ __device__ __forceinline__ void trace_item(int i, const DecodeItem& it, const u6
 // BALANCED: the balanced split-KV keys (decode.DecodeKey.balanced), whose grid walks the
 // items of its key tiles; the others one item a CTA, blockIdx = (split, K/V head * row_tiles
 // + row tile, request).
-template <class Cfg, bool CAUSAL, bool BALANCED = false, bool RING = false>
+template <class Cfg, bool CAUSAL, bool BALANCED = false>
 __device__ __forceinline__ void decode_grid(const DecodeParams& p, const TmaMap* tmk) {
-  static_assert(!RING || (BALANCED && Cfg::ARCH == 80), "the item ring: balanced split-KV's portable keys");
   // sm_90a's decode tiles are SwapConfig and TwinConfig; FmhaConfig's wgmma engine (a producer
   // ring of whole-row warpgroups) is the prefill family's
   static_assert(Cfg::SWAP || Cfg::TWIN || Cfg::ARCH == 80, "decode: FmhaConfig tiles on the portable engine");
@@ -764,15 +674,6 @@ __device__ __forceinline__ void decode_grid(const DecodeParams& p, const TmaMap*
   if constexpr (BALANCED) {
     __shared__ DecodeWalk walk;
     __shared__ DecodeItem items[2];
-    DecodeRing<DecodeProblemOf<Cfg, CAUSAL>>* ring = nullptr;
-    if constexpr (RING) {
-      __shared__ DecodeRing<DecodeProblemOf<Cfg, CAUSAL>> ring_state;
-      ring = &ring_state;
-      if (threadIdx.x == 0) {
-        ring->warm = 0;
-        ring->stage0 = 0;
-      }
-    }
     if (!walk_start<Cfg, CAUSAL>(p, smem, walk, items[0])) return;
 #pragma unroll 1
     for (int i = 0;; ++i) {
@@ -783,8 +684,7 @@ __device__ __forceinline__ void decode_grid(const DecodeParams& p, const TmaMap*
       }
       if (items[i & 1].b < 0) break;
       if (threadIdx.x == 0) walk_next<Cfg::BN, CAUSAL>(p, walk, items[(i + 1) & 1]);
-      decode_item<Cfg, CAUSAL, true, RING>(p, smem, items[i & 1], tmk, core_clock, ring,
-                                           &items[(i + 1) & 1]);  // its fields read where used
+      decode_item<Cfg, CAUSAL, true>(p, smem, items[i & 1], tmk, core_clock);  // its fields read where used
       trace_item<Cfg>(i, items[i & 1], core_clock);
     }
   } else {
@@ -796,11 +696,11 @@ __device__ __forceinline__ void decode_grid(const DecodeParams& p, const TmaMap*
   }
 }
 
-template <class Cfg, bool CAUSAL, bool BALANCED = false, bool RING = false>
+template <class Cfg, bool CAUSAL, bool BALANCED = false>
 __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMap* tmk = nullptr) {
 #ifdef PT_CTA_TRACE
   const u64 t0 = pt_globaltimer();
-  decode_grid<Cfg, CAUSAL, BALANCED, RING>(p, tmk);
+  decode_grid<Cfg, CAUSAL, BALANCED>(p, tmk);
   // no CTA barrier (a producer warpgroup may have left early): each warp's end, the latest kept
   const u64 lin = pt_cta_trace_row();
   if ((threadIdx.x & 31) == 0 && lin < CTA_TRACE_MAX) {
@@ -815,7 +715,7 @@ __device__ __forceinline__ void decode_kernel(const DecodeParams& p, const TmaMa
     }
   }
 #else
-  decode_grid<Cfg, CAUSAL, BALANCED, RING>(p, tmk);
+  decode_grid<Cfg, CAUSAL, BALANCED>(p, tmk);
 #endif
 }
 

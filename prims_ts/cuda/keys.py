@@ -83,12 +83,6 @@ class Tuning:
     # None: decode.MERGE_FAN. The grids take 2 (every unit of those tiles of 5 parts or more
     # merges in two levels). At most MERGE_FAN_MAX.
     merge_fan: Optional[int] = None
-    # Balanced split-KV on the mma.sync decode tiles with Q in registers (D64, D128): the K/V
-    # stream runs on across a CTA's items, the next item's Q and first tiles issued under the
-    # current item's last ones (fmha_decode.cu: DecodeAhead; pt_fmha.cuh: fmha_tile_body's
-    # Ahead). A variant until a device measures it (benchmarks/NOTES.md, "Decode: the ring across
-    # a CTA's items").
-    item_ring: bool = False
     # PT_PROBE (pt_fmha_config.cuh) in the sm_90a prefill keys and the twin MLA keys, a
     # measurement aid with wrong results: 1 times the MMA warps without the K/V copies, 2 the
     # copies without the math.

@@ -142,16 +142,11 @@ __device__ __forceinline__ void fmha_overlap_loop(const Problem& pb, const FmhaW
 // The plain loop, one tile after another: S, mask, softmax, PV, each waited. The producer
 // ring's stages (Cfg::PRODUCER) or the CTA's own cp.async pipeline (portable configs: STAGES
 // tiles in flight from the start, tile it + STAGES refills tile it's stage: issue_kv).
-// AHEAD (portable configs; a CTA's item ring, fmha_tile_body): past the item's end, the stage a
-// consumed tile frees takes the next item's tile instead (issue_ahead, j = it + STAGES - n),
-// but the last one, which the item's merges use.
-template <class Cfg, bool AHEAD = false, class Problem, class Range, class Ring, class ReleaseQ, class IssueKv,
-          class IssueAhead>
+template <class Cfg, class Problem, class Range, class Ring, class ReleaseQ, class IssueKv>
 __device__ __forceinline__ void fmha_plain_loop(const Problem& pb, const FmhaWarp<Cfg>& w, const Range& range,
                                                 int n_tiles, const Ring& ring, int& stage_io, u32& phase_io,
                                                 float (&o)[Cfg::DTW][4], float (&m_row)[2], float (&l_row)[2],
-                                                float scale_log2, const ReleaseQ& release_q, const IssueKv& issue_kv,
-                                                const IssueAhead& issue_ahead) {
+                                                float scale_log2, const ReleaseQ& release_q, const IssueKv& issue_kv) {
   using W = FmhaWarp<Cfg>;
   using E = FmhaEngine<Cfg>;
   using Softmax = RowSoftmax<W::NT, Cfg::LEAN, Cfg::LAZY>;
@@ -191,14 +186,8 @@ __device__ __forceinline__ void fmha_plain_loop(const Problem& pb, const FmhaWar
       ring.advance(stage, phase);
     } else {
       __syncthreads();  // every warp is done with this stage
-      if (it + Cfg::STAGES < n_tiles) {
-        issue_kv(it + Cfg::STAGES, stage);
-      } else if constexpr (AHEAD) {
-        if (n_tiles >= Cfg::STAGES && it < n_tiles - 1) issue_ahead(it + Cfg::STAGES - n_tiles, stage);
-      }
-      // AHEAD: no group for the held-back stage, so that the next item's tiles stand in the
-      // groups as a cold start's would (its tile 0 waited for alone)
-      if (!(AHEAD && n_tiles >= Cfg::STAGES && it == n_tiles - 1)) cp_async_commit();
+      if (it + Cfg::STAGES < n_tiles) issue_kv(it + Cfg::STAGES, stage);
+      cp_async_commit();
       stage = stage + 1 == Cfg::STAGES ? 0 : stage + 1;
     }
   }
@@ -326,12 +315,10 @@ __device__ __forceinline__ void fmha_epilogue(const Problem& pb, const FmhaWarp<
 // The start of a work item: its Q, from the producer (Q_BY_PRODUCER: waited for) or copied by
 // the MMA warps themselves; the portable pipeline's first STAGES tiles. False under PT_PROBE 2,
 // which times the ring's passes here instead of the item.
-// WARM (a CTA's item ring): the previous item issued this item's Q and first STAGES - 1 tiles
-// from stage pos.stage on; only tile STAGES - 1 is left, into the stage it held back.
 template <class Cfg, bool Q_BY_PRODUCER, class Problem, class Ring, class ReleaseQ, class IssueKv>
 __device__ __forceinline__ bool fmha_item_start(const Problem& pb, const FmhaWarp<Cfg>& w, char* smem, const Ring& ring,
                                                 int n_tiles, RingPos& pos, const ReleaseQ& release_q,
-                                                const IssueKv& issue_kv, bool warm = false) {
+                                                const IssueKv& issue_kv) {
   constexpr int THREADS = Cfg::THREADS, STAGES = Cfg::STAGES;
   using QTile = typename Cfg::QTile;
   if constexpr (Q_BY_PRODUCER) {
@@ -351,15 +338,12 @@ __device__ __forceinline__ bool fmha_item_start(const Problem& pb, const FmhaWar
       }
       return false;
     }
-  } else if (warm) {
-    if (STAGES - 1 < n_tiles) issue_kv(STAGES - 1, (pos.stage + STAGES - 1) % STAGES);
-    cp_async_commit();
   } else {
     // STAGES tiles in flight from the start; tile it + STAGES refills tile it's stage.
     load_tile<QTile, THREADS>(w.sQ, pb.q_rows, [&](int r) { return pb.q_row(r); }, threadIdx.x);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      if (s < n_tiles) issue_kv(s, (pos.stage + s) % STAGES);
+      if (s < n_tiles) issue_kv(s, s);
       cp_async_commit();
     }
   }
@@ -368,29 +352,13 @@ __device__ __forceinline__ bool fmha_item_start(const Problem& pb, const FmhaWar
 
 // One work item (a BM-row tile over its key range). Producer-ring configs: the MMA
 // threads only (the ring is set up and fed by fmha_items), from where `pos` stands.
-// Portable configs: the whole CTA, `pos` unused but for the item ring's stage (Ahead::ON).
+// Portable configs: the whole CTA, `pos` unused.
 // Q_BY_PRODUCER (persistent CTAs, whole-row warpgroups): the producer copies each item's Q;
 // the MMA warps wait for it (q_full) and hand it back after their last S^T (q_empty): in
 // the overlapped loops that is S^T of the last tile, landed while the previous PV may run.
-// No item ring (fmha_tile_body's Ahead): each item starts and drains its own pipeline.
-struct NoAhead {
-  static constexpr bool ON = false;
-};
-
-// Ahead::ON (portable configs; a CTA's items in a row, fmha_decode.cu: DecodeAhead): the K/V
-// stream runs on across items. ahead.warm(): this item's Q and first STAGES - 1 tiles are out
-// (from stage ahead.stage0()); past this item's end, ahead.next(j, issue) hands the next item's
-// problem to issue() for its tile j (its Q with tile 0) into the stage tile it + STAGES would
-// have taken; the last stage is held back for this item's merges (the key-split band's here, the
-// split merge's after: ahead.done(stage, its byte offset, whether the next item's tiles went out,
-// whether this item had any)), and the pipeline is not drained.
-template <class Cfg, bool Q_BY_PRODUCER = false, class Problem, class Ahead = NoAhead>
+template <class Cfg, bool Q_BY_PRODUCER = false, class Problem>
 __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, float scale_log2, float out_scale,
-                                               RingPos& pos, const Ahead& ahead = Ahead{}) {
-  static_assert(!Ahead::ON || (!Cfg::PRODUCER && Cfg::Q_IN_REGS && !Cfg::SHARED_KV &&
-                               Cfg::SMEM_MERGE <= Cfg::KV_TILES * Cfg::SMEM_KV),
-                "an item ring: the portable pipeline, Q in registers (its tile free after tile 0), the "
-                "key-split merge inside one stage");
+                                               RingPos& pos) {
   static_assert(!Q_BY_PRODUCER || Cfg::PRODUCER, "Q from the producer: the producer ring (whole-row warpgroups)");
   static_assert(!Q_BY_PRODUCER || PT_PROBE != 2, "PT_PROBE 2 times one item per CTA (PERSISTENT off)");
   using W = FmhaWarp<Cfg>;
@@ -420,23 +388,7 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
       if (w.lane == 0) mbar_arrive(fmha_q_empty<Cfg>(smem));
     }
   };
-  // Ahead::ON: the next item's tile j into `stage`, its Q with tile 0
-  auto issue_ahead = [&](int j, int stage) {
-    if constexpr (Ahead::ON) {
-      ahead.next(j, [&](const Problem& nx, int jj) {
-        if (jj == 0)
-          load_tile<typename Cfg::QTile, THREADS>(w.sQ, nx.q_rows, [&](int r) { return nx.q_row(r); }, threadIdx.x);
-        const KeyTile kt = nx.range().tile(jj);
-        load_kv_tiles<KVTile, THREADS, false>(w.sK(stage), w.sV(stage), nx, kt.k0, kt.rows, threadIdx.x);
-      });
-    }
-  };
-  bool warm = false;
-  if constexpr (Ahead::ON) {
-    pos.stage = ahead.stage0();
-    warm = ahead.warm();
-  }
-  if (!fmha_item_start<Cfg, Q_BY_PRODUCER>(pb, w, smem, ring, n_tiles, pos, release_q, issue_kv, warm)) return;
+  if (!fmha_item_start<Cfg, Q_BY_PRODUCER>(pb, w, smem, ring, n_tiles, pos, release_q, issue_kv)) return;
 
   float o[DT][4];
 #pragma unroll
@@ -444,28 +396,18 @@ __device__ __forceinline__ void fmha_tile_body(const Problem& pb, char* smem, fl
   float m_row[2] = {neg_inf(), neg_inf()};  // running max of raw scores, rows g and g+8
   float l_row[2] = {0.f, 0.f};              // this thread's share of the running sums
 
-  int stage = Cfg::PRODUCER || Ahead::ON ? pos.stage : 0;
+  int stage = Cfg::PRODUCER ? pos.stage : 0;
   u32 phase = pos.phase;  // parity of the current pass over the ring (producer pipeline)
   if constexpr (Cfg::OVERLAP) {
     fmha_overlap_loop<Cfg>(pb, w, range, n_tiles, ring, stage, phase, o, m_row, l_row, scale_log2, release_q);
   } else {
-    fmha_plain_loop<Cfg, Ahead::ON>(pb, w, range, n_tiles, ring, stage, phase, o, m_row, l_row, scale_log2,
-                                    release_q, issue_kv, issue_ahead);
+    fmha_plain_loop<Cfg>(pb, w, range, n_tiles, ring, stage, phase, o, m_row, l_row, scale_log2, release_q,
+                         issue_kv);
   }
+  cp_async_wait<0>();
   pos.stage = stage;
   pos.phase = phase;
-  if constexpr (Ahead::ON) {
-    // every tile of this item landed (waited in the loop); the next item's stay in flight. The
-    // last tile's stage, held back, takes the merges. An item too short to issue ahead has
-    // nothing of the next in flight: drained as before (an item without tiles still copied Q).
-    const int off = Cfg::SMEM_Q + Cfg::KV_TILES * ((stage + Cfg::STAGES - 1) % Cfg::STAGES) * Cfg::SMEM_KV;
-    if (n_tiles < Cfg::STAGES) cp_async_wait<0>();
-    ahead.done(stage, off, n_tiles >= Cfg::STAGES, n_tiles > 0);
-    fmha_epilogue<Cfg, Q_BY_PRODUCER>(pb, w, smem + off, o, m_row, l_row, scale_log2, out_scale);
-  } else {
-    cp_async_wait<0>();
-    fmha_epilogue<Cfg, Q_BY_PRODUCER>(pb, w, smem, o, m_row, l_row, scale_log2, out_scale);
-  }
+  fmha_epilogue<Cfg, Q_BY_PRODUCER>(pb, w, smem, o, m_row, l_row, scale_log2, out_scale);
 }
 
 // The work items of a CTA: items.get(w, pb) builds item w's problem (false: nothing to
