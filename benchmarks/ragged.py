@@ -66,7 +66,7 @@ def choice(fam: str, lens: list, dev) -> tuple:
     else:
         shape = (len(lens), 1, int(fam[3:]), 1, K.MLA_DIM_QK, max(lens), sms, limit)
     bal, pol = K.decode_policy(*shape, -1), K.decode_policy(*shape)
-    twin = arch == "sm_90a" and fam != "decode" and pol.bm == 64  # the twin's charged ratio
+    twin = K.takes_twin(pol, shape[4], arch)  # the twin's charged ratio
     ratio = K.ragged_ratio(a, pol, bal.balanced, shape[1], twin) if bal.balanced else 0.0
     picked = K.balanced_by_lengths(Tuning(), a, *shape, arch).balanced_split
     return bool(picked), ratio

@@ -173,6 +173,11 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, split_chunk(tiles, splits, bn))
 
 
+def takes_twin(pol: DecodePolicy, head_dim: int, arch: str) -> bool:
+    """Whether a launch of `pol` takes the twin MLA tile (sm_90a, MLA rows of 64: DecodeKey.of)."""
+    return arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64
+
+
 # A plan that read its requests' lengths balances split-KV (Tuning.balanced_split None) where
 # the static split's estimated time exceeds the balanced grid's by this factor
 # (balanced_by_lengths). Balanced costs the mma.sync and swapped tiles 2-9% on uniform rows and
@@ -208,8 +213,7 @@ def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int, twin: b
     if twin:
         splits = max(1, min(pol.splits, CLUSTER_MAX_SPLITS, slots // max(1, len(lens) * units)))
         if splits != pol.splits:
-            pol = dataclasses.replace(pol, splits=splits, chunk=split_chunk(-(-pol.chunk * pol.splits // pol.bn),
-                                                                            splits, pol.bn))
+            pol = with_splits(pol, splits, pol.chunk * pol.splits)  # (the policy's keys, to a tile)
     total = float(lens.sum()) * units
     # a request's busy splits: ceil(length / chunk), at most the splits (one split: any keys)
     busy = int(np.count_nonzero(lens) if pol.splits == 1 else
@@ -237,7 +241,7 @@ def balanced_by_lengths(tuning: Tuning, lens, batch: int, num_kv_heads: int, gro
     if not bal.balanced:
         return tuning
     pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count, smem_limit)
-    twin = arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64
+    twin = takes_twin(pol, head_dim, arch)
     if ragged_ratio(lens, pol, bal.balanced, num_kv_heads, twin) > (RAGGED_RATIO_TWIN if twin else RAGGED_RATIO):
         return dataclasses.replace(tuning, balanced_split=True)
     return tuning
@@ -298,7 +302,7 @@ class DecodeKey(KernelKey):
     @staticmethod
     def _of(dtype: str, head_dim: int, causal: bool, pol: DecodePolicy, arch: str, tuning: Tuning) -> "DecodeKey":
         bal = pol.balanced > 0
-        if arch == "sm_90a" and head_dim == MLA_DIM_QK and pol.bm == 64:
+        if takes_twin(pol, head_dim, arch):
             assert pol.bn == TWIN_BN and pol.warps_n == 2, pol  # 64-key tiles; two MMA warpgroups
             return DecodeKey(dtype, MLA_DIM_QK, causal, 64, TWIN_BN, 2, TWIN_STAGES, False, 90, twin=True,
                              balanced=bal, trace=tuning.twin_trace, probe=tuning.probe)
