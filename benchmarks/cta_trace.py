@@ -1,6 +1,6 @@
 """A decode launch's edges from its CTAs' clocks (a measurement aid, not part of the bench):
 
-    python benchmarks/cta_trace.py [--family decode] [--family mla] [--match TEXT] [--tuning SPEC]
+    python benchmarks/cta_trace.py [--family decode] [--family mla] [--match TEXT] [--tuning SPEC] [--repeat N]
 
 For each bench problem of the decode and MLA families (or those whose name holds TEXT), plans our
 wrapper as the bench does, with Tuning.cta_trace (the `_ctatrace` keys, PT_CTA_TRACE in
@@ -11,8 +11,10 @@ end), its CTAs' durations by wave of starts, and each SM's share of the span: bu
 resident), before its first CTA (the head), after its last (the tail), and between CTAs; the
 first wave's CTA times by SM (the slower over the faster CTA of one SM, the share of the
 variance between SMs); then the items (a static key's one a CTA, a balanced key's walk): before each one's core (metadata,
-page check), its core, after it (the merge). Then the key's time a call with the trace and
-without, by the bench's timer (`bench.time_ms`).
+page check), its core, after it (the merge). With `--repeat N` (N >= 2) the launch runs N times
+and the first wave's mean CTA time by SM is compared between the launches (whether an SM's rate
+is the chip's, the same SMs slow every time, or the launch's). Then the key's time a call with
+the trace and without, by the bench's timer (`bench.time_ms`).
 """
 import argparse
 import ctypes
@@ -136,6 +138,36 @@ def co_resident(tr: np.ndarray) -> None:
           f"{100.0 * between / total:.0f}% of the variance between SMs")
 
 
+def sm_means(tr: np.ndarray) -> dict:
+    """Each SM's mean CTA time (ns) over the first wave (the CTAs started within 1 us of the
+    launch's first)."""
+    first = tr[tr[:, 0] - tr[:, 0].min() < 1000]
+    dur = (first[:, 1] - first[:, 0]).astype(float)
+    return {int(sm): float(dur[first[:, 2] == sm].mean()) for sm in np.unique(first[:, 2])}
+
+
+def sm_repeat(runs: list) -> None:
+    """Whether an SM's rate belongs to the SM (the chip) or to the launch: the first wave's mean
+    CTA time by SM in each of several launches of one problem, and the correlation of those
+    means between the launches (near 1: the same SMs are slow in every launch, a rate a
+    schedule could know ahead; near 0: the launch's own noise)."""
+    common = sorted(set.intersection(*(set(r) for r in runs)))
+    if len(runs) < 2 or len(common) < 8:
+        return
+    m = np.asarray([[r[sm] for sm in common] for r in runs])
+    rank = np.argsort(np.argsort(m, axis=1), axis=1).astype(float)
+    pairs = [(i, j) for i in range(len(runs)) for j in range(i + 1, len(runs))]
+    pear = [float(np.corrcoef(m[i], m[j])[0, 1]) for i, j in pairs]
+    spear = [float(np.corrcoef(rank[i], rank[j])[0, 1]) for i, j in pairs]
+    mean = m.mean(axis=0)
+    order = np.argsort(mean)
+    print(f"    the SMs' mean CTA time over {len(runs)} launches ({len(common)} SMs): correlation between "
+          f"launches {min(pear):.2f}-{max(pear):.2f} (by rank {min(spear):.2f}-{max(spear):.2f}); "
+          f"the SMs' means {mean.min() / 1e3:.1f}-{mean.max() / 1e3:.1f} us (spread within an SM across launches: "
+          f"median {np.median(m.max(axis=0) / m.min(axis=0)):.3f}x)")
+    print(f"    fastest SMs {[common[i] for i in order[:8]]}, slowest {[common[i] for i in order[-8:]]}")
+
+
 def items(tr: np.ndarray) -> None:
     """Each CTA's items (a static key's one, a balanced key's walk): how many a CTA walks, and
     an item's time in three parts: before its core (the page check; a balanced item also the
@@ -181,6 +213,8 @@ def main() -> None:
     ap.add_argument("--family", action="append", choices=["decode", "mla"], default=None)
     ap.add_argument("--match", default=None, help="only the problems whose name holds this text")
     ap.add_argument("--tuning", default="", help="a Tuning.encode() string, cta_trace added")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="launches traced a problem (the first summarised; with 2 or more, the SMs' rates compared)")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = trace_rows()
@@ -202,17 +236,22 @@ def main() -> None:
                 fns[label]()
                 torch.cuda.synchronize()
             modules = traced_modules()
-            for m in modules:
-                cupy.cuda.runtime.memset(global_ptr(m), 0, rows * trace_words() * 8)
-            flush.zero_()
-            torch.cuda.synchronize()
-            fns["traced"]()
-            torch.cuda.synchronize()
-            traces = [t for t in (read(m, rows) for m in modules) if len(t)]
-            if len(traces) != 1:
-                print(f"    {len(traces)} traced keys recorded (expected one): skipped")
-            else:
-                summarize(traces[0])
+            runs = []
+            for rep in range(max(1, args.repeat)):
+                for m in modules:
+                    cupy.cuda.runtime.memset(global_ptr(m), 0, rows * trace_words() * 8)
+                flush.zero_()
+                torch.cuda.synchronize()
+                fns["traced"]()
+                torch.cuda.synchronize()
+                traces = [t for t in (read(m, rows) for m in modules) if len(t)]
+                if len(traces) != 1:
+                    print(f"    {len(traces)} traced keys recorded (expected one): skipped")
+                    break
+                if rep == 0:
+                    summarize(traces[0])
+                runs.append(sm_means(traces[0]))
+            sm_repeat(runs)
             for label, fn in fns.items():
                 print(f"    {label}: {B.time_ms(fn) * 1e3:.1f} us a call ({B.timer_name()})")
 
