@@ -1,6 +1,6 @@
 """A decode launch's edges from its CTAs' clocks (a measurement aid, not part of the bench):
 
-    python benchmarks/cta_trace.py [--family decode] [--family mla] [--match TEXT] [--tuning SPEC] [--repeat N]
+    python benchmarks/cta_trace.py [--family decode] [--family mla] [--match TEXT] [--tuning SPEC] [--repeat N [--reshuffle]]
 
 For each bench problem of the decode and MLA families (or those whose name holds TEXT), plans our
 wrapper as the bench does, with Tuning.cta_trace (the `_ctatrace` keys, PT_CTA_TRACE in
@@ -13,8 +13,9 @@ first wave's CTA times by SM (the slower over the faster CTA of one SM, the shar
 variance between SMs); then the items (a static key's one a CTA, a balanced key's walk): before each one's core (metadata,
 page check), its core, after it (the merge). With `--repeat N` (N >= 2) the launch runs N times
 and the first wave's mean CTA time by SM is compared between the launches (whether an SM's rate
-is the chip's, the same SMs slow every time, or the launch's). Then the key's time a call with
-the trace and without, by the bench's timer (`bench.time_ms`).
+is the chip's, the same SMs slow every time, or the launch's); `--reshuffle` permutes the page
+IDs before each launch after the first (does a rate follow the SM or the pages its CTAs read?).
+Then the key's time a call with the trace and without, by the bench's timer (`bench.time_ms`).
 """
 import argparse
 import ctypes
@@ -203,6 +204,15 @@ def items(tr: np.ndarray) -> None:
     print(f"    from the last recorded item's end to the CTA's end: median {np.median(gap):.2f} us")
 
 
+def reshuffle(x, seed: int) -> None:
+    """The inputs' page IDs permuted among themselves (decode's CSR indices, MLA's block table):
+    the same requests and lengths over other pages of the pool."""
+    name = "indices" if hasattr(x, "indices") else "block_tables"
+    ids = getattr(x, name)
+    perm = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(1000 + seed)).to(ids.device)
+    setattr(x, name, ids.flatten()[perm].view_as(ids).contiguous())
+
+
 def main() -> None:
     import cupy
 
@@ -215,6 +225,9 @@ def main() -> None:
     ap.add_argument("--tuning", default="", help="a Tuning.encode() string, cta_trace added")
     ap.add_argument("--repeat", type=int, default=1,
                     help="launches traced a problem (the first summarised; with 2 or more, the SMs' rates compared)")
+    ap.add_argument("--reshuffle", action="store_true",
+                    help="with --repeat: the page IDs permuted again (and the launch planned again) before each "
+                         "launch after the first, so that each CTA reads other pages on the same SM")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = trace_rows()
@@ -238,6 +251,10 @@ def main() -> None:
             modules = traced_modules()
             runs = []
             for rep in range(max(1, args.repeat)):
+                if rep and args.reshuffle:
+                    reshuffle(x, rep)
+                    x.tuning = dataclasses.replace(base, cta_trace=True)
+                    fns["traced"] = runner.setup(prob, x)
                 for m in modules:
                     cupy.cuda.runtime.memset(global_ptr(m), 0, rows * trace_words() * 8)
                 flush.zero_()
