@@ -2,7 +2,7 @@
 # What a GPU session checks, in as few device calls as possible (device time is the
 # scarce resource: CPU-only tests are CI's job; `-m cuda` selects the GPU ones).
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|mlatree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [FILE.py|abtree|mlatree|pathstree|probe|tests|tests1|tests2|prefill|paged|bsr|decode|mla|twin|twintrace|ctatrace|rates|balanced|graphs|second|sweeps|profile|compile|sanitize|memcheck|racecheck|check|bench|quick|paths|ab|abloops|all]...
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh par "tests1" "tests2 sanitize"   (two GPUs)
 #
@@ -202,6 +202,16 @@ for s in "${stages[@]}"; do
         echo "== cta_trace.py"
         timeout "$(tl 240)" "$PY" benchmarks/cta_trace.py >"$OUT/cta_trace.log" 2>&1
         echo "   rc=$? (cta_trace.log)"; grep -v '^\[' "$OUT/cta_trace.log" | head -150 ;;
+    rates)  # whether an SM's streaming rate follows the SM or the pages its CTAs read (cta_trace.py
+        # --repeat, then --repeat --reshuffle: the page IDs permuted between the launches) on the
+        # one-wave decode rows and MLA H16 (benchmarks/NOTES.md, "The SMs' rates across launches")
+        for m in "B16 L32768" "B128 L4096" "B1 L131072" "B64 L8192 H16"; do
+            for r in "" --reshuffle; do
+                echo "== cta_trace.py --match \"$m\" --repeat 3 $r"
+                timeout "$(tl 60)" "$PY" benchmarks/cta_trace.py --match "$m" --repeat 3 $r 2>&1 \
+                    | tee -a "$OUT/rates.log" | grep -E "correlation|fastest|span" ;
+            done
+        done ;;
     pathstree)
         # host paths before/after in one call: `bench --paths` of the package at ab_base/ (see
         # abtree), then of this tree's, each from its own tree's directory (paths_base.log,
