@@ -117,34 +117,35 @@ def summarize(tr: np.ndarray) -> None:
     items(tr)
 
 
+def first_wave(tr: np.ndarray) -> tuple:
+    """The first wave's CTAs (started within 1 us of the launch's first): their times (ns) and SMs."""
+    first = tr[tr[:, 0] - tr[:, 0].min() < 1000]
+    return (first[:, 1] - first[:, 0]).astype(float), first[:, 2]
+
+
 def co_resident(tr: np.ndarray) -> None:
     """Whether the CTAs' unequal times belong to the SM or to the CTA: the CTAs of the first
     wave (started within 1 us of the launch's first) grouped by SM; the slower over the faster
     of each SM's group (two or more CTAs a slot share it), and how much of the first wave's
     variance of CTA time lies between the SMs' means (100%: an SM's CTAs all take its time)."""
-    t0 = tr[:, 0].min()
-    first = tr[tr[:, 0] - t0 < 1000]
-    dur = (first[:, 1] - first[:, 0]).astype(float)
-    sms = first[:, 2]
+    dur, sms = first_wave(tr)
     groups = [dur[sms == sm] for sm in np.unique(sms)]
-    if len(first) < 4 or max(len(g) for g in groups) < 2:
+    if len(dur) < 4 or max(len(g) for g in groups) < 2:
         return
     ratio = np.asarray([g.max() / g.min() for g in groups if len(g) >= 2])
     means = np.asarray([g.mean() for g in groups])
     between = float(sum(len(g) * (g.mean() - dur.mean()) ** 2 for g in groups))
     total = float(((dur - dur.mean()) ** 2).sum()) or 1.0
-    print(f"    the first wave by SM: {len(first)} CTAs on {len(groups)} SMs; slower / faster CTA of an SM "
+    print(f"    the first wave by SM: {len(dur)} CTAs on {len(groups)} SMs; slower / faster CTA of an SM "
           f"median {np.median(ratio):.2f} (p90 {np.percentile(ratio, 90):.2f}, max {ratio.max():.2f}); "
           f"the SMs' mean CTA time {means.min() / 1e3:.1f}-{means.max() / 1e3:.1f} us; "
           f"{100.0 * between / total:.0f}% of the variance between SMs")
 
 
 def sm_means(tr: np.ndarray) -> dict:
-    """Each SM's mean CTA time (ns) over the first wave (the CTAs started within 1 us of the
-    launch's first)."""
-    first = tr[tr[:, 0] - tr[:, 0].min() < 1000]
-    dur = (first[:, 1] - first[:, 0]).astype(float)
-    return {int(sm): float(dur[first[:, 2] == sm].mean()) for sm in np.unique(first[:, 2])}
+    """Each SM's mean CTA time (ns) over the first wave."""
+    dur, sms = first_wave(tr)
+    return {int(sm): float(dur[sms == sm].mean()) for sm in np.unique(sms)}
 
 
 def sm_repeat(runs: list) -> None:

@@ -209,7 +209,7 @@ for s in "${stages[@]}"; do
             for r in "" --reshuffle; do
                 echo "== cta_trace.py --match \"$m\" --repeat 3 $r"
                 timeout "$(tl 60)" "$PY" benchmarks/cta_trace.py --match "$m" --repeat 3 $r 2>&1 \
-                    | tee -a "$OUT/rates.log" | grep -E "correlation|fastest|span" ;
+                    | tee -a "$OUT/rates.log" | grep -E "correlation|fastest|span"
             done
         done ;;
     pathstree)
