@@ -50,6 +50,25 @@ def test_decode_policy_splits_long_single_requests():
     assert decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132).splits == 1
 
 
+def test_split_sweep_forces_the_count():
+    """benchmarks/split_sweep.py's forced policy: the count asked (up to the key tiles), chunks
+    of whole tiles that cover the keys (a trailing one may be empty, as the policy's), never
+    balanced."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("split_sweep", Path(__file__).parent.parent / "benchmarks" /
+                                                  "split_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    for splits, length in ((16, 131072), (33, 131072), (5, 1000), (40, 640)):
+        pol = sweep.forced(decode_policy, splits)(1, 8, 4, 1, 128, length, 132)
+        tiles = -(-length // pol.bn)
+        assert pol.splits == min(splits, tiles) and pol.balanced == 0
+        assert pol.chunk % pol.bn == 0 and pol.splits * pol.chunk >= length
+    assert sweep.forced(decode_policy, None)(1, 8, 4, 1, 128, 131072, 132) == decode_policy(1, 8, 4, 1, 128, 131072,
+                                                                                             132)
+
+
 def test_work_list_heavy_first_and_complete():
     q_lens, kv_lens = [1, 300, 129, 1000], [5, 300, 500, 1000]
     items = [tuple(x) for x in work_list(torch.tensor(q_lens), torch.tensor(kv_lens), "causal", -1, 128).tolist()]

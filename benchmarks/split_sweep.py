@@ -1,0 +1,112 @@
+"""Time the bandwidth rows of paged decode and MLA decode under forced static split counts (a
+tuning aid, not part of the bench), beside SDPA on the decode rows, in one process:
+
+    python benchmarks/split_sweep.py [--rows "decode 1 131072" "mla 64 8192 16" ...] [--splits 16 24 29 33 ...]
+
+A row: ``decode B L`` (H32/8 D128, page 32, the bench's decode inputs) or ``mla B L H`` (page 64,
+the bench's MLA inputs). Each line: the split count (``policy``: the library's), the CTAs it
+launches, the bench's time of one call (a graph of one launch, after an L2 flush) and TB/s of
+K/V bytes, and the largest difference from the policy's output (a split count moves only the
+rounding). The question it answers: whether a launch that leaves some resident slots empty
+(fewer CTAs than slots, so that some SMs hold one CTA, as SDPA's split heuristic does) streams
+faster than the one that fills every slot (``decode._split_target``'s choice).
+"""
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from prims_ts import bench  # noqa: E402
+from prims_ts.cuda import decode as K  # noqa: E402
+from prims_ts.cuda.keys import Tuning  # noqa: E402
+
+ROWS = ["decode 1 131072", "decode 16 32768", "decode 64 8192 64", "mla 64 8192 16"]
+SPLITS = [None, 1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 26, 29, 31, 33, 40, 48, 66]
+
+
+def forced(base, splits):
+    """decode_policy with `splits` static splits (None: the library's), the chunk re-derived."""
+    def policy(batch, hkv, group, sq, d, max_seq_len, *rest):
+        pol = base(batch, hkv, group, sq, d, max_seq_len, *rest)
+        if splits is None:
+            return pol
+        tiles = -(-max_seq_len // pol.bn)
+        s = max(1, min(splits, tiles))
+        return dataclasses.replace(pol, splits=s, chunk=-(-tiles // s) * pol.bn, balanced=0)
+    return policy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", default=ROWS)
+    ap.add_argument("--splits", nargs="+", type=int, default=None)
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    print(f"{torch.cuda.get_device_name(dev)}; timer {bench.timer_name()}")
+    counts = [None] + args.splits if args.splits else SPLITS
+    ws = torch.zeros(512 << 20, dtype=torch.uint8, device=dev)
+    default = K.decode_policy
+    for row in args.rows:
+        fam, *nums = row.split()
+        if fam == "decode":
+            b, n = int(nums[0]), int(nums[1])
+            hq = int(nums[2]) if len(nums) > 2 else 32
+            params = dict(B=b, L=n, Hq=hq, Hkv=8, D=128, page_size=32, graph=False, dtype="bf16")
+            prob = bench.Problem(family="decode", name=row, params=params, work=float(4 * b * n * 8 * 128),
+                                 unit="TB/s")
+            x = bench.DecodeInputs(prob, dev)
+            sdpa = next(r for r in bench.FAMILIES["decode"].runners if r.name == "sdpa")
+            ms = bench.time_ms(sdpa.setup(prob, x))
+            print(f"{row}: SDPA {ms * 1e3:8.1f} us {prob.work / ms / 1e9:6.3f} TB/s")
+            d, hkv, ps, mq = 128, 8, 32, None
+            q, cache, out = x.q, x.cache, torch.empty_like(x.q)
+        else:
+            b, n, h = int(nums[0]), int(nums[1]), int(nums[2])
+            params = dict(B=b, L=n, H=h, SQ=1, page_size=64, graph=False, dtype="bf16")
+            prob = bench.Problem(family="mla", name=row, params=params, work=float(b * n * K.MLA_DIM_QK * 2),
+                                 unit="TB/s")
+            x = bench.MLAInputs(prob, dev)
+            d, hq, hkv, ps = K.MLA_DIM_QK, h, 1, 64
+            q, cache = x.q, x.cache
+            out = torch.empty(*q.shape[:-1], K.MLA_DIM_V, device=dev, dtype=dt)
+        ref = None
+        for splits in counts:
+            K.decode_policy = forced(default, splits)
+            try:
+                static = K.DecodeStatic(dt, d, hq, hkv, ps, False, -1, dt, b, 1, 1, n, False, Tuning())
+                launch = K.PreparedDecode(static, dev.index or 0)
+            except Exception as e:  # noqa: BLE001
+                print(f"  splits {splits}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            finally:
+                K.decode_policy = default
+            if fam == "decode":
+                def fn(launch=launch):
+                    launch.run(q, cache, None, ws, out, x.indptr, x.indices, x.seq_lens, None, d ** -0.5, 1.0)
+                    return out
+            else:
+                def fn(launch=launch):
+                    launch.run(q, cache, None, ws, out, None, x.block_tables, x.seq_lens, None, d ** -0.5, 1.0,
+                               bt_stride=x.block_tables.stride(0))
+                    return out
+            ws.zero_()
+            fn()
+            got = out.float().clone()
+            ref = got if ref is None else ref
+            diff = (got - ref).abs().max().item()
+            ms = bench.time_ms(bench._graphed(fn, True))
+            pol = launch.policy
+            grid = K.decode_grid(pol, hkv, b)
+            label = "policy" if splits is None else str(splits)
+            print(f"  splits {label:>6} ({pol.splits:3d}, grid {grid[0] * grid[1] * grid[2]:5d}) "
+                  f"{ms * 1e3:8.1f} us {prob.work / ms / 1e9:6.3f} TB/s  maxdiff {diff:.1e}")
+        del x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
