@@ -2,12 +2,14 @@
 tuning aid, not part of the bench), beside SDPA on the decode rows, in one process:
 
     python benchmarks/split_sweep.py [--rows "decode 1 131072" "mla 64 8192 16" ...] [--splits 16 24 29 33 ...]
+        [--tunings "" "cluster_merge=False"]
 
 A row: ``decode B L`` (H32/8 D128, page 32, the bench's decode inputs) or ``mla B L H`` (page 64,
 the bench's MLA inputs). Each line: the split count (``policy``: the library's), the CTAs it
 launches, the bench's time of one call (a graph of one launch, after an L2 flush) and TB/s of
 K/V bytes, and the largest difference from the policy's output (a split count moves only the
-rounding). The question it answers: whether a launch that leaves some resident slots empty
+rounding), under each of ``--tunings`` (``Tuning.encode()`` strings; default: the default
+tuning alone). The question it answers: whether a launch that leaves some resident slots empty
 (fewer CTAs than slots, so that some SMs hold one CTA, as SDPA's split heuristic does) streams
 faster than the one that fills every slot (``decode._split_target``'s choice).
 """
@@ -44,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", default=ROWS)
     ap.add_argument("--splits", nargs="+", type=int, default=None)
+    ap.add_argument("--tunings", nargs="+", default=[""])
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(dev)}; timer {bench.timer_name()}")
@@ -74,10 +77,10 @@ def main() -> None:
             q, cache = x.q, x.cache
             out = torch.empty(*q.shape[:-1], K.MLA_DIM_V, device=dev, dtype=dt)
         ref = None
-        for splits in counts:
+        for spec, splits in [(t, c) for t in args.tunings for c in counts]:
             K.decode_policy = forced(default, splits)
             try:
-                static = K.DecodeStatic(dt, d, hq, hkv, ps, False, -1, dt, b, 1, 1, n, False, Tuning())
+                static = K.DecodeStatic(dt, d, hq, hkv, ps, False, -1, dt, b, 1, 1, n, False, Tuning.decode(spec))
                 launch = K.PreparedDecode(static, dev.index or 0)
             except Exception as e:  # noqa: BLE001
                 print(f"  splits {splits}: {type(e).__name__}: {str(e)[:160]}")
@@ -102,7 +105,8 @@ def main() -> None:
             pol = launch.policy
             grid = K.decode_grid(pol, hkv, b)
             label = "policy" if splits is None else str(splits)
-            print(f"  splits {label:>6} ({pol.splits:3d}, grid {grid[0] * grid[1] * grid[2]:5d}) "
+            print(f"  {spec or 'default':20s} splits {label:>6} ({pol.splits:3d}, grid {grid[0] * grid[1] * grid[2]:5d}, "
+                  f"cluster {launch.launch.cluster}) "
                   f"{ms * 1e3:8.1f} us {prob.work / ms / 1e9:6.3f} TB/s  maxdiff {diff:.1e}")
         del x
         torch.cuda.empty_cache()
