@@ -50,6 +50,29 @@ def test_decode_policy_splits_long_single_requests():
     assert decode_policy(128, 8, 4, 1, 128, 4096, sm_count=132).splits == 1
 
 
+def test_decode_policy_splits_one_wave():
+    """decode._split_target (benchmarks/NOTES.md, "One wave of splits"): the most splits whose
+    CTAs fit one wave of the resident slots where they fill at least ONE_WAVE_FILL of it (decode
+    D128 rows of 16: two CTAs an SM, 264 slots on 132 SMs; MLA rows of 16: one, 132), else the
+    best fill over several waves; MLA rows of 64 (the twin's) keep the best fill."""
+    def ctas(pol, batch, hkv):
+        return batch * hkv * pol.row_tiles * pol.splits
+
+    for batch, splits in ((1, 33), (2, 16), (4, 8), (6, 5), (8, 4), (16, 2)):
+        pol = decode_policy(batch, 8, 4, 1, 128, 65536, sm_count=132)
+        assert pol.splits == splits and ctas(pol, batch, 8) <= 264, (batch, pol)
+        assert ctas(pol, batch, 8) >= decode.ONE_WAVE_FILL * 264
+    # 96 CTAs: two splits fill 73% of one wave, so the best fill over four waves stands
+    assert decode_policy(12, 8, 4, 1, 128, 65536, sm_count=132).splits == 11
+    for batch, splits in ((1, 128), (8, 16), (16, 8), (24, 5), (48, 11), (64, 2)):
+        assert decode_policy(batch, 1, 16, 1, decode.MLA_DIM_QK, 65536, sm_count=132).splits == splits, batch
+    # the twin's rows: the best fill over any waves (launch_shape picks its clusters from it)
+    assert decode_policy(8, 1, 128, 1, decode.MLA_DIM_QK, 8192, sm_count=132).splits == 33
+    # the rule never passes the kernel's bound, nor the keys' floor a split
+    assert decode_policy(1, 1, 16, 1, decode.MLA_DIM_QK, 1 << 20, sm_count=132).splits == decode.DECODE_MAX_SPLITS
+    assert decode_policy(2, 8, 4, 1, 128, 1024, sm_count=132).splits == 8
+
+
 def test_split_sweep_forces_the_count():
     """benchmarks/split_sweep.py's forced policy: the count asked (up to the key tiles), chunks
     of whole tiles that cover the keys (a trailing one may be empty, as the policy's), never

@@ -67,10 +67,24 @@ def value_dim(head_dim: int) -> int:
     return MLA_DIM_V if head_dim == MLA_DIM_QK else head_dim
 
 
-def _split_target(ctas: int, slots: int) -> int:
-    """Splits per (request, K/V head) that fill the resident CTA slots best (fewest on ties)."""
+# A split count whose CTAs fill at least this share of the resident CTA slots in one wave wins
+# over counts that fill several waves better: each wave past the first costs more than the
+# slots it fills (decode B2 L65536 on an H100: 16 splits, 256 CTAs, 203 us; 33 splits, 528 CTAs,
+# 210 us), while a wave filled below it leaves some SMs with one CTA and others with two (B1
+# L131072: 192 CTAs 216 us, 264 CTAs 205; benchmarks/NOTES.md, "One wave of splits").
+ONE_WAVE_FILL = 0.85
+
+
+def _split_target(ctas: int, slots: int, one_wave: bool = True) -> int:
+    """Splits per (request, K/V head): the most whose CTAs fit one wave of the resident CTA slots
+    where they fill at least ONE_WAVE_FILL of it (`one_wave`), else those that fill the slots
+    best over any number of waves (fewest on ties)."""
     if ctas >= slots:
         return 1
+    if one_wave:
+        s = min(DECODE_MAX_SPLITS, slots // ctas)
+        if ctas * s >= ONE_WAVE_FILL * slots:
+            return s
     best, best_eff = 1, 0.0
     for s in range(1, min(DECODE_MAX_SPLITS, -(-4 * slots // ctas)) + 1):
         total = ctas * s
@@ -169,7 +183,11 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
         # DecodeWalk): at least one whole group
         if big and g >= row_tiles and min(bm, rows_max) * g * 4 + 256 <= fits and total * g < 2 ** 62:
             return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, 1, tiles * bn, g)
-    splits = max(1, min(_split_target(ctas, sm_count * per_sm), tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
+    # MLA rows of 64 (the twin tile on sm_90a) keep the best fill over any waves: the twin's
+    # launch_shape takes its splits in clusters of one wave from up to that count
+    one_wave = not (head_dim == MLA_DIM_QK and bm == 64)
+    splits = max(1, min(_split_target(ctas, sm_count * per_sm, one_wave),
+                        tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, split_chunk(tiles, splits, bn))
 
 
