@@ -13,10 +13,11 @@ ticket merge at every split count). With few CTAs the ticket
 merge (the last split CTA reads every split's partial rows) is on the critical path,
 so fewer, longer splits may win here where the bandwidth rows want many.
 """
-import dataclasses
 import sys
 
 import torch
+
+from split_sweep import forced  # noqa: E402 (benchmarks/ is the script's own directory)
 
 
 def graph_us(fn, calls: int = 20, reps: int = 30) -> float:
@@ -49,20 +50,6 @@ def one_call_us(fn) -> float:
     from prims_ts.bench import _graphed, time_ms
 
     return time_ms(_graphed(fn, True)) * 1e3
-
-
-def forced(base, splits):
-    """decode_policy with `splits` (None: the library's), chunk re-derived to cover the keys."""
-    base = getattr(base, "__wrapped__", base)
-
-    def policy(batch, hkv, group, sq, d, max_seq_len, *rest):
-        pol = base(batch, hkv, group, sq, d, max_seq_len, *rest)
-        if splits is None:
-            return pol
-        tiles = -(-max_seq_len // pol.bn)
-        s = max(1, min(splits, tiles))
-        return dataclasses.replace(pol, splits=s, chunk=-(-tiles // s) * pol.bn)
-    return policy
 
 
 def main() -> None:

@@ -31,14 +31,16 @@ SPLITS = [None, 1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 26, 29, 31, 33, 40, 48, 66]
 
 
 def forced(base, splits):
-    """decode_policy with `splits` static splits (None: the library's), the chunk re-derived."""
+    """decode_policy with `splits` static splits (None: the library's; at most one a key tile),
+    the chunk re-derived by decode.with_splits (also latency_sweep.py's)."""
+    base = getattr(base, "__wrapped__", base)
+
     def policy(batch, hkv, group, sq, d, max_seq_len, *rest):
         pol = base(batch, hkv, group, sq, d, max_seq_len, *rest)
         if splits is None:
             return pol
-        tiles = -(-max_seq_len // pol.bn)
-        s = max(1, min(splits, tiles))
-        return dataclasses.replace(pol, splits=s, chunk=-(-tiles // s) * pol.bn, balanced=0)
+        s = max(1, min(splits, -(-max_seq_len // pol.bn)))
+        return K.with_splits(dataclasses.replace(pol, balanced=0), s, max_seq_len)
     return policy
 
 
