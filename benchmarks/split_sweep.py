@@ -2,7 +2,7 @@
 tuning aid, not part of the bench), beside SDPA on the decode rows, in one process:
 
     python benchmarks/split_sweep.py [--rows "decode 1 131072" "mla 64 8192 16" ...] [--splits 16 24 29 33 ...]
-        [--tunings "" "cluster_merge=False"]
+        [--tunings "" "cluster_merge=False"] [--trace]
 
 A row: ``decode B L`` (H32/8 D128, page 32, the bench's decode inputs) or ``mla B L H`` (page 64,
 the bench's MLA inputs). Each line: the split count (``policy``: the library's), the CTAs it
@@ -11,7 +11,9 @@ K/V bytes, and the largest difference from the policy's output (a split count mo
 rounding), under each of ``--tunings`` (``Tuning.encode()`` strings; default: the default
 tuning alone). The question it answers: whether a launch that leaves some resident slots empty
 (fewer CTAs than slots, so that some SMs hold one CTA, as SDPA's split heuristic does) streams
-faster than the one that fills every slot (``decode._split_target``'s choice).
+faster than the one that fills every slot (``decode._split_target``'s choice). With ``--trace``,
+each launch once more under ``Tuning.cta_trace`` (cta_trace.py's keys): how its CTAs lay over
+the SMs (SMs used, CTAs an SM at most), their times and the launch's span.
 """
 import argparse
 import dataclasses
@@ -44,11 +46,44 @@ def forced(base, splits):
     return policy
 
 
+def placement_line(tr) -> str:
+    """A traced launch's CTAs over the SMs (cta_trace.read's rows: start ns, end ns, SM, ...): the SMs
+    used, the most CTAs an SM held and how many SMs held two or more, the CTAs' times and the span."""
+    import numpy as np
+
+    per_sm = np.bincount(tr[:, 2])
+    dur = (tr[:, 1] - tr[:, 0]) / 1e3
+    return (f"{len(tr)} CTAs on {np.count_nonzero(per_sm)} SMs (at most {per_sm.max()} an SM, {np.sum(per_sm >= 2)} "
+            f"SMs with two or more); CTA us median {np.median(dur):.1f} min {dur.min():.1f} max {dur.max():.1f}; "
+            f"span {(tr[:, 1].max() - tr[:, 0].min()) / 1e3:.1f} us")
+
+
+def placement(fn, ws) -> None:
+    """One launch of a `_ctatrace` key after an L2 flush (`ws` zeroed): placement_line of its trace."""
+    import cupy
+
+    import cta_trace as CT
+
+    rows = CT.trace_rows()
+    fn()  # the key loaded
+    torch.cuda.synchronize()
+    modules = CT.traced_modules()
+    for m in modules:
+        cupy.cuda.runtime.memset(CT.global_ptr(m), 0, rows * CT.trace_words() * 8)
+    ws.zero_()
+    torch.cuda.synchronize()
+    fn()
+    torch.cuda.synchronize()
+    traces = [t for t in (CT.read(m, rows) for m in modules) if len(t)]
+    print(f"    trace: {placement_line(traces[0]) if len(traces) == 1 else f'{len(traces)} traced keys recorded'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", default=ROWS)
     ap.add_argument("--splits", nargs="+", type=int, default=None)
     ap.add_argument("--tunings", nargs="+", default=[""])
+    ap.add_argument("--trace", action="store_true", help="each launch once more with its CTAs' SMs and clocks")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     print(f"{torch.cuda.get_device_name(dev)}; timer {bench.timer_name()}")
@@ -82,22 +117,28 @@ def main() -> None:
         for spec, splits in [(t, c) for t in args.tunings for c in counts]:
             K.decode_policy = forced(default, splits)
             try:
-                static = K.DecodeStatic(dt, d, hq, hkv, ps, False, -1, dt, b, 1, 1, n, False, Tuning.decode(spec))
-                launch = K.PreparedDecode(static, dev.index or 0)
+                tuning = Tuning.decode(spec)
+                launches = [K.PreparedDecode(K.DecodeStatic(dt, d, hq, hkv, ps, False, -1, dt, b, 1, 1, n, False, t),
+                                             dev.index or 0)
+                            for t in ([tuning, dataclasses.replace(tuning, cta_trace=True)] if args.trace else [tuning])]
+                launch = launches[0]
             except Exception as e:  # noqa: BLE001
                 print(f"  splits {splits}: {type(e).__name__}: {str(e)[:160]}")
                 continue
             finally:
                 K.decode_policy = default
-            if fam == "decode":
-                def fn(launch=launch):
-                    launch.run(q, cache, None, ws, out, x.indptr, x.indices, x.seq_lens, None, d ** -0.5, 1.0)
-                    return out
-            else:
-                def fn(launch=launch):
-                    launch.run(q, cache, None, ws, out, None, x.block_tables, x.seq_lens, None, d ** -0.5, 1.0,
-                               bt_stride=x.block_tables.stride(0))
-                    return out
+            def make(launch):
+                if fam == "decode":
+                    def fn():
+                        launch.run(q, cache, None, ws, out, x.indptr, x.indices, x.seq_lens, None, d ** -0.5, 1.0)
+                        return out
+                else:
+                    def fn():
+                        launch.run(q, cache, None, ws, out, None, x.block_tables, x.seq_lens, None, d ** -0.5, 1.0,
+                                   bt_stride=x.block_tables.stride(0))
+                        return out
+                return fn
+            fn = make(launch)
             ws.zero_()
             fn()
             got = out.float().clone()
@@ -110,6 +151,8 @@ def main() -> None:
             print(f"  {spec or 'default':20s} splits {label:>6} ({pol.splits:3d}, grid {grid[0] * grid[1] * grid[2]:5d}, "
                   f"cluster {launch.launch.cluster}) "
                   f"{ms * 1e3:8.1f} us {prob.work / ms / 1e9:6.3f} TB/s  maxdiff {diff:.1e}")
+            if args.trace:
+                placement(make(launches[1]), ws)
         del x
         torch.cuda.empty_cache()
 

@@ -90,6 +90,10 @@ def test_split_sweep_forces_the_count():
         assert pol.chunk % pol.bn == 0 and pol.splits * pol.chunk >= length
     assert sweep.forced(decode_policy, None)(1, 8, 4, 1, 128, 131072, 132) == decode_policy(1, 8, 4, 1, 128, 131072,
                                                                                              132)
+    # --trace's line: four CTAs (start ns, end ns, SM, 1) on three SMs, two of them on SM 5
+    tr = np.array([[0, 10_000, 5, 1], [1_000, 21_000, 5, 1], [0, 30_000, 2, 1], [500, 12_500, 7, 1]])
+    assert sweep.placement_line(tr) == ("4 CTAs on 3 SMs (at most 2 an SM, 1 SMs with two or more); CTA us median 16.0 "
+                                        "min 10.0 max 30.0; span 30.0 us")
 
 
 def test_work_list_heavy_first_and_complete():
