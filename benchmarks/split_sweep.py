@@ -113,6 +113,19 @@ def main() -> None:
             d, hq, hkv, ps = K.MLA_DIM_QK, h, 1, 64
             q, cache = x.q, x.cache
             out = torch.empty(*q.shape[:-1], K.MLA_DIM_V, device=dev, dtype=dt)
+
+        def make(launch):  # the row's call of a prepared launch
+            if fam == "decode":
+                def fn():
+                    launch.run(q, cache, None, ws, out, x.indptr, x.indices, x.seq_lens, None, d ** -0.5, 1.0)
+                    return out
+            else:
+                def fn():
+                    launch.run(q, cache, None, ws, out, None, x.block_tables, x.seq_lens, None, d ** -0.5, 1.0,
+                               bt_stride=x.block_tables.stride(0))
+                    return out
+            return fn
+
         ref = None
         for spec, splits in [(t, c) for t in args.tunings for c in counts]:
             K.decode_policy = forced(default, splits)
@@ -127,17 +140,6 @@ def main() -> None:
                 continue
             finally:
                 K.decode_policy = default
-            def make(launch):
-                if fam == "decode":
-                    def fn():
-                        launch.run(q, cache, None, ws, out, x.indptr, x.indices, x.seq_lens, None, d ** -0.5, 1.0)
-                        return out
-                else:
-                    def fn():
-                        launch.run(q, cache, None, ws, out, None, x.block_tables, x.seq_lens, None, d ** -0.5, 1.0,
-                                   bt_stride=x.block_tables.stride(0))
-                        return out
-                return fn
             fn = make(launch)
             ws.zero_()
             fn()
