@@ -442,11 +442,13 @@ GRAPH_CASES = [("single", "dense", -1), ("single", "causal", 50), ("fixed", "cau
 def test_cuda_graph_standalone_replay(device, qmode, mask, window, max_len):
     """Capture the standalone call, replay it over lengths, page IDs, packed offsets and cache
     data rewritten in place: one split, 8 splits (on sm_90a one thread block cluster a row tile,
-    merged on chip: the workspace stays untouched) and 33 splits (the ticket merge)."""
+    merged on chip: the workspace stays untouched) and, over 2 K/V heads, 16 splits (the ticket
+    merge)."""
     lens = [100, 7, 120, 64] if max_len == 127 else [300, 7, 555, 64]
     ps = 16 if max_len == 127 else 64
     slack = {127: 6, 1024: 20, 8192: 64}[max_len]  # room for longer requests after the CSR rewrite
-    pb = Prob(qmode, lens, 16, 4, 128, ps, BF16, device, seed=len(qmode) + max_len + window, sq=4,
+    hkv = 2 if max_len == 8192 else 4
+    pb = Prob(qmode, lens, 16, hkv, 128, ps, BF16, device, seed=len(qmode) + max_len + window, sq=4,
               q_lens=[3, 1, 4, 2], max_seq_len=max_len, max_seq_len_q=4, slack=slack)
     pol = pb.policy()
     assert (pol.splits > 1) == (max_len > 127) and (pol.splits <= 8) == (max_len <= 1024), pol

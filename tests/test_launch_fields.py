@@ -278,6 +278,7 @@ def _stub_prepared(monkeypatch):
     monkeypatch.setattr(runtime, "_libcuda", lambda: types.SimpleNamespace(cuLaunchKernelEx=lambda *a: 0,
                                                                            cuLaunchKernel=None,
                                                                            cuOccupancyMaxActiveClusters=None))
+    monkeypatch.setattr(runtime, "reserve_smem", lambda kernel, smem, name: None)  # a plan's cluster queries
     launched = []
     monkeypatch.setattr(runtime.PreparedLaunch, "launch", lambda self, stream: launched.append(bytes(self.params)))
     monkeypatch.setattr(runtime, "current_stream", lambda dev: 0)

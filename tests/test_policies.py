@@ -51,17 +51,24 @@ def test_decode_policy_splits_long_single_requests():
 
 
 def test_decode_policy_splits_one_wave():
-    """decode._split_target (benchmarks/NOTES.md, "One wave of splits"): the most splits whose
-    CTAs fit one wave of the resident slots where they fill at least ONE_WAVE_FILL of it (decode
-    D128 rows of 16: two CTAs an SM, 264 slots on 132 SMs; MLA rows of 16: one, 132), else the
-    best fill over several waves; MLA rows of 64 (the twin's) keep the best fill."""
+    """decode._split_target (benchmarks/NOTES.md, "One wave of splits", "The clusters' placement
+    and one CTA an SM"): the most splits whose CTAs take an SM each where they fill at least
+    ONE_WAVE_FILL of the SMs, else the most that fit one wave of the resident slots where they
+    fill that share of it (decode D128 rows of 16: two CTAs an SM, 264 slots on 132 SMs; MLA rows
+    of 16: one, 132), else the best fill over several waves; MLA rows of 64 (the twin's) keep the
+    best fill."""
     def ctas(pol, batch, hkv):
         return batch * hkv * pol.row_tiles * pol.splits
 
-    for batch, splits in ((1, 33), (2, 16), (4, 8), (6, 5), (8, 4), (16, 2)):
+    # a CTA an SM where that fills ONE_WAVE_FILL of the SMs with at least two splits
+    for batch, splits in ((1, 16), (2, 8), (4, 4), (8, 2)):
         pol = decode_policy(batch, 8, 4, 1, 128, 65536, sm_count=132)
-        assert pol.splits == splits and ctas(pol, batch, 8) <= 264, (batch, pol)
-        assert ctas(pol, batch, 8) >= decode.ONE_WAVE_FILL * 264
+        assert pol.splits == splits and decode.ONE_WAVE_FILL * 132 <= ctas(pol, batch, 8) <= 132, (batch, pol)
+    # else one wave of the resident slots (B6: 48 units, 96 SMs at two splits; B16: one split a
+    # unit would fill the SMs, two fill the slots)
+    for batch, splits in ((6, 5), (16, 2)):
+        pol = decode_policy(batch, 8, 4, 1, 128, 65536, sm_count=132)
+        assert pol.splits == splits and decode.ONE_WAVE_FILL * 264 <= ctas(pol, batch, 8) <= 264, (batch, pol)
     # 96 CTAs: two splits fill 73% of one wave, so the best fill over four waves stands
     assert decode_policy(12, 8, 4, 1, 128, 65536, sm_count=132).splits == 11
     for batch, splits in ((1, 128), (8, 16), (16, 8), (24, 5), (48, 11), (64, 2)):
@@ -478,7 +485,7 @@ def test_balanced_by_lengths():
     def ratio(lens, b, hkv, group, d, max_len, twin=False):
         bal = decode_policy(b, hkv, group, 1, d, max_len, 132, balance=-1)
         return decode.ragged_ratio(np.asarray(lens), decode_policy(b, hkv, group, 1, d, max_len, 132),
-                                   bal.balanced, hkv, twin)
+                                   bal.balanced, hkv, twin, 132)
 
     skewed = [32768] + [1024] * 63  # the bench's row: 8 CTAs of 32768 keys, 504 of 1024, on 264 slots
     assert ratio(skewed, 64, 8, 4, 128, 32768) == pytest.approx(32768 / (8 * (32768 + 63 * 1024) / 264))
@@ -486,8 +493,13 @@ def test_balanced_by_lengths():
     for lens, b in (([4096] * 128, 128), ([32768] * 16, 16), ([131072], 1)):  # the uniform rows
         assert ratio(lens, b, 8, 4, 128, lens[0]) < 1.05
         assert by(lens, b, 8, 4, 128, lens[0]) is t
-    # the static split's waves: two requests of 65536 and two of 4096 (its chunks of 2048 keys
-    # in three waves, ~x1.46 the balanced grid's keys a CTA)
+    # keys an SM: the uniform B8 L16384 row's static launch (2 splits, 128 CTAs, an SM each)
+    # against the balanced grid's 264 CTAs (two an SM); counted a CTA, it would read x2.06 and balance
+    pol8 = decode_policy(8, 8, 4, 1, 128, 16384, 132)
+    assert pol8.splits == 2 and decode.ragged_ratio(np.full(8, 16384), pol8, 264, 8) == pytest.approx(264 / 128)
+    assert ratio([16384] * 8, 8, 8, 4, 128, 16384) < 1.05 and by([16384] * 8, 8, 8, 4, 128, 16384) is t
+    # two requests of 65536 and two of 4096: the static split's 4 chunks of 16384 keys (a CTA an
+    # SM) wait on the long requests, ~x1.94 the balanced grid's keys an SM
     assert by([65536] * 2 + [4096] * 2, 4, 8, 4, 128, 65536).balanced_split
     assert by([1024], 1, 8, 4, 128, 1024) is t  # below the size floor: no balanced policy
     assert ratio([0] * 64, 64, 8, 4, 128, 32768) == 0.0  # no keys: nothing to balance
@@ -1047,6 +1059,31 @@ def test_launch_shape_fits_the_clusters_in_one_wave():
     for arch, tuning in (("sm_80", Tuning()), ("sm_90a", Tuning(cluster_merge=False))):
         assert decode.launch_shape(key, pol, arch, tuning, limit, 132, 1, 16, 4096, held_by({})) == (pol, 1, key.smem)
     assert not asked
+    # a launch of no more CTAs than SMs keeps its clusters only where, asked with one CTA an SM's
+    # shared memory, the device holds enough of them for a CTA an SM: decode B2 L65536 (8 splits,
+    # 128 CTAs) on an H100's 15 clusters of 8 (120 SMs) takes the ticket; B8 L16384's clusters of
+    # 2 (66 of them) stay
+    one = []
+
+    def held_one(per_size):
+        def held(grid, cluster, smem):
+            one.append(smem >= keys.SM_SMEM_BYTES // 2)
+            return per_size.get(cluster, 132 // cluster) if smem >= keys.SM_SMEM_BYTES // 2 else 264 // cluster
+        return held
+
+    for b, n, splits, held, cluster in ((2, 65536, 8, {8: 15}, 1), (2, 65536, 8, {8: 16}, 8), (8, 16384, 2, {}, 2)):
+        pol = decode.decode_policy(b, 8, 4, 1, 128, n, 132)
+        dkey = decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a")
+        one.clear()
+        got = decode.launch_shape(dkey, pol, "sm_90a", Tuning(), limit, 132, 8, b, n, held_one(held))
+        assert pol.splits == splits and got[0] == pol and got[1] == cluster and any(one), (b, got)
+    # a policy of splits shorter than TICKET_MIN_KEYS takes up to 8 of them in clusters, spread
+    # or not: B1 L8192 (16 splits of 512 keys) as 8 in a cluster; B1 L32768 keeps its ticket
+    for n, splits, cluster in ((8192, 8, 8), (32768, 16, 1)):
+        pol = decode.decode_policy(1, 8, 4, 1, 128, n, 132)
+        dkey = decode.DecodeKey.of("bf16", 128, False, pol, "sm_90a")
+        got = decode.launch_shape(dkey, pol, "sm_90a", Tuning(), limit, 132, 8, 1, n, held_one({8: 15}))
+        assert pol.splits == 16 and (got[0].splits, got[1]) == (splits, cluster), (n, got)
 
 
 def test_mla_workspace_never_shrinks():

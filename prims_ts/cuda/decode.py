@@ -71,16 +71,24 @@ def value_dim(head_dim: int) -> int:
 # over counts that fill several waves better: each wave past the first costs more than the
 # slots it fills (decode B2 L65536 on an H100: 16 splits, 256 CTAs, 203 us; 33 splits, 528 CTAs,
 # 210 us), while a wave filled below it leaves some SMs with one CTA and others with two (B1
-# L131072: 192 CTAs 216 us, 264 CTAs 205; benchmarks/NOTES.md, "One wave of splits").
+# L131072: 192 CTAs 216 us, 264 CTAs 205; benchmarks/NOTES.md, "One wave of splits"). A CTA an
+# SM over that share of the SMs goes first: an SM's rate is its own, shared by the CTAs it holds
+# (B1 L131072: 128 CTAs 195 us, 264 CTAs 199; B8 L16384: 128 CTAs 190 us, 256 CTAs 197; "The
+# clusters' placement and one CTA an SM").
 ONE_WAVE_FILL = 0.85
 
 
-def _split_target(ctas: int, slots: int, one_wave: bool = True) -> int:
-    """Splits per (request, K/V head): the most whose CTAs fit one wave of the resident CTA slots
-    where they fill at least ONE_WAVE_FILL of it (`one_wave`), else those that fill the slots
-    best over any number of waves (fewest on ties)."""
+def _split_target(ctas: int, slots: int, one_wave: bool = True, sm_count: Optional[int] = None) -> int:
+    """Splits per (request, K/V head), with `one_wave`: the most (at least 2) whose CTAs take an SM
+    each where they fill at least ONE_WAVE_FILL of the `sm_count` SMs, else the most that fit one wave of
+    the resident CTA slots where they fill at least ONE_WAVE_FILL of it; otherwise those that
+    fill the slots best over any number of waves (fewest on ties)."""
     if ctas >= slots:
         return 1
+    if one_wave and sm_count and 2 * ctas <= sm_count:
+        s = min(DECODE_MAX_SPLITS, sm_count // ctas)
+        if ctas * s >= ONE_WAVE_FILL * sm_count:
+            return s
     if one_wave:
         s = min(DECODE_MAX_SPLITS, slots // ctas)
         if ctas * s >= ONE_WAVE_FILL * slots:
@@ -186,7 +194,7 @@ def decode_policy(batch: int, num_kv_heads: int, group: int, max_seq_len_q: int,
     # MLA rows of 64 (the twin tile on sm_90a) keep the best fill over any waves: the twin's
     # launch_shape takes its splits in clusters of one wave from up to that count
     one_wave = not (head_dim == MLA_DIM_QK and bm == 64)
-    splits = max(1, min(_split_target(ctas, sm_count * per_sm, one_wave),
+    splits = max(1, min(_split_target(ctas, sm_count * per_sm, one_wave, sm_count),
                         tiles // max(1, DECODE_MIN_KEYS_PER_SPLIT // bn)))
     return DecodePolicy(bm, bn, warps_n, stages, split_o, row_tiles, rows_max, splits, split_chunk(tiles, splits, bn))
 
@@ -216,7 +224,8 @@ TWIN_BALANCED_KEYS = 2300
 RAGGED_RATIO_TWIN = 1.05
 
 
-def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int, twin: bool = False) -> float:
+def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int, twin: bool = False,
+                 sm_count: Optional[int] = None) -> float:
     """The static policy `pol`'s launch time over a balanced grid's of `slots` CTAs, in keys a CTA
     streams, for requests of K/V lengths `lens` (a NumPy vector). Static: its busy CTAs (a
     request's splits that hold keys, each K/V head and row tile) in waves of `slots` at their
@@ -225,7 +234,9 @@ def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int, twin: b
     aside); one long request among short ones far above it (the bench's B64 L32768+63x1024:
     ~11). `twin` (the twin MLA tile, whose slots are the SMs): the static launch's splits as
     launch_shape takes them where one wave holds them (up to CLUSTER_MAX_SPLITS as one cluster a
-    row tile), and a balanced CTA charged TWIN_BALANCED_KEYS."""
+    row tile), and a balanced CTA charged TWIN_BALANCED_KEYS. `sm_count` (where the slots are
+    several CTAs an SM): a static launch whose first wave leaves each busy SM fewer CTAs than the
+    balanced grid's streams its keys that much faster (an SM's rate is shared by its CTAs)."""
     lens = np.asarray(lens, dtype=np.int64)
     units = num_kv_heads * pol.row_tiles
     if twin:
@@ -239,6 +250,10 @@ def ragged_ratio(lens, pol: DecodePolicy, slots: int, num_kv_heads: int, twin: b
     if busy == 0 or total <= 0:  # no keys at all: nothing to balance
         return 0.0
     static = max(min(int(lens.max()), pol.chunk), -(-busy // slots) * total / busy)
+    if sm_count and slots > sm_count:
+        # the balanced grid shares each SM between slots / sm_count CTAs, a static launch of
+        # fewer CTAs than SMs gives each its own: in keys an SM, its CTAs stream that much faster
+        static *= min(slots, -(-min(busy, slots) // sm_count) * sm_count) / slots
     return static / (total / slots + (TWIN_BALANCED_KEYS if twin else 0))
 
 
@@ -260,7 +275,8 @@ def balanced_by_lengths(tuning: Tuning, lens, batch: int, num_kv_heads: int, gro
         return tuning
     pol = decode_policy(batch, num_kv_heads, group, max_seq_len_q, head_dim, max_seq_len, sm_count, smem_limit)
     twin = takes_twin(pol, head_dim, arch)
-    if ragged_ratio(lens, pol, bal.balanced, num_kv_heads, twin) > (RAGGED_RATIO_TWIN if twin else RAGGED_RATIO):
+    bar = RAGGED_RATIO_TWIN if twin else RAGGED_RATIO
+    if ragged_ratio(lens, pol, bal.balanced, num_kv_heads, twin, sm_count) > bar:
         return dataclasses.replace(tuning, balanced_split=True)
     return tuning
 
@@ -387,6 +403,15 @@ class DecodeKey(KernelKey):
         return f"pt::decode_kernel<{cfg}, {cpp_bool(self.causal)}{', true' if self.balanced else ''}>"
 
 
+# A decode split merged by the ticket streams at least this many keys: the ticket's merge (the
+# last CTA reading every split's partial) costs a launch ~4-7 us that a cluster's on-chip merge
+# does not, so a policy of shorter splits takes up to CLUSTER_MAX_SPLITS of them in clusters,
+# even where the clusters leave some SMs two CTAs (H100: B1 L16384 8 in a cluster 41.8 us, 16 by
+# the ticket 45.0; B1 L32768 70.2 / 68.5; benchmarks/NOTES.md, "The clusters' placement and one
+# CTA an SM").
+TICKET_MIN_KEYS = 2048
+
+
 def keeps_cluster(held: Optional[int], cluster: int, ctas: int, slots: int) -> bool:
     """Whether a launch of `ctas` CTAs keeps its clusters of `cluster`, the device holding `held`
     of them at once (PreparedLaunch.active_clusters; None: no cluster or no query): not where it
@@ -477,12 +502,27 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
             asked[cluster, smem] = held(grid, cluster, smem)
         return (cand, cluster, smem) if keeps_cluster(asked[cluster, smem], cluster, ctas, slots) else False
 
+    def spreads(got) -> bool:
+        """Whether a launch whose CTAs could each take an SM of their own still do in its
+        clusters: asked with one CTA an SM's shared memory, a GPC's SMs short of a whole cluster
+        take none (an H100's 128 CTAs in clusters of 8 or 4 ran on 120 SMs, 8 of them holding
+        two: 204-211 us against the ticket's 194 over 128 SMs)."""
+        cand, cluster, smem = got
+        grid = decode_grid(cand, num_kv_heads, batch)
+        ctas = grid[0] * grid[1] * grid[2]
+        one = max(smem, SM_SMEM_BYTES // 2)
+        if ctas > sm_count or one > smem_limit:
+            return True
+        if (cluster, one) not in asked:
+            asked[cluster, one] = held(grid, cluster, one)
+        return asked[cluster, one] is None or asked[cluster, one] * cluster >= ctas
+
     units = num_kv_heads * pol.row_tiles * batch  # row tiles of the launch
     if key.twin:
         got = _twin_shape(fits, pol, key.smem, units, slots, sm_count)
         if got is not None:
             return got
-    top = min(pol.splits, CLUSTER_MAX_SPLITS) if key.twin else pol.splits
+    top = min(pol.splits, CLUSTER_MAX_SPLITS) if key.twin or pol.chunk < TICKET_MIN_KEYS else pol.splits
     for s in range(top, 1, -1):
         got = fits(s, s)
         if got is None:
@@ -491,6 +531,8 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
             if key.twin and s < pol.splits and (_twin_ticket_keys(pol, units, slots, sm_count)
                                                 < -(-units * s // slots) * got[0].chunk):
                 break  # the ticket over the policy's splits
+            if not key.twin and got[0].chunk >= TICKET_MIN_KEYS and not spreads(got):
+                break  # the ticket over the policy's splits, a CTA an SM
             return got
     return pol, 1, key.smem
 
