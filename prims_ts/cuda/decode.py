@@ -480,10 +480,12 @@ def launch_shape(key: "DecodeKey", pol: DecodePolicy, arch: str, tuning: Tuning,
     alone do not (keeps_cluster).
 
     - The twin MLA tile: `_twin_shape`, where it finds a launch of one wave.
-    - Otherwise the most splits up to the policy's (the twin's: up to 8) launched as one
-      cluster a row tile (decode_cluster: 2-8 splits) that keeps_cluster keeps; for the twin,
-      the ticket over the policy's splits where its `twin_ticket_cost` over its waves is below
-      that launch's chunk over its waves.
+    - Otherwise the most splits up to the policy's (the twin's, and a policy's of splits
+      shorter than TICKET_MIN_KEYS: up to 8) launched as one cluster a row tile
+      (decode_cluster: 2-8 splits) that keeps_cluster keeps; for the twin, the ticket over the
+      policy's splits where its `twin_ticket_cost` over its waves is below that launch's chunk
+      over its waves; for the other tiles, the ticket over the policy's splits where splits of
+      at least TICKET_MIN_KEYS could take an SM each and their clusters would not (`spreads`).
     - Where nothing fits, the policy's splits (the ticket merge where there are several).
     """
     slots = sm_count * _ctas_per_sm(key.smem, key.threads)
