@@ -52,8 +52,8 @@ def test_decode_policy_splits_long_single_requests():
 
 def test_decode_policy_splits_one_wave():
     """decode._split_target (benchmarks/NOTES.md, "One wave of splits", "The clusters' placement
-    and one CTA an SM"): the most splits whose CTAs take an SM each where they fill at least
-    ONE_WAVE_FILL of the SMs, else the most that fit one wave of the resident slots where they
+    and one CTA an SM"): the most splits (at least two) whose CTAs take an SM each where they
+    fill at least ONE_WAVE_FILL of the SMs, else the most that fit one wave of the resident slots where they
     fill that share of it (decode D128 rows of 16: two CTAs an SM, 264 slots on 132 SMs; MLA rows
     of 16: one, 132), else the best fill over several waves; MLA rows of 64 (the twin's) keep the
     best fill."""

@@ -72,17 +72,18 @@ def value_dim(head_dim: int) -> int:
 # slots it fills (decode B2 L65536 on an H100: 16 splits, 256 CTAs, 203 us; 33 splits, 528 CTAs,
 # 210 us), while a wave filled below it leaves some SMs with one CTA and others with two (B1
 # L131072: 192 CTAs 216 us, 264 CTAs 205; benchmarks/NOTES.md, "One wave of splits"). A CTA an
-# SM over that share of the SMs goes first: an SM's rate is its own, shared by the CTAs it holds
+# SM over that share of the SMs goes first where it gives two splits or more (B16 L32768: one
+# split a unit lost 0.2-0.3% to two): an SM's rate is its own, shared by the CTAs it holds
 # (B1 L131072: 128 CTAs 195 us, 264 CTAs 199; B8 L16384: 128 CTAs 190 us, 256 CTAs 197; "The
 # clusters' placement and one CTA an SM").
 ONE_WAVE_FILL = 0.85
 
 
 def _split_target(ctas: int, slots: int, one_wave: bool = True, sm_count: Optional[int] = None) -> int:
-    """Splits per (request, K/V head), with `one_wave`: the most (at least 2) whose CTAs take an SM
-    each where they fill at least ONE_WAVE_FILL of the `sm_count` SMs, else the most that fit one wave of
-    the resident CTA slots where they fill at least ONE_WAVE_FILL of it; otherwise those that
-    fill the slots best over any number of waves (fewest on ties)."""
+    """Splits per (request, K/V head), with `one_wave`: the most (at least 2) whose CTAs take an
+    SM each where they fill at least ONE_WAVE_FILL of the `sm_count` SMs, else the most that fit
+    one wave of the resident CTA slots where they fill at least ONE_WAVE_FILL of it; otherwise
+    those that fill the slots best over any number of waves (fewest on ties)."""
     if ctas >= slots:
         return 1
     if one_wave and sm_count and 2 * ctas <= sm_count:
